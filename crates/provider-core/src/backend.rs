@@ -1,0 +1,219 @@
+//! The seam between the contract engine and a substrate: what a backend must do for each
+//! transition, the optional Delete capability and readiness gate, and the field-shape rules
+//! every record it reports must satisfy (contract.md §9, §12, §14).
+
+use std::time::Duration;
+
+use async_trait::async_trait;
+use tokio::time::Instant;
+use tokio_util::sync::CancellationToken;
+
+use crate::inventory::Effect;
+use crate::machine::{CapacityType, Machine, MachineState, StringMap};
+
+/// The budget of one transition, handed to the backend with every call.
+#[derive(Clone, Debug)]
+pub struct TransitionContext {
+    /// The operation id, usable as a substrate idempotency key.
+    pub operation_id: String,
+    /// When the engine stops waiting and fails the transition.
+    pub deadline: Instant,
+    /// Cancelled when the deadline passes or the provider gives up on the work.
+    pub cancel: CancellationToken,
+}
+
+impl TransitionContext {
+    /// Time left before the deadline.
+    pub fn remaining(&self) -> Duration {
+        self.deadline.saturating_duration_since(Instant::now())
+    }
+
+    /// A context for work outside a transition (admin release, tests).
+    pub fn with_timeout(operation_id: impl Into<String>, timeout: Duration) -> TransitionContext {
+        TransitionContext {
+            operation_id: operation_id.into(),
+            deadline: Instant::now() + timeout,
+            cancel: CancellationToken::new(),
+        }
+    }
+}
+
+/// The opaque cluster-join blob. Never printed: Debug shows only its length.
+#[derive(Clone, Default)]
+pub struct BootstrapBlob(pub Vec<u8>);
+
+impl std::fmt::Debug for BootstrapBlob {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "BootstrapBlob([redacted; {} bytes])", self.0.len())
+    }
+}
+
+/// A Configure as the backend sees it.
+#[derive(Clone, Debug)]
+pub struct ConfigureOrder {
+    pub cluster_id: String,
+    pub blob: BootstrapBlob,
+}
+
+/// A backend failure: its text becomes the machine's `last_error`.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+#[error("{0}")]
+pub struct BackendError(pub String);
+
+impl BackendError {
+    pub fn new(message: impl Into<String>) -> BackendError {
+        BackendError(message.into())
+    }
+}
+
+impl From<String> for BackendError {
+    fn from(message: String) -> BackendError {
+        BackendError(message)
+    }
+}
+
+/// What a substrate does for the engine. Backends never see fence tokens.
+#[async_trait]
+pub trait Backend: Send + Sync + 'static {
+    /// The full inventory: every offered slot and every owned host (seeding and reconcile).
+    async fn describe(&self) -> Result<Vec<Machine>, BackendError>;
+
+    /// The slots the offerings allow, computed without any I/O. `None` means the backend has no
+    /// quota to enforce.
+    fn offered(&self) -> Option<Vec<Machine>> {
+        None
+    }
+
+    /// Speculative -> Idle: create (or find) the host. Must be idempotent on the machine id.
+    async fn create(&self, machine: &Machine, ctx: &TransitionContext) -> Result<Effect, BackendError>;
+
+    /// Idle -> Configured: deliver the blob and run the bootstrap hook.
+    async fn configure(
+        &self,
+        machine: &Machine,
+        order: &ConfigureOrder,
+        ctx: &TransitionContext,
+    ) -> Result<(), BackendError>;
+
+    /// Whether [`Backend::confirm_ready`] really observes node readiness (ADR-0056).
+    fn has_readiness_gate(&self) -> bool {
+        false
+    }
+
+    /// Runs after a successful configure, within the same deadline, while the machine stays
+    /// Configuring.
+    async fn confirm_ready(
+        &self,
+        _machine: &Machine,
+        _cluster_id: &str,
+        _ctx: &TransitionContext,
+    ) -> Result<(), BackendError> {
+        Ok(())
+    }
+
+    /// Configured -> Idle: drain the node within the grace period and drop the binding.
+    async fn drain(
+        &self,
+        machine: &Machine,
+        grace_period_seconds: i64,
+        ctx: &TransitionContext,
+    ) -> Result<(), BackendError>;
+
+    /// Whether Delete is supported at all (bare-metal free pools do not delete).
+    fn supports_delete(&self) -> bool {
+        true
+    }
+
+    /// Idle -> Speculative: delete the host. A host that is already gone is a success.
+    async fn delete(&self, machine: &Machine, ctx: &TransitionContext) -> Result<(), BackendError>;
+}
+
+/// Checks the field-shape rules of a reported record, in the reference's order, and returns the
+/// first broken rule as `<id>: <rule>`.
+pub fn validate(machine: &Machine, require_zone: bool) -> Result<(), String> {
+    let fail = |rule: &str| Err(format!("{}: {rule}", machine.id));
+    if machine.id.is_empty() {
+        return Err("id is required".into());
+    }
+    if machine.instance_type.is_empty() {
+        return fail("instance_type is required (never labels-only)");
+    }
+    if machine.capacity_type == CapacityType::Unspecified {
+        return fail("capacity_type is required");
+    }
+    if require_zone && machine.zone.is_empty() {
+        return fail("zone is required");
+    }
+    if machine.price_per_hour.is_nan() || machine.price_per_hour < 0.0 {
+        return fail("price_per_hour must be a non-negative number");
+    }
+    let p = machine.interruption_probability;
+    if p.is_nan() || !(0.0..=1.0).contains(&p) {
+        return fail("interruption_probability must be within [0,1]");
+    }
+    if machine.capacity_type == CapacityType::Spot && p <= 0.0 {
+        return fail("SPOT capacity requires interruption_probability > 0");
+    }
+    match (machine.state, machine.host.as_ref().is_some_and(|h| !h.is_empty())) {
+        (MachineState::Speculative, false) | (MachineState::Idle, true) => Ok(()),
+        (MachineState::Speculative, true) => fail("a Speculative record must not carry a host"),
+        (MachineState::Idle, false) => fail("an Idle record must carry a host"),
+        (state, _) => fail(&format!("a reported record may only be Speculative or Idle, not {state}")),
+    }
+}
+
+/// Renders `cpu`/`memory` allocatable from vCPUs and MiB: whole GiB as `<N>Gi`, else `<N>Mi`.
+pub fn allocatable_of(vcpus: u32, memory_mib: u64) -> StringMap {
+    let memory = if memory_mib % 1024 == 0 {
+        format!("{}Gi", memory_mib / 1024)
+    } else {
+        format!("{memory_mib}Mi")
+    };
+    StringMap::from([("cpu".to_owned(), vcpus.to_string()), ("memory".to_owned(), memory)])
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::machine::HostRef;
+
+    fn good() -> Machine {
+        let mut m = Machine::speculative("m-1", "cx22");
+        m.zone = "nbg1".into();
+        m
+    }
+
+    #[test]
+    fn validation_reports_the_first_broken_rule() {
+        assert_eq!(validate(&good(), true), Ok(()));
+        let cases: Vec<(Box<dyn Fn(&mut Machine)>, &str)> = vec![
+            (Box::new(|m| m.instance_type.clear()), "m-1: instance_type is required (never labels-only)"),
+            (Box::new(|m| m.capacity_type = CapacityType::Unspecified), "m-1: capacity_type is required"),
+            (Box::new(|m| m.zone.clear()), "m-1: zone is required"),
+            (Box::new(|m| m.price_per_hour = f64::NAN), "m-1: price_per_hour must be a non-negative number"),
+            (Box::new(|m| m.price_per_hour = -1.0), "m-1: price_per_hour must be a non-negative number"),
+            (Box::new(|m| m.interruption_probability = 1.5), "m-1: interruption_probability must be within [0,1]"),
+            (Box::new(|m| m.capacity_type = CapacityType::Spot), "m-1: SPOT capacity requires interruption_probability > 0"),
+            (Box::new(|m| m.host = Some(HostRef { provider: "p".into(), id: "1".into() })), "m-1: a Speculative record must not carry a host"),
+            (Box::new(|m| m.state = MachineState::Idle), "m-1: an Idle record must carry a host"),
+            (Box::new(|m| m.state = MachineState::Configured), "m-1: a reported record may only be Speculative or Idle, not Configured"),
+        ];
+        for (breaker, message) in cases {
+            let mut m = good();
+            breaker(&mut m);
+            assert_eq!(validate(&m, true), Err(message.to_owned()));
+        }
+        let mut m = good();
+        m.price_per_hour = f64::INFINITY;
+        assert_eq!(validate(&m, true), Ok(()), "+Inf passes as in the reference");
+        m.zone.clear();
+        assert_eq!(validate(&m, false), Ok(()));
+    }
+
+    #[test]
+    fn allocatable_rendering() {
+        assert_eq!(allocatable_of(2, 4096)["memory"], "4Gi");
+        assert_eq!(allocatable_of(2, 1500)["memory"], "1500Mi");
+        assert_eq!(allocatable_of(3, 1024)["cpu"], "3");
+    }
+}

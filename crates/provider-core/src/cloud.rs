@@ -1,0 +1,101 @@
+//! The per-cloud seam. A cloud crate implements [`Cloud`] twice, once over the real API and
+//! once as an in-memory fake (or uses [`crate::fake::FakeCloud`]); [`crate::fleet::Fleet`]
+//! turns either into a [`crate::Backend`] with offerings, slot ids, quota, prices and
+//! allocatable, so none of that is written twice.
+
+use std::collections::HashMap;
+
+use async_trait::async_trait;
+
+use crate::backend::{BackendError, ConfigureOrder, TransitionContext};
+use crate::machine::Machine;
+
+/// A host owned by this provider instance, as the cloud reports it.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct OwnedHost {
+    /// The cloud's host id (`HostRef.ref`), e.g. a Hetzner server id or a Droplet id.
+    pub id: String,
+    /// The machine id decoded from the host's ownership label or tag.
+    pub machine_id: String,
+    /// Server type or Droplet size.
+    pub instance_type: String,
+    /// Location or region.
+    pub zone: String,
+    pub public_ipv4: Option<String>,
+    /// The cluster binding label or tag, if set.
+    pub cluster: Option<String>,
+    /// Whether the host is running (or starting).
+    pub running: bool,
+}
+
+/// Hardware capacity of an instance type.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Capacity {
+    pub vcpus: u32,
+    pub memory_mib: u64,
+}
+
+/// What one cloud must offer. Every method that changes the cloud is idempotent on the machine
+/// id, only ever touches hosts this instance owns, and gives up at `ctx.deadline`.
+#[async_trait]
+pub trait Cloud: Send + Sync + 'static {
+    /// Creates the host for `machine` (id, instance type, zone) or finds the one a previous
+    /// attempt created (matched by its ownership labels, never by name alone), and returns once
+    /// it is running.
+    async fn create_host(
+        &self,
+        machine: &Machine,
+        ctx: &TransitionContext,
+    ) -> Result<OwnedHost, BackendError>;
+
+    /// Every host this instance owns, in its locations/region, excluding hosts being deleted.
+    /// A partial listing is an error, never a short inventory.
+    async fn list_hosts(&self) -> Result<Vec<OwnedHost>, BackendError>;
+
+    /// Delivers the bootstrap blob to the host and runs the bootstrap hook; on success records
+    /// the cluster binding on the host.
+    async fn configure_host(
+        &self,
+        machine: &Machine,
+        host_id: &str,
+        order: &ConfigureOrder,
+        ctx: &TransitionContext,
+    ) -> Result<(), BackendError>;
+
+    /// Whether [`Cloud::confirm_ready`] really observes node readiness.
+    fn has_readiness_gate(&self) -> bool {
+        false
+    }
+
+    /// After a successful configure: waits until the node is Ready in `cluster_id`.
+    async fn confirm_ready(
+        &self,
+        _machine: &Machine,
+        _host_id: &str,
+        _cluster_id: &str,
+        _ctx: &TransitionContext,
+    ) -> Result<(), BackendError> {
+        Ok(())
+    }
+
+    /// Cordons and drains the node within `grace_period_seconds`, then removes the binding.
+    async fn drain_host(
+        &self,
+        machine: &Machine,
+        host_id: &str,
+        grace_period_seconds: i64,
+        ctx: &TransitionContext,
+    ) -> Result<(), BackendError>;
+
+    /// Deletes the host; a host that is already gone is a success.
+    async fn delete_host(&self, host_id: &str, ctx: &TransitionContext) -> Result<(), BackendError>;
+
+    /// The live on-demand price of an instance type in a zone, in USD per hour.
+    async fn price_usd(&self, instance_type: &str, zone: &str) -> Result<f64, BackendError>;
+
+    /// Live capacities of the given instance types; types the cloud does not know are absent.
+    async fn capacities(
+        &self,
+        instance_types: &[String],
+    ) -> Result<HashMap<String, Capacity>, BackendError>;
+}

@@ -1,0 +1,617 @@
+//! The contract engine: it owns the inventory behind one lock, runs admission and completion,
+//! makes every acknowledged change durable before answering, and drives transitions in the
+//! background under a deadline per kind (contract.md §3, §6). Reads never wait on the disk.
+
+use std::collections::HashSet;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, RwLock, RwLockReadGuard, RwLockWriteGuard};
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+use tokio::time::Instant;
+use tokio_util::sync::CancellationToken;
+use tokio_util::task::TaskTracker;
+
+use crate::backend::{Backend, BackendError, BootstrapBlob, ConfigureOrder, TransitionContext, validate};
+use crate::duration;
+use crate::error::CoreError;
+use crate::fence::FenceToken;
+use crate::inventory::{Admission, Binding, Effect, Interrupted, Inventory, ReconcileReport};
+use crate::lifecycle::OperationKind;
+use crate::machine::{Machine, MachineState, StringMap};
+use crate::store::{Change, Commit, SharedStore, Snapshot};
+use crate::telemetry::Telemetry;
+
+/// The deadline of each transition kind.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Timeouts {
+    pub create: Duration,
+    pub configure: Duration,
+    pub drain: Duration,
+    pub delete: Duration,
+}
+
+impl Default for Timeouts {
+    /// The Hetzner and DigitalOcean defaults: 5m / 8m / 15m / 5m.
+    fn default() -> Timeouts {
+        Timeouts {
+            create: Duration::from_secs(300),
+            configure: Duration::from_secs(480),
+            drain: Duration::from_secs(900),
+            delete: Duration::from_secs(300),
+        }
+    }
+}
+
+impl Timeouts {
+    pub fn of(&self, kind: OperationKind) -> Duration {
+        match kind {
+            OperationKind::Create => self.create,
+            OperationKind::Configure => self.configure,
+            OperationKind::Drain => self.drain,
+            OperationKind::Delete => self.delete,
+        }
+    }
+}
+
+/// How the engine is set up.
+#[derive(Clone, Debug)]
+pub struct EngineOptions {
+    pub timeouts: Timeouts,
+    /// Reported records must carry a zone (Hetzner and DigitalOcean).
+    pub require_zone: bool,
+    /// Budget of the first-boot Describe and of each reconcile pass.
+    pub describe_timeout: Duration,
+    pub telemetry: Telemetry,
+}
+
+impl EngineOptions {
+    pub fn new(telemetry: Telemetry) -> EngineOptions {
+        EngineOptions {
+            timeouts: Timeouts::default(),
+            require_zone: true,
+            describe_timeout: Duration::from_secs(30),
+            telemetry,
+        }
+    }
+}
+
+/// Why the engine could not start.
+#[derive(Debug, thiserror::Error)]
+pub enum StartError {
+    #[error("providerkit: load store: {0}")]
+    Store(String),
+    #[error("providerkit: seed from backend: {0}")]
+    Seed(String),
+    #[error("providerkit: invalid machine record: {0}")]
+    InvalidRecord(String),
+}
+
+/// A List request in domain terms.
+#[derive(Clone, Debug, Default)]
+pub struct ListQuery {
+    /// Empty means every state.
+    pub states: Vec<MachineState>,
+    /// 0 or less: no cap.
+    pub max_results: i32,
+    /// The raw cursor bytes from the request.
+    pub since_revision: Vec<u8>,
+}
+
+/// The answer to a List.
+#[derive(Debug)]
+pub struct Listing {
+    pub machines: Vec<Arc<Machine>>,
+    pub revision: i64,
+}
+
+/// The answer to a mutating RPC.
+#[derive(Debug)]
+pub struct Ack {
+    pub operation_id: String,
+    pub machine: Arc<Machine>,
+    /// False for an idempotent retry (no new work).
+    pub accepted: bool,
+}
+
+/// How many machines are in each state, and how many FAILED ones still hold a host.
+#[derive(Debug, Default, Clone)]
+pub struct Census {
+    pub by_state: Vec<(&'static str, usize)>,
+    pub failed_with_host: usize,
+    pub total: usize,
+}
+
+/// The work a transition performs, with what it needs beyond the machine snapshot.
+#[derive(Debug, Clone)]
+enum Work {
+    Create,
+    Configure(ConfigureOrder),
+    Drain { grace_period_seconds: i64 },
+    Delete,
+}
+
+impl Work {
+    fn kind(&self) -> OperationKind {
+        match self {
+            Work::Create => OperationKind::Create,
+            Work::Configure(_) => OperationKind::Configure,
+            Work::Drain { .. } => OperationKind::Drain,
+            Work::Delete => OperationKind::Delete,
+        }
+    }
+}
+
+/// The contract engine shared by every RPC handler and background loop.
+pub struct Engine {
+    inventory: RwLock<Inventory>,
+    backend: Arc<dyn Backend>,
+    store: SharedStore,
+    options: EngineOptions,
+    tasks: TaskTracker,
+    accepting: AtomicBool,
+    store_failed: AtomicBool,
+    /// Cancelled when the shutdown grace runs out: in-flight work stops where it is.
+    abandon: CancellationToken,
+}
+
+impl std::fmt::Debug for Engine {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Engine").field("store", &self.store.describe()).finish_non_exhaustive()
+    }
+}
+
+fn unix_micros() -> u64 {
+    SystemTime::now().duration_since(UNIX_EPOCH).map(|d| d.as_micros() as u64).unwrap_or(1)
+}
+
+impl Engine {
+    /// Loads the store, seeds a fresh one from the backend (validating every record), or
+    /// recovers a persisted one: offered slots are added or trimmed to the quota, interrupted
+    /// Create/Drain/Delete transitions are resumed and interrupted Configures fail.
+    pub async fn start(
+        backend: Arc<dyn Backend>,
+        store: SharedStore,
+        options: EngineOptions,
+    ) -> Result<Arc<Engine>, StartError> {
+        let snapshot = store.load().map_err(|e| StartError::Store(e.0))?;
+        let fresh = snapshot.is_fresh();
+        let mut inventory = Inventory::from_snapshot(snapshot);
+        let mut changes = Vec::new();
+        let mut resume = Vec::new();
+        if fresh {
+            let described = tokio::time::timeout(options.describe_timeout, backend.describe())
+                .await
+                .map_err(|_| {
+                    StartError::Seed(format!(
+                        "backend Describe did not answer within {}",
+                        duration::format(options.describe_timeout)
+                    ))
+                })?
+                .map_err(|e| StartError::Seed(e.0))?;
+            for machine in &described {
+                validate(machine, options.require_zone).map_err(StartError::InvalidRecord)?;
+            }
+            inventory.seed(described, &mut changes).map_err(StartError::Seed)?;
+        } else {
+            inventory.invalidate_cursors(&mut changes);
+            if let Some(offered) = backend.offered() {
+                let ids: HashSet<String> = offered.iter().map(|m| m.id.clone()).collect();
+                inventory.add_missing(offered, &mut changes);
+                inventory.enforce_quota(&ids, &mut changes);
+            }
+            resume = inventory.recover_interrupted(&mut changes);
+        }
+        if !store.is_durable() {
+            // Without a durable store, ids and cursors of an earlier incarnation must not be
+            // reused: start the counters from the clock, far above anything issued before.
+            let floor = unix_micros();
+            inventory.raise_counters(floor, floor as i64);
+            inventory.invalidate_cursors(&mut changes);
+        }
+        if !changes.is_empty() {
+            store.submit(changes).wait().await.map_err(|e| StartError::Store(e.0))?;
+        }
+        let engine = Arc::new(Engine {
+            inventory: RwLock::new(inventory),
+            backend,
+            store,
+            options,
+            tasks: TaskTracker::new(),
+            accepting: AtomicBool::new(true),
+            store_failed: AtomicBool::new(false),
+            abandon: CancellationToken::new(),
+        });
+        for Interrupted { machine_id, kind, operation_id } in resume {
+            let work = match kind {
+                OperationKind::Create => Work::Create,
+                // A resumed drain has lost its grace period; the shortest the providers use.
+                OperationKind::Drain => Work::Drain { grace_period_seconds: 1 },
+                OperationKind::Delete => Work::Delete,
+                OperationKind::Configure => continue,
+            };
+            tracing::info!(machine_id, kind = kind.name(), operation_id, "resuming interrupted transition");
+            let Some(machine) = engine.read().get(&machine_id).map(|s| s.machine.clone()) else {
+                continue;
+            };
+            engine.spawn_transition(machine, operation_id, work);
+        }
+        Ok(engine)
+    }
+
+    fn read(&self) -> RwLockReadGuard<'_, Inventory> {
+        self.inventory.read().unwrap_or_else(|e| e.into_inner())
+    }
+
+    fn write(&self) -> RwLockWriteGuard<'_, Inventory> {
+        self.inventory.write().unwrap_or_else(|e| e.into_inner())
+    }
+
+    pub fn backend(&self) -> &Arc<dyn Backend> {
+        &self.backend
+    }
+
+    pub fn options(&self) -> &EngineOptions {
+        &self.options
+    }
+
+    /// Commits a batch submitted under the lock and records the commit metrics. A failed commit
+    /// poisons the engine: nothing more is acknowledged until an operator restarts it.
+    async fn commit(&self, commit: Commit) -> Result<(), CoreError> {
+        let started = std::time::Instant::now();
+        let result = commit.wait().await;
+        self.options.telemetry.store_commit(started.elapsed(), result.is_ok());
+        result.map_err(|e| {
+            if !self.store_failed.swap(true, Ordering::SeqCst) {
+                tracing::error!(error = %e, "state store commit failed; refusing further mutations until restart");
+            }
+            CoreError::Store(e.0)
+        })
+    }
+
+    /// Applies `f` under the write lock and submits its changes in order.
+    fn apply<T>(&self, f: impl FnOnce(&mut Inventory, &mut Vec<Change>) -> T) -> (T, Option<Commit>) {
+        let mut inventory = self.write();
+        let mut changes = Vec::new();
+        let value = f(&mut inventory, &mut changes);
+        let commit = (!changes.is_empty()).then(|| self.store.submit(changes));
+        (value, commit)
+    }
+
+    async fn mutate(
+        self: &Arc<Self>,
+        machine_id: &str,
+        token: FenceToken,
+        binding: Option<Binding>,
+        work: Work,
+    ) -> Result<Ack, CoreError> {
+        if machine_id.is_empty() {
+            return Err(CoreError::MissingId("machine_id"));
+        }
+        if matches!(work, Work::Delete) && !self.backend.supports_delete() {
+            return Err(CoreError::DeleteUnsupported);
+        }
+        if !self.accepting.load(Ordering::SeqCst) {
+            return Err(CoreError::ShuttingDown);
+        }
+        if self.store_failed.load(Ordering::SeqCst) {
+            return Err(CoreError::Store("an earlier commit failed; restart the provider".into()));
+        }
+        let kind = work.kind();
+        let (admission, commit) =
+            self.apply(|inv, changes| inv.admit(kind, machine_id, &token, binding, changes));
+        // A passing token advanced the mark even when the request then fails: make it durable.
+        if let Some(commit) = commit {
+            self.commit(commit).await?;
+        }
+        match admission? {
+            Admission::Retry { operation_id, machine } => {
+                Ok(Ack { operation_id, machine, accepted: false })
+            }
+            Admission::Accepted { operation_id, machine } => {
+                self.spawn_transition(machine.clone(), operation_id.clone(), work);
+                Ok(Ack { operation_id, machine, accepted: true })
+            }
+        }
+    }
+
+    pub async fn create(self: &Arc<Self>, machine_id: &str, token: FenceToken) -> Result<Ack, CoreError> {
+        self.mutate(machine_id, token, None, Work::Create).await
+    }
+
+    pub async fn configure(
+        self: &Arc<Self>,
+        machine_id: &str,
+        cluster_id: String,
+        blob: Vec<u8>,
+        shard_metadata: StringMap,
+        token: FenceToken,
+    ) -> Result<Ack, CoreError> {
+        let binding = Binding { cluster: cluster_id.clone(), shard_metadata };
+        let order = ConfigureOrder { cluster_id, blob: BootstrapBlob(blob) };
+        self.mutate(machine_id, token, Some(binding), Work::Configure(order)).await
+    }
+
+    pub async fn drain(
+        self: &Arc<Self>,
+        machine_id: &str,
+        grace_period_seconds: i64,
+        token: FenceToken,
+    ) -> Result<Ack, CoreError> {
+        self.mutate(machine_id, token, None, Work::Drain { grace_period_seconds }).await
+    }
+
+    pub async fn delete(self: &Arc<Self>, machine_id: &str, token: FenceToken) -> Result<Ack, CoreError> {
+        self.mutate(machine_id, token, None, Work::Delete).await
+    }
+
+    pub fn get(&self, id: &str) -> Result<Arc<Machine>, CoreError> {
+        if id.is_empty() {
+            return Err(CoreError::MissingId("id"));
+        }
+        self.read()
+            .get(id)
+            .map(|slot| slot.machine.clone())
+            .ok_or_else(|| CoreError::GetNotFound(id.to_owned()))
+    }
+
+    /// List with a state filter, a cap and a `since_revision` cursor (contract.md §8). A cursor
+    /// that does not parse, or that is ahead of the head (another incarnation), is no cursor.
+    pub fn list(&self, query: &ListQuery) -> Listing {
+        let cursor = std::str::from_utf8(&query.since_revision)
+            .ok()
+            .filter(|s| !s.is_empty())
+            .and_then(|s| s.parse::<i64>().ok());
+        let cap = usize::try_from(query.max_results).ok().filter(|n| *n > 0).unwrap_or(usize::MAX);
+        let mut wanted = [false; 9];
+        for s in &query.states {
+            wanted[s.wire() as usize] = true;
+        }
+        let any_state = query.states.is_empty();
+        let inventory = self.read();
+        let head = inventory.revision();
+        let since = cursor.filter(|c| *c <= head);
+        let mut machines = Vec::with_capacity(if cap == usize::MAX { inventory.len() } else { cap.min(inventory.len()) });
+        for slot in inventory.slots() {
+            if machines.len() >= cap {
+                break;
+            }
+            if let Some(since) = since {
+                if slot.last_change <= since {
+                    continue;
+                }
+            }
+            if !any_state && !wanted[slot.machine.state.wire() as usize] {
+                continue;
+            }
+            machines.push(slot.machine.clone());
+        }
+        Listing { machines, revision: head }
+    }
+
+    /// Machines by state, for metrics.
+    pub fn census(&self) -> Census {
+        let inventory = self.read();
+        let mut counts = [0usize; 9];
+        let mut failed_with_host = 0;
+        for slot in inventory.slots() {
+            counts[slot.machine.state.wire() as usize] += 1;
+            if slot.machine.state == MachineState::Failed && slot.machine.host.is_some() {
+                failed_with_host += 1;
+            }
+        }
+        Census {
+            by_state: MachineState::ALL[1..]
+                .iter()
+                .map(|s| (s.name(), counts[s.wire() as usize]))
+                .collect(),
+            failed_with_host,
+            total: inventory.len(),
+        }
+    }
+
+    /// FAILED machines, for the admin interface.
+    pub fn failed(&self) -> Vec<Arc<Machine>> {
+        self.read()
+            .slots()
+            .filter(|s| s.machine.state == MachineState::Failed)
+            .map(|s| s.machine.clone())
+            .collect()
+    }
+
+    /// The whole state (for `state export` of a running provider and tests).
+    pub fn snapshot(&self) -> Snapshot {
+        self.read().snapshot()
+    }
+
+    /// One reconcile pass: Describe, validate (skipping invalid records), merge.
+    pub async fn reconcile(&self) -> Result<ReconcileReport, CoreError> {
+        let described = tokio::time::timeout(self.options.describe_timeout, self.backend.describe())
+            .await
+            .map_err(|_| CoreError::Admin("reconcile: backend Describe timed out".into()))?
+            .map_err(|e| CoreError::Admin(format!("reconcile: {e}")))?;
+        let mut valid = Vec::with_capacity(described.len());
+        for machine in described {
+            match validate(&machine, self.options.require_zone) {
+                Ok(()) => valid.push(machine),
+                Err(reason) => {
+                    tracing::warn!(reason, "providerkit: reconcile skipping invalid instance")
+                }
+            }
+        }
+        let offered: Option<HashSet<String>> =
+            self.backend.offered().map(|o| o.into_iter().map(|m| m.id).collect());
+        let (report, commit) = self.apply(|inv, changes| inv.reconcile(valid, offered.as_ref(), changes));
+        if let Some(commit) = commit {
+            self.commit(commit).await?;
+        }
+        Ok(report)
+    }
+
+    /// Releases a FAILED slot: deletes its host through the backend if it has one, then returns
+    /// it to Speculative.
+    pub async fn release(&self, machine_id: &str) -> Result<(), CoreError> {
+        let machine = {
+            let inventory = self.read();
+            let slot = inventory
+                .get(machine_id)
+                .ok_or_else(|| CoreError::UnknownMachine(machine_id.to_owned()))?;
+            if slot.machine.state != MachineState::Failed {
+                return Err(CoreError::Admin(format!(
+                    "machine {machine_id} is {}, not Failed; only FAILED slots can be released",
+                    slot.machine.state
+                )));
+            }
+            slot.machine.clone()
+        };
+        if machine.host.is_some() {
+            let ctx = TransitionContext::with_timeout(
+                format!("release-{}", unix_micros()),
+                self.options.timeouts.delete,
+            );
+            let outcome = tokio::time::timeout(ctx.remaining(), self.backend.delete(&machine, &ctx))
+                .await
+                .unwrap_or_else(|_| Err(BackendError::new("delete timed out")));
+            outcome.map_err(|e| CoreError::Admin(format!("release {machine_id}: delete host: {e}")))?;
+        }
+        let (result, commit) = self.apply(|inv, changes| inv.release(machine_id, changes));
+        if let Some(commit) = commit {
+            self.commit(commit).await?;
+        }
+        result
+    }
+
+    fn spawn_transition(self: &Arc<Self>, machine: Arc<Machine>, operation_id: String, work: Work) {
+        let engine = self.clone();
+        let kind = work.kind();
+        let timeout = self.options.timeouts.of(kind);
+        let ctx = TransitionContext {
+            operation_id: operation_id.clone(),
+            deadline: Instant::now() + timeout,
+            cancel: self.abandon.child_token(),
+        };
+        let machine_id = machine.id.clone();
+        self.tasks.spawn(async move {
+            let started = std::time::Instant::now();
+            let backend = engine.backend.clone();
+            let task_ctx = ctx.clone();
+            // The backend runs in its own task so a backend that ignores cancellation can still
+            // finish late; its late result is then discarded as stale.
+            let mut handle = tokio::spawn(async move { run_backend(&*backend, &machine, &task_ctx, work).await });
+            let outcome = tokio::select! {
+                joined = &mut handle => match joined {
+                    Ok(result) => result.map_err(|e| e.0),
+                    Err(_) => Err(format!("{kind} transition aborted: the backend panicked")),
+                },
+                _ = tokio::time::sleep_until(ctx.deadline) => {
+                    ctx.cancel.cancel();
+                    Err(format!(
+                        "{kind} transition timed out after {}: context deadline exceeded",
+                        duration::format(timeout)
+                    ))
+                },
+                _ = engine.abandon.cancelled() => {
+                    // Shutdown grace ran out: leave the slot transitional in the store so the
+                    // next start resumes (or fails) it.
+                    return;
+                }
+            };
+            let timed_out = !handle.is_finished();
+            let ok = outcome.is_ok();
+            if let Err(message) = &outcome {
+                tracing::warn!(machine_id, kind = kind.name(), operation_id, error = %message, "providerkit: transition failed");
+            }
+            engine.options.telemetry.transition(
+                kind.name(),
+                if ok { "success" } else if timed_out { "timeout" } else { "error" },
+                started.elapsed(),
+            );
+            engine.finish(&machine_id, kind, &operation_id, outcome).await;
+            if timed_out {
+                // Let a late result arrive and be discarded by the stale check.
+                let late_engine = engine.clone();
+                let op = operation_id.clone();
+                tokio::spawn(async move {
+                    if let Ok(Ok(effect)) = handle.await {
+                        late_engine.finish(&machine_id, kind, &op, Ok(effect)).await;
+                    }
+                });
+            }
+        });
+    }
+
+    async fn finish(
+        &self,
+        machine_id: &str,
+        kind: OperationKind,
+        operation_id: &str,
+        outcome: Result<Effect, String>,
+    ) {
+        let (applied, commit) =
+            self.apply(|inv, changes| inv.complete(machine_id, kind, operation_id, outcome, changes));
+        if !applied {
+            tracing::debug!(machine_id, kind = kind.name(), operation_id, "discarded stale completion");
+        }
+        if let Some(commit) = commit {
+            let _ = self.commit(commit).await;
+        }
+    }
+
+    /// Graceful shutdown: refuse new mutations, wait up to `grace` for in-flight transitions,
+    /// then stop waiting (unfinished ones stay transitional and are resumed on the next start)
+    /// and flush the store.
+    pub async fn shutdown(&self, grace: Duration) -> usize {
+        self.accepting.store(false, Ordering::SeqCst);
+        self.tasks.close();
+        let unfinished = if tokio::time::timeout(grace, self.tasks.wait()).await.is_err() {
+            let n = self.tasks.len();
+            self.abandon.cancel();
+            self.tasks.wait().await;
+            n
+        } else {
+            0
+        };
+        if let Err(e) = self.store.flush().wait().await {
+            tracing::error!(error = %e, "state store flush failed at shutdown");
+        }
+        unfinished
+    }
+
+    /// Whether mutations are still accepted.
+    pub fn is_accepting(&self) -> bool {
+        self.accepting.load(Ordering::SeqCst)
+    }
+
+    /// In-flight transitions.
+    pub fn in_flight(&self) -> usize {
+        self.tasks.len()
+    }
+}
+
+async fn run_backend(
+    backend: &dyn Backend,
+    machine: &Machine,
+    ctx: &TransitionContext,
+    work: Work,
+) -> Result<Effect, BackendError> {
+    match work {
+        Work::Create => {
+            let effect = backend.create(machine, ctx).await?;
+            match &effect.host {
+                Some(host) if !host.is_empty() => Ok(effect),
+                _ => Err(BackendError::new("CreateInstance returned no host for a created machine")),
+            }
+        }
+        Work::Configure(order) => {
+            backend.configure(machine, &order, ctx).await?;
+            backend
+                .confirm_ready(machine, &order.cluster_id, ctx)
+                .await
+                .map_err(|e| BackendError(format!("node readiness: {e}")))?;
+            Ok(Effect::default())
+        }
+        Work::Drain { grace_period_seconds } => {
+            backend.drain(machine, grace_period_seconds, ctx).await.map(|()| Effect::default())
+        }
+        Work::Delete => backend.delete(machine, ctx).await.map(|()| Effect::default()),
+    }
+}

@@ -1,0 +1,542 @@
+//! The provider's state and every rule that changes it: admission of a mutation (fence, not
+//! found, idempotent retry, position, accept), completion of a transition, seeding, reconcile,
+//! restart recovery and admin release. Synchronous and free of I/O: each change is also
+//! emitted as a [`Change`] for the store, so memory and disk cannot drift apart.
+
+use std::collections::{BTreeMap, HashMap, HashSet};
+use std::sync::Arc;
+
+use crate::error::CoreError;
+use crate::fence::{self, FenceDecision, FenceToken, HighWaterMark};
+use crate::lifecycle::OperationKind;
+use crate::machine::{HostRef, Machine, MachineState, StringMap};
+use crate::store::{Change, FenceRecord, Snapshot};
+
+/// Operation ids are `<prefix>-<n>`; the reference uses the prefix `op`.
+pub const OPERATION_PREFIX: &str = "op";
+
+/// One machine slot with its bookkeeping.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Slot {
+    pub machine: Arc<Machine>,
+    /// The revision of the slot's last change (List cursors compare against it).
+    pub last_change: i64,
+    /// The operation id recorded per kind (idempotency), indexed by [`OperationKind::index`].
+    pub operations: [Option<String>; 4],
+}
+
+impl Slot {
+    pub fn operation(&self, kind: OperationKind) -> Option<&str> {
+        self.operations[kind.index()].as_deref()
+    }
+}
+
+/// The binding a Configure applies at acceptance.
+#[derive(Clone, Debug, Default)]
+pub struct Binding {
+    pub cluster: String,
+    pub shard_metadata: StringMap,
+}
+
+/// What admission decided.
+#[derive(Debug)]
+pub enum Admission {
+    /// New work was accepted under a fresh operation id; the snapshot shows the transitional
+    /// state.
+    Accepted { operation_id: String, machine: Arc<Machine> },
+    /// A retry of the recorded operation: no new work, the current snapshot.
+    Retry { operation_id: String, machine: Arc<Machine> },
+}
+
+/// What a finished transition did to the substrate.
+#[derive(Clone, Debug, Default)]
+pub struct Effect {
+    /// Create: the new host.
+    pub host: Option<HostRef>,
+    /// Create: replaces the slot's resources when non-empty.
+    pub resources: StringMap,
+    /// Create: replaces the slot's allocatable when non-empty.
+    pub allocatable: StringMap,
+}
+
+/// A transitional slot found at startup: resumed, or failed because it cannot be re-driven.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Interrupted {
+    pub machine_id: String,
+    pub kind: OperationKind,
+    pub operation_id: String,
+}
+
+/// What a reconcile pass changed.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct ReconcileReport {
+    pub added: usize,
+    pub refreshed: usize,
+    pub removed: usize,
+    pub adopted: usize,
+    pub vanished: usize,
+}
+
+impl ReconcileReport {
+    pub fn changed(&self) -> bool {
+        self.added + self.refreshed + self.removed + self.adopted + self.vanished > 0
+    }
+}
+
+/// The whole mutable state of a provider.
+#[derive(Debug, Default)]
+pub struct Inventory {
+    slots: BTreeMap<String, Slot>,
+    fences: HashMap<String, HashMap<String, HighWaterMark>>,
+    revision: i64,
+    next_op: u64,
+}
+
+impl Inventory {
+    /// Rebuilds the state from a snapshot.
+    pub fn from_snapshot(snapshot: Snapshot) -> Inventory {
+        let mut inventory = Inventory {
+            revision: snapshot.revision,
+            next_op: snapshot.next_op,
+            ..Inventory::default()
+        };
+        for slot in snapshot.slots {
+            inventory.slots.insert(slot.machine.id.clone(), slot);
+        }
+        for f in snapshot.fences {
+            inventory.fences.entry(f.shard_id).or_default().insert(f.machine_id, f.mark);
+        }
+        inventory
+    }
+
+    /// The whole state, for export and compaction.
+    pub fn snapshot(&self) -> Snapshot {
+        Snapshot {
+            slots: self.slots.values().cloned().collect(),
+            fences: self
+                .fences
+                .iter()
+                .flat_map(|(shard, marks)| {
+                    marks.iter().map(move |(machine, mark)| FenceRecord {
+                        shard_id: shard.clone(),
+                        machine_id: machine.clone(),
+                        mark: *mark,
+                    })
+                })
+                .collect(),
+            revision: self.revision,
+            next_op: self.next_op,
+        }
+    }
+
+    pub fn revision(&self) -> i64 {
+        self.revision
+    }
+
+    pub fn len(&self) -> usize {
+        self.slots.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.slots.is_empty()
+    }
+
+    pub fn get(&self, id: &str) -> Option<&Slot> {
+        self.slots.get(id)
+    }
+
+    pub fn slots(&self) -> impl Iterator<Item = &Slot> {
+        self.slots.values()
+    }
+
+    pub fn fence_mark(&self, shard_id: &str, machine_id: &str) -> Option<HighWaterMark> {
+        self.fences.get(shard_id).and_then(|m| m.get(machine_id)).copied()
+    }
+
+    /// Makes the operation counter start no lower than `floor` (ids never repeat, also across
+    /// restarts of an in-memory provider) and the revision head no lower than `revision_floor`.
+    pub fn raise_counters(&mut self, op_floor: u64, revision_floor: i64) {
+        self.next_op = self.next_op.max(op_floor).max(1);
+        self.revision = self.revision.max(revision_floor);
+    }
+
+    /// Marks every slot as changed at a fresh head, so that a List cursor issued before this
+    /// point yields a full list instead of a delta that could miss changes.
+    pub fn invalidate_cursors(&mut self, changes: &mut Vec<Change>) {
+        self.revision += 1;
+        for slot in self.slots.values_mut() {
+            slot.last_change = self.revision;
+        }
+        // The store is told about the new head only; the per-slot marks are re-derived on load.
+        changes.push(self.counters());
+    }
+
+    fn counters(&self) -> Change {
+        Change::Counters { revision: self.revision, next_op: self.next_op }
+    }
+
+    fn touch(&mut self, id: &str, changes: &mut Vec<Change>) {
+        self.revision += 1;
+        let revision = self.revision;
+        if let Some(slot) = self.slots.get_mut(id) {
+            slot.last_change = revision;
+            changes.push(Change::PutSlot(slot.clone()));
+        }
+    }
+
+    fn mint_operation(&mut self) -> String {
+        let n = self.next_op.max(1);
+        self.next_op = n + 1;
+        format!("{OPERATION_PREFIX}-{n}")
+    }
+
+    /// Steps 1 to 5 of every mutating RPC (contract.md §3), in their fixed order.
+    pub fn admit(
+        &mut self,
+        kind: OperationKind,
+        machine_id: &str,
+        token: &FenceToken,
+        binding: Option<Binding>,
+        changes: &mut Vec<Change>,
+    ) -> Result<Admission, CoreError> {
+        // 1. Fence, before anything else. A passing token advances the mark whatever follows.
+        match fence::check(self.fence_mark(&token.shard_id, machine_id), token) {
+            FenceDecision::Bypass => {}
+            FenceDecision::Reject { mark } => {
+                return Err(CoreError::Fenced {
+                    token: token.clone(),
+                    machine_id: machine_id.to_owned(),
+                    mark,
+                });
+            }
+            FenceDecision::Advance(mark) => {
+                self.fences
+                    .entry(token.shard_id.clone())
+                    .or_default()
+                    .insert(machine_id.to_owned(), mark);
+                changes.push(Change::PutFence {
+                    shard_id: token.shard_id.clone(),
+                    machine_id: machine_id.to_owned(),
+                    mark,
+                });
+            }
+        }
+        // 2. Not found.
+        let Some(slot) = self.slots.get(machine_id) else {
+            return Err(CoreError::UnknownMachine(machine_id.to_owned()));
+        };
+        let state = slot.machine.state;
+        // 3. Idempotent retry of the recorded operation.
+        if let Some(operation_id) = slot.operation(kind) {
+            if kind.is_retry_position(state) {
+                return Ok(Admission::Retry {
+                    operation_id: operation_id.to_owned(),
+                    machine: slot.machine.clone(),
+                });
+            }
+        }
+        // 4. Position.
+        if !kind.can_start(state) {
+            return Err(CoreError::InvalidTransition { kind, state });
+        }
+        // 5. Accept.
+        let operation_id = self.mint_operation();
+        let slot = self.slots.get_mut(machine_id).expect("slot checked above");
+        slot.operations[kind.index()] = Some(operation_id.clone());
+        let machine = Arc::make_mut(&mut slot.machine);
+        machine.state = kind.transitional();
+        if let Some(binding) = binding {
+            machine.cluster = binding.cluster;
+            machine.shard_metadata = binding.shard_metadata;
+        }
+        self.touch(machine_id, changes);
+        changes.push(self.counters());
+        let machine = self.slots[machine_id].machine.clone();
+        Ok(Admission::Accepted { operation_id, machine })
+    }
+
+    /// Applies the outcome of a transition, unless it is stale: the machine must still exist,
+    /// still be in the kind's transitional state and still carry this operation id. Returns
+    /// whether it was applied.
+    pub fn complete(
+        &mut self,
+        machine_id: &str,
+        kind: OperationKind,
+        operation_id: &str,
+        outcome: Result<Effect, String>,
+        changes: &mut Vec<Change>,
+    ) -> bool {
+        let Some(slot) = self.slots.get_mut(machine_id) else {
+            return false;
+        };
+        if slot.machine.state != kind.transitional() || slot.operation(kind) != Some(operation_id)
+        {
+            return false;
+        }
+        let machine = Arc::make_mut(&mut slot.machine);
+        match outcome {
+            Ok(effect) => {
+                machine.state = kind.target();
+                match kind {
+                    OperationKind::Create => {
+                        machine.host = effect.host;
+                        if !effect.resources.is_empty() {
+                            machine.resources = effect.resources;
+                        }
+                        if !effect.allocatable.is_empty() {
+                            machine.allocatable = effect.allocatable;
+                        }
+                    }
+                    OperationKind::Configure => {}
+                    OperationKind::Drain => {
+                        machine.cluster.clear();
+                        machine.shard_metadata.clear();
+                    }
+                    OperationKind::Delete => machine.host = None,
+                }
+            }
+            Err(message) => {
+                machine.state = MachineState::Failed;
+                machine.last_error = message;
+            }
+        }
+        self.touch(machine_id, changes);
+        changes.push(self.counters());
+        true
+    }
+
+    /// Adds the records of a first seed. Duplicates are rejected before anything changes.
+    pub fn seed(&mut self, machines: Vec<Machine>, changes: &mut Vec<Change>) -> Result<(), String> {
+        let mut seen = HashSet::new();
+        for m in &machines {
+            if !seen.insert(m.id.as_str()) || self.slots.contains_key(&m.id) {
+                return Err(format!("backend Describe returned duplicate id {}", fence::go_quote(&m.id)));
+            }
+        }
+        for machine in machines {
+            self.insert_new(machine, changes);
+        }
+        changes.push(self.counters());
+        Ok(())
+    }
+
+    fn insert_new(&mut self, machine: Machine, changes: &mut Vec<Change>) {
+        let id = machine.id.clone();
+        self.slots.insert(
+            id.clone(),
+            Slot { machine: Arc::new(machine), last_change: 0, operations: Default::default() },
+        );
+        self.touch(&id, changes);
+    }
+
+    /// Turns transitional slots found at startup into work to resume or into FAILED.
+    /// Create, Drain and Delete are resumed under their original operation id; Configure cannot
+    /// be, because its bootstrap blob is never persisted.
+    pub fn recover_interrupted(&mut self, changes: &mut Vec<Change>) -> Vec<Interrupted> {
+        let mut resumable = Vec::new();
+        let mut failed = Vec::new();
+        for slot in self.slots.values() {
+            let Some(kind) = OperationKind::of_transitional(slot.machine.state) else { continue };
+            match (kind, slot.operation(kind)) {
+                (OperationKind::Configure, _) | (_, None) => failed.push((slot.machine.id.clone(), kind)),
+                (_, Some(op)) => resumable.push(Interrupted {
+                    machine_id: slot.machine.id.clone(),
+                    kind,
+                    operation_id: op.to_owned(),
+                }),
+            }
+        }
+        for (id, kind) in failed {
+            let slot = self.slots.get_mut(&id).expect("collected above");
+            let machine = Arc::make_mut(&mut slot.machine);
+            machine.state = MachineState::Failed;
+            machine.last_error = if kind == OperationKind::Configure {
+                "configure transition interrupted by a provider restart; the bootstrap blob is never \
+                 persisted, so it cannot be re-driven: release the slot (admin failed release) and \
+                 configure another machine"
+                    .to_owned()
+            } else {
+                format!("{kind} transition interrupted by a provider restart; needs re-drive")
+            };
+            self.touch(&id, changes);
+        }
+        if !changes.is_empty() {
+            changes.push(self.counters());
+        }
+        resumable
+    }
+
+    /// Merges a fresh view of the substrate (contract.md §9, improved by beyond.md §5).
+    ///
+    /// - unknown ids are added;
+    /// - known ids get their mutable substrate facts refreshed;
+    /// - a Speculative slot whose host exists is adopted (Idle with that host);
+    /// - an Idle slot whose host vanished returns to Speculative; a Configured one goes FAILED;
+    /// - with `offered` set (offerings are a hard quota), Speculative slots without a host that
+    ///   are no longer offered are removed.
+    ///
+    /// Transitional and FAILED slots keep their state. The revision moves only on real changes.
+    pub fn reconcile(
+        &mut self,
+        described: Vec<Machine>,
+        offered: Option<&HashSet<String>>,
+        changes: &mut Vec<Change>,
+    ) -> ReconcileReport {
+        let mut report = ReconcileReport::default();
+        let mut seen = HashSet::with_capacity(described.len());
+        for fresh in described {
+            seen.insert(fresh.id.clone());
+            let Some(slot) = self.slots.get(&fresh.id) else {
+                self.insert_new(fresh, &mut *changes);
+                report.added += 1;
+                continue;
+            };
+            let current = &slot.machine;
+            let mut next = (**current).clone();
+            let refreshed = next.price_per_hour.to_bits() != fresh.price_per_hour.to_bits()
+                || next.interruption_probability.to_bits()
+                    != fresh.interruption_probability.to_bits()
+                || next.resources != fresh.resources
+                || next.allocatable != fresh.allocatable
+                || next.labels != fresh.labels;
+            if refreshed {
+                next.price_per_hour = fresh.price_per_hour;
+                next.interruption_probability = fresh.interruption_probability;
+                next.resources = fresh.resources.clone();
+                next.allocatable = fresh.allocatable.clone();
+                next.labels = fresh.labels.clone();
+            }
+            let mut adopted = false;
+            let mut vanished = false;
+            match (current.state, &current.host, &fresh.host) {
+                (MachineState::Speculative, None, Some(host)) => {
+                    next.state = MachineState::Idle;
+                    next.host = Some(host.clone());
+                    adopted = true;
+                }
+                (MachineState::Idle, Some(_), None) => {
+                    next.state = MachineState::Speculative;
+                    next.host = None;
+                    vanished = true;
+                }
+                (MachineState::Configured, Some(host), None) => {
+                    next.state = MachineState::Failed;
+                    next.last_error = host_vanished_message(host);
+                    vanished = true;
+                }
+                _ => {}
+            }
+            if refreshed || adopted || vanished {
+                report.refreshed += usize::from(refreshed);
+                report.adopted += usize::from(adopted);
+                report.vanished += usize::from(vanished);
+                let id = fresh.id.clone();
+                self.slots.get_mut(&id).expect("present").machine = Arc::new(next);
+                self.touch(&id, changes);
+            }
+        }
+        // Slots the substrate no longer reports.
+        let absent: Vec<String> =
+            self.slots.keys().filter(|id| !seen.contains(*id)).cloned().collect();
+        for id in absent {
+            let slot = &self.slots[&id];
+            let (state, host) = (slot.machine.state, slot.machine.host.clone());
+            match (state, host) {
+                (MachineState::Idle, Some(_)) => {
+                    let m = Arc::make_mut(&mut self.slots.get_mut(&id).expect("present").machine);
+                    m.state = MachineState::Speculative;
+                    m.host = None;
+                    report.vanished += 1;
+                    self.touch(&id, changes);
+                }
+                (MachineState::Configured, Some(host)) => {
+                    let m = Arc::make_mut(&mut self.slots.get_mut(&id).expect("present").machine);
+                    m.state = MachineState::Failed;
+                    m.last_error = host_vanished_message(&host);
+                    report.vanished += 1;
+                    self.touch(&id, changes);
+                }
+                _ => {}
+            }
+        }
+        if let Some(offered) = offered {
+            report.removed += self.enforce_quota(offered, changes);
+        }
+        if report.changed() {
+            changes.push(self.counters());
+        }
+        report
+    }
+
+    /// Removes Speculative slots without a host that are not offered any more. Returns how
+    /// many were removed; bumps the revision once if any were.
+    pub fn enforce_quota(&mut self, offered: &HashSet<String>, changes: &mut Vec<Change>) -> usize {
+        let doomed: Vec<String> = self
+            .slots
+            .values()
+            .filter(|s| {
+                s.machine.state == MachineState::Speculative
+                    && s.machine.host.is_none()
+                    && !offered.contains(&s.machine.id)
+            })
+            .map(|s| s.machine.id.clone())
+            .collect();
+        for id in &doomed {
+            self.slots.remove(id);
+            changes.push(Change::RemoveSlot(id.clone()));
+        }
+        if !doomed.is_empty() {
+            self.revision += 1;
+            changes.push(self.counters());
+        }
+        doomed.len()
+    }
+
+    /// Adds offered slots the state does not know yet (startup with a persisted store).
+    pub fn add_missing(&mut self, offered: Vec<Machine>, changes: &mut Vec<Change>) -> usize {
+        let mut added = 0;
+        for machine in offered {
+            if !self.slots.contains_key(&machine.id) {
+                self.insert_new(machine, changes);
+                added += 1;
+            }
+        }
+        if added > 0 {
+            changes.push(self.counters());
+        }
+        added
+    }
+
+    /// Returns a FAILED slot to Speculative after its host (if any) was deleted.
+    pub fn release(&mut self, machine_id: &str, changes: &mut Vec<Change>) -> Result<(), CoreError> {
+        let slot = self
+            .slots
+            .get_mut(machine_id)
+            .ok_or_else(|| CoreError::UnknownMachine(machine_id.to_owned()))?;
+        if slot.machine.state != MachineState::Failed {
+            return Err(CoreError::Admin(format!(
+                "machine {machine_id} is {}, not Failed; only FAILED slots can be released",
+                slot.machine.state
+            )));
+        }
+        let m = Arc::make_mut(&mut slot.machine);
+        m.state = MachineState::Speculative;
+        m.host = None;
+        m.last_error.clear();
+        m.cluster.clear();
+        m.shard_metadata.clear();
+        self.touch(machine_id, changes);
+        changes.push(self.counters());
+        Ok(())
+    }
+}
+
+fn host_vanished_message(host: &HostRef) -> String {
+    format!(
+        "host {} was deleted outside the provider while the machine was Configured",
+        host.id
+    )
+}
+
+#[cfg(test)]
+mod tests;

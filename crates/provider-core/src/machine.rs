@@ -1,0 +1,182 @@
+//! The domain model of a machine slot: its state, capacity type, host and cluster binding.
+//! Plain data with no I/O; `server` converts it to and from the wire types.
+
+use std::collections::BTreeMap;
+use std::fmt;
+
+/// The lifecycle state of a machine (contract.md §2).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum MachineState {
+    Unspecified,
+    Speculative,
+    Creating,
+    Idle,
+    Configuring,
+    Configured,
+    Draining,
+    Deleting,
+    Failed,
+}
+
+impl MachineState {
+    /// Every state, in wire-number order.
+    pub const ALL: [MachineState; 9] = [
+        MachineState::Unspecified,
+        MachineState::Speculative,
+        MachineState::Creating,
+        MachineState::Idle,
+        MachineState::Configuring,
+        MachineState::Configured,
+        MachineState::Draining,
+        MachineState::Deleting,
+        MachineState::Failed,
+    ];
+
+    /// The name used in error messages and in the reference state file.
+    pub fn name(self) -> &'static str {
+        match self {
+            MachineState::Unspecified => "Unspecified",
+            MachineState::Speculative => "Speculative",
+            MachineState::Creating => "Creating",
+            MachineState::Idle => "Idle",
+            MachineState::Configuring => "Configuring",
+            MachineState::Configured => "Configured",
+            MachineState::Draining => "Draining",
+            MachineState::Deleting => "Deleting",
+            MachineState::Failed => "Failed",
+        }
+    }
+
+    /// Parses a state name as the reference state file writes it.
+    pub fn from_name(name: &str) -> Option<MachineState> {
+        MachineState::ALL.into_iter().find(|s| s.name() == name)
+    }
+
+    /// True for Creating, Configuring, Draining and Deleting.
+    pub fn is_transitional(self) -> bool {
+        matches!(
+            self,
+            MachineState::Creating
+                | MachineState::Configuring
+                | MachineState::Draining
+                | MachineState::Deleting
+        )
+    }
+
+    /// The wire number of `bigfleet.v1alpha1.MachineState`.
+    pub fn wire(self) -> i32 {
+        self as i32
+    }
+
+    /// The state for a wire number; unknown numbers are `None`.
+    pub fn from_wire(number: i32) -> Option<MachineState> {
+        usize::try_from(number).ok().and_then(|i| MachineState::ALL.get(i).copied())
+    }
+}
+
+impl fmt::Display for MachineState {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+/// How the capacity is bought (contract.md §1.2).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum CapacityType {
+    Unspecified,
+    BareMetal,
+    Reserved,
+    OnDemand,
+    Spot,
+}
+
+impl CapacityType {
+    const ALL: [CapacityType; 5] = [
+        CapacityType::Unspecified,
+        CapacityType::BareMetal,
+        CapacityType::Reserved,
+        CapacityType::OnDemand,
+        CapacityType::Spot,
+    ];
+
+    /// The name used in slot ids and the reference state file.
+    pub fn name(self) -> &'static str {
+        match self {
+            CapacityType::Unspecified => "Unspecified",
+            CapacityType::BareMetal => "BareMetal",
+            CapacityType::Reserved => "Reserved",
+            CapacityType::OnDemand => "OnDemand",
+            CapacityType::Spot => "Spot",
+        }
+    }
+
+    pub fn from_name(name: &str) -> Option<CapacityType> {
+        CapacityType::ALL.into_iter().find(|c| c.name() == name)
+    }
+
+    pub fn wire(self) -> i32 {
+        self as i32
+    }
+
+    pub fn from_wire(number: i32) -> Option<CapacityType> {
+        usize::try_from(number).ok().and_then(|i| CapacityType::ALL.get(i).copied())
+    }
+}
+
+/// Where a machine runs: the provider label and the provider-scoped host id.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct HostRef {
+    pub provider: String,
+    pub id: String,
+}
+
+impl HostRef {
+    /// A host counts as absent only when both fields are empty (contract.md §2.2).
+    pub fn is_empty(&self) -> bool {
+        self.provider.is_empty() && self.id.is_empty()
+    }
+}
+
+/// A string map kept sorted, so that encodings and comparisons are deterministic.
+pub type StringMap = BTreeMap<String, String>;
+
+/// One machine slot as the provider reports it.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Machine {
+    pub id: String,
+    pub state: MachineState,
+    pub host: Option<HostRef>,
+    pub instance_type: String,
+    pub zone: String,
+    pub capacity_type: CapacityType,
+    pub price_per_hour: f64,
+    pub interruption_probability: f64,
+    pub resources: StringMap,
+    pub allocatable: StringMap,
+    pub labels: StringMap,
+    pub last_error: String,
+    pub cluster: String,
+    pub shard_metadata: StringMap,
+}
+
+impl Machine {
+    /// A Speculative slot with no host and no binding.
+    pub fn speculative(id: impl Into<String>, instance_type: impl Into<String>) -> Machine {
+        Machine {
+            id: id.into(),
+            state: MachineState::Speculative,
+            host: None,
+            instance_type: instance_type.into(),
+            zone: String::new(),
+            capacity_type: CapacityType::OnDemand,
+            price_per_hour: 0.0,
+            interruption_probability: 0.0,
+            resources: StringMap::new(),
+            allocatable: StringMap::new(),
+            labels: StringMap::new(),
+            last_error: String::new(),
+            cluster: String::new(),
+            shard_metadata: StringMap::new(),
+        }
+    }
+}

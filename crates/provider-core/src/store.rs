@@ -1,0 +1,120 @@
+//! The state store seam. The engine hands the store one batch of per-record changes per
+//! mutation, in the order the mutations were applied, and acknowledges the RPC only once the
+//! batch is durable. The in-memory store (no `--state`) acknowledges at once.
+
+use std::sync::Arc;
+
+use tokio::sync::oneshot;
+
+use crate::fence::HighWaterMark;
+use crate::inventory::Slot;
+
+/// One durable fact. A batch of changes is applied atomically.
+#[derive(Clone, Debug, PartialEq)]
+pub enum Change {
+    /// Insert or replace a machine slot (the record, its last-change revision and op ids).
+    PutSlot(Slot),
+    /// Forget a machine slot (an offering shrank).
+    RemoveSlot(String),
+    /// The high-water mark of a (shard, machine) pair.
+    PutFence { shard_id: String, machine_id: String, mark: HighWaterMark },
+    /// The revision head and the next operation number.
+    Counters { revision: i64, next_op: u64 },
+}
+
+/// A fence mark as loaded from a store.
+#[derive(Clone, Debug, PartialEq)]
+pub struct FenceRecord {
+    pub shard_id: String,
+    pub machine_id: String,
+    pub mark: HighWaterMark,
+}
+
+/// The whole state, as loaded at startup.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct Snapshot {
+    pub slots: Vec<Slot>,
+    pub fences: Vec<FenceRecord>,
+    pub revision: i64,
+    pub next_op: u64,
+}
+
+impl Snapshot {
+    /// A fresh store: no machines, no fences, no operations and revision 0 (contract.md §9).
+    pub fn is_fresh(&self) -> bool {
+        self.slots.is_empty() && self.fences.is_empty() && self.revision == 0 && self.next_op == 0
+    }
+}
+
+/// Why the store could not load or persist.
+#[derive(Debug, Clone, thiserror::Error)]
+#[error("{0}")]
+pub struct StoreError(pub String);
+
+/// The promise that a submitted batch becomes durable.
+#[must_use = "a mutation is acknowledged only after its commit completes"]
+pub struct Commit(Option<oneshot::Receiver<Result<(), StoreError>>>);
+
+impl Commit {
+    /// A commit that is already complete (the in-memory store).
+    pub fn done() -> Commit {
+        Commit(None)
+    }
+
+    /// A commit completed when the sender reports.
+    pub fn pending(rx: oneshot::Receiver<Result<(), StoreError>>) -> Commit {
+        Commit(Some(rx))
+    }
+
+    /// Waits until the batch is durable.
+    pub async fn wait(self) -> Result<(), StoreError> {
+        match self.0 {
+            None => Ok(()),
+            Some(rx) => rx
+                .await
+                .unwrap_or_else(|_| Err(StoreError("state store stopped before commit".into()))),
+        }
+    }
+}
+
+/// Where the engine's state lives between restarts.
+pub trait Store: Send + Sync + 'static {
+    /// Loads the state; an empty snapshot means a fresh store.
+    fn load(&self) -> Result<Snapshot, StoreError>;
+    /// Queues one batch. Called with the engine's write lock held, so it must not wait on I/O;
+    /// batches become durable in submission order.
+    fn submit(&self, batch: Vec<Change>) -> Commit;
+    /// Whether state survives a restart (false for the in-memory store).
+    fn is_durable(&self) -> bool;
+    /// Waits until everything submitted so far is durable (shutdown).
+    fn flush(&self) -> Commit {
+        Commit::done()
+    }
+    /// A short description for logs, e.g. the file path.
+    fn describe(&self) -> String;
+}
+
+/// State in process memory only: lost on restart, as with the reference without `--state`.
+#[derive(Debug, Default)]
+pub struct MemoryStore;
+
+impl Store for MemoryStore {
+    fn load(&self) -> Result<Snapshot, StoreError> {
+        Ok(Snapshot::default())
+    }
+
+    fn submit(&self, _batch: Vec<Change>) -> Commit {
+        Commit::done()
+    }
+
+    fn is_durable(&self) -> bool {
+        false
+    }
+
+    fn describe(&self) -> String {
+        "memory".into()
+    }
+}
+
+/// Shared handle type for stores.
+pub type SharedStore = Arc<dyn Store>;

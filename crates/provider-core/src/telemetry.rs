@@ -1,0 +1,167 @@
+//! Metric names and recording helpers. Every series carries the binary's prefix
+//! (`bigfleet_hetzner_`, `bigfleet_digitalocean_`, ...), keeps the reference's names where it
+//! has them, and never uses an unbounded label value such as a machine id.
+
+use std::sync::OnceLock;
+use std::time::Duration;
+
+use metrics::{counter, gauge, histogram};
+use metrics_exporter_prometheus::{Matcher, PrometheusBuilder, PrometheusHandle};
+
+/// The metric names of one provider binary.
+#[derive(Debug, Clone, Copy)]
+pub struct Telemetry {
+    pub grpc_requests: &'static str,
+    pub grpc_duration: &'static str,
+    pub panics: &'static str,
+    pub reconcile: &'static str,
+    pub price_refresh: &'static str,
+    pub api_calls: &'static str,
+    pub api_duration: &'static str,
+    pub api_http: &'static str,
+    pub transitions: &'static str,
+    pub transition_duration: &'static str,
+    pub machines: &'static str,
+    pub failed_with_host: &'static str,
+    pub store_commit_duration: &'static str,
+    pub store_commit_failures: &'static str,
+    pub admin_actions: &'static str,
+    pub bootstrap_polls: &'static str,
+    pub bootstrap_commands: &'static str,
+    pub bootstrap_acks: &'static str,
+    pub bootstrap_unauthorized: &'static str,
+    pub build_info: &'static str,
+}
+
+fn leak(prefix: &str, name: &str) -> &'static str {
+    // A bounded, one-time set of names per process: leaking gives the metrics macros the
+    // `'static` names they record without allocating on every call.
+    Box::leak(format!("{prefix}_{name}").into_boxed_str())
+}
+
+impl Telemetry {
+    /// Names for the binary whose metrics start with `prefix`, e.g. `bigfleet_hetzner`.
+    pub fn new(prefix: &str) -> Telemetry {
+        static CACHE: OnceLock<std::sync::Mutex<Vec<(String, Telemetry)>>> = OnceLock::new();
+        let cache = CACHE.get_or_init(Default::default);
+        let mut cache = cache.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some((_, t)) = cache.iter().find(|(p, _)| p == prefix) {
+            return *t;
+        }
+        let t = Telemetry {
+            grpc_requests: leak(prefix, "grpc_requests_total"),
+            grpc_duration: leak(prefix, "grpc_request_duration_seconds"),
+            panics: leak(prefix, "panics_total"),
+            reconcile: leak(prefix, "reconcile_total"),
+            price_refresh: leak(prefix, "price_refresh_total"),
+            api_calls: leak(prefix, "api_calls_total"),
+            api_duration: leak(prefix, "api_duration_seconds"),
+            api_http: leak(prefix, "api_http_requests_total"),
+            transitions: leak(prefix, "transitions_total"),
+            transition_duration: leak(prefix, "transition_duration_seconds"),
+            machines: leak(prefix, "machines"),
+            failed_with_host: leak(prefix, "failed_machines_with_host"),
+            store_commit_duration: leak(prefix, "store_commit_duration_seconds"),
+            store_commit_failures: leak(prefix, "store_commit_failures_total"),
+            admin_actions: leak(prefix, "admin_actions_total"),
+            bootstrap_polls: leak(prefix, "bootstrap_polls_total"),
+            bootstrap_commands: leak(prefix, "bootstrap_commands_total"),
+            bootstrap_acks: leak(prefix, "bootstrap_acks_total"),
+            bootstrap_unauthorized: leak(prefix, "bootstrap_unauthorized_total"),
+            build_info: leak(prefix, "build_info"),
+        };
+        cache.push((prefix.to_owned(), t));
+        t
+    }
+
+    pub fn rpc(&self, method: &'static str, code: &'static str, elapsed: Duration) {
+        counter!(self.grpc_requests, "method" => method, "code" => code).increment(1);
+        histogram!(self.grpc_duration, "method" => method).record(elapsed.as_secs_f64());
+    }
+
+    pub fn panic(&self) {
+        counter!(self.panics).increment(1);
+    }
+
+    pub fn transition(&self, kind: &'static str, outcome: &'static str, elapsed: Duration) {
+        counter!(self.transitions, "kind" => kind, "outcome" => outcome).increment(1);
+        histogram!(self.transition_duration, "kind" => kind, "outcome" => outcome)
+            .record(elapsed.as_secs_f64());
+    }
+
+    pub fn reconcile_outcome(&self, outcome: &'static str) {
+        counter!(self.reconcile, "outcome" => outcome).increment(1);
+    }
+
+    pub fn price_refresh_outcome(&self, outcome: &'static str) {
+        counter!(self.price_refresh, "outcome" => outcome).increment(1);
+    }
+
+    /// One cloud-client operation (the reference's `op` granularity).
+    pub fn api_call(&self, op: &'static str, ok: bool, elapsed: Duration) {
+        let outcome = if ok { "success" } else { "error" };
+        counter!(self.api_calls, "op" => op, "outcome" => outcome).increment(1);
+        histogram!(self.api_duration, "op" => op).record(elapsed.as_secs_f64());
+    }
+
+    /// One HTTP request to a cloud API, by endpoint template and status class.
+    pub fn api_http(&self, endpoint: &'static str, status: &'static str) {
+        counter!(self.api_http, "endpoint" => endpoint, "status" => status).increment(1);
+    }
+
+    pub fn store_commit(&self, elapsed: Duration, ok: bool) {
+        histogram!(self.store_commit_duration).record(elapsed.as_secs_f64());
+        if !ok {
+            counter!(self.store_commit_failures).increment(1);
+        }
+    }
+
+    pub fn admin(&self, action: &'static str, outcome: &'static str) {
+        counter!(self.admin_actions, "action" => action, "outcome" => outcome).increment(1);
+    }
+
+    pub fn census(&self, by_state: &[(&'static str, usize)], failed_with_host: usize) {
+        for (state, n) in by_state {
+            gauge!(self.machines, "state" => *state).set(*n as f64);
+        }
+        gauge!(self.failed_with_host).set(failed_with_host as f64);
+    }
+
+    pub fn bootstrap_poll(&self, outcome: &'static str) {
+        counter!(self.bootstrap_polls, "outcome" => outcome).increment(1);
+    }
+
+    pub fn bootstrap_command(&self, kind: &'static str, outcome: &'static str) {
+        counter!(self.bootstrap_commands, "type" => kind, "outcome" => outcome).increment(1);
+    }
+
+    pub fn bootstrap_ack(&self, outcome: &'static str) {
+        counter!(self.bootstrap_acks, "outcome" => outcome).increment(1);
+    }
+
+    pub fn bootstrap_unauthorized(&self) {
+        counter!(self.bootstrap_unauthorized).increment(1);
+    }
+}
+
+/// The process-wide Prometheus recorder. Installed once; later calls share the same handle.
+pub fn recorder() -> PrometheusHandle {
+    static HANDLE: OnceLock<PrometheusHandle> = OnceLock::new();
+    HANDLE
+        .get_or_init(|| {
+            let buckets = [
+                0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0,
+                10.0, 30.0, 60.0, 300.0, 900.0,
+            ];
+            let builder = PrometheusBuilder::new()
+                .set_buckets_for_metric(Matcher::Suffix("_seconds".into()), &buckets)
+                .unwrap_or_else(|_| PrometheusBuilder::new());
+            match builder.install_recorder() {
+                Ok(handle) => handle,
+                // Another recorder was installed first (only possible in tests that embed
+                // several components); render an isolated recorder instead.
+                Err(_) => PrometheusBuilder::new().build_recorder().handle(),
+            }
+        })
+        .clone()
+}
