@@ -10,8 +10,10 @@ pub mod fence;
 pub mod inventory;
 pub mod lifecycle;
 pub mod machine;
+pub mod retry;
 pub mod store;
 pub mod telemetry;
+pub mod userdata;
 
 pub use backend::{Backend, BackendError, BootstrapBlob, ConfigureOrder, TransitionContext};
 pub use engine::{Ack, Engine, EngineOptions, ListQuery, Listing, Timeouts};

@@ -1,0 +1,150 @@
+//! Retry with exponential backoff and full jitter for cloud API calls (beyond.md §6): retried
+//! on 429 and 5xx and on transport errors, honouring `Retry-After` and rate-limit reset hints,
+//! and never past the caller's deadline.
+
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+use rand::RngExt;
+use tokio::time::Instant;
+
+/// How a failed attempt should be treated.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Verdict {
+    /// Give up now and report the error.
+    Fatal,
+    /// Try again after the backoff, or after the server's hint when it gave one.
+    Retry { after: Option<Duration> },
+}
+
+/// Classifies an HTTP status: 429 and 5xx (except 501) are retried.
+pub fn classify_status(status: u16, hint: Option<Duration>) -> Verdict {
+    if status == 429 || (500..600).contains(&status) && status != 501 {
+        Verdict::Retry { after: hint }
+    } else {
+        Verdict::Fatal
+    }
+}
+
+/// Reads a retry hint from response headers: `Retry-After` (seconds or an HTTP date is not
+/// supported, seconds only), or `RateLimit-Reset` / `ratelimit-reset` (a Unix timestamp, as
+/// Hetzner and DigitalOcean send it).
+pub fn hint_from_headers(headers: &http::HeaderMap) -> Option<Duration> {
+    let number = |name: &str| {
+        headers.get(name).and_then(|v| v.to_str().ok()).and_then(|v| v.trim().parse::<u64>().ok())
+    };
+    if let Some(seconds) = number("retry-after") {
+        return Some(Duration::from_secs(seconds));
+    }
+    let reset = number("ratelimit-reset")?;
+    let now = SystemTime::now().duration_since(UNIX_EPOCH).ok()?.as_secs();
+    Some(Duration::from_secs(reset.saturating_sub(now)))
+}
+
+/// Exponential backoff with full jitter.
+#[derive(Clone, Copy, Debug)]
+pub struct Backoff {
+    pub base: Duration,
+    pub max: Duration,
+    /// Attempts in total, including the first.
+    pub max_attempts: u32,
+}
+
+impl Default for Backoff {
+    fn default() -> Backoff {
+        Backoff { base: Duration::from_millis(500), max: Duration::from_secs(30), max_attempts: 8 }
+    }
+}
+
+impl Backoff {
+    /// The delay before attempt `attempt + 1` (attempt counts from 1).
+    pub fn delay(&self, attempt: u32, hint: Option<Duration>) -> Duration {
+        if let Some(hint) = hint {
+            return hint.min(self.max);
+        }
+        let exp = self.base.saturating_mul(1u32 << attempt.min(16).saturating_sub(1));
+        let cap = exp.min(self.max);
+        let jitter = rand::rng().random_range(0.5..=1.0);
+        cap.mul_f64(jitter)
+    }
+
+    /// Runs `attempt` until it succeeds, fails fatally, runs out of attempts, or the next wait
+    /// would pass `deadline`. `classify` decides per error.
+    pub async fn run<T, E, F, Fut>(
+        &self,
+        deadline: Option<Instant>,
+        mut attempt: F,
+        classify: impl Fn(&E) -> Verdict,
+    ) -> Result<T, E>
+    where
+        F: FnMut(u32) -> Fut,
+        Fut: std::future::Future<Output = Result<T, E>>,
+    {
+        let mut n = 1;
+        loop {
+            let err = match attempt(n).await {
+                Ok(v) => return Ok(v),
+                Err(e) => e,
+            };
+            let Verdict::Retry { after } = classify(&err) else { return Err(err) };
+            if n >= self.max_attempts {
+                return Err(err);
+            }
+            let wait = self.delay(n, after);
+            if let Some(deadline) = deadline {
+                if Instant::now() + wait >= deadline {
+                    return Err(err);
+                }
+            }
+            tokio::time::sleep(wait).await;
+            n += 1;
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::sync::atomic::{AtomicU32, Ordering};
+
+    #[test]
+    fn statuses() {
+        assert_eq!(classify_status(429, None), Verdict::Retry { after: None });
+        assert_eq!(classify_status(503, None), Verdict::Retry { after: None });
+        assert_eq!(classify_status(501, None), Verdict::Fatal);
+        assert_eq!(classify_status(404, None), Verdict::Fatal);
+        assert_eq!(classify_status(422, None), Verdict::Fatal);
+    }
+
+    #[test]
+    fn hints() {
+        let mut h = http::HeaderMap::new();
+        h.insert("retry-after", "7".parse().unwrap());
+        assert_eq!(hint_from_headers(&h), Some(Duration::from_secs(7)));
+        let mut h = http::HeaderMap::new();
+        let now = SystemTime::now().duration_since(UNIX_EPOCH).unwrap().as_secs();
+        h.insert("ratelimit-reset", (now + 3).to_string().parse().unwrap());
+        let d = hint_from_headers(&h).unwrap();
+        assert!(d <= Duration::from_secs(3) && d >= Duration::from_secs(2));
+        assert_eq!(hint_from_headers(&http::HeaderMap::new()), None);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn retries_until_success_and_stops_at_fatal_or_deadline() {
+        let backoff = Backoff::default();
+        let calls = AtomicU32::new(0);
+        let r: Result<u32, u16> = backoff
+            .run(None, |n| { calls.fetch_add(1, Ordering::SeqCst); async move { if n < 3 { Err(503) } else { Ok(n) } } }, |s| classify_status(*s, None))
+            .await;
+        assert_eq!(r, Ok(3));
+        let r: Result<(), u16> = backoff.run(None, |_| async { Err(404) }, |s| classify_status(*s, None)).await;
+        assert_eq!(r, Err(404));
+        let deadline = Instant::now() + Duration::from_secs(2);
+        let calls = AtomicU32::new(0);
+        let r: Result<(), u16> = backoff
+            .run(Some(deadline), |_| { calls.fetch_add(1, Ordering::SeqCst); async { Err(429) } }, |s| classify_status(*s, Some(Duration::from_secs(1))))
+            .await;
+        assert_eq!(r, Err(429));
+        assert!(Instant::now() < deadline);
+        assert_eq!(calls.load(Ordering::SeqCst), 2);
+    }
+}
