@@ -1,0 +1,5 @@
+//! The Hetzner Cloud capacity provider: the pinned catalogue, the real backend over the Hetzner
+//! Cloud API (`hcloud`), SSH bootstrap delivery with pinned host keys, and the label scheme
+//! that ties servers to machine slots and provider instances.
+
+pub mod catalog;
