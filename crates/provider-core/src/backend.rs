@@ -85,7 +85,11 @@ pub trait Backend: Send + Sync + 'static {
     }
 
     /// Speculative -> Idle: create (or find) the host. Must be idempotent on the machine id.
-    async fn create(&self, machine: &Machine, ctx: &TransitionContext) -> Result<Effect, BackendError>;
+    async fn create(
+        &self,
+        machine: &Machine,
+        ctx: &TransitionContext,
+    ) -> Result<Effect, BackendError>;
 
     /// Idle -> Configured: deliver the blob and run the bootstrap hook.
     async fn configure(
@@ -154,11 +158,16 @@ pub fn validate(machine: &Machine, require_zone: bool) -> Result<(), String> {
     if machine.capacity_type == CapacityType::Spot && p <= 0.0 {
         return fail("SPOT capacity requires interruption_probability > 0");
     }
-    match (machine.state, machine.host.as_ref().is_some_and(|h| !h.is_empty())) {
+    match (
+        machine.state,
+        machine.host.as_ref().is_some_and(|h| !h.is_empty()),
+    ) {
         (MachineState::Speculative, false) | (MachineState::Idle, true) => Ok(()),
         (MachineState::Speculative, true) => fail("a Speculative record must not carry a host"),
         (MachineState::Idle, false) => fail("an Idle record must carry a host"),
-        (state, _) => fail(&format!("a reported record may only be Speculative or Idle, not {state}")),
+        (state, _) => fail(&format!(
+            "a reported record may only be Speculative or Idle, not {state}"
+        )),
     }
 }
 
@@ -169,7 +178,10 @@ pub fn allocatable_of(vcpus: u32, memory_mib: u64) -> StringMap {
     } else {
         format!("{memory_mib}Mi")
     };
-    StringMap::from([("cpu".to_owned(), vcpus.to_string()), ("memory".to_owned(), memory)])
+    StringMap::from([
+        ("cpu".to_owned(), vcpus.to_string()),
+        ("memory".to_owned(), memory),
+    ])
 }
 
 #[cfg(test)]
@@ -187,16 +199,48 @@ mod tests {
     fn validation_reports_the_first_broken_rule() {
         assert_eq!(validate(&good(), true), Ok(()));
         let cases: Vec<(Box<dyn Fn(&mut Machine)>, &str)> = vec![
-            (Box::new(|m| m.instance_type.clear()), "m-1: instance_type is required (never labels-only)"),
-            (Box::new(|m| m.capacity_type = CapacityType::Unspecified), "m-1: capacity_type is required"),
+            (
+                Box::new(|m| m.instance_type.clear()),
+                "m-1: instance_type is required (never labels-only)",
+            ),
+            (
+                Box::new(|m| m.capacity_type = CapacityType::Unspecified),
+                "m-1: capacity_type is required",
+            ),
             (Box::new(|m| m.zone.clear()), "m-1: zone is required"),
-            (Box::new(|m| m.price_per_hour = f64::NAN), "m-1: price_per_hour must be a non-negative number"),
-            (Box::new(|m| m.price_per_hour = -1.0), "m-1: price_per_hour must be a non-negative number"),
-            (Box::new(|m| m.interruption_probability = 1.5), "m-1: interruption_probability must be within [0,1]"),
-            (Box::new(|m| m.capacity_type = CapacityType::Spot), "m-1: SPOT capacity requires interruption_probability > 0"),
-            (Box::new(|m| m.host = Some(HostRef { provider: "p".into(), id: "1".into() })), "m-1: a Speculative record must not carry a host"),
-            (Box::new(|m| m.state = MachineState::Idle), "m-1: an Idle record must carry a host"),
-            (Box::new(|m| m.state = MachineState::Configured), "m-1: a reported record may only be Speculative or Idle, not Configured"),
+            (
+                Box::new(|m| m.price_per_hour = f64::NAN),
+                "m-1: price_per_hour must be a non-negative number",
+            ),
+            (
+                Box::new(|m| m.price_per_hour = -1.0),
+                "m-1: price_per_hour must be a non-negative number",
+            ),
+            (
+                Box::new(|m| m.interruption_probability = 1.5),
+                "m-1: interruption_probability must be within [0,1]",
+            ),
+            (
+                Box::new(|m| m.capacity_type = CapacityType::Spot),
+                "m-1: SPOT capacity requires interruption_probability > 0",
+            ),
+            (
+                Box::new(|m| {
+                    m.host = Some(HostRef {
+                        provider: "p".into(),
+                        id: "1".into(),
+                    })
+                }),
+                "m-1: a Speculative record must not carry a host",
+            ),
+            (
+                Box::new(|m| m.state = MachineState::Idle),
+                "m-1: an Idle record must carry a host",
+            ),
+            (
+                Box::new(|m| m.state = MachineState::Configured),
+                "m-1: a reported record may only be Speculative or Idle, not Configured",
+            ),
         ];
         for (breaker, message) in cases {
             let mut m = good();
@@ -205,7 +249,11 @@ mod tests {
         }
         let mut m = good();
         m.price_per_hour = f64::INFINITY;
-        assert_eq!(validate(&m, true), Ok(()), "+Inf passes as in the reference");
+        assert_eq!(
+            validate(&m, true),
+            Ok(()),
+            "+Inf passes as in the reference"
+        );
         m.zone.clear();
         assert_eq!(validate(&m, false), Ok(()));
     }

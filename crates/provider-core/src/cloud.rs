@@ -88,7 +88,8 @@ pub trait Cloud: Send + Sync + 'static {
     ) -> Result<(), BackendError>;
 
     /// Deletes the host; a host that is already gone is a success.
-    async fn delete_host(&self, host_id: &str, ctx: &TransitionContext) -> Result<(), BackendError>;
+    async fn delete_host(&self, host_id: &str, ctx: &TransitionContext)
+    -> Result<(), BackendError>;
 
     /// The live on-demand price of an instance type in a zone, in USD per hour.
     async fn price_usd(&self, instance_type: &str, zone: &str) -> Result<f64, BackendError>;

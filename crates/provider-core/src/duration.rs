@@ -7,7 +7,12 @@ use std::time::Duration;
 /// accepted and returned as `None` inside `Ok` (the flag means "disabled").
 pub fn parse(text: &str) -> Result<Option<Duration>, String> {
     let s = text.trim();
-    let invalid = || format!("invalid duration {:?} (use Go syntax such as 30s, 5m or 1h30m)", text);
+    let invalid = || {
+        format!(
+            "invalid duration {:?} (use Go syntax such as 30s, 5m or 1h30m)",
+            text
+        )
+    };
     if s.is_empty() {
         return Err(invalid());
     }
@@ -24,13 +29,17 @@ pub fn parse(text: &str) -> Result<Option<Duration>, String> {
     }
     let mut total: f64 = 0.0;
     while !rest.is_empty() {
-        let number_len = rest.find(|c: char| !(c.is_ascii_digit() || c == '.')).unwrap_or(rest.len());
+        let number_len = rest
+            .find(|c: char| !(c.is_ascii_digit() || c == '.'))
+            .unwrap_or(rest.len());
         if number_len == 0 {
             return Err(invalid());
         }
         let value: f64 = rest[..number_len].parse().map_err(|_| invalid())?;
         rest = &rest[number_len..];
-        let unit_len = rest.find(|c: char| c.is_ascii_digit() || c == '.').unwrap_or(rest.len());
+        let unit_len = rest
+            .find(|c: char| c.is_ascii_digit() || c == '.')
+            .unwrap_or(rest.len());
         let nanos_per_unit = match &rest[..unit_len] {
             "ns" => 1.0,
             "us" | "µs" | "μs" => 1e3,

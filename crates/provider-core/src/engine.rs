@@ -11,7 +11,9 @@ use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 
-use crate::backend::{Backend, BackendError, BootstrapBlob, ConfigureOrder, TransitionContext, validate};
+use crate::backend::{
+    Backend, BackendError, BootstrapBlob, ConfigureOrder, TransitionContext, validate,
+};
 use crate::duration;
 use crate::error::CoreError;
 use crate::fence::FenceToken;
@@ -156,12 +158,17 @@ pub struct Engine {
 
 impl std::fmt::Debug for Engine {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Engine").field("store", &self.store.describe()).finish_non_exhaustive()
+        f.debug_struct("Engine")
+            .field("store", &self.store.describe())
+            .finish_non_exhaustive()
     }
 }
 
 fn unix_micros() -> u64 {
-    SystemTime::now().duration_since(UNIX_EPOCH).map(|d| d.as_micros() as u64).unwrap_or(1)
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map(|d| d.as_micros() as u64)
+        .unwrap_or(1)
 }
 
 impl Engine {
@@ -191,7 +198,9 @@ impl Engine {
             for machine in &described {
                 validate(machine, options.require_zone).map_err(StartError::InvalidRecord)?;
             }
-            inventory.seed(described, &mut changes).map_err(StartError::Seed)?;
+            inventory
+                .seed(described, &mut changes)
+                .map_err(StartError::Seed)?;
         } else {
             inventory.invalidate_cursors(&mut changes);
             if let Some(offered) = backend.offered() {
@@ -209,7 +218,11 @@ impl Engine {
             inventory.invalidate_cursors(&mut changes);
         }
         if !changes.is_empty() {
-            store.submit(changes).wait().await.map_err(|e| StartError::Store(e.0))?;
+            store
+                .submit(changes)
+                .wait()
+                .await
+                .map_err(|e| StartError::Store(e.0))?;
         }
         let engine = Arc::new(Engine {
             inventory: RwLock::new(inventory),
@@ -221,15 +234,27 @@ impl Engine {
             store_failed: AtomicBool::new(false),
             abandon: CancellationToken::new(),
         });
-        for Interrupted { machine_id, kind, operation_id } in resume {
+        for Interrupted {
+            machine_id,
+            kind,
+            operation_id,
+        } in resume
+        {
             let work = match kind {
                 OperationKind::Create => Work::Create,
                 // A resumed drain has lost its grace period; the shortest the providers use.
-                OperationKind::Drain => Work::Drain { grace_period_seconds: 1 },
+                OperationKind::Drain => Work::Drain {
+                    grace_period_seconds: 1,
+                },
                 OperationKind::Delete => Work::Delete,
                 OperationKind::Configure => continue,
             };
-            tracing::info!(machine_id, kind = kind.name(), operation_id, "resuming interrupted transition");
+            tracing::info!(
+                machine_id,
+                kind = kind.name(),
+                operation_id,
+                "resuming interrupted transition"
+            );
             let Some(machine) = engine.read().get(&machine_id).map(|s| s.machine.clone()) else {
                 continue;
             };
@@ -259,7 +284,9 @@ impl Engine {
     async fn commit(&self, commit: Commit) -> Result<(), CoreError> {
         let started = std::time::Instant::now();
         let result = commit.wait().await;
-        self.options.telemetry.store_commit(started.elapsed(), result.is_ok());
+        self.options
+            .telemetry
+            .store_commit(started.elapsed(), result.is_ok());
         result.map_err(|e| {
             if !self.store_failed.swap(true, Ordering::SeqCst) {
                 tracing::error!(error = %e, "state store commit failed; refusing further mutations until restart");
@@ -269,7 +296,10 @@ impl Engine {
     }
 
     /// Applies `f` under the write lock and submits its changes in order.
-    fn apply<T>(&self, f: impl FnOnce(&mut Inventory, &mut Vec<Change>) -> T) -> (T, Option<Commit>) {
+    fn apply<T>(
+        &self,
+        f: impl FnOnce(&mut Inventory, &mut Vec<Change>) -> T,
+    ) -> (T, Option<Commit>) {
         let mut inventory = self.write();
         let mut changes = Vec::new();
         let value = f(&mut inventory, &mut changes);
@@ -294,7 +324,9 @@ impl Engine {
             return Err(CoreError::ShuttingDown);
         }
         if self.store_failed.load(Ordering::SeqCst) {
-            return Err(CoreError::Store("an earlier commit failed; restart the provider".into()));
+            return Err(CoreError::Store(
+                "an earlier commit failed; restart the provider".into(),
+            ));
         }
         let kind = work.kind();
         let (admission, commit) =
@@ -304,17 +336,33 @@ impl Engine {
             self.commit(commit).await?;
         }
         match admission? {
-            Admission::Retry { operation_id, machine } => {
-                Ok(Ack { operation_id, machine, accepted: false })
-            }
-            Admission::Accepted { operation_id, machine } => {
+            Admission::Retry {
+                operation_id,
+                machine,
+            } => Ok(Ack {
+                operation_id,
+                machine,
+                accepted: false,
+            }),
+            Admission::Accepted {
+                operation_id,
+                machine,
+            } => {
                 self.spawn_transition(machine.clone(), operation_id.clone(), work);
-                Ok(Ack { operation_id, machine, accepted: true })
+                Ok(Ack {
+                    operation_id,
+                    machine,
+                    accepted: true,
+                })
             }
         }
     }
 
-    pub async fn create(self: &Arc<Self>, machine_id: &str, token: FenceToken) -> Result<Ack, CoreError> {
+    pub async fn create(
+        self: &Arc<Self>,
+        machine_id: &str,
+        token: FenceToken,
+    ) -> Result<Ack, CoreError> {
         self.mutate(machine_id, token, None, Work::Create).await
     }
 
@@ -326,9 +374,16 @@ impl Engine {
         shard_metadata: StringMap,
         token: FenceToken,
     ) -> Result<Ack, CoreError> {
-        let binding = Binding { cluster: cluster_id.clone(), shard_metadata };
-        let order = ConfigureOrder { cluster_id, blob: BootstrapBlob(blob) };
-        self.mutate(machine_id, token, Some(binding), Work::Configure(order)).await
+        let binding = Binding {
+            cluster: cluster_id.clone(),
+            shard_metadata,
+        };
+        let order = ConfigureOrder {
+            cluster_id,
+            blob: BootstrapBlob(blob),
+        };
+        self.mutate(machine_id, token, Some(binding), Work::Configure(order))
+            .await
     }
 
     pub async fn drain(
@@ -337,10 +392,22 @@ impl Engine {
         grace_period_seconds: i64,
         token: FenceToken,
     ) -> Result<Ack, CoreError> {
-        self.mutate(machine_id, token, None, Work::Drain { grace_period_seconds }).await
+        self.mutate(
+            machine_id,
+            token,
+            None,
+            Work::Drain {
+                grace_period_seconds,
+            },
+        )
+        .await
     }
 
-    pub async fn delete(self: &Arc<Self>, machine_id: &str, token: FenceToken) -> Result<Ack, CoreError> {
+    pub async fn delete(
+        self: &Arc<Self>,
+        machine_id: &str,
+        token: FenceToken,
+    ) -> Result<Ack, CoreError> {
         self.mutate(machine_id, token, None, Work::Delete).await
     }
 
@@ -361,7 +428,10 @@ impl Engine {
             .ok()
             .filter(|s| !s.is_empty())
             .and_then(|s| s.parse::<i64>().ok());
-        let cap = usize::try_from(query.max_results).ok().filter(|n| *n > 0).unwrap_or(usize::MAX);
+        let cap = usize::try_from(query.max_results)
+            .ok()
+            .filter(|n| *n > 0)
+            .unwrap_or(usize::MAX);
         let mut wanted = [false; 9];
         for s in &query.states {
             wanted[s.wire() as usize] = true;
@@ -370,7 +440,11 @@ impl Engine {
         let inventory = self.read();
         let head = inventory.revision();
         let since = cursor.filter(|c| *c <= head);
-        let mut machines = Vec::with_capacity(if cap == usize::MAX { inventory.len() } else { cap.min(inventory.len()) });
+        let mut machines = Vec::with_capacity(if cap == usize::MAX {
+            inventory.len()
+        } else {
+            cap.min(inventory.len())
+        });
         for slot in inventory.slots() {
             if machines.len() >= cap {
                 break;
@@ -385,7 +459,10 @@ impl Engine {
             }
             machines.push(slot.machine.clone());
         }
-        Listing { machines, revision: head }
+        Listing {
+            machines,
+            revision: head,
+        }
     }
 
     /// Machines by state, for metrics.
@@ -425,10 +502,11 @@ impl Engine {
 
     /// One reconcile pass: Describe, validate (skipping invalid records), merge.
     pub async fn reconcile(&self) -> Result<ReconcileReport, CoreError> {
-        let described = tokio::time::timeout(self.options.describe_timeout, self.backend.describe())
-            .await
-            .map_err(|_| CoreError::Admin("reconcile: backend Describe timed out".into()))?
-            .map_err(|e| CoreError::Admin(format!("reconcile: {e}")))?;
+        let described =
+            tokio::time::timeout(self.options.describe_timeout, self.backend.describe())
+                .await
+                .map_err(|_| CoreError::Admin("reconcile: backend Describe timed out".into()))?
+                .map_err(|e| CoreError::Admin(format!("reconcile: {e}")))?;
         let mut valid = Vec::with_capacity(described.len());
         for machine in described {
             match validate(&machine, self.options.require_zone) {
@@ -438,9 +516,12 @@ impl Engine {
                 }
             }
         }
-        let offered: Option<HashSet<String>> =
-            self.backend.offered().map(|o| o.into_iter().map(|m| m.id).collect());
-        let (report, commit) = self.apply(|inv, changes| inv.reconcile(valid, offered.as_ref(), changes));
+        let offered: Option<HashSet<String>> = self
+            .backend
+            .offered()
+            .map(|o| o.into_iter().map(|m| m.id).collect());
+        let (report, commit) =
+            self.apply(|inv, changes| inv.reconcile(valid, offered.as_ref(), changes));
         if let Some(commit) = commit {
             self.commit(commit).await?;
         }
@@ -468,10 +549,12 @@ impl Engine {
                 format!("release-{}", unix_micros()),
                 self.options.timeouts.delete,
             );
-            let outcome = tokio::time::timeout(ctx.remaining(), self.backend.delete(&machine, &ctx))
-                .await
-                .unwrap_or_else(|_| Err(BackendError::new("delete timed out")));
-            outcome.map_err(|e| CoreError::Admin(format!("release {machine_id}: delete host: {e}")))?;
+            let outcome =
+                tokio::time::timeout(ctx.remaining(), self.backend.delete(&machine, &ctx))
+                    .await
+                    .unwrap_or_else(|_| Err(BackendError::new("delete timed out")));
+            outcome
+                .map_err(|e| CoreError::Admin(format!("release {machine_id}: delete host: {e}")))?;
         }
         let (result, commit) = self.apply(|inv, changes| inv.release(machine_id, changes));
         if let Some(commit) = commit {
@@ -546,10 +629,15 @@ impl Engine {
         operation_id: &str,
         outcome: Result<Effect, String>,
     ) {
-        let (applied, commit) =
-            self.apply(|inv, changes| inv.complete(machine_id, kind, operation_id, outcome, changes));
+        let (applied, commit) = self
+            .apply(|inv, changes| inv.complete(machine_id, kind, operation_id, outcome, changes));
         if !applied {
-            tracing::debug!(machine_id, kind = kind.name(), operation_id, "discarded stale completion");
+            tracing::debug!(
+                machine_id,
+                kind = kind.name(),
+                operation_id,
+                "discarded stale completion"
+            );
         }
         if let Some(commit) = commit {
             let _ = self.commit(commit).await;
@@ -562,7 +650,10 @@ impl Engine {
     pub async fn shutdown(&self, grace: Duration) -> usize {
         self.accepting.store(false, Ordering::SeqCst);
         self.tasks.close();
-        let unfinished = if tokio::time::timeout(grace, self.tasks.wait()).await.is_err() {
+        let unfinished = if tokio::time::timeout(grace, self.tasks.wait())
+            .await
+            .is_err()
+        {
             let n = self.tasks.len();
             self.abandon.cancel();
             self.tasks.wait().await;
@@ -598,7 +689,9 @@ async fn run_backend(
             let effect = backend.create(machine, ctx).await?;
             match &effect.host {
                 Some(host) if !host.is_empty() => Ok(effect),
-                _ => Err(BackendError::new("CreateInstance returned no host for a created machine")),
+                _ => Err(BackendError::new(
+                    "CreateInstance returned no host for a created machine",
+                )),
             }
         }
         Work::Configure(order) => {
@@ -609,9 +702,15 @@ async fn run_backend(
                 .map_err(|e| BackendError(format!("node readiness: {e}")))?;
             Ok(Effect::default())
         }
-        Work::Drain { grace_period_seconds } => {
-            backend.drain(machine, grace_period_seconds, ctx).await.map(|()| Effect::default())
-        }
-        Work::Delete => backend.delete(machine, ctx).await.map(|()| Effect::default()),
+        Work::Drain {
+            grace_period_seconds,
+        } => backend
+            .drain(machine, grace_period_seconds, ctx)
+            .await
+            .map(|()| Effect::default()),
+        Work::Delete => backend
+            .delete(machine, ctx)
+            .await
+            .map(|()| Effect::default()),
     }
 }

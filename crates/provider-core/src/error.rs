@@ -24,10 +24,17 @@ pub enum CoreError {
         "providerkit: request fenced (stale shard token): shard {} sent (epoch={} seq={}) for machine {}; high-water mark is {}",
         go_quote(&.token.shard_id), .token.epoch, .token.sequence, go_quote(.machine_id), .mark
     )]
-    Fenced { token: FenceToken, machine_id: String, mark: HighWaterMark },
+    Fenced {
+        token: FenceToken,
+        machine_id: String,
+        mark: HighWaterMark,
+    },
     /// An operation that may not start from the machine's current state.
     #[error("providerkit: invalid state transition: cannot {kind} a machine in state {state}")]
-    InvalidTransition { kind: OperationKind, state: MachineState },
+    InvalidTransition {
+        kind: OperationKind,
+        state: MachineState,
+    },
     /// A machine record that breaks the field-shape rules.
     #[error("providerkit: invalid machine record: {0}")]
     InvalidMachine(String),
@@ -73,21 +80,40 @@ mod tests {
 
     #[test]
     fn every_variant_maps_to_its_code_and_message() {
-        let token = FenceToken { shard_id: "s1".into(), epoch: 2, sequence: 3 };
+        let token = FenceToken {
+            shard_id: "s1".into(),
+            epoch: 2,
+            sequence: 3,
+        };
         let cases: Vec<(CoreError, Code, &str)> = vec![
-            (CoreError::MissingId("machine_id"), Code::InvalidArgument, "machine_id required"),
-            (CoreError::MissingId("id"), Code::InvalidArgument, "id required"),
+            (
+                CoreError::MissingId("machine_id"),
+                Code::InvalidArgument,
+                "machine_id required",
+            ),
+            (
+                CoreError::MissingId("id"),
+                Code::InvalidArgument,
+                "id required",
+            ),
             (
                 CoreError::UnknownMachine("m".into()),
                 Code::NotFound,
                 "providerkit: machine not found: m",
             ),
-            (CoreError::GetNotFound("m".into()), Code::NotFound, "machine \"m\" not found"),
+            (
+                CoreError::GetNotFound("m".into()),
+                Code::NotFound,
+                "machine \"m\" not found",
+            ),
             (
                 CoreError::Fenced {
                     token,
                     machine_id: "m".into(),
-                    mark: HighWaterMark { epoch: 2, sequence: 5 },
+                    mark: HighWaterMark {
+                        epoch: 2,
+                        sequence: 5,
+                    },
                 },
                 Code::FailedPrecondition,
                 "providerkit: request fenced (stale shard token): shard \"s1\" sent (epoch=2 seq=3) for machine \"m\"; high-water mark is (epoch=2 seq=5)",

@@ -18,7 +18,10 @@ impl FenceToken {
     }
 
     pub fn mark(&self) -> HighWaterMark {
-        HighWaterMark { epoch: self.epoch, sequence: self.sequence }
+        HighWaterMark {
+            epoch: self.epoch,
+            sequence: self.sequence,
+        }
     }
 }
 
@@ -90,7 +93,11 @@ mod tests {
     use proptest::prelude::*;
 
     fn token(shard: &str, epoch: i64, sequence: i64) -> FenceToken {
-        FenceToken { shard_id: shard.into(), epoch, sequence }
+        FenceToken {
+            shard_id: shard.into(),
+            epoch,
+            sequence,
+        }
     }
 
     #[test]
@@ -98,19 +105,43 @@ mod tests {
         assert_eq!(check(None, &token("", 0, 0)), FenceDecision::Bypass);
         assert_eq!(
             check(None, &token("", 1, 0)),
-            FenceDecision::Advance(HighWaterMark { epoch: 1, sequence: 0 })
+            FenceDecision::Advance(HighWaterMark {
+                epoch: 1,
+                sequence: 0
+            })
         );
-        assert!(matches!(check(None, &token("s", 0, 0)), FenceDecision::Advance(_)));
+        assert!(matches!(
+            check(None, &token("s", 0, 0)),
+            FenceDecision::Advance(_)
+        ));
     }
 
     #[test]
     fn equal_token_is_a_rejected_replay() {
-        let mark = HighWaterMark { epoch: 3, sequence: 7 };
-        assert_eq!(check(Some(mark), &token("s", 3, 7)), FenceDecision::Reject { mark });
-        assert_eq!(check(Some(mark), &token("s", 3, 6)), FenceDecision::Reject { mark });
-        assert_eq!(check(Some(mark), &token("s", 2, 100)), FenceDecision::Reject { mark });
-        assert!(matches!(check(Some(mark), &token("s", 4, i64::MIN)), FenceDecision::Advance(_)));
-        assert!(matches!(check(Some(mark), &token("s", 3, 8)), FenceDecision::Advance(_)));
+        let mark = HighWaterMark {
+            epoch: 3,
+            sequence: 7,
+        };
+        assert_eq!(
+            check(Some(mark), &token("s", 3, 7)),
+            FenceDecision::Reject { mark }
+        );
+        assert_eq!(
+            check(Some(mark), &token("s", 3, 6)),
+            FenceDecision::Reject { mark }
+        );
+        assert_eq!(
+            check(Some(mark), &token("s", 2, 100)),
+            FenceDecision::Reject { mark }
+        );
+        assert!(matches!(
+            check(Some(mark), &token("s", 4, i64::MIN)),
+            FenceDecision::Advance(_)
+        ));
+        assert!(matches!(
+            check(Some(mark), &token("s", 3, 8)),
+            FenceDecision::Advance(_)
+        ));
     }
 
     #[test]

@@ -43,9 +43,15 @@ pub struct Binding {
 pub enum Admission {
     /// New work was accepted under a fresh operation id; the snapshot shows the transitional
     /// state.
-    Accepted { operation_id: String, machine: Arc<Machine> },
+    Accepted {
+        operation_id: String,
+        machine: Arc<Machine>,
+    },
     /// A retry of the recorded operation: no new work, the current snapshot.
-    Retry { operation_id: String, machine: Arc<Machine> },
+    Retry {
+        operation_id: String,
+        machine: Arc<Machine>,
+    },
 }
 
 /// What a finished transition did to the substrate.
@@ -104,7 +110,11 @@ impl Inventory {
             inventory.slots.insert(slot.machine.id.clone(), slot);
         }
         for f in snapshot.fences {
-            inventory.fences.entry(f.shard_id).or_default().insert(f.machine_id, f.mark);
+            inventory
+                .fences
+                .entry(f.shard_id)
+                .or_default()
+                .insert(f.machine_id, f.mark);
         }
         inventory
     }
@@ -150,7 +160,10 @@ impl Inventory {
     }
 
     pub fn fence_mark(&self, shard_id: &str, machine_id: &str) -> Option<HighWaterMark> {
-        self.fences.get(shard_id).and_then(|m| m.get(machine_id)).copied()
+        self.fences
+            .get(shard_id)
+            .and_then(|m| m.get(machine_id))
+            .copied()
     }
 
     /// Makes the operation counter start no lower than `floor` (ids never repeat, also across
@@ -172,7 +185,10 @@ impl Inventory {
     }
 
     fn counters(&self) -> Change {
-        Change::Counters { revision: self.revision, next_op: self.next_op }
+        Change::Counters {
+            revision: self.revision,
+            next_op: self.next_op,
+        }
     }
 
     fn touch(&mut self, id: &str, changes: &mut Vec<Change>) {
@@ -252,7 +268,10 @@ impl Inventory {
         self.touch(machine_id, changes);
         changes.push(self.counters());
         let machine = self.slots[machine_id].machine.clone();
-        Ok(Admission::Accepted { operation_id, machine })
+        Ok(Admission::Accepted {
+            operation_id,
+            machine,
+        })
     }
 
     /// Applies the outcome of a transition, unless it is stale: the machine must still exist,
@@ -269,8 +288,7 @@ impl Inventory {
         let Some(slot) = self.slots.get_mut(machine_id) else {
             return false;
         };
-        if slot.machine.state != kind.transitional() || slot.operation(kind) != Some(operation_id)
-        {
+        if slot.machine.state != kind.transitional() || slot.operation(kind) != Some(operation_id) {
             return false;
         }
         let machine = Arc::make_mut(&mut slot.machine);
@@ -306,11 +324,18 @@ impl Inventory {
     }
 
     /// Adds the records of a first seed. Duplicates are rejected before anything changes.
-    pub fn seed(&mut self, machines: Vec<Machine>, changes: &mut Vec<Change>) -> Result<(), String> {
+    pub fn seed(
+        &mut self,
+        machines: Vec<Machine>,
+        changes: &mut Vec<Change>,
+    ) -> Result<(), String> {
         let mut seen = HashSet::new();
         for m in &machines {
             if !seen.insert(m.id.as_str()) || self.slots.contains_key(&m.id) {
-                return Err(format!("backend Describe returned duplicate id {}", fence::go_quote(&m.id)));
+                return Err(format!(
+                    "backend Describe returned duplicate id {}",
+                    fence::go_quote(&m.id)
+                ));
             }
         }
         for machine in machines {
@@ -324,7 +349,11 @@ impl Inventory {
         let id = machine.id.clone();
         self.slots.insert(
             id.clone(),
-            Slot { machine: Arc::new(machine), last_change: 0, operations: Default::default() },
+            Slot {
+                machine: Arc::new(machine),
+                last_change: 0,
+                operations: Default::default(),
+            },
         );
         self.touch(&id, changes);
     }
@@ -336,9 +365,13 @@ impl Inventory {
         let mut resumable = Vec::new();
         let mut failed = Vec::new();
         for slot in self.slots.values() {
-            let Some(kind) = OperationKind::of_transitional(slot.machine.state) else { continue };
+            let Some(kind) = OperationKind::of_transitional(slot.machine.state) else {
+                continue;
+            };
             match (kind, slot.operation(kind)) {
-                (OperationKind::Configure, _) | (_, None) => failed.push((slot.machine.id.clone(), kind)),
+                (OperationKind::Configure, _) | (_, None) => {
+                    failed.push((slot.machine.id.clone(), kind))
+                }
                 (_, Some(op)) => resumable.push(Interrupted {
                     machine_id: slot.machine.id.clone(),
                     kind,
@@ -436,8 +469,12 @@ impl Inventory {
             }
         }
         // Slots the substrate no longer reports.
-        let absent: Vec<String> =
-            self.slots.keys().filter(|id| !seen.contains(*id)).cloned().collect();
+        let absent: Vec<String> = self
+            .slots
+            .keys()
+            .filter(|id| !seen.contains(*id))
+            .cloned()
+            .collect();
         for id in absent {
             let slot = &self.slots[&id];
             let (state, host) = (slot.machine.state, slot.machine.host.clone());
@@ -508,7 +545,11 @@ impl Inventory {
     }
 
     /// Returns a FAILED slot to Speculative after its host (if any) was deleted.
-    pub fn release(&mut self, machine_id: &str, changes: &mut Vec<Change>) -> Result<(), CoreError> {
+    pub fn release(
+        &mut self,
+        machine_id: &str,
+        changes: &mut Vec<Change>,
+    ) -> Result<(), CoreError> {
         let slot = self
             .slots
             .get_mut(machine_id)

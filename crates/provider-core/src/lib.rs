@@ -1,18 +1,28 @@
 //! provider-core: the BigFleet `CapacityProvider` contract engine and everything the Hetzner and
 //! DigitalOcean providers share. See ARCHITECTURE.md for the map of modules to contract rules.
 
+pub mod admin;
+pub mod app;
 pub mod backend;
 pub mod cloud;
+pub mod config;
+pub mod durable;
 pub mod duration;
 pub mod engine;
 pub mod error;
+pub mod fake;
 pub mod fence;
+pub mod fleet;
 pub mod inventory;
 pub mod lifecycle;
 pub mod machine;
+pub mod offerings;
 pub mod retry;
+pub mod serve;
+pub mod server;
 pub mod store;
 pub mod telemetry;
+pub mod tls;
 pub mod userdata;
 
 pub use backend::{Backend, BackendError, BootstrapBlob, ConfigureOrder, TransitionContext};

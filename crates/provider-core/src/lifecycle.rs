@@ -74,7 +74,9 @@ impl OperationKind {
 
     /// The operation whose transitional state this is, if any.
     pub fn of_transitional(state: MachineState) -> Option<OperationKind> {
-        OperationKind::ALL.into_iter().find(|k| k.transitional() == state)
+        OperationKind::ALL
+            .into_iter()
+            .find(|k| k.transitional() == state)
     }
 
     /// Whether the operation may start from `state`. There is no other edge: nothing leaves
@@ -103,8 +105,10 @@ mod tests {
     #[test]
     fn each_kind_has_exactly_one_entry_edge() {
         for kind in OperationKind::ALL {
-            let starts: Vec<_> =
-                MachineState::ALL.into_iter().filter(|s| kind.can_start(*s)).collect();
+            let starts: Vec<_> = MachineState::ALL
+                .into_iter()
+                .filter(|s| kind.can_start(*s))
+                .collect();
             assert_eq!(starts, vec![kind.source()], "{kind}");
         }
     }
@@ -112,7 +116,10 @@ mod tests {
     #[test]
     fn nothing_starts_from_failed_or_transitional_states() {
         for kind in OperationKind::ALL {
-            for state in MachineState::ALL.into_iter().filter(|s| s.is_transitional()) {
+            for state in MachineState::ALL
+                .into_iter()
+                .filter(|s| s.is_transitional())
+            {
                 assert!(!kind.can_start(state), "{kind} from {state}");
             }
             assert!(!kind.can_start(MachineState::Failed));
@@ -130,7 +137,10 @@ mod tests {
             (OperationKind::Delete, Idle, Deleting, Speculative),
         ];
         for (kind, from, via, to) in rows {
-            assert_eq!((kind.source(), kind.transitional(), kind.target()), (from, via, to));
+            assert_eq!(
+                (kind.source(), kind.transitional(), kind.target()),
+                (from, via, to)
+            );
             assert_eq!(OperationKind::of_transitional(via), Some(kind));
             assert_eq!(OperationKind::from_name(kind.name()), Some(kind));
         }

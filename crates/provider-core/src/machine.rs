@@ -70,7 +70,9 @@ impl MachineState {
 
     /// The state for a wire number; unknown numbers are `None`.
     pub fn from_wire(number: i32) -> Option<MachineState> {
-        usize::try_from(number).ok().and_then(|i| MachineState::ALL.get(i).copied())
+        usize::try_from(number)
+            .ok()
+            .and_then(|i| MachineState::ALL.get(i).copied())
     }
 }
 
@@ -119,7 +121,9 @@ impl CapacityType {
     }
 
     pub fn from_wire(number: i32) -> Option<CapacityType> {
-        usize::try_from(number).ok().and_then(|i| CapacityType::ALL.get(i).copied())
+        usize::try_from(number)
+            .ok()
+            .and_then(|i| CapacityType::ALL.get(i).copied())
     }
 }
 

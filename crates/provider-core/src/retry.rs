@@ -30,7 +30,10 @@ pub fn classify_status(status: u16, hint: Option<Duration>) -> Verdict {
 /// Hetzner and DigitalOcean send it).
 pub fn hint_from_headers(headers: &http::HeaderMap) -> Option<Duration> {
     let number = |name: &str| {
-        headers.get(name).and_then(|v| v.to_str().ok()).and_then(|v| v.trim().parse::<u64>().ok())
+        headers
+            .get(name)
+            .and_then(|v| v.to_str().ok())
+            .and_then(|v| v.trim().parse::<u64>().ok())
     };
     if let Some(seconds) = number("retry-after") {
         return Some(Duration::from_secs(seconds));
@@ -51,7 +54,11 @@ pub struct Backoff {
 
 impl Default for Backoff {
     fn default() -> Backoff {
-        Backoff { base: Duration::from_millis(500), max: Duration::from_secs(30), max_attempts: 8 }
+        Backoff {
+            base: Duration::from_millis(500),
+            max: Duration::from_secs(30),
+            max_attempts: 8,
+        }
     }
 }
 
@@ -61,7 +68,9 @@ impl Backoff {
         if let Some(hint) = hint {
             return hint.min(self.max);
         }
-        let exp = self.base.saturating_mul(1u32 << attempt.min(16).saturating_sub(1));
+        let exp = self
+            .base
+            .saturating_mul(1u32 << attempt.min(16).saturating_sub(1));
         let cap = exp.min(self.max);
         let jitter = rand::rng().random_range(0.5..=1.0);
         cap.mul_f64(jitter)
@@ -85,7 +94,9 @@ impl Backoff {
                 Ok(v) => return Ok(v),
                 Err(e) => e,
             };
-            let Verdict::Retry { after } = classify(&err) else { return Err(err) };
+            let Verdict::Retry { after } = classify(&err) else {
+                return Err(err);
+            };
             if n >= self.max_attempts {
                 return Err(err);
             }
@@ -121,7 +132,10 @@ mod tests {
         h.insert("retry-after", "7".parse().unwrap());
         assert_eq!(hint_from_headers(&h), Some(Duration::from_secs(7)));
         let mut h = http::HeaderMap::new();
-        let now = SystemTime::now().duration_since(UNIX_EPOCH).unwrap().as_secs();
+        let now = SystemTime::now()
+            .duration_since(UNIX_EPOCH)
+            .unwrap()
+            .as_secs();
         h.insert("ratelimit-reset", (now + 3).to_string().parse().unwrap());
         let d = hint_from_headers(&h).unwrap();
         assert!(d <= Duration::from_secs(3) && d >= Duration::from_secs(2));
@@ -133,15 +147,31 @@ mod tests {
         let backoff = Backoff::default();
         let calls = AtomicU32::new(0);
         let r: Result<u32, u16> = backoff
-            .run(None, |n| { calls.fetch_add(1, Ordering::SeqCst); async move { if n < 3 { Err(503) } else { Ok(n) } } }, |s| classify_status(*s, None))
+            .run(
+                None,
+                |n| {
+                    calls.fetch_add(1, Ordering::SeqCst);
+                    async move { if n < 3 { Err(503) } else { Ok(n) } }
+                },
+                |s| classify_status(*s, None),
+            )
             .await;
         assert_eq!(r, Ok(3));
-        let r: Result<(), u16> = backoff.run(None, |_| async { Err(404) }, |s| classify_status(*s, None)).await;
+        let r: Result<(), u16> = backoff
+            .run(None, |_| async { Err(404) }, |s| classify_status(*s, None))
+            .await;
         assert_eq!(r, Err(404));
         let deadline = Instant::now() + Duration::from_secs(2);
         let calls = AtomicU32::new(0);
         let r: Result<(), u16> = backoff
-            .run(Some(deadline), |_| { calls.fetch_add(1, Ordering::SeqCst); async { Err(429) } }, |s| classify_status(*s, Some(Duration::from_secs(1))))
+            .run(
+                Some(deadline),
+                |_| {
+                    calls.fetch_add(1, Ordering::SeqCst);
+                    async { Err(429) }
+                },
+                |s| classify_status(*s, Some(Duration::from_secs(1))),
+            )
             .await;
         assert_eq!(r, Err(429));
         assert!(Instant::now() < deadline);

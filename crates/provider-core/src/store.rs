@@ -17,7 +17,11 @@ pub enum Change {
     /// Forget a machine slot (an offering shrank).
     RemoveSlot(String),
     /// The high-water mark of a (shard, machine) pair.
-    PutFence { shard_id: String, machine_id: String, mark: HighWaterMark },
+    PutFence {
+        shard_id: String,
+        machine_id: String,
+        mark: HighWaterMark,
+    },
     /// The revision head and the next operation number.
     Counters { revision: i64, next_op: u64 },
 }

@@ -33,10 +33,16 @@ pub fn assemble(base: Option<&str>, ours: &str) -> String {
 
 fn assemble_with_boundary(base: &str, ours: &str, boundary: &str) -> String {
     let mut out = String::with_capacity(base.len() + ours.len() + 400);
-    out.push_str(&format!("Content-Type: multipart/mixed; boundary=\"{boundary}\"\n"));
+    out.push_str(&format!(
+        "Content-Type: multipart/mixed; boundary=\"{boundary}\"\n"
+    ));
     out.push_str("MIME-Version: 1.0\n\n");
-    for (i, (content_type, body)) in
-        [(sniff_content_type(base), base), ("text/cloud-config", ours)].into_iter().enumerate()
+    for (i, (content_type, body)) in [
+        (sniff_content_type(base), base),
+        ("text/cloud-config", ours),
+    ]
+    .into_iter()
+    .enumerate()
     {
         if i > 0 {
             out.push_str("\r\n");
@@ -56,15 +62,24 @@ mod tests {
 
     #[test]
     fn sniffs_the_operator_part() {
-        assert_eq!(sniff_content_type("  #cloud-config\na: 1"), "text/cloud-config");
+        assert_eq!(
+            sniff_content_type("  #cloud-config\na: 1"),
+            "text/cloud-config"
+        );
         assert_eq!(sniff_content_type("#!/bin/sh\necho"), "text/x-shellscript");
-        assert_eq!(sniff_content_type("#cloud-boothook\n"), "text/cloud-boothook");
+        assert_eq!(
+            sniff_content_type("#cloud-boothook\n"),
+            "text/cloud-boothook"
+        );
         assert_eq!(sniff_content_type("packages: [jq]"), "text/cloud-config");
     }
 
     #[test]
     fn bare_when_no_base() {
-        assert_eq!(assemble(None, "#cloud-config\nx: 1\n"), "#cloud-config\nx: 1\n");
+        assert_eq!(
+            assemble(None, "#cloud-config\nx: 1\n"),
+            "#cloud-config\nx: 1\n"
+        );
         assert_eq!(assemble(Some("  \n"), "#cloud-config\n"), "#cloud-config\n");
     }
 

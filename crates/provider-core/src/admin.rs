@@ -1,0 +1,166 @@
+//! The admin interface on a local Unix socket (`--admin-socket`, off by default): list FAILED
+//! machines and release one (delete its host if any, return the slot to Speculative). One JSON
+//! request line, one JSON response line. The socket file is created mode 0600, so only the
+//! provider's own user (and root) can use it. Every action is logged and counted.
+
+use std::path::Path;
+use std::sync::Arc;
+
+use serde::{Deserialize, Serialize};
+use tokio::io::{AsyncBufReadExt, AsyncWriteExt, BufReader};
+use tokio::net::{UnixListener, UnixStream};
+use tokio_util::sync::CancellationToken;
+
+use crate::engine::Engine;
+
+/// A request on the admin socket.
+#[derive(Debug, Serialize, Deserialize)]
+#[serde(tag = "op", rename_all = "snake_case")]
+pub enum AdminRequest {
+    FailedList,
+    Release { machine_id: String },
+}
+
+/// A FAILED machine as the admin interface shows it.
+#[derive(Debug, Serialize, Deserialize, PartialEq)]
+pub struct FailedMachine {
+    pub id: String,
+    pub host: Option<String>,
+    pub instance_type: String,
+    pub zone: String,
+    pub cluster: String,
+    pub last_error: String,
+}
+
+/// The answer to an admin request.
+#[derive(Debug, Serialize, Deserialize)]
+pub struct AdminResponse {
+    pub ok: bool,
+    #[serde(default, skip_serializing_if = "String::is_empty")]
+    pub error: String,
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub failed: Vec<FailedMachine>,
+}
+
+async fn handle(engine: &Engine, request: AdminRequest) -> AdminResponse {
+    let telemetry = engine.options().telemetry;
+    match request {
+        AdminRequest::FailedList => {
+            let failed = engine
+                .failed()
+                .iter()
+                .map(|m| FailedMachine {
+                    id: m.id.clone(),
+                    host: m.host.as_ref().map(|h| h.id.clone()),
+                    instance_type: m.instance_type.clone(),
+                    zone: m.zone.clone(),
+                    cluster: m.cluster.clone(),
+                    last_error: m.last_error.clone(),
+                })
+                .collect();
+            telemetry.admin("failed_list", "success");
+            AdminResponse {
+                ok: true,
+                error: String::new(),
+                failed,
+            }
+        }
+        AdminRequest::Release { machine_id } => match engine.release(&machine_id).await {
+            Ok(()) => {
+                tracing::info!(
+                    machine_id,
+                    "admin: released FAILED machine back to Speculative"
+                );
+                telemetry.admin("release", "success");
+                AdminResponse {
+                    ok: true,
+                    error: String::new(),
+                    failed: Vec::new(),
+                }
+            }
+            Err(e) => {
+                tracing::warn!(machine_id, error = %e, "admin: release refused");
+                telemetry.admin("release", "error");
+                AdminResponse {
+                    ok: false,
+                    error: e.to_string(),
+                    failed: Vec::new(),
+                }
+            }
+        },
+    }
+}
+
+async fn session(engine: Arc<Engine>, stream: UnixStream) -> std::io::Result<()> {
+    let (read, mut write) = stream.into_split();
+    let mut lines = BufReader::new(read).lines();
+    while let Some(line) = lines.next_line().await? {
+        let response = match serde_json::from_str::<AdminRequest>(&line) {
+            Ok(request) => handle(&engine, request).await,
+            Err(e) => AdminResponse {
+                ok: false,
+                error: format!("bad admin request: {e}"),
+                failed: Vec::new(),
+            },
+        };
+        let mut out = serde_json::to_string(&response).unwrap_or_else(|_| "{\"ok\":false}".into());
+        out.push('\n');
+        write.write_all(out.as_bytes()).await?;
+    }
+    Ok(())
+}
+
+/// Binds the admin socket (replacing a stale socket file) and serves it until `stop`.
+pub fn serve(
+    path: &Path,
+    engine: Arc<Engine>,
+    stop: CancellationToken,
+) -> std::io::Result<tokio::task::JoinHandle<()>> {
+    use std::os::unix::fs::PermissionsExt;
+    if let Some(parent) = path.parent().filter(|p| !p.as_os_str().is_empty()) {
+        std::fs::create_dir_all(parent)?;
+    }
+    if path.exists() {
+        std::fs::remove_file(path)?;
+    }
+    let listener = UnixListener::bind(path)?;
+    std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o600))?;
+    let path = path.to_owned();
+    tracing::info!(path = %path.display(), "admin socket listening");
+    Ok(tokio::spawn(async move {
+        loop {
+            tokio::select! {
+                accepted = listener.accept() => match accepted {
+                    Ok((stream, _)) => { tokio::spawn(session(engine.clone(), stream)); }
+                    Err(e) => tracing::warn!(error = %e, "admin socket accept failed"),
+                },
+                _ = stop.cancelled() => break,
+            }
+        }
+        let _ = std::fs::remove_file(&path);
+    }))
+}
+
+/// Sends one request to a running provider's admin socket.
+pub async fn call(path: &Path, request: &AdminRequest) -> Result<AdminResponse, String> {
+    let stream = UnixStream::connect(path).await.map_err(|e| {
+        format!(
+            "connect to admin socket {}: {e} (is the provider running with --admin-socket?)",
+            path.display()
+        )
+    })?;
+    let (read, mut write) = stream.into_split();
+    let mut line = serde_json::to_string(request).map_err(|e| e.to_string())?;
+    line.push('\n');
+    write
+        .write_all(line.as_bytes())
+        .await
+        .map_err(|e| e.to_string())?;
+    let mut lines = BufReader::new(read).lines();
+    let reply = lines
+        .next_line()
+        .await
+        .map_err(|e| e.to_string())?
+        .ok_or_else(|| "admin socket closed without an answer".to_owned())?;
+    serde_json::from_str(&reply).map_err(|e| format!("bad admin answer: {e}"))
+}

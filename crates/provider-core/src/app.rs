@@ -1,0 +1,296 @@
+//! Startup and shutdown shared by every provider binary: validate, load state, seed, bind,
+//! serve, run the background loops, and on SIGTERM/SIGINT drain in-flight work within the
+//! grace before exiting 0.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use tokio::net::TcpListener;
+use tokio_util::sync::CancellationToken;
+
+use crate::backend::Backend;
+use crate::config::{CommonArgs, listen_addr};
+use crate::engine::{Engine, EngineOptions};
+use crate::fleet::{Fleet, WARMUP_BUDGET};
+use crate::serve::{self, Readiness};
+use crate::store::{MemoryStore, SharedStore};
+use crate::telemetry::Telemetry;
+use crate::tls::{self, SecurityMode};
+
+/// A server that runs beside gRPC (the DigitalOcean bootstrap channel), started after the
+/// engine is up and stopped at shutdown.
+pub type SideServer = Box<dyn FnOnce(CancellationToken) -> tokio::task::JoinHandle<()> + Send>;
+
+/// Everything a binary hands to [`run`].
+pub struct Launch {
+    pub common: CommonArgs,
+    pub backend: Arc<dyn Backend>,
+    /// The offerings backend, for the price and capacity warm-up and the price refresh loop.
+    pub fleet: Option<Arc<Fleet>>,
+    pub telemetry: Telemetry,
+    /// Logs the startup line ("serving CapacityProvider") with the binary's own fields.
+    pub announce: Box<dyn Fn(SecurityMode) + Send>,
+    pub side_servers: Vec<SideServer>,
+    /// Whether reported records must carry a zone.
+    pub require_zone: bool,
+}
+
+/// Opens the store behind `--state` (in memory when empty).
+pub fn open_store(state: &str) -> Result<SharedStore, String> {
+    if state.is_empty() {
+        return Ok(Arc::new(MemoryStore));
+    }
+    crate::durable::DurableStore::open(std::path::Path::new(state))
+        .map(|s| Arc::new(s) as SharedStore)
+}
+
+/// Warms prices and capacities from the cloud (best effort, bounded) and fails if an offered
+/// type has no price at all.
+pub async fn warm_up(fleet: &Fleet, telemetry: Telemetry) -> Result<(), String> {
+    let pairs = fleet.price_pairs();
+    match tokio::time::timeout(
+        WARMUP_BUDGET,
+        fleet.prices().refresh(&**fleet.cloud(), &pairs),
+    )
+    .await
+    {
+        Ok(failures) => {
+            for (instance_type, zone, err) in failures {
+                tracing::warn!(
+                    instance_type,
+                    zone,
+                    err,
+                    "pricing: price fetch failed; keeping fallback"
+                );
+            }
+        }
+        Err(_) => tracing::warn!("pricing: price warm-up timed out; keeping fallback"),
+    }
+    let types = fleet.instance_types();
+    match tokio::time::timeout(
+        WARMUP_BUDGET,
+        fleet.capacities().resolve(&**fleet.cloud(), &types),
+    )
+    .await
+    {
+        Ok(Ok(0)) => {}
+        Ok(Ok(unresolved)) => tracing::warn!(
+            unresolved,
+            "some offered instance types unresolved from the cloud; using pinned table"
+        ),
+        Ok(Err(err)) => tracing::warn!(err = %err, "capacity resolve failed; using pinned table"),
+        Err(_) => tracing::warn!("capacity resolve timed out; using pinned table"),
+    }
+    let _ = telemetry;
+    let unpriced = fleet.unpriced();
+    if let Some((t, z)) = unpriced.first() {
+        return Err(format!(
+            "no live or pinned price for instance type {t:?} in {z:?}: the cloud did not price it and it is not in the pinned table; fix the offering or check the API token and endpoint"
+        ));
+    }
+    Ok(())
+}
+
+async fn shutdown_signal() {
+    use tokio::signal::unix::{SignalKind, signal};
+    let mut term = match signal(SignalKind::terminate()) {
+        Ok(s) => s,
+        Err(_) => return std::future::pending().await,
+    };
+    tokio::select! {
+        _ = term.recv() => {}
+        _ = tokio::signal::ctrl_c() => {}
+    }
+}
+
+/// Runs a provider until SIGTERM/SIGINT.
+pub async fn run(launch: Launch) -> Result<(), String> {
+    let Launch {
+        common,
+        backend,
+        fleet,
+        telemetry,
+        announce,
+        side_servers,
+        require_zone,
+    } = launch;
+    common.validate()?;
+    // TLS is settled before anything else binds or loads.
+    let (security, tls_config) = tls::grpc_tls(&common.tls_flags())?;
+    if let Some(fleet) = &fleet {
+        warm_up(fleet, telemetry).await?;
+    }
+    if !backend.has_readiness_gate() {
+        tracing::warn!(
+            "no readiness gate configured: a successful bootstrap hook is taken as node readiness (Configured is reported as soon as configure succeeds)"
+        );
+    }
+    let store =
+        open_store(&common.state).map_err(|e| format!("open state {}: {e}", common.state))?;
+    let mut options = EngineOptions::new(telemetry);
+    options.timeouts = common.timeouts();
+    options.require_zone = require_zone;
+    let engine = Engine::start(backend, store, options)
+        .await
+        .map_err(|e| format!("build provider: {e}"))?;
+
+    let addr = listen_addr(&common.addr);
+    let grpc_listener = TcpListener::bind(&addr)
+        .await
+        .map_err(|e| format!("listen on {}: {e}", common.addr))?;
+    let ready = Readiness::default();
+    let stop = CancellationToken::new();
+    let mut tasks = Vec::new();
+
+    if !common.metrics_addr.is_empty() {
+        match TcpListener::bind(listen_addr(&common.metrics_addr)).await {
+            Ok(listener) => {
+                let (ready, engine, stop) = (ready.clone(), engine.clone(), stop.clone());
+                tasks.push(tokio::spawn(async move {
+                    if let Err(e) =
+                        serve::serve_http(
+                            listener,
+                            ready,
+                            engine,
+                            async move { stop.cancelled().await },
+                        )
+                        .await
+                    {
+                        tracing::error!(error = %e, "observability server");
+                    }
+                }));
+            }
+            Err(e) => {
+                tracing::error!(addr = common.metrics_addr, error = %e, "observability server: cannot bind the metrics address; serving gRPC without it")
+            }
+        }
+    }
+    if !common.admin_socket.is_empty() {
+        let handle = crate::admin::serve(
+            std::path::Path::new(&common.admin_socket),
+            engine.clone(),
+            stop.clone(),
+        )
+        .map_err(|e| format!("admin socket {}: {e}", common.admin_socket))?;
+        tasks.push(handle);
+    }
+    for side in side_servers {
+        tasks.push(side(stop.clone()));
+    }
+    spawn_loops(&common, &engine, fleet.clone(), telemetry, &stop);
+
+    let (health, health_service) = serve::grpc_health().await;
+    let grpc_stop = CancellationToken::new();
+    let grpc = {
+        let (engine, health, grpc_stop) = (engine.clone(), health.clone(), grpc_stop.clone());
+        tokio::spawn(serve::serve_grpc(
+            grpc_listener,
+            tls_config,
+            engine,
+            common.reflection,
+            health,
+            health_service,
+            async move { grpc_stop.cancelled().await },
+        ))
+    };
+    health.set(true).await;
+    ready.set(true);
+    announce(security);
+
+    let mut grpc = grpc;
+    tokio::select! {
+        _ = shutdown_signal() => {}
+        result = &mut grpc => {
+            stop.cancel();
+            return match result {
+                Ok(Ok(())) => Ok(()),
+                Ok(Err(e)) => Err(e),
+                Err(e) => Err(format!("gRPC server task: {e}")),
+            };
+        }
+    }
+    tracing::info!(in_flight = engine.in_flight(), grace = %crate::duration::format(common.shutdown_grace), "shutting down");
+    health.set(false).await;
+    ready.set(false);
+    let unfinished = engine.shutdown(common.shutdown_grace).await;
+    if unfinished > 0 {
+        tracing::warn!(
+            unfinished,
+            "shutdown grace ran out; unfinished transitions will be resumed at the next start"
+        );
+    }
+    stop.cancel();
+    grpc_stop.cancel();
+    let _ = tokio::time::timeout(Duration::from_secs(5), grpc).await;
+    for t in tasks {
+        let _ = tokio::time::timeout(Duration::from_secs(5), t).await;
+    }
+    tracing::info!("stopped");
+    Ok(())
+}
+
+fn spawn_loops(
+    common: &CommonArgs,
+    engine: &Arc<Engine>,
+    fleet: Option<Arc<Fleet>>,
+    telemetry: Telemetry,
+    stop: &CancellationToken,
+) {
+    if !common.reconcile_interval.is_zero() {
+        let (engine, stop, every) = (engine.clone(), stop.clone(), common.reconcile_interval);
+        tokio::spawn(async move {
+            let mut tick = tokio::time::interval_at(tokio::time::Instant::now() + every, every);
+            loop {
+                tokio::select! { _ = tick.tick() => {}, _ = stop.cancelled() => return }
+                match engine.reconcile().await {
+                    Ok(report) => {
+                        telemetry.reconcile_outcome("success");
+                        if report.changed() {
+                            tracing::info!(?report, "reconcile applied changes");
+                        }
+                    }
+                    Err(e) => {
+                        telemetry.reconcile_outcome("error");
+                        tracing::warn!(err = %e, "reconcile failed");
+                    }
+                }
+            }
+        });
+    }
+    if let Some(fleet) = fleet.filter(|_| !common.price_refresh.is_zero()) {
+        let (stop, every) = (stop.clone(), common.price_refresh);
+        tokio::spawn(async move {
+            let mut tick = tokio::time::interval_at(tokio::time::Instant::now() + every, every);
+            loop {
+                tokio::select! { _ = tick.tick() => {}, _ = stop.cancelled() => return }
+                let pairs = fleet.price_pairs();
+                let outcome = tokio::time::timeout(
+                    Duration::from_secs(30),
+                    fleet.prices().refresh(&**fleet.cloud(), &pairs),
+                )
+                .await;
+                let failures = match outcome {
+                    Ok(f) => f,
+                    Err(_) => vec![(
+                        String::new(),
+                        String::new(),
+                        "price refresh timed out".to_owned(),
+                    )],
+                };
+                for (instance_type, zone, err) in &failures {
+                    tracing::warn!(
+                        instance_type,
+                        zone,
+                        err,
+                        "pricing: price fetch failed; keeping fallback"
+                    );
+                }
+                telemetry.price_refresh_outcome(if failures.is_empty() {
+                    "success"
+                } else {
+                    "error"
+                });
+            }
+        });
+    }
+}

@@ -1,0 +1,238 @@
+//! Flags both binaries share, parsed by clap with the reference's names, defaults and Go-style
+//! durations and booleans, plus logging setup. Secrets are wrapped in [`Secret`].
+
+use std::path::PathBuf;
+use std::time::Duration;
+
+use clap::{ArgAction, Args, ValueEnum};
+
+use crate::duration;
+use crate::engine::Timeouts;
+use crate::tls::TlsFlags;
+
+/// A secret string (API token, HMAC key). Debug and Display print `[redacted]`.
+#[derive(Clone, Default, PartialEq, Eq)]
+pub struct Secret(String);
+
+impl Secret {
+    pub fn new(value: impl Into<String>) -> Secret {
+        Secret(value.into())
+    }
+
+    /// The secret itself, for the one place that must send it.
+    pub fn expose(&self) -> &str {
+        &self.0
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.0.is_empty()
+    }
+}
+
+impl std::fmt::Debug for Secret {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("[redacted]")
+    }
+}
+
+impl std::fmt::Display for Secret {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("[redacted]")
+    }
+}
+
+impl std::str::FromStr for Secret {
+    type Err = std::convert::Infallible;
+    fn from_str(s: &str) -> Result<Secret, Self::Err> {
+        Ok(Secret(s.to_owned()))
+    }
+}
+
+/// Log output format.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+pub enum LogFormat {
+    Text,
+    Json,
+}
+
+/// Parses a Go-style boolean value (`true`, `false`, `1`, `0`, `t`, `f`, any case).
+pub fn go_bool(text: &str) -> Result<bool, String> {
+    match text.to_ascii_lowercase().as_str() {
+        "1" | "t" | "true" => Ok(true),
+        "0" | "f" | "false" => Ok(false),
+        _ => Err(format!("invalid boolean value {text:?}")),
+    }
+}
+
+/// The flags shared by every provider binary.
+#[derive(Args, Debug, Clone)]
+pub struct CommonArgs {
+    /// gRPC listen address.
+    #[arg(long, default_value = ":9000", value_name = "ADDR")]
+    pub addr: String,
+
+    /// HTTP address for /metrics, /healthz and /readyz; empty disables it.
+    #[arg(long = "metrics-addr", default_value = ":9090", value_name = "ADDR")]
+    pub metrics_addr: String,
+
+    /// Register the gRPC reflection service.
+    #[arg(long, default_value = "true", value_parser = go_bool, num_args = 0..=1, require_equals = true, default_missing_value = "true", action = ArgAction::Set)]
+    pub reflection: bool,
+
+    /// Path to the offerings JSON; empty uses the built-in default mix.
+    #[arg(long, default_value = "", value_name = "PATH")]
+    pub offerings: String,
+
+    /// Slots in the default offering mix (values <= 0 mean 16).
+    #[arg(
+        long = "seed-count",
+        default_value_t = 32,
+        allow_negative_numbers = true,
+        value_name = "N"
+    )]
+    pub seed_count: i64,
+
+    /// Durable state directory/file; empty keeps state in memory only.
+    #[arg(long, default_value = "", value_name = "PATH")]
+    pub state: String,
+
+    /// Base image name or id for new hosts (required for the real backend).
+    #[arg(long, default_value = "", value_name = "IMAGE")]
+    pub image: String,
+
+    /// Operator cloud-init merged into every host's user-data.
+    #[arg(long = "base-user-data", default_value = "", value_name = "PATH")]
+    pub base_user_data: String,
+
+    /// Price refresh period; 0 disables the timer.
+    #[arg(long = "price-refresh", default_value = "30m", value_parser = duration::flag, value_name = "DURATION")]
+    pub price_refresh: Duration,
+
+    /// Reconcile period; 0 disables it.
+    #[arg(long = "reconcile-interval", default_value = "2m", value_parser = duration::flag, value_name = "DURATION")]
+    pub reconcile_interval: Duration,
+
+    /// Deadline of a Create transition.
+    #[arg(long = "create-timeout", default_value = "5m", value_parser = duration::flag, value_name = "DURATION")]
+    pub create_timeout: Duration,
+
+    /// Deadline of a Configure transition (including the readiness gate).
+    #[arg(long = "configure-timeout", default_value = "8m", value_parser = duration::flag, value_name = "DURATION")]
+    pub configure_timeout: Duration,
+
+    /// Deadline of a Drain transition.
+    #[arg(long = "drain-timeout", default_value = "15m", value_parser = duration::flag, value_name = "DURATION")]
+    pub drain_timeout: Duration,
+
+    /// Deadline of a Delete transition.
+    #[arg(long = "delete-timeout", default_value = "5m", value_parser = duration::flag, value_name = "DURATION")]
+    pub delete_timeout: Duration,
+
+    /// How long SIGTERM waits for in-flight transitions before exiting.
+    #[arg(long = "shutdown-grace", default_value = "25s", value_parser = duration::flag, value_name = "DURATION")]
+    pub shutdown_grace: Duration,
+
+    /// Unix socket for the admin interface (`admin failed list|release`); empty disables it.
+    #[arg(long = "admin-socket", default_value = "", value_name = "PATH")]
+    pub admin_socket: String,
+
+    /// Server certificate PEM for gRPC TLS.
+    #[arg(long = "tls-cert", default_value = "", value_name = "PATH")]
+    pub tls_cert: String,
+
+    /// Server private key PEM for gRPC TLS.
+    #[arg(long = "tls-key", default_value = "", value_name = "PATH")]
+    pub tls_key: String,
+
+    /// Client CA bundle PEM; enables mTLS (client certificates required and verified).
+    #[arg(long = "tls-ca", default_value = "", value_name = "PATH")]
+    pub tls_ca: String,
+
+    /// Log format.
+    #[arg(long = "log-format", value_enum, default_value = "text")]
+    pub log_format: LogFormat,
+
+    /// Log level or filter (RUST_LOG syntax); RUST_LOG wins when set.
+    #[arg(long = "log-level", default_value = "info", value_name = "FILTER")]
+    pub log_level: String,
+
+    /// How long each fake-backend transition takes.
+    #[arg(long = "fake-latency", default_value = "100ms", value_parser = duration::flag, value_name = "DURATION")]
+    pub fake_latency: Duration,
+}
+
+fn optional_path(s: &str) -> Option<PathBuf> {
+    (!s.is_empty()).then(|| PathBuf::from(s))
+}
+
+impl CommonArgs {
+    pub fn timeouts(&self) -> Timeouts {
+        Timeouts {
+            create: self.create_timeout,
+            configure: self.configure_timeout,
+            drain: self.drain_timeout,
+            delete: self.delete_timeout,
+        }
+    }
+
+    pub fn tls_flags(&self) -> TlsFlags {
+        TlsFlags {
+            cert: optional_path(&self.tls_cert),
+            key: optional_path(&self.tls_key),
+            ca: optional_path(&self.tls_ca),
+        }
+    }
+
+    /// Checks what clap cannot: positive transition deadlines.
+    pub fn validate(&self) -> Result<(), String> {
+        for (flag, d) in [
+            ("--create-timeout", self.create_timeout),
+            ("--configure-timeout", self.configure_timeout),
+            ("--drain-timeout", self.drain_timeout),
+            ("--delete-timeout", self.delete_timeout),
+        ] {
+            if d.is_zero() {
+                return Err(format!("{flag} must be a positive duration"));
+            }
+        }
+        Ok(())
+    }
+
+    /// Reads `--base-user-data` (`read --base-user-data: ...`).
+    pub fn read_base_user_data(&self) -> Result<Option<String>, String> {
+        if self.base_user_data.is_empty() {
+            return Ok(None);
+        }
+        std::fs::read_to_string(&self.base_user_data)
+            .map(Some)
+            .map_err(|e| format!("read --base-user-data: {}: {e}", self.base_user_data))
+    }
+}
+
+/// Resolves a listen address: Go's `:9000` means every interface.
+pub fn listen_addr(addr: &str) -> String {
+    if addr.starts_with(':') {
+        format!("0.0.0.0{addr}")
+    } else {
+        addr.to_owned()
+    }
+}
+
+/// Installs the global tracing subscriber (stderr, text or JSON).
+pub fn init_logging(format: LogFormat, level: &str) {
+    use tracing_subscriber::EnvFilter;
+    let filter = std::env::var("RUST_LOG")
+        .ok()
+        .filter(|v| !v.is_empty())
+        .and_then(|v| EnvFilter::try_new(v).ok())
+        .or_else(|| EnvFilter::try_new(level).ok())
+        .unwrap_or_else(|| EnvFilter::new("info"));
+    let builder = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr)
+        .with_target(false);
+    let _ = match format {
+        LogFormat::Text => builder.try_init(),
+        LogFormat::Json => builder.json().flatten_event(true).try_init(),
+    };
+}

@@ -1,0 +1,175 @@
+//! An in-memory cloud for the fake backends of both binaries and for tests: hosts appear after
+//! a short, realistic moment, are idempotent on the machine id, and report the same field
+//! shape as the real clouds. It never touches a network.
+
+use std::collections::{BTreeMap, HashMap};
+use std::sync::Mutex;
+use std::time::Duration;
+
+use async_trait::async_trait;
+
+use crate::backend::{BackendError, ConfigureOrder, TransitionContext};
+use crate::cloud::{Capacity, Cloud, OwnedHost};
+use crate::machine::Machine;
+
+/// How a fake cloud looks.
+#[derive(Clone, Debug)]
+pub struct FakeCloudProfile {
+    /// Prefix of error messages, e.g. `hcloudfake`.
+    pub name: &'static str,
+    /// What a host is called in messages, e.g. `server` or `droplet`.
+    pub host_noun: &'static str,
+    /// The first host id is `id_base + 1`.
+    pub id_base: u64,
+    /// Public IPv4 addresses are `<ip_prefix>.<n % 250 + 1>` (documentation ranges).
+    pub ip_prefix: &'static str,
+    /// The constant live price, USD/hour.
+    pub price_usd: f64,
+    /// How long each transition takes.
+    pub latency: Duration,
+    /// Hardware capacities.
+    pub capacity: fn(&str) -> Option<Capacity>,
+}
+
+#[derive(Debug)]
+struct State {
+    next: u64,
+    hosts: BTreeMap<String, OwnedHost>,
+}
+
+/// The fake cloud.
+#[derive(Debug)]
+pub struct FakeCloud {
+    profile: FakeCloudProfile,
+    state: Mutex<State>,
+}
+
+impl FakeCloud {
+    pub fn new(profile: FakeCloudProfile) -> FakeCloud {
+        FakeCloud {
+            profile,
+            state: Mutex::new(State {
+                next: 0,
+                hosts: BTreeMap::new(),
+            }),
+        }
+    }
+
+    fn state(&self) -> std::sync::MutexGuard<'_, State> {
+        self.state.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    async fn pause(&self, ctx: &TransitionContext) -> Result<(), BackendError> {
+        if self.profile.latency.is_zero() {
+            return Ok(());
+        }
+        tokio::select! {
+            _ = tokio::time::sleep(self.profile.latency) => Ok(()),
+            _ = ctx.cancel.cancelled() => Err(BackendError::new("cancelled")),
+        }
+    }
+
+    /// Removes a host behind the provider's back (tests of out-of-band deletion).
+    pub fn remove_out_of_band(&self, host_id: &str) -> bool {
+        self.state().hosts.remove(host_id).is_some()
+    }
+
+    /// The hosts that exist now.
+    pub fn hosts(&self) -> Vec<OwnedHost> {
+        self.state().hosts.values().cloned().collect()
+    }
+}
+
+#[async_trait]
+impl Cloud for FakeCloud {
+    async fn create_host(
+        &self,
+        machine: &Machine,
+        ctx: &TransitionContext,
+    ) -> Result<OwnedHost, BackendError> {
+        self.pause(ctx).await?;
+        let mut state = self.state();
+        if let Some(existing) = state.hosts.values().find(|h| h.machine_id == machine.id) {
+            return Ok(existing.clone());
+        }
+        state.next += 1;
+        let n = state.next;
+        let host = OwnedHost {
+            id: (self.profile.id_base + n).to_string(),
+            machine_id: machine.id.clone(),
+            instance_type: machine.instance_type.clone(),
+            zone: machine.zone.clone(),
+            public_ipv4: Some(format!("{}.{}", self.profile.ip_prefix, n % 250 + 1)),
+            cluster: None,
+            running: true,
+        };
+        state.hosts.insert(host.id.clone(), host.clone());
+        Ok(host)
+    }
+
+    async fn list_hosts(&self) -> Result<Vec<OwnedHost>, BackendError> {
+        Ok(self.hosts())
+    }
+
+    async fn configure_host(
+        &self,
+        _machine: &Machine,
+        host_id: &str,
+        order: &ConfigureOrder,
+        ctx: &TransitionContext,
+    ) -> Result<(), BackendError> {
+        self.pause(ctx).await?;
+        let mut state = self.state();
+        let host = state.hosts.get_mut(host_id).ok_or_else(|| {
+            BackendError(format!(
+                "{}: configure unknown {} {host_id:?}",
+                self.profile.name, self.profile.host_noun
+            ))
+        })?;
+        host.cluster = Some(order.cluster_id.clone());
+        Ok(())
+    }
+
+    async fn drain_host(
+        &self,
+        _machine: &Machine,
+        host_id: &str,
+        _grace: i64,
+        ctx: &TransitionContext,
+    ) -> Result<(), BackendError> {
+        self.pause(ctx).await?;
+        let mut state = self.state();
+        let host = state.hosts.get_mut(host_id).ok_or_else(|| {
+            BackendError(format!(
+                "{}: drain unknown {} {host_id:?}",
+                self.profile.name, self.profile.host_noun
+            ))
+        })?;
+        host.cluster = None;
+        Ok(())
+    }
+
+    async fn delete_host(
+        &self,
+        host_id: &str,
+        ctx: &TransitionContext,
+    ) -> Result<(), BackendError> {
+        self.pause(ctx).await?;
+        self.state().hosts.remove(host_id);
+        Ok(())
+    }
+
+    async fn price_usd(&self, _instance_type: &str, _zone: &str) -> Result<f64, BackendError> {
+        Ok(self.profile.price_usd)
+    }
+
+    async fn capacities(
+        &self,
+        instance_types: &[String],
+    ) -> Result<HashMap<String, Capacity>, BackendError> {
+        Ok(instance_types
+            .iter()
+            .filter_map(|t| (self.profile.capacity)(t).map(|c| (t.clone(), c)))
+            .collect())
+    }
+}

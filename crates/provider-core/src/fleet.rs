@@ -1,0 +1,369 @@
+//! The offerings-driven [`Backend`] shared by both clouds: slot ids, the Speculative slots of
+//! each offering, the merge of owned hosts into them, prices from the [`PriceBook`] (never a
+//! network call on the RPC path) and allocatable from the [`CapacityBook`]. The cloud itself
+//! is behind the [`Cloud`] seam.
+
+use std::collections::{HashMap, HashSet};
+use std::sync::{Arc, RwLock};
+use std::time::Duration;
+
+use async_trait::async_trait;
+
+use crate::backend::{Backend, BackendError, ConfigureOrder, TransitionContext, allocatable_of};
+use crate::cloud::{Capacity, Cloud, OwnedHost};
+use crate::inventory::Effect;
+use crate::machine::{CapacityType, HostRef, Machine, MachineState, StringMap};
+use crate::offerings::Offering;
+
+/// The slot id of offering slot `index`: `<provider>/OnDemand/<type>/<zone>/<NNN>`.
+pub fn slot_id(provider: &str, instance_type: &str, zone: &str, index: i64) -> String {
+    format!(
+        "{provider}/{}/{instance_type}/{zone}/{index:03}",
+        CapacityType::OnDemand.name()
+    )
+}
+
+type PinnedPrice = dyn Fn(&str, &str) -> Option<f64> + Send + Sync;
+type PinnedCapacity = dyn Fn(&str) -> Option<Capacity> + Send + Sync;
+
+/// USD/hour per (instance type, zone): live prices over a pinned fallback table.
+pub struct PriceBook {
+    live: RwLock<HashMap<(String, String), f64>>,
+    pinned: Box<PinnedPrice>,
+}
+
+impl std::fmt::Debug for PriceBook {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("PriceBook").finish_non_exhaustive()
+    }
+}
+
+impl PriceBook {
+    pub fn new(pinned: impl Fn(&str, &str) -> Option<f64> + Send + Sync + 'static) -> PriceBook {
+        PriceBook {
+            live: RwLock::default(),
+            pinned: Box::new(pinned),
+        }
+    }
+
+    /// The live price when one was fetched, else the pinned one.
+    pub fn price(&self, instance_type: &str, zone: &str) -> Option<f64> {
+        let live = self.live.read().unwrap_or_else(|e| e.into_inner());
+        live.get(&(instance_type.to_owned(), zone.to_owned()))
+            .copied()
+            .or_else(|| (self.pinned)(instance_type, zone))
+    }
+
+    /// Fetches live prices for every pair; returns the failures as `(type, zone, error)`.
+    pub async fn refresh(
+        &self,
+        cloud: &dyn Cloud,
+        pairs: &[(String, String)],
+    ) -> Vec<(String, String, String)> {
+        let mut failures = Vec::new();
+        for (t, z) in pairs {
+            match cloud.price_usd(t, z).await {
+                Ok(price) if price.is_finite() && price >= 0.0 => {
+                    self.live
+                        .write()
+                        .unwrap_or_else(|e| e.into_inner())
+                        .insert((t.clone(), z.clone()), price);
+                }
+                Ok(price) => {
+                    failures.push((t.clone(), z.clone(), format!("implausible price {price}")))
+                }
+                Err(e) => failures.push((t.clone(), z.clone(), e.0)),
+            }
+        }
+        failures
+    }
+}
+
+/// Hardware capacity per instance type: the live catalogue over a pinned table.
+pub struct CapacityBook {
+    live: RwLock<HashMap<String, Capacity>>,
+    pinned: Box<PinnedCapacity>,
+}
+
+impl std::fmt::Debug for CapacityBook {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("CapacityBook").finish_non_exhaustive()
+    }
+}
+
+impl CapacityBook {
+    pub fn new(pinned: impl Fn(&str) -> Option<Capacity> + Send + Sync + 'static) -> CapacityBook {
+        CapacityBook {
+            live: RwLock::default(),
+            pinned: Box::new(pinned),
+        }
+    }
+
+    pub fn capacity(&self, instance_type: &str) -> Option<Capacity> {
+        let live = self.live.read().unwrap_or_else(|e| e.into_inner());
+        live.get(instance_type)
+            .copied()
+            .or_else(|| (self.pinned)(instance_type))
+    }
+
+    pub fn allocatable(&self, instance_type: &str) -> StringMap {
+        self.capacity(instance_type)
+            .map(|c| allocatable_of(c.vcpus, c.memory_mib))
+            .unwrap_or_default()
+    }
+
+    /// Overlays the live catalogue; returns how many of `types` it did not resolve.
+    pub async fn resolve(
+        &self,
+        cloud: &dyn Cloud,
+        types: &[String],
+    ) -> Result<usize, BackendError> {
+        let found = cloud.capacities(types).await?;
+        let unresolved = types.iter().filter(|t| !found.contains_key(*t)).count();
+        self.live
+            .write()
+            .unwrap_or_else(|e| e.into_inner())
+            .extend(found);
+        Ok(unresolved)
+    }
+}
+
+/// The offerings-driven backend over one cloud.
+pub struct Fleet {
+    cloud: Arc<dyn Cloud>,
+    provider: String,
+    offerings: Vec<Offering>,
+    prices: Arc<PriceBook>,
+    capacities: Arc<CapacityBook>,
+    extra_labels: fn(&str) -> StringMap,
+}
+
+impl std::fmt::Debug for Fleet {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Fleet")
+            .field("provider", &self.provider)
+            .finish_non_exhaustive()
+    }
+}
+
+impl Fleet {
+    pub fn new(
+        cloud: Arc<dyn Cloud>,
+        provider: impl Into<String>,
+        offerings: Vec<Offering>,
+        prices: Arc<PriceBook>,
+        capacities: Arc<CapacityBook>,
+        extra_labels: fn(&str) -> StringMap,
+    ) -> Fleet {
+        Fleet {
+            cloud,
+            provider: provider.into(),
+            offerings,
+            prices,
+            capacities,
+            extra_labels,
+        }
+    }
+
+    pub fn cloud(&self) -> &Arc<dyn Cloud> {
+        &self.cloud
+    }
+
+    pub fn prices(&self) -> &Arc<PriceBook> {
+        &self.prices
+    }
+
+    pub fn capacities(&self) -> &Arc<CapacityBook> {
+        &self.capacities
+    }
+
+    /// The distinct (type, zone) pairs of the offerings.
+    pub fn price_pairs(&self) -> Vec<(String, String)> {
+        let mut seen = HashSet::new();
+        self.offerings
+            .iter()
+            .map(|o| (o.instance_type.clone(), o.zone.clone()))
+            .filter(|p| seen.insert(p.clone()))
+            .collect()
+    }
+
+    /// The distinct instance types of the offerings.
+    pub fn instance_types(&self) -> Vec<String> {
+        let mut seen = HashSet::new();
+        self.offerings
+            .iter()
+            .map(|o| o.instance_type.clone())
+            .filter(|t| seen.insert(t.clone()))
+            .collect()
+    }
+
+    /// Offered pairs with neither a live nor a pinned price: a startup error, never a silent 0.
+    pub fn unpriced(&self) -> Vec<(String, String)> {
+        self.price_pairs()
+            .into_iter()
+            .filter(|(t, z)| self.prices.price(t, z).is_none())
+            .collect()
+    }
+
+    fn machine(&self, id: String, instance_type: &str, zone: &str) -> Machine {
+        let mut m = Machine::speculative(id, instance_type);
+        m.zone = zone.to_owned();
+        m.capacity_type = CapacityType::OnDemand;
+        m.price_per_hour = self.prices.price(instance_type, zone).unwrap_or(0.0);
+        m.allocatable = self.capacities.allocatable(instance_type);
+        m
+    }
+
+    fn slots(&self) -> Vec<Machine> {
+        let mut out = Vec::new();
+        for o in &self.offerings {
+            for i in 0..o.count.max(0) {
+                let mut m = self.machine(
+                    slot_id(&self.provider, &o.instance_type, &o.zone, i),
+                    &o.instance_type,
+                    &o.zone,
+                );
+                m.resources = o.resources.clone();
+                m.labels = o.labels.clone();
+                m.labels.extend((self.extra_labels)(&o.instance_type));
+                out.push(m);
+            }
+        }
+        out
+    }
+
+    fn host_ref(&self, host: &OwnedHost) -> HostRef {
+        HostRef {
+            provider: self.provider.clone(),
+            id: host.id.clone(),
+        }
+    }
+
+    /// Resources for a host without a slot: from an offering of the same type, the same zone
+    /// preferred.
+    fn recovered_resources(&self, instance_type: &str, zone: &str) -> StringMap {
+        let same_type = self
+            .offerings
+            .iter()
+            .filter(|o| o.instance_type == instance_type);
+        same_type
+            .clone()
+            .find(|o| o.zone == zone)
+            .or_else(|| same_type.clone().next())
+            .map(|o| o.resources.clone())
+            .unwrap_or_default()
+    }
+
+    fn host_id<'a>(&self, machine: &'a Machine, action: &str) -> Result<&'a str, BackendError> {
+        machine
+            .host
+            .as_ref()
+            .filter(|h| !h.id.is_empty())
+            .map(|h| h.id.as_str())
+            .ok_or_else(|| BackendError(format!("{action}: machine {} has no host", machine.id)))
+    }
+}
+
+#[async_trait]
+impl Backend for Fleet {
+    async fn describe(&self) -> Result<Vec<Machine>, BackendError> {
+        let hosts = self.cloud.list_hosts().await?;
+        let mut by_machine: HashMap<&str, &OwnedHost> = HashMap::new();
+        for h in &hosts {
+            if !h.machine_id.is_empty() {
+                by_machine.insert(h.machine_id.as_str(), h);
+            }
+        }
+        let mut out = self.slots();
+        let mut matched = HashSet::new();
+        for m in &mut out {
+            if let Some(host) = by_machine.get(m.id.as_str()) {
+                m.state = MachineState::Idle;
+                m.host = Some(self.host_ref(host));
+                matched.insert(m.id.clone());
+            }
+        }
+        for host in &hosts {
+            if host.machine_id.is_empty() || matched.contains(&host.machine_id) {
+                continue;
+            }
+            let mut m = self.machine(host.machine_id.clone(), &host.instance_type, &host.zone);
+            m.state = MachineState::Idle;
+            m.host = Some(self.host_ref(host));
+            m.resources = self.recovered_resources(&host.instance_type, &host.zone);
+            out.push(m);
+        }
+        Ok(out)
+    }
+
+    fn offered(&self) -> Option<Vec<Machine>> {
+        Some(self.slots())
+    }
+
+    async fn create(
+        &self,
+        machine: &Machine,
+        ctx: &TransitionContext,
+    ) -> Result<Effect, BackendError> {
+        let host = self.cloud.create_host(machine, ctx).await?;
+        if host.id.is_empty() {
+            return Err(BackendError(format!(
+                "create {} returned no host id",
+                machine.instance_type
+            )));
+        }
+        Ok(Effect {
+            host: Some(self.host_ref(&host)),
+            resources: StringMap::new(),
+            allocatable: self.capacities.allocatable(&machine.instance_type),
+        })
+    }
+
+    async fn configure(
+        &self,
+        machine: &Machine,
+        order: &ConfigureOrder,
+        ctx: &TransitionContext,
+    ) -> Result<(), BackendError> {
+        let host_id = self.host_id(machine, "configure")?;
+        self.cloud
+            .configure_host(machine, host_id, order, ctx)
+            .await
+    }
+
+    fn has_readiness_gate(&self) -> bool {
+        self.cloud.has_readiness_gate()
+    }
+
+    async fn confirm_ready(
+        &self,
+        machine: &Machine,
+        cluster_id: &str,
+        ctx: &TransitionContext,
+    ) -> Result<(), BackendError> {
+        let host_id = self.host_id(machine, "readiness")?;
+        self.cloud
+            .confirm_ready(machine, host_id, cluster_id, ctx)
+            .await
+    }
+
+    async fn drain(
+        &self,
+        machine: &Machine,
+        grace_period_seconds: i64,
+        ctx: &TransitionContext,
+    ) -> Result<(), BackendError> {
+        let host_id = self.host_id(machine, "drain")?;
+        self.cloud
+            .drain_host(machine, host_id, grace_period_seconds.max(1), ctx)
+            .await
+    }
+
+    async fn delete(&self, machine: &Machine, ctx: &TransitionContext) -> Result<(), BackendError> {
+        let host_id = self.host_id(machine, "delete")?;
+        self.cloud.delete_host(host_id, ctx).await
+    }
+}
+
+/// Budget of the startup price warm-up and capacity resolution.
+pub const WARMUP_BUDGET: Duration = Duration::from_secs(20);

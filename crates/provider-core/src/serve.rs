@@ -1,0 +1,241 @@
+//! The listeners: the gRPC server (CapacityProvider, grpc.health.v1, reflection) over plain TCP
+//! or TLS 1.3, with the reference keepalive settings, and the HTTP observability server with
+//! `/metrics`, `/healthz` and `/readyz`.
+
+use std::future::Future;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::Duration;
+
+use axum::Router;
+use axum::extract::State;
+use axum::http::StatusCode;
+use axum::routing::any;
+use fleet_proto::v1alpha1::capacity_provider_server::CapacityProviderServer;
+use tokio::net::TcpListener;
+use tonic::transport::Server;
+use tonic_health::ServingStatus;
+use tonic_health::server::HealthReporter;
+
+use crate::engine::Engine;
+use crate::server::Service;
+use crate::telemetry::{self, Telemetry};
+
+/// Readiness as `/readyz` reports it.
+#[derive(Debug, Default, Clone)]
+pub struct Readiness(Arc<AtomicBool>);
+
+impl Readiness {
+    pub fn set(&self, ready: bool) {
+        self.0.store(ready, Ordering::SeqCst);
+    }
+
+    pub fn get(&self) -> bool {
+        self.0.load(Ordering::SeqCst)
+    }
+}
+
+/// Health of the gRPC port: the overall service "" and the CapacityProvider service.
+#[derive(Clone)]
+pub struct GrpcHealth(HealthReporter);
+
+impl std::fmt::Debug for GrpcHealth {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("GrpcHealth")
+    }
+}
+
+impl GrpcHealth {
+    pub async fn set(&self, serving: bool) {
+        let status = if serving {
+            ServingStatus::Serving
+        } else {
+            ServingStatus::NotServing
+        };
+        self.0.set_service_status("", status).await;
+        self.0
+            .set_service_status(fleet_proto::SERVICE_NAME, status)
+            .await;
+    }
+}
+
+/// Serves gRPC on `listener` until `shutdown` completes. Returns the health handle through
+/// `health_out` before serving.
+pub async fn serve_grpc(
+    listener: TcpListener,
+    tls: Option<Arc<rustls::ServerConfig>>,
+    engine: Arc<Engine>,
+    reflection: bool,
+    health: GrpcHealth,
+    health_service: tonic_health::pb::health_server::HealthServer<
+        impl tonic_health::pb::health_server::Health,
+    >,
+    shutdown: impl Future<Output = ()> + Send + 'static,
+) -> Result<(), String> {
+    let service = CapacityProviderServer::new(Service::new(engine));
+    let mut builder = Server::builder()
+        .http2_keepalive_interval(Some(Duration::from_secs(2 * 3600)))
+        .http2_keepalive_timeout(Some(Duration::from_secs(20)))
+        .tcp_nodelay(true);
+    let _ = &health;
+    let reflection_v1 = if reflection {
+        Some(
+            tonic_reflection::server::Builder::configure()
+                .register_encoded_file_descriptor_set(fleet_proto::FILE_DESCRIPTOR_SET)
+                .register_encoded_file_descriptor_set(tonic_health::pb::FILE_DESCRIPTOR_SET)
+                .build_v1()
+                .map_err(|e| format!("reflection: {e}"))?,
+        )
+    } else {
+        None
+    };
+    let reflection_v1alpha = if reflection {
+        Some(
+            tonic_reflection::server::Builder::configure()
+                .register_encoded_file_descriptor_set(fleet_proto::FILE_DESCRIPTOR_SET)
+                .register_encoded_file_descriptor_set(tonic_health::pb::FILE_DESCRIPTOR_SET)
+                .build_v1alpha()
+                .map_err(|e| format!("reflection: {e}"))?,
+        )
+    } else {
+        None
+    };
+    let router = builder
+        .add_service(health_service)
+        .add_service(service)
+        .add_optional_service(reflection_v1)
+        .add_optional_service(reflection_v1alpha);
+    let result = match tls {
+        Some(config) => {
+            let incoming = crate::tls::incoming(listener, config, Duration::from_secs(10));
+            router
+                .serve_with_incoming_shutdown(incoming, shutdown)
+                .await
+        }
+        None => {
+            let incoming =
+                tonic::transport::server::TcpIncoming::from(listener).with_nodelay(Some(true));
+            router
+                .serve_with_incoming_shutdown(incoming, shutdown)
+                .await
+        }
+    };
+    result.map_err(|e| format!("gRPC server: {e}"))
+}
+
+/// A fresh health reporter and service, initially NOT_SERVING.
+pub async fn grpc_health() -> (
+    GrpcHealth,
+    tonic_health::pb::health_server::HealthServer<impl tonic_health::pb::health_server::Health>,
+) {
+    let (reporter, service) = tonic_health::server::health_reporter();
+    let health = GrpcHealth(reporter);
+    health.set(false).await;
+    (health, service)
+}
+
+#[derive(Clone)]
+struct HttpState {
+    ready: Readiness,
+    engine: Arc<Engine>,
+    telemetry: Telemetry,
+    handle: metrics_exporter_prometheus::PrometheusHandle,
+}
+
+async fn healthz() -> &'static str {
+    "ok\n"
+}
+
+async fn readyz(State(state): State<HttpState>) -> (StatusCode, &'static str) {
+    if state.ready.get() {
+        (StatusCode::OK, "ready\n")
+    } else {
+        (StatusCode::SERVICE_UNAVAILABLE, "not ready\n")
+    }
+}
+
+async fn metrics(
+    State(state): State<HttpState>,
+) -> ([(axum::http::HeaderName, &'static str); 1], String) {
+    let census = state.engine.census();
+    state
+        .telemetry
+        .census(&census.by_state, census.failed_with_host);
+    state.handle.run_upkeep();
+    let mut body = state.handle.render();
+    body.push_str(&process_metrics());
+    (
+        [(
+            axum::http::header::CONTENT_TYPE,
+            "text/plain; version=0.0.4; charset=utf-8",
+        )],
+        body,
+    )
+}
+
+/// `process_*` series read from /proc, like the Prometheus process collector.
+fn process_metrics() -> String {
+    let mut out = String::new();
+    if let Ok(status) = std::fs::read_to_string("/proc/self/status") {
+        for (key, name) in [
+            ("VmRSS:", "process_resident_memory_bytes"),
+            ("VmHWM:", "process_resident_memory_max_bytes"),
+        ] {
+            if let Some(kb) = status
+                .lines()
+                .find(|l| l.starts_with(key))
+                .and_then(|l| l.split_whitespace().nth(1))
+                .and_then(|v| v.parse::<u64>().ok())
+            {
+                out.push_str(&format!("# TYPE {name} gauge\n{name} {}\n", kb * 1024));
+            }
+        }
+    }
+    if let Ok(stat) = std::fs::read_to_string("/proc/self/stat") {
+        // Fields after the command name: utime and stime are fields 14 and 15 (1-based).
+        if let Some(rest) = stat.rsplit(')').next() {
+            let fields: Vec<&str> = rest.split_whitespace().collect();
+            let ticks = |i: usize| {
+                fields
+                    .get(i)
+                    .and_then(|v| v.parse::<f64>().ok())
+                    .unwrap_or(0.0)
+            };
+            let seconds = (ticks(11) + ticks(12)) / 100.0;
+            out.push_str(&format!(
+                "# TYPE process_cpu_seconds_total counter\nprocess_cpu_seconds_total {seconds}\n"
+            ));
+        }
+    }
+    if let Ok(fds) = std::fs::read_dir("/proc/self/fd") {
+        out.push_str(&format!(
+            "# TYPE process_open_fds gauge\nprocess_open_fds {}\n",
+            fds.count()
+        ));
+    }
+    out
+}
+
+/// Serves `/metrics`, `/healthz` and `/readyz` until `shutdown` completes.
+pub async fn serve_http(
+    listener: TcpListener,
+    ready: Readiness,
+    engine: Arc<Engine>,
+    shutdown: impl Future<Output = ()> + Send + 'static,
+) -> std::io::Result<()> {
+    let telemetry = engine.options().telemetry;
+    let state = HttpState {
+        ready,
+        engine,
+        telemetry,
+        handle: telemetry::recorder(),
+    };
+    let app = Router::new()
+        .route("/healthz", any(healthz))
+        .route("/readyz", any(readyz))
+        .route("/metrics", any(metrics))
+        .with_state(state);
+    axum::serve(listener, app)
+        .with_graceful_shutdown(shutdown)
+        .await
+}

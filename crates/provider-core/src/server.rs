@@ -1,0 +1,285 @@
+//! The tonic `CapacityProvider` service: wire <-> domain conversion, one log line and one
+//! metric sample per RPC (method, machine id, code, duration), and panics answered as INTERNAL
+//! "internal error" without taking the process down.
+
+use std::panic::AssertUnwindSafe;
+use std::sync::Arc;
+use std::time::Instant;
+
+use fleet_proto::v1alpha1 as pb;
+use fleet_proto::v1alpha1::capacity_provider_server::CapacityProvider;
+use futures_util::FutureExt;
+use tonic::{Code, Request, Response, Status};
+
+use crate::engine::{Ack, Engine, ListQuery};
+use crate::fence::FenceToken;
+use crate::machine::{Machine, MachineState, StringMap};
+use crate::telemetry::Telemetry;
+
+/// The gRPC face of an [`Engine`].
+#[derive(Debug, Clone)]
+pub struct Service {
+    engine: Arc<Engine>,
+    telemetry: Telemetry,
+}
+
+impl Service {
+    pub fn new(engine: Arc<Engine>) -> Service {
+        let telemetry = engine.options().telemetry;
+        Service { engine, telemetry }
+    }
+}
+
+/// The gRPC code name as the reference's metrics spell it (`OK`, `FailedPrecondition`, ...).
+pub fn code_name(code: Code) -> &'static str {
+    match code {
+        Code::Ok => "OK",
+        Code::Cancelled => "Canceled",
+        Code::Unknown => "Unknown",
+        Code::InvalidArgument => "InvalidArgument",
+        Code::DeadlineExceeded => "DeadlineExceeded",
+        Code::NotFound => "NotFound",
+        Code::AlreadyExists => "AlreadyExists",
+        Code::PermissionDenied => "PermissionDenied",
+        Code::ResourceExhausted => "ResourceExhausted",
+        Code::FailedPrecondition => "FailedPrecondition",
+        Code::Aborted => "Aborted",
+        Code::OutOfRange => "OutOfRange",
+        Code::Unimplemented => "Unimplemented",
+        Code::Internal => "Internal",
+        Code::Unavailable => "Unavailable",
+        Code::DataLoss => "DataLoss",
+        Code::Unauthenticated => "Unauthenticated",
+    }
+}
+
+/// Runs one handler: catches a panic (INTERNAL "internal error", ERROR log, panic counter),
+/// then logs and counts the outcome.
+pub async fn observe<T, F>(
+    telemetry: Telemetry,
+    method: &'static str,
+    machine_id: &str,
+    handler: F,
+) -> Result<T, Status>
+where
+    F: std::future::Future<Output = Result<T, Status>>,
+{
+    let started = Instant::now();
+    let result = match AssertUnwindSafe(handler).catch_unwind().await {
+        Ok(result) => result,
+        Err(panic) => {
+            let what = panic
+                .downcast_ref::<&str>()
+                .map(|s| (*s).to_owned())
+                .or_else(|| panic.downcast_ref::<String>().cloned())
+                .unwrap_or_else(|| "non-string panic".into());
+            tracing::error!(method = %format!("/{}/{method}", fleet_proto::SERVICE_NAME), panic = %what, "recovered panic in gRPC handler");
+            telemetry.panic();
+            Err(Status::internal("internal error"))
+        }
+    };
+    let elapsed = started.elapsed();
+    let code = result
+        .as_ref()
+        .map(|_| Code::Ok)
+        .unwrap_or_else(|s| s.code());
+    telemetry.rpc(method, code_name(code), elapsed);
+    let dur_ms = elapsed.as_secs_f64() * 1000.0;
+    let mutating = matches!(method, "Create" | "Configure" | "Drain" | "Delete");
+    match (&result, mutating) {
+        (Err(status), _) => tracing::warn!(
+            method,
+            machine_id,
+            code = code_name(code),
+            dur_ms,
+            error = status.message(),
+            "rpc"
+        ),
+        (Ok(_), true) => tracing::info!(method, machine_id, code = code_name(code), dur_ms, "rpc"),
+        (Ok(_), false) => {
+            tracing::debug!(method, machine_id, code = code_name(code), dur_ms, "rpc")
+        }
+    }
+    result
+}
+
+fn resources(map: &StringMap) -> Option<pb::Resources> {
+    (!map.is_empty()).then(|| pb::Resources {
+        resources: map.iter().map(|(k, v)| (k.clone(), v.clone())).collect(),
+    })
+}
+
+fn hash_map(map: &StringMap) -> std::collections::HashMap<String, String> {
+    map.iter().map(|(k, v)| (k.clone(), v.clone())).collect()
+}
+
+/// The wire form of a machine (contract.md §2.2: host only when set, resource maps only when
+/// non-empty).
+pub fn machine_to_wire(m: &Machine) -> pb::Machine {
+    pb::Machine {
+        id: m.id.clone(),
+        state: m.state.wire(),
+        host: m
+            .host
+            .as_ref()
+            .filter(|h| !h.is_empty())
+            .map(|h| pb::HostRef {
+                provider: h.provider.clone(),
+                r#ref: h.id.clone(),
+            }),
+        instance_type: m.instance_type.clone(),
+        zone: m.zone.clone(),
+        capacity_type: m.capacity_type.wire(),
+        price_per_hour: m.price_per_hour,
+        interruption_probability: m.interruption_probability,
+        resources: resources(&m.resources),
+        labels: hash_map(&m.labels),
+        last_error: m.last_error.clone(),
+        allocatable: resources(&m.allocatable),
+        cluster: m.cluster.clone(),
+        shard_metadata: hash_map(&m.shard_metadata),
+    }
+}
+
+fn ack(a: Ack) -> pb::TransitionAck {
+    pb::TransitionAck {
+        operation_id: a.operation_id,
+        machine: Some(machine_to_wire(&a.machine)),
+    }
+}
+
+fn token(shard_id: String, epoch: i64, sequence: i64) -> FenceToken {
+    FenceToken {
+        shard_id,
+        epoch,
+        sequence,
+    }
+}
+
+#[tonic::async_trait]
+impl CapacityProvider for Service {
+    async fn create(
+        &self,
+        request: Request<pb::CreateRequest>,
+    ) -> Result<Response<pb::TransitionAck>, Status> {
+        let r = request.into_inner();
+        let engine = self.engine.clone();
+        observe(
+            self.telemetry,
+            "Create",
+            &r.machine_id.clone(),
+            async move {
+                let a = engine
+                    .create(
+                        &r.machine_id,
+                        token(r.shard_id, r.shard_epoch, r.sequence_number),
+                    )
+                    .await?;
+                Ok(Response::new(ack(a)))
+            },
+        )
+        .await
+    }
+
+    async fn configure(
+        &self,
+        request: Request<pb::ConfigureRequest>,
+    ) -> Result<Response<pb::TransitionAck>, Status> {
+        let r = request.into_inner();
+        let engine = self.engine.clone();
+        let id = r.machine_id.clone();
+        observe(self.telemetry, "Configure", &id, async move {
+            let metadata: StringMap = r.shard_metadata.into_iter().collect();
+            let a = engine
+                .configure(
+                    &r.machine_id,
+                    r.cluster_id,
+                    r.bootstrap_blob,
+                    metadata,
+                    token(r.shard_id, r.shard_epoch, r.sequence_number),
+                )
+                .await?;
+            Ok(Response::new(ack(a)))
+        })
+        .await
+    }
+
+    async fn drain(
+        &self,
+        request: Request<pb::DrainRequest>,
+    ) -> Result<Response<pb::TransitionAck>, Status> {
+        let r = request.into_inner();
+        let engine = self.engine.clone();
+        let id = r.machine_id.clone();
+        observe(self.telemetry, "Drain", &id, async move {
+            let a = engine
+                .drain(
+                    &r.machine_id,
+                    r.grace_period_seconds,
+                    token(r.shard_id, r.shard_epoch, r.sequence_number),
+                )
+                .await?;
+            Ok(Response::new(ack(a)))
+        })
+        .await
+    }
+
+    async fn delete(
+        &self,
+        request: Request<pb::DeleteRequest>,
+    ) -> Result<Response<pb::TransitionAck>, Status> {
+        let r = request.into_inner();
+        let engine = self.engine.clone();
+        let id = r.machine_id.clone();
+        observe(self.telemetry, "Delete", &id, async move {
+            let a = engine
+                .delete(
+                    &r.machine_id,
+                    token(r.shard_id, r.shard_epoch, r.sequence_number),
+                )
+                .await?;
+            Ok(Response::new(ack(a)))
+        })
+        .await
+    }
+
+    async fn get(&self, request: Request<pb::MachineRef>) -> Result<Response<pb::Machine>, Status> {
+        let r = request.into_inner();
+        let engine = self.engine.clone();
+        observe(self.telemetry, "Get", &r.id.clone(), async move {
+            let m = engine.get(&r.id)?;
+            Ok(Response::new(machine_to_wire(&m)))
+        })
+        .await
+    }
+
+    async fn list(
+        &self,
+        request: Request<pb::ListFilter>,
+    ) -> Result<Response<pb::MachineList>, Status> {
+        let r = request.into_inner();
+        let engine = self.engine.clone();
+        observe(self.telemetry, "List", "", async move {
+            let query = ListQuery {
+                // Unknown state numbers match nothing, like UNSPECIFIED.
+                states: r
+                    .states
+                    .iter()
+                    .map(|s| MachineState::from_wire(*s).unwrap_or(MachineState::Unspecified))
+                    .collect(),
+                max_results: r.max_results,
+                since_revision: r.since_revision,
+            };
+            let listing = engine.list(&query);
+            Ok(Response::new(pb::MachineList {
+                machines: listing
+                    .machines
+                    .iter()
+                    .map(|m| machine_to_wire(m))
+                    .collect(),
+                revision: listing.revision.to_string().into_bytes(),
+            }))
+        })
+        .await
+    }
+}

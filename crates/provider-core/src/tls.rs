@@ -1,0 +1,173 @@
+//! TLS settled at startup: one rustls `ServerConfig`, TLS 1.3 only, ring as the only crypto
+//! provider, and the three gRPC security modes of the reference (insecure, TLS, mTLS). A bad
+//! keypair or CA bundle is a startup error before any port binds.
+
+use std::io;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::Duration;
+
+use rustls::RootCertStore;
+use rustls::server::WebPkiClientVerifier;
+use rustls_pki_types::pem::PemObject;
+use rustls_pki_types::{CertificateDer, PrivateKeyDer};
+use tokio::net::{TcpListener, TcpStream};
+use tokio::sync::mpsc;
+use tokio_rustls::TlsAcceptor;
+use tokio_rustls::server::TlsStream;
+use tokio_stream::wrappers::ReceiverStream;
+
+/// How the gRPC port is secured, logged at startup as the `security` field.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum SecurityMode {
+    Insecure,
+    Tls,
+    MutualTls,
+}
+
+impl SecurityMode {
+    pub fn name(self) -> &'static str {
+        match self {
+            SecurityMode::Insecure => "insecure",
+            SecurityMode::Tls => "TLS",
+            SecurityMode::MutualTls => "mTLS",
+        }
+    }
+}
+
+/// The ring provider, the only one this project uses.
+pub fn crypto_provider() -> Arc<rustls::crypto::CryptoProvider> {
+    Arc::new(rustls::crypto::ring::default_provider())
+}
+
+/// Reads every certificate of a PEM file.
+pub fn read_certificates(path: &Path) -> Result<Vec<CertificateDer<'static>>, String> {
+    let pem = std::fs::read(path).map_err(|e| format!("{}: {e}", path.display()))?;
+    let certs: Vec<_> = CertificateDer::pem_slice_iter(&pem)
+        .collect::<Result<_, _>>()
+        .map_err(|e| format!("{}: {e}", path.display()))?;
+    if certs.is_empty() {
+        return Err(format!("{}: no certificates found", path.display()));
+    }
+    Ok(certs)
+}
+
+/// Reads the first private key of a PEM file.
+pub fn read_private_key(path: &Path) -> Result<PrivateKeyDer<'static>, String> {
+    let pem = std::fs::read(path).map_err(|e| format!("{}: {e}", path.display()))?;
+    PrivateKeyDer::from_pem_slice(&pem)
+        .map_err(|e| format!("{}: no usable private key ({e})", path.display()))
+}
+
+/// A TLS 1.3-only server config with the given ALPN protocols and, when `client_roots` is set,
+/// required and verified client certificates.
+pub fn server_config(
+    certs: Vec<CertificateDer<'static>>,
+    key: PrivateKeyDer<'static>,
+    client_roots: Option<RootCertStore>,
+    alpn: &[&[u8]],
+) -> Result<rustls::ServerConfig, String> {
+    let provider = crypto_provider();
+    let builder = rustls::ServerConfig::builder_with_provider(provider.clone())
+        .with_protocol_versions(&[&rustls::version::TLS13])
+        .map_err(|e| e.to_string())?;
+    let builder = match client_roots {
+        Some(roots) => {
+            let verifier = WebPkiClientVerifier::builder_with_provider(Arc::new(roots), provider)
+                .build()
+                .map_err(|e| e.to_string())?;
+            builder.with_client_cert_verifier(verifier)
+        }
+        None => builder.with_no_client_auth(),
+    };
+    let mut config = builder
+        .with_single_cert(certs, key)
+        .map_err(|e| e.to_string())?;
+    config.alpn_protocols = alpn.iter().map(|p| p.to_vec()).collect();
+    Ok(config)
+}
+
+/// The gRPC TLS flags.
+#[derive(Clone, Debug, Default)]
+pub struct TlsFlags {
+    pub cert: Option<PathBuf>,
+    pub key: Option<PathBuf>,
+    pub ca: Option<PathBuf>,
+}
+
+/// Validates the flags and loads the gRPC server TLS config, with the reference's messages.
+pub fn grpc_tls(
+    flags: &TlsFlags,
+) -> Result<(SecurityMode, Option<Arc<rustls::ServerConfig>>), String> {
+    let (cert, key) = match (&flags.cert, &flags.key, &flags.ca) {
+        (None, None, Some(_)) => return Err("--tls-ca set without --tls-cert/--tls-key".into()),
+        (None, None, None) => return Ok((SecurityMode::Insecure, None)),
+        (Some(cert), Some(key), _) => (cert, key),
+        _ => return Err("both --tls-cert and --tls-key are required to enable TLS".into()),
+    };
+    let certs = read_certificates(cert).map_err(|e| format!("load TLS keypair: {e}"))?;
+    let private_key = read_private_key(key).map_err(|e| format!("load TLS keypair: {e}"))?;
+    let (mode, roots) = match &flags.ca {
+        None => (SecurityMode::Tls, None),
+        Some(ca) => {
+            let pem =
+                std::fs::read(ca).map_err(|e| format!("read client CA {}: {e}", ca.display()))?;
+            let mut roots = RootCertStore::empty();
+            for cert in CertificateDer::pem_slice_iter(&pem).flatten() {
+                roots
+                    .add(cert)
+                    .map_err(|e| format!("read client CA {}: {e}", ca.display()))?;
+            }
+            if roots.is_empty() {
+                return Err(format!(
+                    "no certificates parsed from client CA {}",
+                    ca.display()
+                ));
+            }
+            (SecurityMode::MutualTls, Some(roots))
+        }
+    };
+    let config = server_config(certs, private_key, roots, &[b"h2"])
+        .map_err(|e| format!("load TLS keypair: {e}"))?;
+    Ok((mode, Some(Arc::new(config))))
+}
+
+/// Accepts TCP connections and yields only those whose TLS handshake succeeded within
+/// `handshake_timeout`; failed handshakes (no client certificate, TLS 1.2, garbage) are dropped
+/// at the TLS layer before any handler runs.
+pub fn incoming(
+    listener: TcpListener,
+    config: Arc<rustls::ServerConfig>,
+    handshake_timeout: Duration,
+) -> ReceiverStream<Result<TlsStream<TcpStream>, io::Error>> {
+    let (tx, rx) = mpsc::channel(64);
+    let acceptor = TlsAcceptor::from(config);
+    tokio::spawn(async move {
+        loop {
+            let (tcp, peer) = match listener.accept().await {
+                Ok(conn) => conn,
+                Err(e) => {
+                    tracing::warn!(error = %e, "accept failed");
+                    tokio::time::sleep(Duration::from_millis(50)).await;
+                    continue;
+                }
+            };
+            if tx.is_closed() {
+                return;
+            }
+            let _ = tcp.set_nodelay(true);
+            let acceptor = acceptor.clone();
+            let tx = tx.clone();
+            tokio::spawn(async move {
+                match tokio::time::timeout(handshake_timeout, acceptor.accept(tcp)).await {
+                    Ok(Ok(stream)) => {
+                        let _ = tx.send(Ok(stream)).await;
+                    }
+                    Ok(Err(e)) => tracing::debug!(%peer, error = %e, "TLS handshake refused"),
+                    Err(_) => tracing::debug!(%peer, "TLS handshake timed out"),
+                }
+            });
+        }
+    });
+    ReceiverStream::new(rx)
+}
