@@ -3,3 +3,4 @@
 //! that ties servers to machine slots and provider instances.
 
 pub mod catalog;
+pub mod real;

@@ -1,0 +1,173 @@
+//! The `hetzner` command line: every flag of the reference provider with its default and
+//! environment variable, plus this provider's additions (see docs/hetzner/configuration.md).
+
+use clap::{ArgAction, Parser};
+use provider_core::cli::Command;
+use provider_core::config::{go_bool, CommonArgs, Secret};
+
+/// BigFleet capacity provider for Hetzner Cloud servers.
+#[derive(Parser, Debug, Clone)]
+#[command(name = "hetzner", version, about, long_about = None, args_conflicts_with_subcommands = true)]
+pub struct Cli {
+    #[command(subcommand)]
+    pub command: Option<Command>,
+
+    #[command(flatten)]
+    pub common: CommonArgs,
+
+    /// Provider label stamped into HostRef.provider and the slot-id prefix; also names this
+    /// instance in server labels.
+    #[arg(long, default_value = "hetzner", value_name = "NAME")]
+    pub provider: String,
+
+    /// Backend: hetzner, fake, or auto (hetzner when a token is set).
+    #[arg(long = "hetzner-backend", default_value = "auto", value_name = "MODE")]
+    pub hetzner_backend: String,
+
+    /// Force the in-memory fake backend (testing and conformance only).
+    #[arg(long = "use-fake-backend", default_value = "false", value_parser = go_bool, num_args = 0..=1, require_equals = true, default_missing_value = "true", action = ArgAction::Set)]
+    pub use_fake_backend: bool,
+
+    /// Hetzner Cloud API token (Read & Write).
+    #[arg(long, env = "HCLOUD_TOKEN", hide_env_values = true, default_value = "", hide_default_value = true, value_name = "TOKEN")]
+    pub token: Secret,
+
+    /// Hetzner Cloud API base URL (plain http only for loopback addresses).
+    #[arg(long = "hcloud-endpoint", env = "HCLOUD_ENDPOINT", default_value = "https://api.hetzner.cloud/v1", value_name = "URL")]
+    pub hcloud_endpoint: String,
+
+    /// First location of the default offering mix.
+    #[arg(long = "location-a", default_value = "nbg1", value_name = "LOCATION")]
+    pub location_a: String,
+
+    /// Second location of the default offering mix.
+    #[arg(long = "location-b", default_value = "fsn1", value_name = "LOCATION")]
+    pub location_b: String,
+
+    /// EUR to USD rate for prices (values <= 0 mean 1.08).
+    #[arg(long = "eur-usd", default_value_t = 1.08, allow_negative_numbers = true, value_name = "RATE")]
+    pub eur_usd: f64,
+
+    /// SSH private key (unencrypted OpenSSH or PEM) for Configure and Drain.
+    #[arg(long = "ssh-key", default_value = "", value_name = "PATH")]
+    pub ssh_key: String,
+
+    /// SSH login user.
+    #[arg(long = "ssh-user", default_value = "root", value_name = "USER")]
+    pub ssh_user: String,
+
+    /// SSH port on the server's public IPv4.
+    #[arg(long = "ssh-port", default_value_t = 22, value_name = "PORT")]
+    pub ssh_port: u16,
+
+    /// On-host executable that consumes the bootstrap blob (<hook>.blob) as `<hook> <cluster-id>`.
+    #[arg(long = "bootstrap-hook", default_value = "/opt/bigfleet/bootstrap", value_name = "PATH")]
+    pub bootstrap_hook: String,
+
+    /// Command run over SSH after the hook until it exits 0: the node-readiness gate.
+    #[arg(long = "readiness-command", default_value = "", value_name = "CMD")]
+    pub readiness_command: String,
+}
+
+impl Cli {
+    /// The EUR to USD rate in force (the reference turns values <= 0 into 1.08).
+    pub fn eur_usd(&self) -> f64 {
+        if self.eur_usd > 0.0 && self.eur_usd.is_finite() { self.eur_usd } else { 1.08 }
+    }
+}
+
+/// The resolved backend.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Mode {
+    Real,
+    Fake,
+}
+
+impl Mode {
+    pub fn name(self) -> &'static str {
+        match self {
+            Mode::Real => "hetzner",
+            Mode::Fake => "fake",
+        }
+    }
+}
+
+/// Backend selection with the reference's refusal and error messages.
+pub fn resolve_mode(cli: &Cli) -> Result<Mode, String> {
+    let requested = cli.hetzner_backend.to_ascii_lowercase();
+    let resolved = match requested.as_str() {
+        "" | "auto" => if cli.token.is_empty() { Mode::Fake } else { Mode::Real },
+        "hetzner" => Mode::Real,
+        "fake" => Mode::Fake,
+        _ => return Err(format!("--hetzner-backend must be hetzner, fake, or auto (got {:?})", cli.hetzner_backend)),
+    };
+    if cli.use_fake_backend {
+        return Ok(Mode::Fake);
+    }
+    if resolved == Mode::Fake && requested != "fake" {
+        return Err("refusing to start the hetzner provider on the in-memory fake backend: no credentials were detected. Configure the real backend, or pass --use-fake-backend to run the credential-free fake (testing/conformance only — it never creates real resources)".into());
+    }
+    Ok(resolved)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn parse(args: &[&str]) -> Cli {
+        let mut full = vec!["hetzner"];
+        full.extend_from_slice(args);
+        Cli::try_parse_from(full).unwrap()
+    }
+
+    #[test]
+    fn defaults_match_the_reference() {
+        let cli = parse(&[]);
+        assert_eq!(cli.common.addr, ":9000");
+        assert_eq!(cli.common.metrics_addr, ":9090");
+        assert_eq!(cli.provider, "hetzner");
+        assert_eq!(cli.common.seed_count, 32);
+        assert_eq!(cli.location_a, "nbg1");
+        assert_eq!(cli.location_b, "fsn1");
+        assert_eq!(cli.ssh_user, "root");
+        assert_eq!(cli.bootstrap_hook, "/opt/bigfleet/bootstrap");
+        assert_eq!(cli.common.price_refresh.as_secs(), 1800);
+        assert_eq!(cli.common.reconcile_interval.as_secs(), 120);
+        assert_eq!(cli.common.configure_timeout.as_secs(), 480);
+        assert!(cli.common.reflection);
+        assert!(!cli.use_fake_backend);
+        assert_eq!(cli.eur_usd(), 1.08);
+    }
+
+    #[test]
+    fn go_style_flags() {
+        let cli = parse(&["--reflection=false", "--use-fake-backend", "--seed-count", "8", "--price-refresh=1h30m", "--eur-usd=-1"]);
+        assert!(!cli.common.reflection);
+        assert!(cli.use_fake_backend);
+        assert_eq!(cli.common.seed_count, 8);
+        assert_eq!(cli.common.price_refresh.as_secs(), 5400);
+        assert_eq!(cli.eur_usd(), 1.08);
+        assert!(Cli::try_parse_from(["hetzner", "--price-refresh=5"]).is_err());
+    }
+
+    #[test]
+    fn backend_selection() {
+        let no_token = parse(&["--token="]);
+        let err = resolve_mode(&no_token).unwrap_err();
+        assert!(err.starts_with("refusing to start the hetzner provider on the in-memory fake backend"));
+        assert_eq!(resolve_mode(&parse(&["--token=", "--use-fake-backend"])), Ok(Mode::Fake));
+        assert_eq!(resolve_mode(&parse(&["--token=", "--hetzner-backend=FAKE"])), Ok(Mode::Fake));
+        assert_eq!(resolve_mode(&parse(&["--token=t"])), Ok(Mode::Real));
+        assert_eq!(resolve_mode(&parse(&["--token=t", "--use-fake-backend=true"])), Ok(Mode::Fake));
+        assert_eq!(
+            resolve_mode(&parse(&["--hetzner-backend=aws"])).unwrap_err(),
+            "--hetzner-backend must be hetzner, fake, or auto (got \"aws\")"
+        );
+    }
+
+    #[test]
+    fn token_is_never_printed() {
+        let cli = parse(&["--token=super-secret-token"]);
+        assert!(!format!("{cli:?}").contains("super-secret-token"));
+    }
+}
