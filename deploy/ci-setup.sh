@@ -1,0 +1,57 @@
+#!/usr/bin/env bash
+# Installs what `cargo xtask dist --test` and `cargo xtask helm` need on a Debian machine:
+# buildah and Debian's CA bundle (apt), and a Python venv with Helm's engine and the
+# Kubernetes schemas (pip, pinned in deploy/ci/requirements.txt).
+#
+# Idempotent and quiet: it installs only what is missing and prints one line per install.
+# Any failure stops it with a non-zero exit. Needs root (as CI runs).
+#
+#   BIGFLEET_CI_VENV  venv location (default /opt/bigfleet-ci/venv); `cargo xtask helm`
+#                     reads BIGFLEET_CI_PYTHON, default /opt/bigfleet-ci/venv/bin/python3.
+set -euo pipefail
+
+here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
+venv=${BIGFLEET_CI_VENV:-/opt/bigfleet-ci/venv}
+requirements="$here/ci/requirements.txt"
+
+say() { printf 'ci-setup: %s\n' "$*"; }
+die() { printf 'ci-setup: error: %s\n' "$*" >&2; exit 1; }
+trap 'die "failed at line $LINENO: $BASH_COMMAND"' ERR
+
+# --- Debian packages ------------------------------------------------------------------
+missing=()
+command -v buildah >/dev/null 2>&1 || missing+=(buildah)
+[ -s /etc/ssl/certs/ca-certificates.crt ] || missing+=(ca-certificates)
+if [ "${#missing[@]}" -gt 0 ]; then
+  say "installing ${missing[*]} (apt)"
+  [ "$(id -u)" -eq 0 ] || die "installing ${missing[*]} needs root"
+  log=$(mktemp)
+  if ! { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${missing[@]}"; } >"$log" 2>&1; then
+    cat "$log" >&2
+    die "apt-get install ${missing[*]} failed"
+  fi
+  rm -f "$log"
+fi
+buildah --version >/dev/null || die "buildah does not run"
+
+# --- Python venv ----------------------------------------------------------------------
+python=${PYTHON:-python3}
+command -v "$python" >/dev/null 2>&1 || die "$python not found (needed for the chart tools)"
+stamp="$venv/.requirements.sha256"
+want=$(sha256sum "$requirements" | cut -d' ' -f1)
+if [ ! -x "$venv/bin/python3" ] || [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
+  say "installing the chart tools into $venv (pip)"
+  rm -rf "$venv"
+  mkdir -p "$(dirname "$venv")"
+  "$python" -m venv "$venv"
+  log=$(mktemp)
+  if ! "$venv/bin/python3" -m pip install --quiet --disable-pip-version-check --no-input \
+      --requirement "$requirements" >"$log" 2>&1; then
+    cat "$log" >&2
+    die "pip install of $requirements failed"
+  fi
+  rm -f "$log"
+  printf '%s\n' "$want" >"$stamp"
+fi
+"$venv/bin/python3" -c 'import helm_python, kubernetes_validate, yaml, jsonschema' \
+  || die "the chart tools in $venv do not import"

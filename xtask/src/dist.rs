@@ -1,0 +1,928 @@
+//! `cargo xtask dist [--test] [--base IMAGE]`: builds the statically linked release binaries
+//! and the two provider images with buildah, and with `--test` checks each image the way a
+//! cluster would run it.
+//!
+//! The images come from `deploy/<provider>/Dockerfile` with `BUILDER=prebuilt`: cargo builds
+//! on the host, and a small build context under `target/dist/<provider>/context` carries the
+//! binaries, the host's CA bundle (Debian's ca-certificates) and `deploy/rootfs`. Nothing is
+//! pulled when the base is `scratch` (the default here), so this runs without any registry.
+//!
+//! The image test, for every image:
+//! - the config runs as 65532:65532, has the binary as entrypoint and exposes the right ports;
+//! - the image, counted as the sum of its uncompressed layers, stays under [`MAX_IMAGE_BYTES`];
+//! - the filesystem holds no shell, and its binaries are static executables; on `scratch` it
+//!   holds exactly the files we put there;
+//! - every binary answers `--help` when run as uid 65532 inside the image;
+//! - each provider, started inside the image on its fake backend on loopback ports, reports
+//!   SERVING over `grpc.health.v1`, answers `/healthz` and `/readyz`, and exits 0 on SIGTERM.
+
+use std::collections::{BTreeSet, HashMap};
+use std::fs::{self, File};
+use std::io::{Read, Write};
+use std::net::{Ipv4Addr, SocketAddr, TcpListener, TcpStream};
+use std::os::unix::fs::PermissionsExt;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Output, Stdio};
+use std::thread;
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, Result, bail, ensure};
+
+use crate::grpc_health::{self, ServingStatus};
+
+/// Upper bound for one image: the sum of its uncompressed layers. Our binaries are about
+/// 10 MB each when stripped, so this leaves room for growth while catching a debug build,
+/// an unstripped binary or a base image that brings a distribution along.
+pub(crate) const MAX_IMAGE_BYTES: u64 = 30_000_000;
+
+/// The one target the images are built for; `+crt-static` links glibc statically on it.
+const TARGET: &str = "x86_64-unknown-linux-gnu";
+const RUNTIME_USER: &str = "65532:65532";
+const HOST_CA_BUNDLE: &str = "/etc/ssl/certs/ca-certificates.crt";
+const IMAGE_CA_BUNDLE: &str = "etc/ssl/certs/ca-certificates.crt";
+/// How long a provider may take from exec to SERVING inside the container.
+const SERVE_DEADLINE: Duration = Duration::from_secs(60);
+/// SIGTERM to exit: the providers' default shutdown grace (25s) plus a margin.
+const STOP_DEADLINE: Duration = Duration::from_secs(35);
+
+struct Binary {
+    name: &'static str,
+    /// A flag `--help` must list, so a placeholder binary does not pass for the real one.
+    help_mentions: &'static str,
+    /// Whether this binary is a provider that can be started on its fake backend.
+    provider: bool,
+}
+
+struct Image {
+    /// Provider name: cargo package, `deploy/<name>/Dockerfile`, image `bigfleet-<name>`.
+    name: &'static str,
+    /// The first binary is the entrypoint.
+    binaries: &'static [Binary],
+    ports: &'static [u16],
+}
+
+const IMAGES: [Image; 2] = [
+    Image {
+        name: "hetzner",
+        binaries: &[Binary {
+            name: "hetzner",
+            help_mentions: "--use-fake-backend",
+            provider: true,
+        }],
+        ports: &[9000, 9090],
+    },
+    Image {
+        name: "digitalocean",
+        binaries: &[
+            Binary {
+                name: "digitalocean",
+                help_mentions: "--use-fake-backend",
+                provider: true,
+            },
+            Binary {
+                name: "bigfleet-agent",
+                help_mentions: "--config",
+                provider: false,
+            },
+        ],
+        ports: &[9000, 9090, 9443],
+    },
+];
+
+struct Options {
+    test: bool,
+    base: String,
+}
+
+const USAGE: &str = "\
+usage: cargo xtask dist [--test] [--base IMAGE]
+
+Builds static release binaries ({TARGET}) and the images localhost/bigfleet-hetzner and
+localhost/bigfleet-digitalocean with buildah (vfs storage, chroot isolation).
+
+  --base IMAGE  runtime base image (default: scratch; production uses
+                gcr.io/distroless/static-debian12:nonroot)
+  --test        then test each image: config, size, contents, --help as uid 65532,
+                fake-backend serving with gRPC health, graceful SIGTERM";
+
+fn parse_options(args: &[String]) -> Result<Option<Options>> {
+    let mut options = Options {
+        test: false,
+        base: "scratch".to_owned(),
+    };
+    let mut args = args.iter();
+    while let Some(arg) = args.next() {
+        match arg.as_str() {
+            "--test" => options.test = true,
+            "--base" => options.base = args.next().context("--base needs an image")?.clone(),
+            "-h" | "--help" => return Ok(None),
+            other => match other.strip_prefix("--base=") {
+                Some(base) => options.base = base.to_owned(),
+                None => bail!("unknown argument {other:?}\n\n{}", usage()),
+            },
+        }
+    }
+    ensure!(!options.base.is_empty(), "--base must name an image");
+    Ok(Some(options))
+}
+
+fn usage() -> String {
+    USAGE.replace("{TARGET}", TARGET)
+}
+
+pub(crate) fn run(args: &[String]) -> Result<()> {
+    let Some(options) = parse_options(args)? else {
+        println!("{}", usage());
+        return Ok(());
+    };
+    let root = crate::repo::root();
+    let target_dir = target_dir(&root);
+    let version = env!("CARGO_PKG_VERSION");
+
+    build_binaries(&root)?;
+    let release = target_dir.join(TARGET).join("release");
+    for binary in IMAGES.iter().flat_map(|image| image.binaries) {
+        let path = release.join(binary.name);
+        ensure_static(&path)?;
+    }
+
+    let mut sizes = Vec::new();
+    for image in &IMAGES {
+        let work = target_dir.join("dist").join(image.name);
+        let context = stage_context(&root, &work, image, &release)?;
+        let tag = format!("localhost/bigfleet-{}:{version}", image.name);
+        build_image(&root, &work, &context, image, &tag, &options.base, version)?;
+        println!("dist: built {tag} (base {})", options.base);
+        if options.test {
+            let size = test_image(&work, image, &tag, options.base == "scratch")?;
+            sizes.push((tag, size));
+        }
+    }
+
+    if options.test {
+        for (tag, size) in &sizes {
+            println!(
+                "dist: {tag}: {:.1} MB of {:.0} MB allowed",
+                *size as f64 / 1e6,
+                MAX_IMAGE_BYTES as f64 / 1e6
+            );
+        }
+        println!("dist: {} passed, 0 failed", sizes.len());
+    }
+    Ok(())
+}
+
+fn target_dir(root: &Path) -> PathBuf {
+    match std::env::var_os("CARGO_TARGET_DIR") {
+        Some(dir) => root.join(dir),
+        None => root.join("target"),
+    }
+}
+
+fn build_binaries(root: &Path) -> Result<()> {
+    let cargo = std::env::var_os("CARGO").unwrap_or_else(|| "cargo".into());
+    let status = Command::new(cargo)
+        .current_dir(root)
+        .args(["build", "--release", "--target", TARGET, "--bins"])
+        .args(IMAGES.iter().flat_map(|image| ["--package", image.name]))
+        // With --target, RUSTFLAGS reach only the target artefacts, never build scripts or
+        // proc macros, and the host's own target/ cache is left alone.
+        .env("RUSTFLAGS", "-C target-feature=+crt-static")
+        .env_remove("CARGO_ENCODED_RUSTFLAGS")
+        .status()
+        .context("run cargo build")?;
+    ensure!(
+        status.success(),
+        "cargo build of the release binaries failed ({status})"
+    );
+    Ok(())
+}
+
+/// Fails unless `path` is an ELF executable with no interpreter and no shared-library needs
+/// (a static or static-pie binary), which is what `scratch` and distroless static can run.
+fn ensure_static(path: &Path) -> Result<()> {
+    let elf = fs::read(path).with_context(|| format!("read {}", path.display()))?;
+    match static_elf_verdict(&elf) {
+        Ok(()) => Ok(()),
+        Err(why) => bail!("{} is not a static executable: {why}", path.display()),
+    }
+}
+
+fn static_elf_verdict(elf: &[u8]) -> Result<()> {
+    const PT_DYNAMIC: u32 = 2;
+    const PT_INTERP: u32 = 3;
+    const DT_NEEDED: u64 = 1;
+    let u16_at = |at: usize| -> Result<u16> {
+        Ok(u16::from_le_bytes(
+            elf.get(at..at + 2).context("truncated ELF")?.try_into()?,
+        ))
+    };
+    let u32_at = |at: usize| -> Result<u32> {
+        Ok(u32::from_le_bytes(
+            elf.get(at..at + 4).context("truncated ELF")?.try_into()?,
+        ))
+    };
+    let u64_at = |at: usize| -> Result<u64> {
+        Ok(u64::from_le_bytes(
+            elf.get(at..at + 8).context("truncated ELF")?.try_into()?,
+        ))
+    };
+    ensure!(elf.starts_with(b"\x7fELF"), "not an ELF file");
+    ensure!(
+        elf.get(4..6) == Some(&[2, 1]),
+        "not a 64-bit little-endian ELF file"
+    );
+
+    let table = usize::try_from(u64_at(0x20)?)?;
+    let entry_size = usize::from(u16_at(0x36)?);
+    for index in 0..usize::from(u16_at(0x38)?) {
+        let header = table + index * entry_size;
+        match u32_at(header)? {
+            PT_INTERP => bail!("it names a program interpreter (dynamically linked)"),
+            PT_DYNAMIC => {
+                let start = usize::try_from(u64_at(header + 8)?)?;
+                let len = usize::try_from(u64_at(header + 32)?)?;
+                for entry in (start..start + len).step_by(16) {
+                    match u64_at(entry)? {
+                        0 => break,
+                        DT_NEEDED => bail!("it needs shared libraries"),
+                        _ => {}
+                    }
+                }
+            }
+            _ => {}
+        }
+    }
+    Ok(())
+}
+
+/// Lays out `<work>/context/prebuilt/` as the image's filesystem, for the `prebuilt` stage.
+fn stage_context(root: &Path, work: &Path, image: &Image, release: &Path) -> Result<PathBuf> {
+    let context = work.join("context");
+    if context.exists() {
+        fs::remove_dir_all(&context).with_context(|| format!("clear {}", context.display()))?;
+    }
+    let tree = context.join("prebuilt");
+    for binary in image.binaries {
+        let to = tree.join("usr/local/bin").join(binary.name);
+        install(&release.join(binary.name), &to, 0o755)?;
+    }
+    let ca = Path::new(HOST_CA_BUNDLE);
+    ensure!(
+        ca.is_file(),
+        "{HOST_CA_BUNDLE} is missing: install Debian's ca-certificates"
+    );
+    install(ca, &tree.join(IMAGE_CA_BUNDLE), 0o644)?;
+    let rootfs = root.join("deploy/rootfs");
+    for file in files_under(&rootfs)? {
+        install(&rootfs.join(&file), &tree.join(&file), 0o644)?;
+    }
+    Ok(context)
+}
+
+fn install(from: &Path, to: &Path, mode: u32) -> Result<()> {
+    if let Some(dir) = to.parent() {
+        fs::create_dir_all(dir).with_context(|| format!("create {}", dir.display()))?;
+    }
+    fs::copy(from, to).with_context(|| format!("copy {} to {}", from.display(), to.display()))?;
+    fs::set_permissions(to, fs::Permissions::from_mode(mode))?;
+    Ok(())
+}
+
+/// Paths of the regular files and symlinks under `dir`, relative to it.
+fn files_under(dir: &Path) -> Result<BTreeSet<PathBuf>> {
+    let mut files = BTreeSet::new();
+    let mut pending = vec![dir.to_path_buf()];
+    while let Some(current) = pending.pop() {
+        for entry in
+            fs::read_dir(&current).with_context(|| format!("list {}", current.display()))?
+        {
+            let entry = entry?;
+            let path = entry.path();
+            if entry.file_type()?.is_dir() {
+                pending.push(path);
+            } else {
+                files.insert(path.strip_prefix(dir)?.to_path_buf());
+            }
+        }
+    }
+    Ok(files)
+}
+
+fn buildah() -> Command {
+    let mut command = Command::new("buildah");
+    command.args(["--storage-driver", "vfs"]);
+    command
+}
+
+/// Runs a command to completion and returns its stdout, or fails with its stderr.
+fn output(command: &mut Command) -> Result<String> {
+    let Output {
+        status,
+        stdout,
+        stderr,
+    } = command
+        .output()
+        .with_context(|| format!("run {command:?}"))?;
+    ensure!(
+        status.success(),
+        "{command:?} failed ({status}):\n{}{}",
+        String::from_utf8_lossy(&stdout),
+        String::from_utf8_lossy(&stderr)
+    );
+    Ok(String::from_utf8(stdout)?)
+}
+
+fn build_image(
+    root: &Path,
+    work: &Path,
+    context: &Path,
+    image: &Image,
+    tag: &str,
+    base: &str,
+    version: &str,
+) -> Result<()> {
+    let log_path = work.join("build.log");
+    let iid_path = work.join("image.id");
+    let log = File::create(&log_path)?;
+    let previous = output(buildah().args(["images", "--quiet", "--no-trunc", tag]))
+        .ok()
+        .map(|id| id.trim().to_owned());
+
+    let status = buildah()
+        .args([
+            "bud",
+            "--isolation",
+            "chroot",
+            "--build-arg",
+            "BUILDER=prebuilt",
+        ])
+        .arg("--build-arg")
+        .arg(format!("BASE={base}"))
+        .arg("--build-arg")
+        .arg(format!("VERSION={version}"))
+        .arg("--iidfile")
+        .arg(&iid_path)
+        .arg("--file")
+        .arg(root.join("deploy").join(image.name).join("Dockerfile"))
+        .args(["--tag", tag])
+        .arg(context)
+        .stdin(Stdio::null())
+        .stdout(log.try_clone()?)
+        .stderr(log)
+        .status()
+        .context("run buildah bud (install it with deploy/ci-setup.sh)")?;
+    let log = fs::read_to_string(&log_path).unwrap_or_default();
+    if !status.success() {
+        let tail: Vec<&str> = log.lines().rev().take(40).collect();
+        let tail: Vec<&str> = tail.into_iter().rev().collect();
+        bail!(
+            "buildah bud for {tag} failed ({status}); end of {}:\n{}",
+            log_path.display(),
+            tail.join("\n")
+        );
+    }
+
+    // Each stage that a later one copies from is committed as an untagged image; only the
+    // final one is wanted. The image this tag pointed at before is now untagged as well.
+    let built = fs::read_to_string(&iid_path)?;
+    let built = built.trim().trim_start_matches("sha256:");
+    let mut stale: Vec<&str> = log
+        .lines()
+        .filter_map(|line| line.strip_prefix("--> "))
+        .map(str::trim)
+        .filter(|id| !id.is_empty() && !built.starts_with(id))
+        .collect();
+    if let Some(previous) = previous
+        .as_deref()
+        .filter(|id| !id.is_empty() && *id != built)
+    {
+        stale.push(previous);
+    }
+    for id in stale {
+        // An image still used elsewhere (another tag, a container) stays; that is fine.
+        let _ = buildah()
+            .args(["rmi", id])
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .status();
+    }
+    Ok(())
+}
+
+/// Runs the image checks and returns the image size in bytes.
+fn test_image(work: &Path, image: &Image, tag: &str, from_scratch: bool) -> Result<u64> {
+    let inspect = output(buildah().args(["inspect", "--type", "image", tag]))?;
+    let size = check_config(&inspect, image)?;
+
+    let container = WorkingContainer::create(tag, &format!("bigfleet-dist-test-{}", image.name))?;
+    check_filesystem(&container, image, from_scratch)?;
+    for binary in image.binaries {
+        check_help(&container, binary)?;
+        if binary.provider {
+            check_serving(work, &container, binary)?;
+        }
+    }
+    println!("dist: {tag}: image test passed");
+    Ok(size)
+}
+
+/// Checks user, entrypoint and ports, and returns the summed layer size.
+fn check_config(inspect: &str, image: &Image) -> Result<u64> {
+    let inspect: serde_json::Value =
+        serde_json::from_str(inspect).context("parse buildah inspect")?;
+    let config = &inspect["OCIv1"]["config"];
+    ensure!(
+        config["User"] == RUNTIME_USER,
+        "image user is {}, want {RUNTIME_USER}",
+        config["User"]
+    );
+    let entrypoint = format!("/usr/local/bin/{}", image.binaries[0].name);
+    ensure!(
+        config["Entrypoint"] == serde_json::json!([entrypoint]),
+        "image entrypoint is {}, want [{entrypoint:?}]",
+        config["Entrypoint"]
+    );
+    let exposed: BTreeSet<&str> = config["ExposedPorts"]
+        .as_object()
+        .map(|ports| ports.keys().map(String::as_str).collect())
+        .unwrap_or_default();
+    let wanted: Vec<String> = image
+        .ports
+        .iter()
+        .map(|port| format!("{port}/tcp"))
+        .collect();
+    let wanted: BTreeSet<&str> = wanted.iter().map(String::as_str).collect();
+    ensure!(
+        exposed == wanted,
+        "image exposes {exposed:?}, want {wanted:?}"
+    );
+
+    let manifest: serde_json::Value = serde_json::from_str(
+        inspect["Manifest"]
+            .as_str()
+            .context("buildah inspect has no manifest")?,
+    )?;
+    let layers = manifest["layers"]
+        .as_array()
+        .context("manifest has no layers")?;
+    let size = layers
+        .iter()
+        .map(|layer| layer["size"].as_u64().unwrap_or(0))
+        .sum::<u64>();
+    ensure!(
+        size <= MAX_IMAGE_BYTES,
+        "image is {size} bytes, over the {MAX_IMAGE_BYTES}-byte limit"
+    );
+    Ok(size)
+}
+
+/// A buildah working container, removed when dropped.
+struct WorkingContainer {
+    name: String,
+}
+
+impl WorkingContainer {
+    fn create(tag: &str, name: &str) -> Result<Self> {
+        // A container left by an interrupted run would hold the name.
+        let _ = buildah()
+            .args(["rm", name])
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .status();
+        output(buildah().args(["from", "--name", name, tag]))?;
+        Ok(Self {
+            name: name.to_owned(),
+        })
+    }
+
+    /// `buildah run` as the runtime user, with no extra environment.
+    fn run(&self, argv: &[&str]) -> Command {
+        let mut command = buildah();
+        command
+            .args([
+                "run",
+                "--isolation",
+                "chroot",
+                "--user",
+                RUNTIME_USER,
+                &self.name,
+                "--",
+            ])
+            .args(argv)
+            .stdin(Stdio::null());
+        command
+    }
+}
+
+impl Drop for WorkingContainer {
+    fn drop(&mut self) {
+        let _ = buildah()
+            .args(["rm", &self.name])
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .status();
+    }
+}
+
+fn check_filesystem(container: &WorkingContainer, image: &Image, from_scratch: bool) -> Result<()> {
+    let mount = output(buildah().args(["mount", &container.name]))?;
+    let rootfs = PathBuf::from(mount.trim());
+    let verdict = filesystem_verdict(&rootfs, image, from_scratch);
+    let _ = buildah()
+        .args(["umount", &container.name])
+        .stdout(Stdio::null())
+        .status();
+    verdict
+}
+
+fn filesystem_verdict(rootfs: &Path, image: &Image, from_scratch: bool) -> Result<()> {
+    for shell in ["bin/sh", "usr/bin/sh", "bin/bash", "bin/busybox"] {
+        let present = rootfs.join(shell).symlink_metadata().is_ok();
+        ensure!(!present, "the image contains a shell: /{shell}");
+    }
+    for binary in image.binaries {
+        let path = rootfs.join("usr/local/bin").join(binary.name);
+        let mode = fs::metadata(&path)
+            .with_context(|| format!("/usr/local/bin/{} is missing from the image", binary.name))?
+            .permissions()
+            .mode();
+        ensure!(
+            mode & 0o111 == 0o111,
+            "/usr/local/bin/{} is not executable ({mode:o})",
+            binary.name
+        );
+        ensure_static(&path)?;
+    }
+    let ca =
+        fs::read_to_string(rootfs.join(IMAGE_CA_BUNDLE)).context("the image has no CA bundle")?;
+    ensure!(
+        ca.contains("BEGIN CERTIFICATE"),
+        "the image's CA bundle holds no certificate"
+    );
+    let passwd =
+        fs::read_to_string(rootfs.join("etc/passwd")).context("the image has no /etc/passwd")?;
+    ensure!(
+        passwd
+            .lines()
+            .any(|line| line.starts_with("nonroot:x:65532:65532:")),
+        "/etc/passwd has no nonroot (65532) account"
+    );
+
+    if from_scratch {
+        let found = files_under(rootfs)?;
+        let mut wanted: BTreeSet<PathBuf> = [
+            "etc/group",
+            "etc/nsswitch.conf",
+            "etc/passwd",
+            IMAGE_CA_BUNDLE,
+        ]
+        .iter()
+        .map(PathBuf::from)
+        .collect();
+        wanted.extend(
+            image
+                .binaries
+                .iter()
+                .map(|b| Path::new("usr/local/bin").join(b.name)),
+        );
+        ensure!(
+            found == wanted,
+            "image files are {found:?}, want exactly {wanted:?}"
+        );
+    }
+    Ok(())
+}
+
+fn check_help(container: &WorkingContainer, binary: &Binary) -> Result<()> {
+    let path = format!("/usr/local/bin/{}", binary.name);
+    let Output {
+        status,
+        stdout,
+        stderr,
+    } = container.run(&[&path, "--help"]).output()?;
+    let text = format!(
+        "{}{}",
+        String::from_utf8_lossy(&stdout),
+        String::from_utf8_lossy(&stderr)
+    );
+    ensure!(
+        status.success(),
+        "{path} --help as {RUNTIME_USER} failed ({status}):\n{text}"
+    );
+    ensure!(
+        text.contains(binary.help_mentions),
+        "{path} --help does not mention {}:\n{text}",
+        binary.help_mentions
+    );
+    Ok(())
+}
+
+fn check_serving(work: &Path, container: &WorkingContainer, binary: &Binary) -> Result<()> {
+    let grpc = free_loopback_port()?;
+    let metrics = free_loopback_port()?;
+    let log_path = work.join(format!("{}-serve.log", binary.name));
+    let log = File::create(&log_path)?;
+    let path = format!("/usr/local/bin/{}", binary.name);
+    let addr = format!("--addr=127.0.0.1:{grpc}");
+    let metrics_addr = format!("--metrics-addr=127.0.0.1:{metrics}");
+    let child = container
+        .run(&[&path, "--use-fake-backend", &addr, &metrics_addr])
+        .stdout(log.try_clone()?)
+        .stderr(log)
+        .spawn()
+        .context("start the provider in the image")?;
+    let mut running = Running { child };
+
+    let result = serve_and_stop(&mut running, binary.name, grpc, metrics);
+    result.with_context(|| {
+        format!(
+            "{path} on its fake backend inside the image; its output:\n{}",
+            fs::read_to_string(&log_path).unwrap_or_default()
+        )
+    })
+}
+
+fn serve_and_stop(running: &mut Running, name: &str, grpc: u16, metrics: u16) -> Result<()> {
+    let grpc_addr = SocketAddr::from((Ipv4Addr::LOCALHOST, grpc));
+    let deadline = Instant::now() + SERVE_DEADLINE;
+    let mut last: String;
+    loop {
+        if let Some(status) = running.child.try_wait()? {
+            bail!("the provider exited before serving ({status})");
+        }
+        match grpc_health::check(grpc_addr, "", Duration::from_secs(2)) {
+            Ok(ServingStatus::Serving) => break,
+            Ok(other) => last = format!("health status {other:?}"),
+            Err(error) => last = format!("{error:#}"),
+        }
+        ensure!(
+            Instant::now() < deadline,
+            "not SERVING after {SERVE_DEADLINE:?}: {last}"
+        );
+        thread::sleep(Duration::from_millis(200));
+    }
+
+    // The HTTP server may bind a moment after gRPC; give it the same deadline.
+    for probe in ["/healthz", "/readyz"] {
+        loop {
+            match http_status(metrics, probe) {
+                Ok(200) => break,
+                Ok(code) => last = format!("{probe} answered {code}"),
+                Err(error) => last = format!("{probe}: {error:#}"),
+            }
+            ensure!(Instant::now() < deadline, "{last}");
+            thread::sleep(Duration::from_millis(200));
+        }
+    }
+
+    let pid = running.find_descendant(name)?;
+    let status = Command::new("kill")
+        .args(["-TERM", &pid.to_string()])
+        .status()?;
+    ensure!(
+        status.success(),
+        "could not send SIGTERM to {name} (pid {pid})"
+    );
+    let deadline = Instant::now() + STOP_DEADLINE;
+    loop {
+        if let Some(status) = running.child.try_wait()? {
+            ensure!(
+                status.success(),
+                "{name} exited with {status} after SIGTERM, want 0"
+            );
+            return Ok(());
+        }
+        ensure!(
+            Instant::now() < deadline,
+            "{name} still running {STOP_DEADLINE:?} after SIGTERM"
+        );
+        thread::sleep(Duration::from_millis(100));
+    }
+}
+
+/// A `buildah run` we started; on drop, it and everything under it is killed.
+struct Running {
+    child: Child,
+}
+
+impl Running {
+    /// The process under our `buildah run` whose name is `name`: buildah's chroot runtime
+    /// does not pass SIGTERM on, so the signal goes straight to the program.
+    fn find_descendant(&self, name: &str) -> Result<u32> {
+        let tree = process_tree()?;
+        descendants(&tree, self.child.id())
+            .into_iter()
+            .find(|pid| command_name(*pid).as_deref() == Some(truncate_comm(name)))
+            .with_context(|| {
+                format!(
+                    "no process {name} under buildah run (pid {})",
+                    self.child.id()
+                )
+            })
+    }
+}
+
+impl Drop for Running {
+    fn drop(&mut self) {
+        if matches!(self.child.try_wait(), Ok(None)) {
+            if let Ok(tree) = process_tree() {
+                for pid in descendants(&tree, self.child.id()).into_iter().rev() {
+                    let _ = Command::new("kill")
+                        .args(["-KILL", &pid.to_string()])
+                        .status();
+                }
+            }
+            let _ = self.child.kill();
+        }
+        let _ = self.child.wait();
+    }
+}
+
+/// Parent pid to children, read from /proc.
+fn process_tree() -> Result<HashMap<u32, Vec<u32>>> {
+    let mut tree: HashMap<u32, Vec<u32>> = HashMap::new();
+    for entry in fs::read_dir("/proc")? {
+        let Some(pid) = entry?
+            .file_name()
+            .to_str()
+            .and_then(|name| name.parse::<u32>().ok())
+        else {
+            continue;
+        };
+        // Format: "pid (comm) state ppid ..."; comm may hold spaces and parentheses.
+        let Ok(stat) = fs::read_to_string(format!("/proc/{pid}/stat")) else {
+            continue;
+        };
+        let Some(after) = stat.rfind(')').map(|at| &stat[at + 1..]) else {
+            continue;
+        };
+        if let Some(ppid) = after
+            .split_whitespace()
+            .nth(1)
+            .and_then(|ppid| ppid.parse().ok())
+        {
+            tree.entry(ppid).or_default().push(pid);
+        }
+    }
+    Ok(tree)
+}
+
+/// Every process below `root`, parents before children.
+fn descendants(tree: &HashMap<u32, Vec<u32>>, root: u32) -> Vec<u32> {
+    let mut found = Vec::new();
+    let mut pending = vec![root];
+    while let Some(pid) = pending.pop() {
+        for child in tree.get(&pid).into_iter().flatten() {
+            found.push(*child);
+            pending.push(*child);
+        }
+    }
+    found
+}
+
+fn command_name(pid: u32) -> Option<String> {
+    fs::read_to_string(format!("/proc/{pid}/comm"))
+        .ok()
+        .map(|comm| comm.trim_end().to_owned())
+}
+
+/// The kernel keeps the first 15 bytes of a program name in /proc/PID/comm.
+fn truncate_comm(name: &str) -> &str {
+    &name[..name.len().min(15)]
+}
+
+fn free_loopback_port() -> Result<u16> {
+    Ok(TcpListener::bind((Ipv4Addr::LOCALHOST, 0))?
+        .local_addr()?
+        .port())
+}
+
+/// The status code of `GET path` on the loopback port.
+fn http_status(port: u16, path: &str) -> Result<u16> {
+    let mut conn = TcpStream::connect((Ipv4Addr::LOCALHOST, port))?;
+    conn.set_read_timeout(Some(Duration::from_secs(2)))?;
+    write!(
+        conn,
+        "GET {path} HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\nConnection: close\r\n\r\n"
+    )?;
+    let mut head = [0u8; 12];
+    conn.read_exact(&mut head)?;
+    let head = std::str::from_utf8(&head)?;
+    ensure!(
+        head.starts_with("HTTP/1."),
+        "not an HTTP response: {head:?}"
+    );
+    Ok(head[9..12].parse()?)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn strings(args: &[&str]) -> Vec<String> {
+        args.iter().map(|arg| (*arg).to_owned()).collect()
+    }
+
+    #[test]
+    fn options() {
+        let parsed = parse_options(&strings(&[])).unwrap().unwrap();
+        assert!(!parsed.test);
+        assert_eq!(parsed.base, "scratch");
+        let parsed = parse_options(&strings(&["--test", "--base", "gcr.io/x:y"]))
+            .unwrap()
+            .unwrap();
+        assert!(parsed.test);
+        assert_eq!(parsed.base, "gcr.io/x:y");
+        assert_eq!(
+            parse_options(&strings(&["--base=b"]))
+                .unwrap()
+                .unwrap()
+                .base,
+            "b"
+        );
+        assert!(parse_options(&strings(&["--help"])).unwrap().is_none());
+        assert!(parse_options(&strings(&["--base"])).is_err());
+        assert!(parse_options(&strings(&["--base="])).is_err());
+        assert!(parse_options(&strings(&["--bogus"])).is_err());
+    }
+
+    /// A 64-bit ELF header followed by program headers of the given (type, offset, size).
+    fn elf(headers: &[(u32, u64, u64)], tail: &[u8]) -> Vec<u8> {
+        let mut out = vec![0u8; 64];
+        out[..6].copy_from_slice(b"\x7fELF\x02\x01");
+        out[0x20..0x28].copy_from_slice(&64u64.to_le_bytes());
+        out[0x36..0x38].copy_from_slice(&56u16.to_le_bytes());
+        out[0x38..0x3a].copy_from_slice(&(headers.len() as u16).to_le_bytes());
+        for (kind, offset, size) in headers {
+            let mut header = vec![0u8; 56];
+            header[..4].copy_from_slice(&kind.to_le_bytes());
+            header[8..16].copy_from_slice(&offset.to_le_bytes());
+            header[32..40].copy_from_slice(&size.to_le_bytes());
+            out.extend(header);
+        }
+        out.extend_from_slice(tail);
+        out
+    }
+
+    fn dynamic_entries(entries: &[(u64, u64)]) -> Vec<u8> {
+        entries
+            .iter()
+            .flat_map(|(tag, value)| [tag.to_le_bytes(), value.to_le_bytes()])
+            .flatten()
+            .collect()
+    }
+
+    #[test]
+    fn static_executables_are_told_apart() {
+        // Program headers end at 64 + 56 = 120, where the dynamic section starts.
+        assert!(static_elf_verdict(&elf(&[(1, 0, 0)], &[])).is_ok());
+        let static_pie = dynamic_entries(&[(0x6ffffffb, 0), (0, 0)]);
+        assert!(static_elf_verdict(&elf(&[(2, 120, 32)], &static_pie)).is_ok());
+        let needs_libc = dynamic_entries(&[(1, 5), (0, 0)]);
+        assert!(static_elf_verdict(&elf(&[(2, 120, 32)], &needs_libc)).is_err());
+        assert!(static_elf_verdict(&elf(&[(3, 0, 0)], &[])).is_err());
+        assert!(static_elf_verdict(b"#!/bin/sh\n").is_err());
+        assert!(
+            static_elf_verdict(&elf(&[(2, 120, 64)], &[])).is_err(),
+            "truncated"
+        );
+    }
+
+    #[test]
+    fn this_test_binary_is_judged_correctly() {
+        // The test binary is linked the ordinary, dynamic way.
+        let me = fs::read(std::env::current_exe().unwrap()).unwrap();
+        assert!(static_elf_verdict(&me).is_err());
+    }
+
+    const INSPECT: &str = r#"{
+        "OCIv1": {"config": {"User": "65532:65532",
+            "ExposedPorts": {"9000/tcp": {}, "9090/tcp": {}},
+            "Entrypoint": ["/usr/local/bin/hetzner"]}},
+        "Manifest": "{\"layers\":[{\"size\":1000},{\"size\":2000}]}"
+    }"#;
+
+    #[test]
+    fn config_checks() {
+        assert_eq!(check_config(INSPECT, &IMAGES[0]).unwrap(), 3000);
+        // The DigitalOcean image must expose 9443 and use its own entrypoint.
+        assert!(check_config(INSPECT, &IMAGES[1]).is_err());
+        let root = INSPECT.replace("65532:65532", "0:0");
+        assert!(check_config(&root, &IMAGES[0]).is_err());
+        let huge = INSPECT.replace("2000", &MAX_IMAGE_BYTES.to_string());
+        assert!(check_config(&huge, &IMAGES[0]).is_err());
+    }
+
+    #[test]
+    fn process_tree_finds_our_children() {
+        let mut child = Command::new("sleep").arg("30").spawn().unwrap();
+        let tree = process_tree().unwrap();
+        let mine = descendants(&tree, std::process::id());
+        assert!(mine.contains(&child.id()));
+        assert_eq!(command_name(child.id()).as_deref(), Some("sleep"));
+        child.kill().unwrap();
+        child.wait().unwrap();
+        assert_eq!(truncate_comm("a-very-long-program-name"), "a-very-long-pro");
+    }
+}

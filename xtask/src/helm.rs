@@ -1,0 +1,890 @@
+//! `cargo xtask helm [--update-snapshots]`: renders both provider charts with Helm's own engine,
+//! lints them, validates every object against the Kubernetes schemas, checks the rendered
+//! Deployments against the rules the charts promise, and compares the renders and the README
+//! values tables with the committed copies.
+//!
+//! Helm and the schemas come from the Python environment that `deploy/ci-setup.sh` installs
+//! (`deploy/ci/chartcheck.py` does the Helm and schema work); this module drives the cases
+//! and owns the policy and the snapshots. `--update-snapshots` rewrites
+//! `deploy/helm/snapshots/*.yaml` and the README tables instead of comparing them.
+
+use std::collections::BTreeSet;
+use std::fs;
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output};
+
+use anyhow::{Context, Result, bail, ensure};
+use serde_json::Value;
+
+/// Where `deploy/ci-setup.sh` puts the Python environment; `BIGFLEET_CI_PYTHON` overrides it.
+const DEFAULT_PYTHON: &str = "/opt/bigfleet-ci/venv/bin/python3";
+const RELEASE: &str = "bigfleet";
+const NAMESPACE: &str = "bigfleet";
+const TABLE_START: &str = "<!-- values-table:start -->";
+const TABLE_END: &str = "<!-- values-table:end -->";
+
+/// The runtime user of the images, which the charts' security contexts must match.
+const RUNTIME_UID: u64 = 65532;
+
+struct Chart {
+    /// Directory under deploy/helm and name of the provider binary.
+    name: &'static str,
+    /// Every flag the provider binary accepts, without the leading dashes.
+    flags: &'static [&'static str],
+    /// Flags whose value is a file or socket path inside the pod.
+    path_flags: &'static [&'static str],
+    /// Environment variables that carry secrets and must come from a Secret.
+    secret_env: &'static [&'static str],
+}
+
+const COMMON_FLAGS: &[&str] = &[
+    "addr",
+    "metrics-addr",
+    "provider",
+    "use-fake-backend",
+    "offerings",
+    "seed-count",
+    "state",
+    "image",
+    "base-user-data",
+    "price-refresh",
+    "reconcile-interval",
+    "reflection",
+    "tls-cert",
+    "tls-key",
+    "tls-ca",
+    "create-timeout",
+    "configure-timeout",
+    "drain-timeout",
+    "delete-timeout",
+    "shutdown-grace",
+    "log-format",
+    "admin-socket",
+];
+
+/// Flags that would put a secret on the command line, visible in the pod spec.
+const SECRET_FLAGS: &[&str] = &["token", "bootstrap-secret"];
+
+const CHARTS: [Chart; 2] = [
+    Chart {
+        name: "hetzner",
+        flags: &[
+            "hetzner-backend",
+            "location-a",
+            "location-b",
+            "eur-usd",
+            "ssh-key",
+            "ssh-user",
+            "ssh-port",
+            "bootstrap-hook",
+            "hcloud-endpoint",
+            "readiness-command",
+        ],
+        path_flags: &[
+            "ssh-key",
+            "offerings",
+            "base-user-data",
+            "state",
+            "tls-cert",
+            "tls-key",
+            "tls-ca",
+            "admin-socket",
+        ],
+        secret_env: &["HCLOUD_TOKEN"],
+    },
+    Chart {
+        name: "digitalocean",
+        flags: &[
+            "do-backend",
+            "region",
+            "region-a",
+            "region-b",
+            "do-api-url",
+            "bootstrap-addr",
+            "bootstrap-endpoint",
+            "bootstrap-tls-cert",
+            "bootstrap-tls-key",
+            "bootstrap-ca",
+        ],
+        path_flags: &[
+            "offerings",
+            "base-user-data",
+            "state",
+            "tls-cert",
+            "tls-key",
+            "tls-ca",
+            "admin-socket",
+            "bootstrap-tls-cert",
+            "bootstrap-tls-key",
+            "bootstrap-ca",
+        ],
+        secret_env: &["DIGITALOCEAN_TOKEN", "BIGFLEET_BOOTSTRAP_SECRET"],
+    },
+];
+
+/// Values that must make the render (or the validation) fail, with part of the message.
+struct Refusal {
+    chart: &'static str,
+    what: &'static str,
+    values: &'static str,
+    message: &'static str,
+}
+
+const REFUSALS: &[Refusal] = &[
+    Refusal {
+        chart: "digitalocean",
+        what: "bootstrap channel without an endpoint",
+        values: "bootstrap:\n  enabled: true\n  tlsSecretName: t\n  secretName: s\n",
+        message: "bootstrap.endpoint is required",
+    },
+    Refusal {
+        chart: "digitalocean",
+        what: "bootstrap channel without its HMAC Secret",
+        values: "bootstrap:\n  enabled: true\n  endpoint: https://x:9443\n  tlsSecretName: t\n",
+        message: "bootstrap.secretName is required",
+    },
+    Refusal {
+        chart: "hetzner",
+        what: "TLS without a Secret",
+        values: "tls:\n  enabled: true\n",
+        message: "tls.secretName is required",
+    },
+    Refusal {
+        chart: "hetzner",
+        what: "mTLS without TLS",
+        values: "tls:\n  mtls: true\n",
+        message: "tls.mtls=true needs tls.enabled=true",
+    },
+    Refusal {
+        chart: "hetzner",
+        what: "an unknown log format",
+        values: "logFormat: yaml\n",
+        message: "logFormat",
+    },
+    Refusal {
+        chart: "digitalocean",
+        what: "a duration that is not Go syntax",
+        values: "timeouts:\n  drain: 15 minutes\n",
+        message: "drain",
+    },
+    Refusal {
+        chart: "hetzner",
+        what: "a misspelt top-level key",
+        values: "locaton: hel1\n",
+        message: "locaton",
+    },
+    Refusal {
+        chart: "hetzner",
+        what: "an object Kubernetes would reject",
+        values: "extraEnv:\n  - name: HTTPS_PROXY\n    valu: http://proxy:3128\n",
+        message: "valu",
+    },
+];
+
+pub(crate) fn run(args: &[String]) -> Result<()> {
+    let mut update = false;
+    for arg in args {
+        match arg.as_str() {
+            "--update-snapshots" => update = true,
+            "-h" | "--help" => {
+                println!("usage: cargo xtask helm [--update-snapshots]");
+                return Ok(());
+            }
+            other => {
+                bail!("unknown argument {other:?}; usage: cargo xtask helm [--update-snapshots]")
+            }
+        }
+    }
+
+    let root = crate::repo::root();
+    let python = python()?;
+    let scratch = root.join("target/xtask-helm");
+    fs::create_dir_all(&scratch)?;
+    let mut passed = 0;
+    let mut stale = Vec::new();
+
+    for chart in &CHARTS {
+        let dir = root.join("deploy/helm").join(chart.name);
+        for case in ["default", "full"] {
+            let values = (case == "full").then(|| dir.join("ci/full-values.yaml"));
+            let json = scratch.join(format!("{}-{case}.json", chart.name));
+            let rendered = chartcheck(&python, &root, chart.name, values.as_deref(), Some(&json))
+                .with_context(|| format!("chart {} with {case} values", chart.name))?;
+            let objects: Vec<Value> = serde_json::from_str(&fs::read_to_string(&json)?)?;
+            check_policy(chart, case, &objects)
+                .with_context(|| format!("chart {} with {case} values", chart.name))?;
+            let snapshot = root.join(format!("deploy/helm/snapshots/{}-{case}.yaml", chart.name));
+            if !compare_or_update(&snapshot, &rendered, update)? {
+                stale.push(snapshot);
+            }
+            println!(
+                "helm: {} ({case} values): lint, render, schema and policy passed",
+                chart.name
+            );
+            passed += 1;
+        }
+
+        let table = output(
+            Command::new(&python)
+                .arg(root.join("deploy/ci/chartcheck.py"))
+                .arg("values-table")
+                .arg(&dir),
+        )?;
+        let readme = dir.join("README.md");
+        if !update_readme_table(&readme, &table, update)? {
+            stale.push(readme);
+        }
+    }
+
+    for refusal in REFUSALS {
+        let values = scratch.join(format!("refusal-{passed}.yaml"));
+        fs::write(&values, refusal.values)?;
+        let json = scratch.join("refusal.json");
+        match chartcheck(&python, &root, refusal.chart, Some(&values), Some(&json)) {
+            Ok(_) => bail!(
+                "chart {} accepted {}; it must refuse it",
+                refusal.chart,
+                refusal.what
+            ),
+            Err(error) => {
+                let message = format!("{error:#}");
+                ensure!(
+                    message.contains(refusal.message),
+                    "chart {} refused {} without naming {:?}:\n{message}",
+                    refusal.chart,
+                    refusal.what,
+                    refusal.message
+                );
+            }
+        }
+        println!("helm: {} refuses {}", refusal.chart, refusal.what);
+        passed += 1;
+    }
+
+    if !stale.is_empty() {
+        let list: Vec<String> = stale
+            .iter()
+            .map(|path| format!("  {}", path.display()))
+            .collect();
+        bail!(
+            "out of date (see the differences above):\n{}\nrun `cargo xtask helm --update-snapshots` and review the change",
+            list.join("\n")
+        );
+    }
+    println!("helm: {passed} passed, 0 failed");
+    Ok(())
+}
+
+fn python() -> Result<PathBuf> {
+    let python = std::env::var_os("BIGFLEET_CI_PYTHON")
+        .map_or_else(|| PathBuf::from(DEFAULT_PYTHON), PathBuf::from);
+    ensure!(
+        python.exists(),
+        "{} is missing: run deploy/ci-setup.sh (or set BIGFLEET_CI_PYTHON to a Python with helm-python-sdk and kubernetes-validate)",
+        python.display()
+    );
+    Ok(python)
+}
+
+/// Runs `chartcheck.py check` and returns the `helm template` style render.
+fn chartcheck(
+    python: &Path,
+    root: &Path,
+    chart: &str,
+    values: Option<&Path>,
+    json: Option<&Path>,
+) -> Result<String> {
+    let mut command = Command::new(python);
+    command
+        .arg(root.join("deploy/ci/chartcheck.py"))
+        .arg("check")
+        .arg(root.join("deploy/helm").join(chart))
+        .args(["--release", RELEASE, "--namespace", NAMESPACE]);
+    if let Some(values) = values {
+        command.arg("--values").arg(values);
+    }
+    if let Some(json) = json {
+        command.arg("--json").arg(json);
+    }
+    output(&mut command)
+}
+
+fn output(command: &mut Command) -> Result<String> {
+    let Output {
+        status,
+        stdout,
+        stderr,
+    } = command
+        .output()
+        .with_context(|| format!("run {command:?}"))?;
+    ensure!(
+        status.success(),
+        "{}",
+        String::from_utf8_lossy(&stderr).trim()
+    );
+    Ok(String::from_utf8(stdout)?)
+}
+
+/// Returns whether `path` already held `content`; with `update`, makes it so.
+fn compare_or_update(path: &Path, content: &str, update: bool) -> Result<bool> {
+    let current = fs::read_to_string(path).unwrap_or_default();
+    if current == content {
+        return Ok(true);
+    }
+    if update {
+        fs::create_dir_all(path.parent().context("snapshot path has a parent")?)?;
+        fs::write(path, content)?;
+        println!("helm: updated {}", path.display());
+        return Ok(true);
+    }
+    eprintln!(
+        "helm: {} differs from the render:\n{}",
+        path.display(),
+        first_difference(&current, content)
+    );
+    Ok(false)
+}
+
+/// The first differing line of two texts, with a little context, for the failure report.
+fn first_difference(expected: &str, actual: &str) -> String {
+    let expected: Vec<&str> = expected.lines().collect();
+    let actual: Vec<&str> = actual.lines().collect();
+    let at = expected
+        .iter()
+        .zip(&actual)
+        .take_while(|(a, b)| a == b)
+        .count();
+    let from = at.saturating_sub(3);
+    let mut out = format!("  first difference at line {}\n", at + 1);
+    for line in &expected[from..(at + 4).min(expected.len())] {
+        out.push_str(&format!("  - {line}\n"));
+    }
+    for line in &actual[from..(at + 4).min(actual.len())] {
+        out.push_str(&format!("  + {line}\n"));
+    }
+    out
+}
+
+/// Keeps the README's generated values table (between the markers) equal to `table`.
+fn update_readme_table(readme: &Path, table: &str, update: bool) -> Result<bool> {
+    let text = fs::read_to_string(readme).with_context(|| format!("read {}", readme.display()))?;
+    let start = text
+        .find(TABLE_START)
+        .with_context(|| format!("{} has no {TABLE_START}", readme.display()))?;
+    let end = text
+        .find(TABLE_END)
+        .with_context(|| format!("{} has no {TABLE_END}", readme.display()))?;
+    let wanted = format!("{}{TABLE_START}\n{table}{}", &text[..start], &text[end..]);
+    compare_or_update(readme, &wanted, update)
+}
+
+/// The promises the charts make about what they render.
+fn check_policy(chart: &Chart, case: &str, objects: &[Value]) -> Result<()> {
+    let kinds: BTreeSet<&str> = objects.iter().filter_map(|o| o["kind"].as_str()).collect();
+    let expected: &[&str] = match (chart.name, case) {
+        (_, "default") => &["Deployment", "Service", "ServiceAccount"],
+        ("hetzner", _) => &[
+            "ConfigMap",
+            "Deployment",
+            "NetworkPolicy",
+            "PersistentVolumeClaim",
+            "Service",
+            "ServiceAccount",
+            "ServiceMonitor",
+        ],
+        _ => &[
+            "ConfigMap",
+            "Deployment",
+            "NetworkPolicy",
+            "Service",
+            "ServiceAccount",
+            "ServiceMonitor",
+        ],
+    };
+    ensure!(
+        kinds == expected.iter().copied().collect(),
+        "rendered kinds {kinds:?}, want {expected:?}"
+    );
+
+    let deployments: Vec<&Value> = objects
+        .iter()
+        .filter(|o| o["kind"] == "Deployment")
+        .collect();
+    ensure!(deployments.len() == 1, "want exactly one Deployment");
+    let deployment = deployments[0];
+    let args = check_deployment(chart, deployment)?;
+
+    let services: Vec<&Value> = objects.iter().filter(|o| o["kind"] == "Service").collect();
+    let main = services
+        .iter()
+        .find(|s| port_targets(s).contains("grpc"))
+        .context("no Service targets the grpc port")?;
+    ensure!(
+        main["spec"]["type"] == "ClusterIP",
+        "the gRPC Service must stay ClusterIP"
+    );
+    ensure!(
+        port_targets(main).contains("metrics"),
+        "the gRPC Service has no metrics port"
+    );
+
+    if args.iter().any(|(flag, _)| flag == "bootstrap-addr") {
+        let bootstrap = services
+            .iter()
+            .find(|s| port_targets(s).contains("bootstrap"))
+            .context("the agent channel is on but no Service publishes it")?;
+        let kind = bootstrap["spec"]["type"].as_str().unwrap_or("ClusterIP");
+        ensure!(
+            kind == "LoadBalancer" || kind == "NodePort",
+            "the agent channel Service is {kind}; Droplets outside the cluster could not reach it"
+        );
+        ensure!(
+            !port_targets(bootstrap).contains("grpc"),
+            "the public agent channel Service must not carry gRPC"
+        );
+    }
+
+    if case == "full" {
+        for flag in [
+            "admin-socket",
+            "state",
+            "tls-cert",
+            "tls-ca",
+            "offerings",
+            "base-user-data",
+        ] {
+            ensure!(
+                args.iter().any(|(f, _)| f == flag),
+                "full values do not pass --{flag}"
+            );
+        }
+        let monitor = objects
+            .iter()
+            .find(|o| o["kind"] == "ServiceMonitor")
+            .context("no ServiceMonitor")?;
+        ensure!(
+            monitor["spec"]["endpoints"][0]["port"] == "metrics",
+            "the ServiceMonitor must scrape the metrics port"
+        );
+    }
+    Ok(())
+}
+
+fn port_targets(service: &Value) -> BTreeSet<String> {
+    service["spec"]["ports"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .filter_map(|port| port["targetPort"].as_str().map(str::to_owned))
+        .collect()
+}
+
+/// Checks the Deployment and returns its container's `--flag=value` arguments.
+fn check_deployment(chart: &Chart, deployment: &Value) -> Result<Vec<(String, String)>> {
+    let spec = &deployment["spec"];
+    ensure!(spec["replicas"] == 1, "replicas must be 1");
+    ensure!(
+        spec["strategy"]["type"] == "Recreate",
+        "the strategy must be Recreate"
+    );
+    let pod = &spec["template"]["spec"];
+    let pod_security = &pod["securityContext"];
+    ensure!(
+        pod_security["runAsNonRoot"] == true,
+        "pod must run as non-root"
+    );
+    ensure!(
+        pod_security["runAsUser"] == RUNTIME_UID,
+        "pod must run as uid {RUNTIME_UID}"
+    );
+    ensure!(
+        pod_security["seccompProfile"]["type"] == "RuntimeDefault",
+        "pod seccomp must be RuntimeDefault"
+    );
+
+    let containers = pod["containers"].as_array().context("no containers")?;
+    ensure!(containers.len() == 1, "want exactly one container");
+    let container = &containers[0];
+    let security = &container["securityContext"];
+    ensure!(
+        security["readOnlyRootFilesystem"] == true,
+        "root filesystem must be read-only"
+    );
+    ensure!(
+        security["allowPrivilegeEscalation"] == false,
+        "privilege escalation must be off"
+    );
+    let dropped = security["capabilities"]["drop"]
+        .as_array()
+        .cloned()
+        .unwrap_or_default();
+    ensure!(
+        dropped.iter().any(|c| c == "ALL"),
+        "all capabilities must be dropped"
+    );
+    ensure!(
+        security["capabilities"]["add"].is_null(),
+        "no capability may be added"
+    );
+
+    let args = container_args(chart, container)?;
+    let flag = |name: &str| {
+        args.iter()
+            .find(|(f, _)| f == name)
+            .map(|(_, v)| v.as_str())
+    };
+    let ports = named_ports(container);
+    for (port_flag, port_name) in [
+        ("addr", "grpc"),
+        ("metrics-addr", "metrics"),
+        ("bootstrap-addr", "bootstrap"),
+    ] {
+        if let Some(addr) = flag(port_flag) {
+            let port: u64 = addr
+                .rsplit(':')
+                .next()
+                .unwrap_or_default()
+                .parse()
+                .with_context(|| format!("--{port_flag}={addr}"))?;
+            ensure!(
+                ports.get(port_name) == Some(&port),
+                "--{port_flag}={addr} but container port {port_name} is {:?}",
+                ports.get(port_name)
+            );
+        }
+    }
+    for (probe, path) in [("livenessProbe", "/healthz"), ("readinessProbe", "/readyz")] {
+        let get = &container[probe]["httpGet"];
+        ensure!(
+            get["path"] == path && get["port"] == "metrics",
+            "{probe} must GET {path} on the metrics port"
+        );
+    }
+
+    let grace =
+        go_duration_seconds(flag("shutdown-grace").context("--shutdown-grace is not set")?)?;
+    let termination = pod["terminationGracePeriodSeconds"]
+        .as_f64()
+        .context("terminationGracePeriodSeconds is not set")?;
+    ensure!(
+        termination > grace,
+        "terminationGracePeriodSeconds ({termination}) must exceed --shutdown-grace ({grace}s)"
+    );
+
+    for env in container["env"].as_array().into_iter().flatten() {
+        let name = env["name"].as_str().unwrap_or_default();
+        if chart.secret_env.contains(&name) {
+            ensure!(env["value"].is_null(), "{name} must not be a literal value");
+            ensure!(
+                !env["valueFrom"]["secretKeyRef"].is_null(),
+                "{name} must come from a Secret"
+            );
+        }
+    }
+
+    check_mounts(chart, pod, container, &args)?;
+    Ok(args)
+}
+
+fn named_ports(container: &Value) -> std::collections::BTreeMap<String, u64> {
+    container["ports"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .filter_map(|p| Some((p["name"].as_str()?.to_owned(), p["containerPort"].as_u64()?)))
+        .collect()
+}
+
+/// Splits the container's arguments into (flag, value) and refuses unknown or secret flags.
+fn container_args(chart: &Chart, container: &Value) -> Result<Vec<(String, String)>> {
+    ensure!(
+        container["command"].is_null(),
+        "the chart must keep the image entrypoint"
+    );
+    let mut args = Vec::new();
+    for arg in container["args"].as_array().context("no args")? {
+        let arg = arg.as_str().context("an argument is not a string")?;
+        let flag = arg
+            .strip_prefix("--")
+            .with_context(|| format!("argument {arg:?} is not a --flag"))?;
+        let (name, value) = flag.split_once('=').unwrap_or((flag, ""));
+        ensure!(
+            !SECRET_FLAGS.contains(&name),
+            "--{name} would put a secret in the pod spec"
+        );
+        ensure!(
+            COMMON_FLAGS.contains(&name) || chart.flags.contains(&name),
+            "--{name} is not a flag of the {} binary",
+            chart.name
+        );
+        args.push((name.to_owned(), value.to_owned()));
+    }
+    Ok(args)
+}
+
+/// Every path flag points into a mounted volume; state and admin socket are writable;
+/// every mount has a volume and every volume is mounted.
+fn check_mounts(
+    chart: &Chart,
+    pod: &Value,
+    container: &Value,
+    args: &[(String, String)],
+) -> Result<()> {
+    let volumes: Vec<&Value> = pod["volumes"].as_array().into_iter().flatten().collect();
+    let mounts: Vec<&Value> = container["volumeMounts"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .collect();
+    let volume_names: BTreeSet<&str> = volumes.iter().filter_map(|v| v["name"].as_str()).collect();
+    let mounted: BTreeSet<&str> = mounts.iter().filter_map(|m| m["name"].as_str()).collect();
+    ensure!(
+        volume_names == mounted,
+        "volumes {volume_names:?} and mounts {mounted:?} differ"
+    );
+
+    for (flag, value) in args
+        .iter()
+        .filter(|(flag, _)| chart.path_flags.contains(&flag.as_str()))
+    {
+        let mount = mounts
+            .iter()
+            .filter(|m| {
+                m["mountPath"]
+                    .as_str()
+                    .is_some_and(|dir| Path::new(value).starts_with(dir))
+            })
+            .max_by_key(|m| m["mountPath"].as_str().map_or(0, str::len))
+            .with_context(|| format!("--{flag}={value} is not inside any mounted volume"))?;
+        if flag == "state" || flag == "admin-socket" {
+            ensure!(
+                mount["readOnly"] != true,
+                "--{flag}={value} lies on a read-only mount"
+            );
+        }
+        if flag == "admin-socket" {
+            let volume = volumes
+                .iter()
+                .find(|v| v["name"] == mount["name"])
+                .context("admin socket volume")?;
+            ensure!(
+                !volume["emptyDir"].is_null(),
+                "the admin socket must live on an emptyDir"
+            );
+        }
+    }
+    Ok(())
+}
+
+/// Seconds in a Go duration such as `25s`, `1m30s` or `1.5h`.
+fn go_duration_seconds(text: &str) -> Result<f64> {
+    if text == "0" {
+        return Ok(0.0);
+    }
+    let mut total = 0.0;
+    let mut rest = text;
+    ensure!(!rest.is_empty(), "empty duration");
+    while !rest.is_empty() {
+        let number_len = rest
+            .find(|c: char| !(c.is_ascii_digit() || c == '.'))
+            .unwrap_or(rest.len());
+        let number: f64 = rest[..number_len]
+            .parse()
+            .with_context(|| format!("bad duration {text:?}"))?;
+        rest = &rest[number_len..];
+        let unit_len = rest
+            .find(|c: char| c.is_ascii_digit() || c == '.')
+            .unwrap_or(rest.len());
+        let scale = match &rest[..unit_len] {
+            "ns" => 1e-9,
+            "us" | "µs" => 1e-6,
+            "ms" => 1e-3,
+            "s" => 1.0,
+            "m" => 60.0,
+            "h" => 3600.0,
+            unit => bail!("bad unit {unit:?} in duration {text:?}"),
+        };
+        rest = &rest[unit_len..];
+        total += number * scale;
+    }
+    Ok(total)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    #[test]
+    fn go_durations() {
+        assert_eq!(go_duration_seconds("25s").unwrap(), 25.0);
+        assert_eq!(go_duration_seconds("1m30s").unwrap(), 90.0);
+        assert_eq!(go_duration_seconds("1.5h").unwrap(), 5400.0);
+        assert_eq!(go_duration_seconds("0").unwrap(), 0.0);
+        assert!((go_duration_seconds("250ms").unwrap() - 0.25).abs() < 1e-9);
+        for bad in ["", "25", "5 min", "m5", "3d"] {
+            assert!(go_duration_seconds(bad).is_err(), "{bad:?}");
+        }
+    }
+
+    /// A Deployment the policy accepts; tests break one thing at a time.
+    fn good_deployment() -> Value {
+        json!({
+            "kind": "Deployment",
+            "spec": {
+                "replicas": 1,
+                "strategy": {"type": "Recreate"},
+                "template": {"spec": {
+                    "terminationGracePeriodSeconds": 30,
+                    "securityContext": {"runAsNonRoot": true, "runAsUser": 65532,
+                        "seccompProfile": {"type": "RuntimeDefault"}},
+                    "volumes": [
+                        {"name": "state", "emptyDir": {}},
+                        {"name": "admin", "emptyDir": {"medium": "Memory"}},
+                        {"name": "tls", "secret": {"secretName": "t"}}
+                    ],
+                    "containers": [{
+                        "name": "provider",
+                        "args": ["--addr=:9000", "--metrics-addr=:9090", "--shutdown-grace=25s",
+                                 "--state=/var/lib/x/state.json", "--admin-socket=/run/bigfleet/admin.sock",
+                                 "--tls-cert=/etc/bigfleet/tls/tls.crt"],
+                        "env": [{"name": "HCLOUD_TOKEN",
+                                 "valueFrom": {"secretKeyRef": {"name": "s", "key": "token"}}}],
+                        "ports": [{"name": "grpc", "containerPort": 9000},
+                                  {"name": "metrics", "containerPort": 9090}],
+                        "livenessProbe": {"httpGet": {"path": "/healthz", "port": "metrics"}},
+                        "readinessProbe": {"httpGet": {"path": "/readyz", "port": "metrics"}},
+                        "securityContext": {"readOnlyRootFilesystem": true,
+                            "allowPrivilegeEscalation": false,
+                            "capabilities": {"drop": ["ALL"]}},
+                        "volumeMounts": [
+                            {"name": "state", "mountPath": "/var/lib/x"},
+                            {"name": "admin", "mountPath": "/run/bigfleet"},
+                            {"name": "tls", "mountPath": "/etc/bigfleet/tls", "readOnly": true}
+                        ]
+                    }]
+                }}
+            }
+        })
+    }
+
+    fn verdict(edit: impl FnOnce(&mut Value)) -> Result<Vec<(String, String)>> {
+        let mut deployment = good_deployment();
+        edit(&mut deployment);
+        check_deployment(&CHARTS[0], &deployment)
+    }
+
+    fn container(deployment: &mut Value) -> &mut Value {
+        &mut deployment["spec"]["template"]["spec"]["containers"][0]
+    }
+
+    #[test]
+    fn the_good_deployment_passes() {
+        let args = verdict(|_| {}).unwrap();
+        assert!(args.contains(&("shutdown-grace".to_owned(), "25s".to_owned())));
+    }
+
+    #[test]
+    fn each_broken_promise_is_caught() {
+        type Edit = fn(&mut Value);
+        let cases: &[(&str, Edit)] = &[
+            ("two replicas", |d| d["spec"]["replicas"] = json!(2)),
+            ("rolling update", |d| {
+                d["spec"]["strategy"]["type"] = json!("RollingUpdate")
+            }),
+            ("root user", |d| {
+                d["spec"]["template"]["spec"]["securityContext"]["runAsUser"] = json!(0)
+            }),
+            ("writable root", |d| {
+                container(d)["securityContext"]["readOnlyRootFilesystem"] = json!(false)
+            }),
+            ("escalation", |d| {
+                container(d)["securityContext"]["allowPrivilegeEscalation"] = json!(true)
+            }),
+            ("added capability", |d| {
+                container(d)["securityContext"]["capabilities"]["add"] = json!(["NET_ADMIN"])
+            }),
+            ("short grace", |d| {
+                d["spec"]["template"]["spec"]["terminationGracePeriodSeconds"] = json!(20)
+            }),
+            ("token flag", |d| {
+                container(d)["args"]
+                    .as_array_mut()
+                    .unwrap()
+                    .push(json!("--token=abc"))
+            }),
+            ("unknown flag", |d| {
+                container(d)["args"]
+                    .as_array_mut()
+                    .unwrap()
+                    .push(json!("--regoin=x"))
+            }),
+            ("other binary's flag", |d| {
+                container(d)["args"]
+                    .as_array_mut()
+                    .unwrap()
+                    .push(json!("--region=nyc3"))
+            }),
+            ("literal token", |d| {
+                container(d)["env"][0] = json!({"name": "HCLOUD_TOKEN", "value": "abc"})
+            }),
+            ("wrong probe", |d| {
+                container(d)["readinessProbe"]["httpGet"]["path"] = json!("/healthz")
+            }),
+            ("port mismatch", |d| {
+                container(d)["ports"][0]["containerPort"] = json!(9001)
+            }),
+            ("read-only state", |d| {
+                container(d)["volumeMounts"][0]["readOnly"] = json!(true)
+            }),
+            ("unmounted file", |d| {
+                container(d)["args"]
+                    .as_array_mut()
+                    .unwrap()
+                    .push(json!("--tls-ca=/etc/ca.crt"))
+            }),
+            ("admin socket off emptyDir", |d| {
+                d["spec"]["template"]["spec"]["volumes"][1] =
+                    json!({"name": "admin", "secret": {"secretName": "x"}})
+            }),
+            ("orphan volume", |d| {
+                d["spec"]["template"]["spec"]["volumes"]
+                    .as_array_mut()
+                    .unwrap()
+                    .push(json!({"name": "x", "emptyDir": {}}))
+            }),
+            ("command override", |d| {
+                container(d)["command"] = json!(["/bin/sh"])
+            }),
+        ];
+        for (what, edit) in cases {
+            assert!(verdict(edit).is_err(), "{what} was accepted");
+        }
+    }
+
+    #[test]
+    fn readme_table_is_spliced_between_markers() {
+        let dir = std::env::temp_dir().join(format!("xtask-helm-readme-{}", std::process::id()));
+        fs::create_dir_all(&dir).unwrap();
+        let readme = dir.join("README.md");
+        fs::write(
+            &readme,
+            format!("intro\n{TABLE_START}\nold\n{TABLE_END}\nend\n"),
+        )
+        .unwrap();
+        assert!(!update_readme_table(&readme, "| new |\n", false).unwrap());
+        assert!(update_readme_table(&readme, "| new |\n", true).unwrap());
+        assert_eq!(
+            fs::read_to_string(&readme).unwrap(),
+            format!("intro\n{TABLE_START}\n| new |\n{TABLE_END}\nend\n")
+        );
+        assert!(update_readme_table(&readme, "| new |\n", false).unwrap());
+        fs::remove_dir_all(&dir).unwrap();
+    }
+
+    #[test]
+    fn differences_are_shown() {
+        let report = first_difference("a\nb\nc\n", "a\nx\nc\n");
+        assert!(report.contains("line 2") && report.contains("- b") && report.contains("+ x"));
+    }
+}
