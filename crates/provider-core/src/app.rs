@@ -17,9 +17,16 @@ use crate::store::{MemoryStore, SharedStore};
 use crate::telemetry::Telemetry;
 use crate::tls::{self, SecurityMode};
 
-/// A server that runs beside gRPC (the DigitalOcean bootstrap channel), started after the
-/// engine is up and stopped at shutdown.
-pub type SideServer = Box<dyn FnOnce(CancellationToken) -> tokio::task::JoinHandle<()> + Send>;
+/// A server that runs beside gRPC (the DigitalOcean bootstrap channel). It binds when called,
+/// after the configuration, TLS and state were validated and before gRPC binds, so a taken port
+/// fails startup; it stops when the token is cancelled.
+pub type SideServer = Box<
+    dyn FnOnce(
+            CancellationToken,
+        ) -> std::pin::Pin<
+            Box<dyn std::future::Future<Output = Result<tokio::task::JoinHandle<()>, String>> + Send>,
+        > + Send,
+>;
 
 /// Everything a binary hands to [`run`].
 pub struct Launch {
@@ -134,13 +141,16 @@ pub async fn run(launch: Launch) -> Result<(), String> {
         .await
         .map_err(|e| format!("build provider: {e}"))?;
 
+    let stop = CancellationToken::new();
+    let mut tasks = Vec::new();
+    for side in side_servers {
+        tasks.push(side(stop.clone()).await?);
+    }
     let addr = listen_addr(&common.addr);
     let grpc_listener = TcpListener::bind(&addr)
         .await
         .map_err(|e| format!("listen on {}: {e}", common.addr))?;
     let ready = Readiness::default();
-    let stop = CancellationToken::new();
-    let mut tasks = Vec::new();
 
     if !common.metrics_addr.is_empty() {
         match TcpListener::bind(listen_addr(&common.metrics_addr)).await {
@@ -173,9 +183,6 @@ pub async fn run(launch: Launch) -> Result<(), String> {
         )
         .map_err(|e| format!("admin socket {}: {e}", common.admin_socket))?;
         tasks.push(handle);
-    }
-    for side in side_servers {
-        tasks.push(side(stop.clone()));
     }
     spawn_loops(&common, &engine, fleet.clone(), telemetry, &stop);
 
