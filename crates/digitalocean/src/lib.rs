@@ -2,4 +2,15 @@
 //! the [`provider_core::cloud::Cloud`] implementation over it, the HTTPS bootstrap channel that
 //! delivers commands to the on-host agent, and the agent itself (`bigfleet-agent`).
 
+pub mod agent;
+pub mod api;
 pub mod catalog;
+pub mod channel;
+pub mod cloud;
+pub mod naming;
+pub mod setup;
+pub mod token;
+
+pub use channel::Channel;
+pub use cloud::DigitalOceanCloud;
+pub use setup::{RealBackend, RealFlags, build_real};

@@ -1,0 +1,519 @@
+//! The on-host agent (`bigfleet-agent`): reads the config the provider's user_data wrote,
+//! trusts only the pinned CA over TLS 1.3, long-polls the bootstrap channel with its
+//! per-machine token, runs each command once (configure: write the blob and run the hook;
+//! ready: run the readiness command; drain: run the drain command), and acks it by id.
+//! Executed command ids are persisted, so a command re-served after a restart is acknowledged
+//! again from the record instead of being run twice. The token and the blob are never logged.
+
+use std::collections::VecDeque;
+use std::io::Write as _;
+use std::os::unix::fs::{OpenOptionsExt as _, PermissionsExt as _};
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use base64::Engine as _;
+use base64::engine::general_purpose::STANDARD;
+use rand::RngExt as _;
+use reqwest::{StatusCode, Url};
+use serde::{Deserialize, Serialize};
+
+use crate::token::AgentToken;
+
+/// The default drain: cordon (tolerating failure) and drain the node named by the host name,
+/// with the grace as pod grace period and drain timeout.
+pub const DEFAULT_DRAIN_COMMAND: &str = "node=$(hostname -f 2>/dev/null || hostname); \
+kubectl cordon \"$node\" || true; \
+kubectl drain \"$node\" --ignore-daemonsets --delete-emptydir-data \
+--grace-period=\"$BIGFLEET_GRACE_SECONDS\" --timeout=\"${BIGFLEET_GRACE_SECONDS}s\"";
+
+/// How many executed command ids the state file remembers.
+const REMEMBERED: usize = 256;
+/// Per-request timeout: longer than the channel's poll hold.
+const REQUEST_TIMEOUT: Duration = Duration::from_secs(90);
+/// Ack delivery attempts before going back to polling (a re-served command is re-acked).
+const ACK_ATTEMPTS: u32 = 6;
+
+/// `/etc/bigfleet-agent/config.json` as the provider writes it.
+#[derive(Deserialize)]
+pub struct AgentConfig {
+    pub endpoint: String,
+    pub ca_pem: String,
+    pub machine_id: String,
+    pub token: String,
+}
+
+impl std::fmt::Debug for AgentConfig {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("AgentConfig")
+            .field("endpoint", &self.endpoint)
+            .field("machine_id", &self.machine_id)
+            .finish_non_exhaustive()
+    }
+}
+
+impl AgentConfig {
+    pub fn load(path: &Path) -> Result<AgentConfig, String> {
+        let bytes =
+            std::fs::read(path).map_err(|e| format!("read config {}: {e}", path.display()))?;
+        let config: AgentConfig = serde_json::from_slice(&bytes)
+            .map_err(|e| format!("parse config {}: {e}", path.display()))?;
+        for (name, value) in [
+            ("endpoint", &config.endpoint),
+            ("ca_pem", &config.ca_pem),
+            ("machine_id", &config.machine_id),
+            ("token", &config.token),
+        ] {
+            if value.trim().is_empty() {
+                return Err(format!("config {}: {name} is empty", path.display()));
+            }
+        }
+        Ok(config)
+    }
+}
+
+/// What the agent runs and where it keeps its record.
+#[derive(Clone, Debug)]
+pub struct AgentOptions {
+    pub hook: PathBuf,
+    /// Run with `sh -c`; `$BIGFLEET_GRACE_SECONDS` (and `$1`) hold the grace.
+    pub drain_command: String,
+    /// Run with `sh -c` to confirm readiness; `None` takes the hook's success as readiness.
+    pub readiness_command: Option<String>,
+    pub state_path: PathBuf,
+    /// Longest wait between attempts when the provider is unreachable.
+    pub max_backoff: Duration,
+}
+
+/// A command as the channel serves it.
+#[derive(Debug, Deserialize)]
+struct WireCommand {
+    id: String,
+    #[serde(rename = "type")]
+    kind: String,
+    #[serde(default)]
+    cluster_id: String,
+    #[serde(default)]
+    blob: String,
+    #[serde(default)]
+    grace_seconds: i64,
+}
+
+#[derive(Serialize)]
+struct WireAck<'a> {
+    command_id: &'a str,
+    ok: bool,
+    #[serde(skip_serializing_if = "str::is_empty")]
+    error: &'a str,
+}
+
+/// One remembered command: `outcome` is `None` while it runs.
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq, Eq)]
+struct Executed {
+    id: String,
+    outcome: Option<Result<(), String>>,
+}
+
+/// The executed-command record, persisted atomically after every change.
+#[derive(Debug, Default, Serialize, Deserialize)]
+struct AgentState {
+    executed: VecDeque<Executed>,
+}
+
+impl AgentState {
+    fn load(path: &Path) -> Result<AgentState, String> {
+        match std::fs::read(path) {
+            Ok(bytes) => serde_json::from_slice(&bytes)
+                .map_err(|e| format!("parse state {}: {e}", path.display())),
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(AgentState::default()),
+            Err(e) => Err(format!("read state {}: {e}", path.display())),
+        }
+    }
+
+    fn save(&self, path: &Path) -> Result<(), String> {
+        let fail = |e: std::io::Error| format!("write state {}: {e}", path.display());
+        if let Some(dir) = path.parent().filter(|d| !d.as_os_str().is_empty()) {
+            std::fs::create_dir_all(dir).map_err(fail)?;
+        }
+        let tmp = path.with_extension("tmp");
+        let mut file = std::fs::OpenOptions::new()
+            .write(true)
+            .create(true)
+            .truncate(true)
+            .mode(0o600)
+            .open(&tmp)
+            .map_err(fail)?;
+        file.write_all(&serde_json::to_vec(self).unwrap_or_default())
+            .map_err(fail)?;
+        file.sync_all().map_err(fail)?;
+        std::fs::rename(&tmp, path).map_err(fail)
+    }
+
+    fn find(&self, id: &str) -> Option<&Executed> {
+        self.executed.iter().find(|e| e.id == id)
+    }
+
+    fn record(&mut self, id: &str, outcome: Option<Result<(), String>>) {
+        if let Some(e) = self.executed.iter_mut().find(|e| e.id == id) {
+            e.outcome = outcome;
+            return;
+        }
+        self.executed.push_back(Executed {
+            id: id.to_owned(),
+            outcome,
+        });
+        while self.executed.len() > REMEMBERED {
+            self.executed.pop_front();
+        }
+    }
+}
+
+/// The running agent.
+pub struct Agent {
+    http: reqwest::Client,
+    command_url: Url,
+    ack_url: Url,
+    token: AgentToken,
+    machine_id: String,
+    options: AgentOptions,
+    state: AgentState,
+}
+
+impl std::fmt::Debug for Agent {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Agent")
+            .field("machine_id", &self.machine_id)
+            .finish_non_exhaustive()
+    }
+}
+
+impl Agent {
+    pub fn new(config: AgentConfig, options: AgentOptions) -> Result<Agent, String> {
+        let roots = reqwest::Certificate::from_pem_bundle(config.ca_pem.as_bytes())
+            .map_err(|e| format!("config ca_pem: {e}"))?;
+        if roots.is_empty() {
+            return Err("config ca_pem: no certificate found".into());
+        }
+        let mut builder = reqwest::Client::builder()
+            .use_rustls_tls()
+            .tls_built_in_root_certs(false)
+            .min_tls_version(reqwest::tls::Version::TLS_1_3)
+            .max_tls_version(reqwest::tls::Version::TLS_1_3)
+            .https_only(true)
+            .connect_timeout(Duration::from_secs(10))
+            .timeout(REQUEST_TIMEOUT)
+            .user_agent(concat!("bigfleet-agent/", env!("CARGO_PKG_VERSION")));
+        for root in roots {
+            builder = builder.add_root_certificate(root);
+        }
+        let http = builder
+            .build()
+            .map_err(|e| format!("build HTTPS client: {e}"))?;
+        let base = config.endpoint.trim_end_matches('/');
+        let endpoint_url = |path: &str| -> Result<Url, String> {
+            let mut url = Url::parse(&format!("{base}{path}"))
+                .map_err(|e| format!("config endpoint {:?}: {e}", config.endpoint))?;
+            if url.scheme() != "https" {
+                return Err(format!(
+                    "config endpoint {:?}: must be https",
+                    config.endpoint
+                ));
+            }
+            url.query_pairs_mut()
+                .append_pair("machine_id", &config.machine_id);
+            Ok(url)
+        };
+        let command_url = endpoint_url("/v1/command")?;
+        let ack_url = endpoint_url("/v1/ack")?;
+        let state = AgentState::load(&options.state_path)?;
+        Ok(Agent {
+            http,
+            command_url,
+            ack_url,
+            token: AgentToken::from_config(config.token),
+            machine_id: config.machine_id,
+            options,
+            state,
+        })
+    }
+
+    /// Polls and executes commands until `shutdown` resolves.
+    pub async fn run(mut self, shutdown: impl std::future::Future<Output = ()>) {
+        tokio::pin!(shutdown);
+        let mut failures = 0u32;
+        tracing::info!(machine_id = %self.machine_id, endpoint = %self.command_url.origin().ascii_serialization(), "bigfleet-agent polling");
+        loop {
+            let polled = tokio::select! {
+                () = &mut shutdown => return,
+                polled = self.poll() => polled,
+            };
+            match polled {
+                Ok(Some(command)) => {
+                    failures = 0;
+                    self.handle(command).await;
+                }
+                Ok(None) => failures = 0,
+                Err(e) => {
+                    failures += 1;
+                    let wait = self.backoff(failures);
+                    tracing::warn!(error = %e, retry_in_ms = wait.as_millis() as u64, "poll failed");
+                    tokio::select! {
+                        () = &mut shutdown => return,
+                        () = tokio::time::sleep(wait) => {}
+                    }
+                }
+            }
+        }
+    }
+
+    fn backoff(&self, failures: u32) -> Duration {
+        let exp = Duration::from_millis(250).saturating_mul(1 << failures.min(10));
+        exp.min(self.options.max_backoff)
+            .mul_f64(rand::rng().random_range(0.5..=1.0))
+    }
+
+    async fn poll(&self) -> Result<Option<WireCommand>, String> {
+        let response = self
+            .http
+            .get(self.command_url.clone())
+            .bearer_auth(self.token.expose())
+            .send()
+            .await
+            .map_err(|e| describe(&e))?;
+        match response.status() {
+            StatusCode::NO_CONTENT => Ok(None),
+            StatusCode::OK => {
+                let bytes = response.bytes().await.map_err(|e| describe(&e))?;
+                serde_json::from_slice(&bytes)
+                    .map(Some)
+                    .map_err(|e| format!("bad command: {e}"))
+            }
+            StatusCode::UNAUTHORIZED => Err(
+                "the provider rejected this machine's token (401): check the machine id and \
+                     the provider's --bootstrap-secret"
+                    .into(),
+            ),
+            other => Err(format!("unexpected status {other}")),
+        }
+    }
+
+    async fn handle(&mut self, command: WireCommand) {
+        let id = command.id.clone();
+        let outcome = match self.state.find(&id) {
+            Some(Executed {
+                outcome: Some(outcome),
+                ..
+            }) => {
+                tracing::info!(command_id = %id, "command already executed; acknowledging again");
+                outcome.clone()
+            }
+            Some(Executed { outcome: None, .. }) => {
+                tracing::warn!(command_id = %id, "command was interrupted by an agent restart; not running it again");
+                let outcome = Err(
+                    "the agent restarted while running this command; it was not run again"
+                        .to_owned(),
+                );
+                self.remember(&id, Some(outcome.clone()));
+                outcome
+            }
+            None => {
+                self.remember(&id, None);
+                tracing::info!(command_id = %id, command = %command.kind, cluster_id = %command.cluster_id, "running command");
+                let outcome = self.execute(&command).await;
+                match &outcome {
+                    Ok(()) => {
+                        tracing::info!(command_id = %id, command = %command.kind, "command succeeded")
+                    }
+                    Err(e) => {
+                        tracing::warn!(command_id = %id, command = %command.kind, error = %e, "command failed")
+                    }
+                }
+                self.remember(&id, Some(outcome.clone()));
+                outcome
+            }
+        };
+        self.ack(&id, &outcome).await;
+    }
+
+    fn remember(&mut self, id: &str, outcome: Option<Result<(), String>>) {
+        self.state.record(id, outcome);
+        if let Err(e) = self.state.save(&self.options.state_path) {
+            tracing::error!(error = %e, "cannot persist executed commands");
+        }
+    }
+
+    async fn execute(&self, command: &WireCommand) -> Result<(), String> {
+        match command.kind.as_str() {
+            "configure" => self.configure(command).await,
+            "ready" => match &self.options.readiness_command {
+                None => Ok(()),
+                Some(script) => {
+                    let mut cmd = shell(script);
+                    cmd.env("BIGFLEET_CLUSTER_ID", &command.cluster_id);
+                    run(cmd, "readiness command").await
+                }
+            },
+            "drain" => {
+                let grace = command.grace_seconds.max(1).to_string();
+                let mut cmd = shell(&self.options.drain_command);
+                cmd.arg(&grace).env("BIGFLEET_GRACE_SECONDS", &grace);
+                run(cmd, "drain command").await
+            }
+            other => Err(format!("unknown command type {other:?}")),
+        }
+    }
+
+    async fn configure(&self, command: &WireCommand) -> Result<(), String> {
+        let blob = STANDARD
+            .decode(command.blob.as_bytes())
+            .map_err(|e| format!("bad blob: {e}"))?;
+        let blob_path = blob_path(&self.options.hook);
+        write_private(&blob_path, &blob)
+            .map_err(|e| format!("write {}: {e}", blob_path.display()))?;
+        let mut cmd = tokio::process::Command::new(&self.options.hook);
+        cmd.arg(&command.cluster_id)
+            .env("BIGFLEET_CLUSTER_ID", &command.cluster_id)
+            .env("BIGFLEET_MACHINE_ID", &self.machine_id)
+            .env("BIGFLEET_BLOB_FILE", &blob_path);
+        run(cmd, "bootstrap hook").await
+    }
+
+    async fn ack(&self, id: &str, outcome: &Result<(), String>) {
+        let error = outcome.as_ref().err().map(String::as_str).unwrap_or("");
+        let body = WireAck {
+            command_id: id,
+            ok: outcome.is_ok(),
+            error,
+        };
+        for attempt in 1..=ACK_ATTEMPTS {
+            let sent = self
+                .http
+                .post(self.ack_url.clone())
+                .bearer_auth(self.token.expose())
+                .json(&body)
+                .send()
+                .await;
+            match sent {
+                Ok(r) if r.status() == StatusCode::OK => return,
+                Ok(r) if r.status() == StatusCode::NO_CONTENT => {
+                    tracing::info!(command_id = %id, "ack not needed any more (the provider stopped waiting)");
+                    return;
+                }
+                Ok(r) => tracing::warn!(command_id = %id, status = %r.status(), "ack refused"),
+                Err(e) => tracing::warn!(command_id = %id, error = %describe(&e), "ack failed"),
+            }
+            tokio::time::sleep(self.backoff(attempt)).await;
+        }
+    }
+}
+
+/// `<hook>.blob`.
+pub fn blob_path(hook: &Path) -> PathBuf {
+    let mut name = hook.as_os_str().to_owned();
+    name.push(".blob");
+    PathBuf::from(name)
+}
+
+/// Writes `bytes` to `path` readable by the owner only, also when the file already existed.
+fn write_private(path: &Path, bytes: &[u8]) -> std::io::Result<()> {
+    let mut file = std::fs::OpenOptions::new()
+        .write(true)
+        .create(true)
+        .truncate(true)
+        .mode(0o600)
+        .open(path)?;
+    file.set_permissions(std::fs::Permissions::from_mode(0o600))?;
+    file.write_all(bytes)?;
+    file.sync_all()
+}
+
+fn shell(script: &str) -> tokio::process::Command {
+    let mut cmd = tokio::process::Command::new("/bin/sh");
+    cmd.arg("-c").arg(script).arg("bigfleet-agent");
+    cmd
+}
+
+async fn run(mut cmd: tokio::process::Command, what: &str) -> Result<(), String> {
+    cmd.stdin(std::process::Stdio::null()).kill_on_drop(true);
+    let status = cmd
+        .status()
+        .await
+        .map_err(|e| format!("{what}: cannot start: {e}"))?;
+    if status.success() {
+        Ok(())
+    } else {
+        Err(format!("{what} failed: {status}"))
+    }
+}
+
+/// A transport error with its causes, without the URL (whose query is harmless but long).
+fn describe(e: &reqwest::Error) -> String {
+    let mut text = e.to_string();
+    let mut source = std::error::Error::source(e);
+    while let Some(s) = source {
+        text.push_str(": ");
+        text.push_str(&s.to_string());
+        source = s.source();
+    }
+    text
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn state_remembers_a_bounded_number_of_ids() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("sub/state.json");
+        let mut state = AgentState::default();
+        for i in 0..(REMEMBERED + 5) {
+            state.record(&i.to_string(), Some(Ok(())));
+        }
+        state.record("x", None);
+        state.record("x", Some(Err("boom".into())));
+        state.save(&path).unwrap();
+        let loaded = AgentState::load(&path).unwrap();
+        assert_eq!(loaded.executed.len(), REMEMBERED);
+        assert!(loaded.find("0").is_none());
+        assert_eq!(loaded.find("x").unwrap().outcome, Some(Err("boom".into())));
+        let mode = std::fs::metadata(&path).unwrap().permissions().mode() & 0o777;
+        assert_eq!(mode, 0o600);
+        assert!(
+            AgentState::load(&dir.path().join("missing"))
+                .unwrap()
+                .executed
+                .is_empty()
+        );
+    }
+
+    #[test]
+    fn blob_next_to_hook() {
+        assert_eq!(
+            blob_path(Path::new("/opt/bigfleet/bootstrap")),
+            PathBuf::from("/opt/bigfleet/bootstrap.blob")
+        );
+    }
+
+    #[test]
+    fn config_needs_every_field() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("c.json");
+        std::fs::write(
+            &path,
+            r#"{"endpoint":"https://x","ca_pem":"p","machine_id":"m","token":" "}"#,
+        )
+        .unwrap();
+        assert!(
+            AgentConfig::load(&path)
+                .unwrap_err()
+                .contains("token is empty")
+        );
+        std::fs::write(
+            &path,
+            r#"{"endpoint":"https://x","ca_pem":"p","machine_id":"m","token":"t"}"#,
+        )
+        .unwrap();
+        let c = AgentConfig::load(&path).unwrap();
+        assert!(!format!("{c:?}").contains("\"t\""));
+    }
+}

@@ -1,0 +1,674 @@
+//! A small DigitalOcean API client over reqwest: the endpoints the provider needs (Droplets,
+//! tags, sizes), a configurable base URL, pagination followed to the end, and retries with
+//! backoff on 429/5xx and transport errors within the caller's deadline. Creates are never
+//! re-sent here: [`crate::cloud`] looks the Droplet up before any second attempt.
+
+use std::time::Duration;
+
+use provider_core::retry::{Backoff, Verdict, classify_status, hint_from_headers};
+use provider_core::telemetry::Telemetry;
+use reqwest::{Method, StatusCode, Url};
+use serde::de::DeserializeOwned;
+use serde::{Deserialize, Serialize};
+use tokio::time::Instant;
+
+/// The default API base URL.
+pub const DEFAULT_API_URL: &str = "https://api.digitalocean.com";
+/// Items per page for every list call (the API's maximum).
+const PER_PAGE: u32 = 200;
+/// A listing longer than this many pages is treated as a pagination loop.
+const MAX_PAGES: usize = 10_000;
+
+/// A DigitalOcean Personal Access Token. Never printed.
+#[derive(Clone)]
+pub struct ApiToken(String);
+
+impl ApiToken {
+    /// Trims surrounding whitespace and `'` quotes, so a token pasted as `'dop_v1_…'` works;
+    /// `None` when nothing is left.
+    pub fn new(raw: &str) -> Option<ApiToken> {
+        let token = raw.trim_matches(|c: char| c.is_whitespace() || c == '\'');
+        (!token.is_empty()).then(|| ApiToken(token.to_owned()))
+    }
+}
+
+impl std::fmt::Debug for ApiToken {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("ApiToken([redacted])")
+    }
+}
+
+/// Parses `--do-api-url`: `https://` anywhere, `http://` only for loopback hosts.
+pub fn parse_base_url(raw: &str) -> Result<Url, String> {
+    let url = Url::parse(raw.trim()).map_err(|e| format!("--do-api-url {raw:?}: {e}"))?;
+    match url.scheme() {
+        "https" => {}
+        "http" if is_loopback(&url) => {}
+        "http" => {
+            return Err(format!(
+                "--do-api-url {raw:?}: plain http is only allowed for loopback addresses; use https"
+            ));
+        }
+        other => {
+            return Err(format!(
+                "--do-api-url {raw:?}: unsupported scheme {other:?}"
+            ));
+        }
+    }
+    if url.host_str().is_none_or(str::is_empty) {
+        return Err(format!("--do-api-url {raw:?}: no host"));
+    }
+    Ok(url)
+}
+
+fn is_loopback(url: &Url) -> bool {
+    let Some(host) = url.host_str() else {
+        return false;
+    };
+    let host = host.trim_start_matches('[').trim_end_matches(']');
+    host.eq_ignore_ascii_case("localhost")
+        || host
+            .parse::<std::net::IpAddr>()
+            .is_ok_and(|ip| ip.is_loopback())
+}
+
+/// A failed API exchange. The text never contains the token.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+pub enum ApiError {
+    /// The API answered with a non-success status.
+    #[error("{endpoint}: HTTP {status}: {message}")]
+    Status {
+        endpoint: &'static str,
+        status: u16,
+        message: String,
+        #[doc(hidden)]
+        retry_after: Option<Duration>,
+    },
+    /// No complete answer arrived (connection refused or dropped, timeout).
+    #[error("{endpoint}: {message}")]
+    Transport {
+        endpoint: &'static str,
+        message: String,
+    },
+    /// The answer did not decode as the expected JSON.
+    #[error("{endpoint}: decode response: {message}")]
+    Decode {
+        endpoint: &'static str,
+        message: String,
+    },
+    /// A `links.pages.next` link that cannot be followed; the listing is incomplete.
+    #[error("bad pagination link: {0}")]
+    BadLink(String),
+}
+
+impl ApiError {
+    pub fn status(&self) -> Option<u16> {
+        match self {
+            ApiError::Status { status, .. } => Some(*status),
+            _ => None,
+        }
+    }
+
+    pub fn is_not_found(&self) -> bool {
+        self.status() == Some(404)
+    }
+
+    /// Whether trying again may succeed (429, 5xx except 501, transport errors).
+    pub fn verdict(&self) -> Verdict {
+        match self {
+            ApiError::Status {
+                status,
+                retry_after,
+                ..
+            } => classify_status(*status, *retry_after),
+            ApiError::Transport { .. } => Verdict::Retry { after: None },
+            ApiError::Decode { .. } | ApiError::BadLink(_) => Verdict::Fatal,
+        }
+    }
+}
+
+/// The Droplet fields the provider reads.
+#[derive(Clone, Debug, Default, Deserialize)]
+pub struct Droplet {
+    pub id: u64,
+    #[serde(default)]
+    pub name: String,
+    #[serde(default)]
+    pub status: String,
+    #[serde(default)]
+    pub tags: Vec<String>,
+    #[serde(default)]
+    pub size_slug: String,
+    #[serde(default)]
+    pub region: RegionRef,
+    #[serde(default)]
+    pub networks: Networks,
+}
+
+#[derive(Clone, Debug, Default, Deserialize)]
+pub struct RegionRef {
+    #[serde(default)]
+    pub slug: String,
+}
+
+#[derive(Clone, Debug, Default, Deserialize)]
+pub struct Networks {
+    #[serde(default)]
+    pub v4: Vec<NetworkV4>,
+}
+
+#[derive(Clone, Debug, Default, Deserialize)]
+pub struct NetworkV4 {
+    #[serde(default)]
+    pub ip_address: String,
+    #[serde(default, rename = "type")]
+    pub kind: String,
+}
+
+impl Droplet {
+    pub fn public_ipv4(&self) -> Option<String> {
+        self.networks
+            .v4
+            .iter()
+            .find(|n| n.kind == "public" && !n.ip_address.is_empty())
+            .map(|n| n.ip_address.clone())
+    }
+
+    pub fn has_tag(&self, tag: &str) -> bool {
+        self.tags.iter().any(|t| t == tag)
+    }
+}
+
+/// One entry of the size catalogue.
+#[derive(Clone, Debug, Default, Deserialize)]
+pub struct Size {
+    pub slug: String,
+    /// Memory in MB (used as MiB, as DigitalOcean's own tooling does).
+    #[serde(default)]
+    pub memory: u64,
+    #[serde(default)]
+    pub vcpus: u32,
+    #[serde(default)]
+    pub price_hourly: f64,
+    #[serde(default)]
+    pub available: bool,
+    #[serde(default)]
+    pub regions: Vec<String>,
+}
+
+/// The image of a new Droplet: a numeric image or snapshot id, or a slug.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+#[serde(untagged)]
+pub enum ImageRef {
+    Id(i64),
+    Slug(String),
+}
+
+impl ImageRef {
+    /// A value that parses as an integer (optional sign, digits) is an id, anything else a slug.
+    pub fn parse(raw: &str) -> ImageRef {
+        raw.parse::<i64>()
+            .map(ImageRef::Id)
+            .unwrap_or_else(|_| ImageRef::Slug(raw.to_owned()))
+    }
+}
+
+/// The body of `POST /v2/droplets`.
+#[derive(Clone, Serialize)]
+pub struct CreateDroplet {
+    pub name: String,
+    pub region: String,
+    pub size: String,
+    pub image: ImageRef,
+    pub user_data: String,
+    pub tags: Vec<String>,
+}
+
+impl std::fmt::Debug for CreateDroplet {
+    // user_data embeds the agent token: never print it.
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("CreateDroplet")
+            .field("name", &self.name)
+            .field("region", &self.region)
+            .field("size", &self.size)
+            .field("image", &self.image)
+            .field("tags", &self.tags)
+            .finish_non_exhaustive()
+    }
+}
+
+#[derive(Deserialize)]
+struct DropletEnvelope {
+    droplet: Droplet,
+}
+
+#[derive(Deserialize)]
+struct DropletPage {
+    #[serde(default)]
+    droplets: Vec<Droplet>,
+    #[serde(default)]
+    links: Links,
+}
+
+#[derive(Deserialize)]
+struct SizePage {
+    #[serde(default)]
+    sizes: Vec<Size>,
+    #[serde(default)]
+    links: Links,
+}
+
+#[derive(Default, Deserialize)]
+struct Links {
+    #[serde(default)]
+    pages: Pages,
+}
+
+#[derive(Default, Deserialize)]
+struct Pages {
+    #[serde(default)]
+    next: Option<String>,
+}
+
+#[derive(Deserialize)]
+struct ErrorBody {
+    #[serde(default)]
+    id: String,
+    #[serde(default)]
+    message: String,
+}
+
+/// The client. Cheap to clone.
+#[derive(Clone)]
+pub struct ApiClient {
+    http: reqwest::Client,
+    base: Url,
+    token: ApiToken,
+    backoff: Backoff,
+    telemetry: Telemetry,
+}
+
+impl std::fmt::Debug for ApiClient {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ApiClient")
+            .field("base", &self.base.as_str())
+            .finish_non_exhaustive()
+    }
+}
+
+/// Per-request timeout, so a hung connection cannot eat a whole transition budget.
+const REQUEST_TIMEOUT: Duration = Duration::from_secs(30);
+
+impl ApiClient {
+    pub fn new(
+        base: Url,
+        token: ApiToken,
+        backoff: Backoff,
+        telemetry: Telemetry,
+    ) -> Result<ApiClient, String> {
+        let mut builder = reqwest::Client::builder()
+            .use_rustls_tls()
+            .connect_timeout(Duration::from_secs(10))
+            .user_agent(concat!("bigfleet-digitalocean/", env!("CARGO_PKG_VERSION")));
+        if is_loopback(&base) {
+            // A local emulator or mirror: a configured HTTP(S)_PROXY must not intercept it.
+            builder = builder.no_proxy();
+        }
+        let http = builder
+            .build()
+            .map_err(|e| format!("build DigitalOcean HTTP client: {e}"))?;
+        Ok(ApiClient {
+            http,
+            base,
+            token,
+            backoff,
+            telemetry,
+        })
+    }
+
+    fn url(&self, path: &str) -> Url {
+        let mut url = self.base.clone();
+        let prefix = url.path().trim_end_matches('/').to_owned();
+        url.set_path(&format!("{prefix}{path}"));
+        url
+    }
+
+    /// One HTTP exchange, recorded by endpoint template and status class.
+    async fn exchange(
+        &self,
+        endpoint: &'static str,
+        method: Method,
+        url: Url,
+        body: Option<&serde_json::Value>,
+        deadline: Instant,
+    ) -> Result<(StatusCode, Vec<u8>), ApiError> {
+        let remaining = deadline.saturating_duration_since(Instant::now());
+        let timeout = remaining.min(REQUEST_TIMEOUT).max(Duration::from_millis(1));
+        let mut request = self
+            .http
+            .request(method, url)
+            .bearer_auth(&self.token.0)
+            .header(http::header::ACCEPT, "application/json")
+            .timeout(timeout);
+        if let Some(body) = body {
+            request = request.json(body);
+        }
+        let transport = |e: reqwest::Error| {
+            self.telemetry.api_http(endpoint, "error");
+            // Strip the URL: it is ours and adds nothing, and the message stays short.
+            ApiError::Transport {
+                endpoint,
+                message: e.without_url().to_string(),
+            }
+        };
+        let response = request.send().await.map_err(transport)?;
+        let status = response.status();
+        let hint = hint_from_headers(response.headers());
+        let bytes = response.bytes().await.map_err(transport)?;
+        self.telemetry.api_http(endpoint, status_class(status));
+        if status.is_success() {
+            return Ok((status, bytes.to_vec()));
+        }
+        let message = match serde_json::from_slice::<ErrorBody>(&bytes) {
+            Ok(e) if !e.message.is_empty() || !e.id.is_empty() => {
+                format!("{} {}", e.id, e.message).trim().to_owned()
+            }
+            _ => String::from_utf8_lossy(&bytes)
+                .chars()
+                .take(200)
+                .collect::<String>(),
+        };
+        Err(ApiError::Status {
+            endpoint,
+            status: status.as_u16(),
+            message,
+            retry_after: hint,
+        })
+    }
+
+    /// An exchange retried with backoff on retryable failures until `deadline`.
+    async fn call(
+        &self,
+        endpoint: &'static str,
+        method: Method,
+        url: Url,
+        body: Option<&serde_json::Value>,
+        deadline: Instant,
+    ) -> Result<(StatusCode, Vec<u8>), ApiError> {
+        self.backoff
+            .run(
+                Some(deadline),
+                |_| self.exchange(endpoint, method.clone(), url.clone(), body, deadline),
+                ApiError::verdict,
+            )
+            .await
+    }
+
+    fn decode<T: DeserializeOwned>(endpoint: &'static str, bytes: &[u8]) -> Result<T, ApiError> {
+        serde_json::from_slice(bytes).map_err(|e| ApiError::Decode {
+            endpoint,
+            message: e.to_string(),
+        })
+    }
+
+    /// `POST /v2/droplets`, sent exactly once: the caller decides whether a failed create may
+    /// be sent again, after checking that no Droplet was created.
+    pub async fn create_droplet(
+        &self,
+        request: &CreateDroplet,
+        deadline: Instant,
+    ) -> Result<Droplet, ApiError> {
+        const EP: &str = "POST /v2/droplets";
+        let body = serde_json::to_value(request).map_err(|e| ApiError::Decode {
+            endpoint: EP,
+            message: e.to_string(),
+        })?;
+        let (_, bytes) = self
+            .exchange(
+                EP,
+                Method::POST,
+                self.url("/v2/droplets"),
+                Some(&body),
+                deadline,
+            )
+            .await?;
+        Ok(Self::decode::<DropletEnvelope>(EP, &bytes)?.droplet)
+    }
+
+    pub async fn get_droplet(&self, id: u64, deadline: Instant) -> Result<Droplet, ApiError> {
+        const EP: &str = "GET /v2/droplets/{id}";
+        let url = self.url(&format!("/v2/droplets/{id}"));
+        let (_, bytes) = self.call(EP, Method::GET, url, None, deadline).await?;
+        Ok(Self::decode::<DropletEnvelope>(EP, &bytes)?.droplet)
+    }
+
+    /// A single `GET /v2/droplets/{id}` without retries (the caller polls).
+    pub async fn get_droplet_once(&self, id: u64, deadline: Instant) -> Result<Droplet, ApiError> {
+        const EP: &str = "GET /v2/droplets/{id}";
+        let url = self.url(&format!("/v2/droplets/{id}"));
+        let (_, bytes) = self.exchange(EP, Method::GET, url, None, deadline).await?;
+        Ok(Self::decode::<DropletEnvelope>(EP, &bytes)?.droplet)
+    }
+
+    /// `DELETE /v2/droplets/{id}`; a Droplet that is already gone is reported as 404.
+    pub async fn delete_droplet(&self, id: u64, deadline: Instant) -> Result<(), ApiError> {
+        let url = self.url(&format!("/v2/droplets/{id}"));
+        self.call(
+            "DELETE /v2/droplets/{id}",
+            Method::DELETE,
+            url,
+            None,
+            deadline,
+        )
+        .await?;
+        Ok(())
+    }
+
+    /// Every Droplet carrying `tag`, all pages.
+    pub async fn list_droplets_by_tag(
+        &self,
+        tag: &str,
+        deadline: Instant,
+    ) -> Result<Vec<Droplet>, ApiError> {
+        const EP: &str = "GET /v2/droplets";
+        let mut url = self.url("/v2/droplets");
+        url.query_pairs_mut()
+            .append_pair("tag_name", tag)
+            .append_pair("per_page", &PER_PAGE.to_string());
+        let mut all = Vec::new();
+        self.paginate(EP, url, deadline, |bytes| {
+            let page: DropletPage = Self::decode(EP, bytes)?;
+            all.extend(page.droplets);
+            Ok(page.links.pages.next)
+        })
+        .await?;
+        Ok(all)
+    }
+
+    /// The whole size catalogue, all pages.
+    pub async fn list_sizes(&self, deadline: Instant) -> Result<Vec<Size>, ApiError> {
+        const EP: &str = "GET /v2/sizes";
+        let mut url = self.url("/v2/sizes");
+        url.query_pairs_mut()
+            .append_pair("per_page", &PER_PAGE.to_string());
+        let mut all = Vec::new();
+        self.paginate(EP, url, deadline, |bytes| {
+            let page: SizePage = Self::decode(EP, bytes)?;
+            all.extend(page.sizes);
+            Ok(page.links.pages.next)
+        })
+        .await?;
+        Ok(all)
+    }
+
+    /// Fetches `first`, then every `links.pages.next` until there is none. A next link is
+    /// only followed on this client's own base URL and list path, so the token is never sent
+    /// elsewhere; anything else fails the listing rather than returning part of it.
+    async fn paginate(
+        &self,
+        endpoint: &'static str,
+        first: Url,
+        deadline: Instant,
+        mut take: impl FnMut(&[u8]) -> Result<Option<String>, ApiError>,
+    ) -> Result<(), ApiError> {
+        let path = first.path().to_owned();
+        let mut url = first;
+        let mut seen = std::collections::HashSet::new();
+        for _ in 0..MAX_PAGES {
+            let (_, bytes) = self
+                .call(endpoint, Method::GET, url.clone(), None, deadline)
+                .await?;
+            let Some(next) = take(&bytes)?.filter(|n| !n.is_empty()) else {
+                return Ok(());
+            };
+            let parsed = url
+                .join(&next)
+                .map_err(|e| ApiError::BadLink(format!("{next:?}: {e}")))?;
+            if parsed.path().trim_end_matches('/') != path.trim_end_matches('/') {
+                return Err(ApiError::BadLink(format!("{next:?} leaves {path}")));
+            }
+            let mut rebased = self.url("");
+            rebased.set_path(parsed.path());
+            rebased.set_query(parsed.query());
+            if !seen.insert(rebased.to_string()) || rebased == url {
+                return Err(ApiError::BadLink(format!("{next:?} repeats a page")));
+            }
+            url = rebased;
+        }
+        Err(ApiError::BadLink(format!("more than {MAX_PAGES} pages")))
+    }
+
+    /// `POST /v2/tags`; a tag that already exists (422) is fine.
+    pub async fn ensure_tag(&self, tag: &str, deadline: Instant) -> Result<(), ApiError> {
+        let body = serde_json::json!({ "name": tag });
+        match self
+            .call(
+                "POST /v2/tags",
+                Method::POST,
+                self.url("/v2/tags"),
+                Some(&body),
+                deadline,
+            )
+            .await
+        {
+            Ok(_) => Ok(()),
+            Err(e) if e.status() == Some(422) => Ok(()),
+            Err(e) => Err(e),
+        }
+    }
+
+    /// `POST /v2/tags/{tag}/resources` for one Droplet.
+    pub async fn tag_droplet(&self, tag: &str, id: u64, deadline: Instant) -> Result<(), ApiError> {
+        self.tag_resources(
+            "POST /v2/tags/{tag}/resources",
+            Method::POST,
+            tag,
+            id,
+            deadline,
+        )
+        .await
+    }
+
+    /// `DELETE /v2/tags/{tag}/resources` for one Droplet.
+    pub async fn untag_droplet(
+        &self,
+        tag: &str,
+        id: u64,
+        deadline: Instant,
+    ) -> Result<(), ApiError> {
+        self.tag_resources(
+            "DELETE /v2/tags/{tag}/resources",
+            Method::DELETE,
+            tag,
+            id,
+            deadline,
+        )
+        .await
+    }
+
+    async fn tag_resources(
+        &self,
+        endpoint: &'static str,
+        method: Method,
+        tag: &str,
+        id: u64,
+        deadline: Instant,
+    ) -> Result<(), ApiError> {
+        let mut url = self.url("/v2/tags");
+        url.path_segments_mut()
+            .map_err(|()| ApiError::BadLink("base URL cannot carry a path".into()))?
+            .push(tag)
+            .push("resources");
+        let body = serde_json::json!({
+            "resources": [{ "resource_id": id.to_string(), "resource_type": "droplet" }]
+        });
+        self.call(endpoint, method, url, Some(&body), deadline)
+            .await?;
+        Ok(())
+    }
+}
+
+fn status_class(status: StatusCode) -> &'static str {
+    match status.as_u16() {
+        200..=299 => "2xx",
+        300..=399 => "3xx",
+        400..=499 => "4xx",
+        _ => "5xx",
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn base_urls() {
+        assert!(parse_base_url("https://api.digitalocean.com").is_ok());
+        assert!(parse_base_url("http://127.0.0.1:8080").is_ok());
+        assert!(parse_base_url("http://localhost:1").is_ok());
+        assert!(parse_base_url("http://[::1]:9").is_ok());
+        let err = parse_base_url("http://10.0.0.1:80").unwrap_err();
+        assert!(err.contains("only allowed for loopback"), "{err}");
+        assert!(parse_base_url("ftp://127.0.0.1").is_err());
+        assert!(parse_base_url("not a url").is_err());
+    }
+
+    #[test]
+    fn tokens_are_trimmed_and_hidden() {
+        let t = ApiToken::new("  'dop_v1_abc'\n").unwrap();
+        assert_eq!(t.0, "dop_v1_abc");
+        assert!(!format!("{t:?}").contains("abc"));
+        assert!(ApiToken::new(" '' ").is_none());
+    }
+
+    #[test]
+    fn images() {
+        assert_eq!(ImageRef::parse("12345"), ImageRef::Id(12345));
+        assert_eq!(ImageRef::parse("-7"), ImageRef::Id(-7));
+        assert_eq!(ImageRef::parse("+7"), ImageRef::Id(7));
+        assert_eq!(
+            ImageRef::parse("ubuntu-24-04-x64"),
+            ImageRef::Slug("ubuntu-24-04-x64".into())
+        );
+        assert_eq!(serde_json::to_string(&ImageRef::Id(5)).unwrap(), "5");
+    }
+
+    #[test]
+    fn retry_verdicts() {
+        let status = |s| ApiError::Status {
+            endpoint: "x",
+            status: s,
+            message: String::new(),
+            retry_after: None,
+        };
+        assert_eq!(status(429).verdict(), Verdict::Retry { after: None });
+        assert_eq!(status(503).verdict(), Verdict::Retry { after: None });
+        assert_eq!(status(404).verdict(), Verdict::Fatal);
+        assert!(status(404).is_not_found());
+        let t = ApiError::Transport {
+            endpoint: "x",
+            message: "reset".into(),
+        };
+        assert_eq!(t.verdict(), Verdict::Retry { after: None });
+    }
+}

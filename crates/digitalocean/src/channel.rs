@@ -1,0 +1,738 @@
+//! The HTTPS bootstrap channel between the provider and the on-host agents
+//! (digitalocean.md §8, beyond.md §6/§8).
+//!
+//! A transition hands a command for one machine to [`Channel::deliver`], which waits for the
+//! agent's ack. Agents long-poll `GET /v1/command` (the request is held until a command is
+//! pending or the hold time passes) and answer with `POST /v1/ack`, echoing the command id.
+//! Every request carries the machine's bearer token, re-derived and compared in constant time;
+//! failed authentications are rate limited per source address. Only TLS 1.3 is spoken.
+
+use std::collections::HashMap;
+use std::future::Future;
+use std::net::{IpAddr, SocketAddr};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use base64::Engine as _;
+use base64::engine::general_purpose::STANDARD;
+use http::{Method, Request, Response, StatusCode, header};
+use http_body_util::{BodyExt, Full, Limited};
+use hyper::body::{Bytes, Incoming};
+use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
+use provider_core::backend::TransitionContext;
+use provider_core::telemetry::Telemetry;
+use rand::Rng;
+use rustls::ServerConfig;
+use serde::Serialize;
+use tokio::net::TcpListener;
+use tokio::sync::{Notify, oneshot};
+use tokio::time::Instant;
+use tokio_rustls::TlsAcceptor;
+use tokio_util::sync::CancellationToken;
+use tokio_util::task::TaskTracker;
+
+use crate::token::{AgentToken, BootstrapSecret};
+
+/// How long `GET /v1/command` is held when nothing is pending.
+pub const DEFAULT_POLL_HOLD: Duration = Duration::from_secs(25);
+/// Largest accepted ack body.
+const MAX_ACK_BYTES: usize = 64 * 1024;
+/// Time allowed for the request headers (and the TLS handshake) of one connection.
+const HEADER_TIMEOUT: Duration = Duration::from_secs(10);
+/// How long shutdown waits for open connections.
+const SHUTDOWN_GRACE: Duration = Duration::from_secs(5);
+
+/// Failed-authentication throttling per source address: a token bucket of `burst` failures,
+/// refilled by one every `refill_every`. While a source's bucket is empty every request from it
+/// is answered 429 before its token is even looked at, so guessing stays slow.
+#[derive(Clone, Copy, Debug)]
+pub struct AuthLimit {
+    pub burst: u32,
+    pub refill_every: Duration,
+}
+
+impl Default for AuthLimit {
+    fn default() -> AuthLimit {
+        AuthLimit {
+            burst: 10,
+            refill_every: Duration::from_secs(6),
+        }
+    }
+}
+
+/// What the channel needs besides its listener.
+#[derive(Clone)]
+pub struct ChannelSettings {
+    pub secret: BootstrapSecret,
+    pub tls: Arc<ServerConfig>,
+    pub poll_hold: Duration,
+    pub auth_limit: AuthLimit,
+}
+
+impl std::fmt::Debug for ChannelSettings {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ChannelSettings")
+            .field("poll_hold", &self.poll_hold)
+            .field("auth_limit", &self.auth_limit)
+            .finish_non_exhaustive()
+    }
+}
+
+/// A command for one machine's agent.
+#[derive(Clone)]
+pub enum Command {
+    /// Write the blob and run the bootstrap hook for `cluster_id`.
+    Configure { cluster_id: String, blob: Vec<u8> },
+    /// Report whether the node is Ready in `cluster_id` (the readiness gate).
+    Ready { cluster_id: String },
+    /// Cordon and drain the node within `grace_seconds` (at least 1).
+    Drain { grace_seconds: i64 },
+}
+
+impl std::fmt::Debug for Command {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Command::Configure { cluster_id, blob } => f
+                .debug_struct("Configure")
+                .field("cluster_id", cluster_id)
+                .field("blob", &format_args!("[redacted; {} bytes]", blob.len()))
+                .finish(),
+            Command::Ready { cluster_id } => f
+                .debug_struct("Ready")
+                .field("cluster_id", cluster_id)
+                .finish(),
+            Command::Drain { grace_seconds } => f
+                .debug_struct("Drain")
+                .field("grace_seconds", grace_seconds)
+                .finish(),
+        }
+    }
+}
+
+impl Command {
+    pub fn kind(&self) -> &'static str {
+        match self {
+            Command::Configure { .. } => "configure",
+            Command::Ready { .. } => "ready",
+            Command::Drain { .. } => "drain",
+        }
+    }
+
+    /// The wire form: compact JSON with keys `id`, `type`, `cluster_id`, `blob`,
+    /// `grace_seconds` in that order, empty ones omitted, and a trailing newline.
+    fn to_wire(&self, id: &str) -> Bytes {
+        #[derive(Serialize)]
+        struct Wire<'a> {
+            id: &'a str,
+            #[serde(rename = "type")]
+            kind: &'a str,
+            #[serde(skip_serializing_if = "str::is_empty")]
+            cluster_id: &'a str,
+            #[serde(skip_serializing_if = "String::is_empty")]
+            blob: String,
+            #[serde(skip_serializing_if = "is_zero")]
+            grace_seconds: i64,
+        }
+        fn is_zero(n: &i64) -> bool {
+            *n == 0
+        }
+        let (cluster_id, blob, grace_seconds) = match self {
+            Command::Configure { cluster_id, blob } => {
+                (cluster_id.as_str(), STANDARD.encode(blob), 0)
+            }
+            Command::Ready { cluster_id } => (cluster_id.as_str(), String::new(), 0),
+            Command::Drain { grace_seconds } => ("", String::new(), *grace_seconds),
+        };
+        let wire = Wire {
+            id,
+            kind: self.kind(),
+            cluster_id,
+            blob,
+            grace_seconds,
+        };
+        let mut body = serde_json::to_vec(&wire).unwrap_or_default();
+        body.push(b'\n');
+        Bytes::from(body)
+    }
+}
+
+/// Why a delivery did not succeed. The text becomes the machine's `last_error`.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+#[error("{0}")]
+pub struct DeliveryError(pub String);
+
+struct Pending {
+    id: String,
+    kind: &'static str,
+    body: Bytes,
+    waiter: oneshot::Sender<Result<(), String>>,
+}
+
+#[derive(Default)]
+struct MachineSlot {
+    pending: Option<Pending>,
+    notify: Arc<Notify>,
+}
+
+struct Bucket {
+    tokens: f64,
+    updated: Instant,
+}
+
+struct Inner {
+    secret: BootstrapSecret,
+    tls: Arc<ServerConfig>,
+    poll_hold: Duration,
+    auth_limit: AuthLimit,
+    telemetry: Telemetry,
+    /// Random per process, so command ids never repeat across restarts.
+    id_prefix: String,
+    counter: AtomicU64,
+    machines: Mutex<HashMap<String, MachineSlot>>,
+    failures: Mutex<HashMap<IpAddr, Bucket>>,
+}
+
+/// The bootstrap channel: shared by the HTTPS server and the transitions that deliver commands.
+#[derive(Clone)]
+pub struct Channel {
+    inner: Arc<Inner>,
+}
+
+impl std::fmt::Debug for Channel {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Channel")
+            .field("id_prefix", &self.inner.id_prefix)
+            .finish_non_exhaustive()
+    }
+}
+
+fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+impl Channel {
+    pub fn new(settings: ChannelSettings, telemetry: Telemetry) -> Channel {
+        let mut prefix = [0u8; 6];
+        rand::rng().fill_bytes(&mut prefix);
+        Channel {
+            inner: Arc::new(Inner {
+                secret: settings.secret,
+                tls: settings.tls,
+                poll_hold: settings.poll_hold,
+                auth_limit: settings.auth_limit,
+                telemetry,
+                id_prefix: prefix.iter().map(|b| format!("{b:02x}")).collect(),
+                counter: AtomicU64::new(0),
+                machines: Mutex::new(HashMap::new()),
+                failures: Mutex::new(HashMap::new()),
+            }),
+        }
+    }
+
+    /// The bearer token the agent of `machine_id` must present.
+    pub fn token_for(&self, machine_id: &str) -> AgentToken {
+        self.inner.secret.token_for(machine_id)
+    }
+
+    /// Makes `command` the pending command of `machine_id` and waits until the agent acks it,
+    /// the transition's deadline passes or it is cancelled. A newer delivery for the same
+    /// machine supersedes this one.
+    pub async fn deliver(
+        &self,
+        machine_id: &str,
+        command: Command,
+        ctx: &TransitionContext,
+    ) -> Result<(), DeliveryError> {
+        let kind = command.kind();
+        let id = format!(
+            "{}-{}",
+            self.inner.id_prefix,
+            self.inner.counter.fetch_add(1, Ordering::Relaxed) + 1
+        );
+        let (tx, rx) = oneshot::channel();
+        {
+            let mut machines = lock(&self.inner.machines);
+            let slot = machines.entry(machine_id.to_owned()).or_default();
+            let previous = slot.pending.replace(Pending {
+                id: id.clone(),
+                kind,
+                body: command.to_wire(&id),
+                waiter: tx,
+            });
+            if let Some(previous) = previous {
+                self.inner
+                    .telemetry
+                    .bootstrap_command(previous.kind, "superseded");
+                let _ = previous
+                    .waiter
+                    .send(Err("superseded by a newer command".into()));
+            }
+            slot.notify.notify_waiters();
+        }
+        tracing::info!(machine_id, command_id = %id, command = kind, "bootstrap command queued");
+        // Removes the command if this wait ends for any reason other than its ack.
+        let guard = PendingGuard {
+            channel: self,
+            machine_id,
+            id: &id,
+        };
+        let outcome = tokio::select! {
+            r = rx => r.unwrap_or_else(|_| Err("superseded by a newer command".into())),
+            () = tokio::time::sleep_until(ctx.deadline) => Err("context deadline exceeded".into()),
+            () = ctx.cancel.cancelled() => Err("context canceled".into()),
+        };
+        drop(guard);
+        let telemetry = &self.inner.telemetry;
+        match outcome {
+            Ok(()) => {
+                telemetry.bootstrap_command(kind, "ok");
+                tracing::info!(machine_id, command_id = %id, command = kind, "agent applied command");
+                Ok(())
+            }
+            Err(agent_error) if agent_error.starts_with(AGENT_FAILED) => {
+                telemetry.bootstrap_command(kind, "failed");
+                let detail = &agent_error[AGENT_FAILED.len()..];
+                tracing::warn!(machine_id, command_id = %id, command = kind, error = detail, "agent reported failure");
+                Err(DeliveryError(format!(
+                    "agent bootstrap failed for {machine_id}: {detail}"
+                )))
+            }
+            Err(reason) => {
+                let outcome = if reason.starts_with("superseded") {
+                    "superseded"
+                } else {
+                    "timeout"
+                };
+                telemetry.bootstrap_command(kind, outcome);
+                tracing::warn!(machine_id, command_id = %id, command = kind, reason = %reason, "agent did not apply command");
+                Err(DeliveryError(format!(
+                    "agent did not apply {kind} for {machine_id}: {reason}"
+                )))
+            }
+        }
+    }
+
+    /// Serves the channel on `listener` until `shutdown` resolves, then closes open
+    /// connections (held polls are answered 204) within a few seconds.
+    pub async fn serve(
+        &self,
+        listener: TcpListener,
+        shutdown: impl Future<Output = ()> + Send,
+    ) -> std::io::Result<()> {
+        let acceptor = TlsAcceptor::from(self.inner.tls.clone());
+        let stop = CancellationToken::new();
+        let tracker = TaskTracker::new();
+        tokio::pin!(shutdown);
+        loop {
+            let (tcp, peer) = tokio::select! {
+                () = &mut shutdown => break,
+                accepted = listener.accept() => match accepted {
+                    Ok(pair) => pair,
+                    Err(e) => {
+                        // Per-connection failures (EMFILE, aborted handshakes) must not end
+                        // the server; pause briefly so a persistent one cannot spin.
+                        tracing::warn!(error = %e, "bootstrap channel accept failed");
+                        tokio::time::sleep(Duration::from_millis(50)).await;
+                        continue;
+                    }
+                },
+            };
+            let channel = self.clone();
+            let acceptor = acceptor.clone();
+            let stop = stop.clone();
+            tracker.spawn(async move { channel.connection(acceptor, tcp, peer, stop).await });
+        }
+        stop.cancel();
+        tracker.close();
+        if tokio::time::timeout(SHUTDOWN_GRACE, tracker.wait())
+            .await
+            .is_err()
+        {
+            tracing::warn!("bootstrap channel connections still open after shutdown grace");
+        }
+        Ok(())
+    }
+
+    async fn connection(
+        self,
+        acceptor: TlsAcceptor,
+        tcp: tokio::net::TcpStream,
+        peer: SocketAddr,
+        stop: CancellationToken,
+    ) {
+        let tls = match tokio::time::timeout(HEADER_TIMEOUT, acceptor.accept(tcp)).await {
+            Ok(Ok(tls)) => tls,
+            Ok(Err(e)) => {
+                tracing::debug!(peer = %peer, error = %e, "bootstrap channel TLS handshake failed");
+                return;
+            }
+            Err(_) => return,
+        };
+        let channel = self.clone();
+        let conn_stop = stop.clone();
+        let service = hyper::service::service_fn(move |req: Request<Incoming>| {
+            let channel = channel.clone();
+            let stop = conn_stop.clone();
+            async move { Ok::<_, std::convert::Infallible>(channel.route(req, peer.ip(), stop).await) }
+        });
+        let mut builder = hyper_util::server::conn::auto::Builder::new(TokioExecutor::new());
+        builder
+            .http1()
+            .timer(TokioTimer::new())
+            .header_read_timeout(HEADER_TIMEOUT);
+        builder.http2().timer(TokioTimer::new());
+        let conn = builder.serve_connection(TokioIo::new(tls), service);
+        tokio::pin!(conn);
+        tokio::select! {
+            r = conn.as_mut() => {
+                if let Err(e) = r {
+                    tracing::debug!(peer = %peer, error = %e, "bootstrap channel connection ended");
+                }
+            }
+            () = stop.cancelled() => {
+                conn.as_mut().graceful_shutdown();
+                let _ = conn.await;
+            }
+        }
+    }
+
+    async fn route(
+        &self,
+        req: Request<Incoming>,
+        peer: IpAddr,
+        stop: CancellationToken,
+    ) -> Response<Full<Bytes>> {
+        let path = req.uri().path();
+        let (want, is_poll) = match path {
+            "/v1/command" => (Method::GET, true),
+            "/v1/ack" => (Method::POST, false),
+            _ => return text(StatusCode::NOT_FOUND, "404 page not found"),
+        };
+        if req.method() != want {
+            return text(StatusCode::METHOD_NOT_ALLOWED, "method not allowed");
+        }
+        if let Some(wait) = self.throttled(peer) {
+            self.inner.telemetry.bootstrap_poll("throttled");
+            let mut response = text(
+                StatusCode::TOO_MANY_REQUESTS,
+                "too many failed authentications",
+            );
+            if let Ok(v) = http::HeaderValue::from_str(&wait.as_secs().max(1).to_string()) {
+                response.headers_mut().insert(header::RETRY_AFTER, v);
+            }
+            return response;
+        }
+        let Some(machine_id) = self.authenticate(&req) else {
+            self.record_failure(peer);
+            self.inner.telemetry.bootstrap_unauthorized();
+            tracing::warn!(peer = %peer, path, "bootstrap channel: unauthorized request");
+            return text(StatusCode::UNAUTHORIZED, "unauthorized");
+        };
+        if is_poll {
+            self.poll(&machine_id, stop).await
+        } else {
+            self.ack(&machine_id, req).await
+        }
+    }
+
+    /// The machine id of an authenticated request; `None` for a missing machine id, a missing
+    /// or malformed header, or a wrong token (indistinguishable to the caller).
+    fn authenticate(&self, req: &Request<Incoming>) -> Option<String> {
+        let machine_id = machine_id_of(req.uri().query().unwrap_or(""))?;
+        let presented = req
+            .headers()
+            .get(header::AUTHORIZATION)?
+            .to_str()
+            .ok()?
+            .strip_prefix("Bearer ")?;
+        self.inner
+            .secret
+            .verify(&machine_id, presented)
+            .then_some(machine_id)
+    }
+
+    fn throttled(&self, peer: IpAddr) -> Option<Duration> {
+        let limit = self.inner.auth_limit;
+        let mut failures = lock(&self.inner.failures);
+        let bucket = failures.get_mut(&peer)?;
+        refill(bucket, limit);
+        (bucket.tokens < 1.0).then(|| limit.refill_every.mul_f64(1.0 - bucket.tokens))
+    }
+
+    fn record_failure(&self, peer: IpAddr) {
+        let limit = self.inner.auth_limit;
+        let mut failures = lock(&self.inner.failures);
+        if failures.len() >= 4096 {
+            // Forget sources whose buckets have refilled: they are indistinguishable from new.
+            failures.retain(|_, b| {
+                refill(b, limit);
+                b.tokens < f64::from(limit.burst)
+            });
+        }
+        let bucket = failures.entry(peer).or_insert(Bucket {
+            tokens: f64::from(limit.burst),
+            updated: Instant::now(),
+        });
+        refill(bucket, limit);
+        bucket.tokens = (bucket.tokens - 1.0).max(0.0);
+    }
+
+    async fn poll(&self, machine_id: &str, stop: CancellationToken) -> Response<Full<Bytes>> {
+        let until = Instant::now() + self.inner.poll_hold;
+        loop {
+            let notify = {
+                let mut machines = lock(&self.inner.machines);
+                let slot = machines.entry(machine_id.to_owned()).or_default();
+                if let Some(pending) = &slot.pending {
+                    self.inner.telemetry.bootstrap_poll("command");
+                    tracing::debug!(machine_id, command_id = %pending.id, "bootstrap command fetched");
+                    let mut response = Response::new(Full::new(pending.body.clone()));
+                    response.headers_mut().insert(
+                        header::CONTENT_TYPE,
+                        http::HeaderValue::from_static("application/json"),
+                    );
+                    return response;
+                }
+                slot.notify.clone()
+            };
+            let notified = notify.notified();
+            tokio::pin!(notified);
+            notified.as_mut().enable();
+            // Re-check after registering, so a command queued in between is not missed.
+            if lock(&self.inner.machines)
+                .get(machine_id)
+                .is_some_and(|s| s.pending.is_some())
+            {
+                continue;
+            }
+            tokio::select! {
+                () = notified => continue,
+                () = tokio::time::sleep_until(until) => break,
+                () = stop.cancelled() => break,
+            }
+        }
+        self.inner.telemetry.bootstrap_poll("empty");
+        empty(StatusCode::NO_CONTENT)
+    }
+
+    async fn ack(&self, machine_id: &str, req: Request<Incoming>) -> Response<Full<Bytes>> {
+        let body = match Limited::new(req.into_body(), MAX_ACK_BYTES).collect().await {
+            Ok(collected) => collected.to_bytes(),
+            Err(_) => return self.bad_ack(),
+        };
+        let Some(ack) = parse_ack(&body) else {
+            return self.bad_ack();
+        };
+        let mut machines = lock(&self.inner.machines);
+        let Some(slot) = machines.get_mut(machine_id) else {
+            self.inner.telemetry.bootstrap_ack("stale");
+            return empty(StatusCode::NO_CONTENT);
+        };
+        if slot.pending.as_ref().is_none_or(|p| p.id != ack.command_id) {
+            self.inner.telemetry.bootstrap_ack("stale");
+            tracing::debug!(machine_id, command_id = %ack.command_id, "stale bootstrap ack ignored");
+            return empty(StatusCode::NO_CONTENT);
+        }
+        let Some(pending) = slot.pending.take() else {
+            return empty(StatusCode::NO_CONTENT);
+        };
+        drop(machines);
+        let outcome = if ack.ok {
+            self.inner.telemetry.bootstrap_ack("ok");
+            Ok(())
+        } else {
+            self.inner.telemetry.bootstrap_ack("failed");
+            let detail = if ack.error.is_empty() {
+                "agent reported failure".to_owned()
+            } else {
+                ack.error
+            };
+            Err(format!("{AGENT_FAILED}{detail}"))
+        };
+        let _ = pending.waiter.send(outcome);
+        empty(StatusCode::OK)
+    }
+
+    fn bad_ack(&self) -> Response<Full<Bytes>> {
+        self.inner.telemetry.bootstrap_ack("bad_body");
+        text(StatusCode::BAD_REQUEST, "bad ack body")
+    }
+}
+
+/// Marks an agent-reported failure inside the waiter's result.
+const AGENT_FAILED: &str = "\u{0}agent:";
+
+struct PendingGuard<'a> {
+    channel: &'a Channel,
+    machine_id: &'a str,
+    id: &'a str,
+}
+
+impl Drop for PendingGuard<'_> {
+    fn drop(&mut self) {
+        let mut machines = lock(&self.channel.inner.machines);
+        if let Some(slot) = machines.get_mut(self.machine_id) {
+            if slot.pending.as_ref().is_some_and(|p| p.id == self.id) {
+                slot.pending = None;
+            }
+            // Slots without a pending command or a waiting poll carry no state.
+            if slot.pending.is_none() && Arc::strong_count(&slot.notify) == 1 {
+                machines.remove(self.machine_id);
+            }
+        }
+    }
+}
+
+fn refill(bucket: &mut Bucket, limit: AuthLimit) {
+    let now = Instant::now();
+    let earned = now.duration_since(bucket.updated).as_secs_f64()
+        / limit.refill_every.as_secs_f64().max(f64::MIN_POSITIVE);
+    bucket.tokens = (bucket.tokens + earned).min(f64::from(limit.burst));
+    bucket.updated = now;
+}
+
+/// The first `machine_id` query parameter, form-decoded; `None` when missing or empty.
+fn machine_id_of(query: &str) -> Option<String> {
+    let url = reqwest::Url::parse(&format!("http://channel/?{query}")).ok()?;
+    url.query_pairs()
+        .find(|(k, _)| k == "machine_id")
+        .map(|(_, v)| v.into_owned())
+        .filter(|v| !v.is_empty())
+}
+
+struct Ack {
+    command_id: String,
+    ok: bool,
+    error: String,
+}
+
+/// Decodes an ack leniently: keys match case-insensitively, unknown keys are ignored, a
+/// missing `ok` means false, and `null` is an empty ack. Wrong types are rejected.
+fn parse_ack(body: &[u8]) -> Option<Ack> {
+    let value: serde_json::Value = serde_json::from_slice(body).ok()?;
+    let mut ack = Ack {
+        command_id: String::new(),
+        ok: false,
+        error: String::new(),
+    };
+    let object = match value {
+        serde_json::Value::Null => return Some(ack),
+        serde_json::Value::Object(o) => o,
+        _ => return None,
+    };
+    for (key, value) in object {
+        match (key.to_ascii_lowercase().as_str(), value) {
+            (_, serde_json::Value::Null) => {}
+            ("command_id", serde_json::Value::String(s)) => ack.command_id = s,
+            ("ok", serde_json::Value::Bool(b)) => ack.ok = b,
+            ("error", serde_json::Value::String(s)) => ack.error = s,
+            ("command_id" | "ok" | "error", _) => return None,
+            _ => {}
+        }
+    }
+    Some(ack)
+}
+
+fn text(status: StatusCode, message: &str) -> Response<Full<Bytes>> {
+    let mut response = Response::new(Full::new(Bytes::from(format!("{message}\n"))));
+    *response.status_mut() = status;
+    let headers = response.headers_mut();
+    headers.insert(
+        header::CONTENT_TYPE,
+        http::HeaderValue::from_static("text/plain; charset=utf-8"),
+    );
+    headers.insert(
+        header::X_CONTENT_TYPE_OPTIONS,
+        http::HeaderValue::from_static("nosniff"),
+    );
+    response
+}
+
+fn empty(status: StatusCode) -> Response<Full<Bytes>> {
+    let mut response = Response::new(Full::new(Bytes::new()));
+    *response.status_mut() = status;
+    response
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn wire_commands() {
+        let configure = Command::Configure {
+            cluster_id: "c".into(),
+            blob: b"hi".to_vec(),
+        };
+        assert_eq!(
+            &configure.to_wire("1")[..],
+            b"{\"id\":\"1\",\"type\":\"configure\",\"cluster_id\":\"c\",\"blob\":\"aGk=\"}\n"
+        );
+        let drain = Command::Drain { grace_seconds: 1 };
+        assert_eq!(
+            &drain.to_wire("2")[..],
+            b"{\"id\":\"2\",\"type\":\"drain\",\"grace_seconds\":1}\n"
+        );
+        let empty_blob = Command::Configure {
+            cluster_id: "c".into(),
+            blob: Vec::new(),
+        };
+        assert_eq!(
+            &empty_blob.to_wire("3")[..],
+            b"{\"id\":\"3\",\"type\":\"configure\",\"cluster_id\":\"c\"}\n"
+        );
+        let ready = Command::Ready {
+            cluster_id: "c".into(),
+        };
+        assert_eq!(
+            &ready.to_wire("4")[..],
+            b"{\"id\":\"4\",\"type\":\"ready\",\"cluster_id\":\"c\"}\n"
+        );
+        assert!(!format!("{configure:?}").contains("hi"));
+    }
+
+    #[test]
+    fn acks_decode_leniently() {
+        let a = parse_ack(br#"{"Command_ID":"7","OK":true,"extra":1}"#).unwrap();
+        assert_eq!((a.command_id.as_str(), a.ok), ("7", true));
+        let a = parse_ack(br#"{"command_id":"7"}"#).unwrap();
+        assert!(!a.ok, "a missing ok means false");
+        let a = parse_ack(br#"{"command_id":"7","ok":false,"error":"boom"}"#).unwrap();
+        assert_eq!(a.error, "boom");
+        assert!(parse_ack(b"null").is_some());
+        assert!(parse_ack(b"[1]").is_none());
+        assert!(parse_ack(br#"{"ok":"yes"}"#).is_none());
+        assert!(parse_ack(b"{").is_none());
+    }
+
+    #[test]
+    fn machine_ids_are_form_decoded() {
+        assert_eq!(
+            machine_id_of("machine_id=a%2Fb%2Fc").as_deref(),
+            Some("a/b/c")
+        );
+        assert_eq!(machine_id_of("machine_id=a/b&x=1").as_deref(), Some("a/b"));
+        assert_eq!(machine_id_of("machine_id=a+b").as_deref(), Some("a b"));
+        assert_eq!(machine_id_of("machine_id="), None);
+        assert_eq!(machine_id_of(""), None);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn buckets_refill() {
+        let limit = AuthLimit {
+            burst: 2,
+            refill_every: Duration::from_secs(10),
+        };
+        let mut b = Bucket {
+            tokens: 0.0,
+            updated: Instant::now(),
+        };
+        tokio::time::advance(Duration::from_secs(5)).await;
+        refill(&mut b, limit);
+        assert!((b.tokens - 0.5).abs() < 1e-6);
+        tokio::time::advance(Duration::from_secs(100)).await;
+        refill(&mut b, limit);
+        assert_eq!(b.tokens, 2.0);
+    }
+}

@@ -1,0 +1,615 @@
+//! [`DigitalOceanCloud`]: the [`Cloud`] seam over the DigitalOcean API and the bootstrap
+//! channel. Droplets are created only in `--region`, tagged with the machine id and the
+//! provider instance, found again by those tags (never by name) so a retried Create adopts
+//! instead of double-provisioning, and configured, confirmed Ready and drained through the
+//! on-host agent.
+
+use std::collections::HashMap;
+use std::sync::Arc;
+use std::time::Duration;
+
+use async_trait::async_trait;
+use provider_core::backend::{BackendError, ConfigureOrder, TransitionContext};
+use provider_core::cloud::{Capacity, Cloud, OwnedHost};
+use provider_core::machine::Machine;
+use provider_core::retry::{Backoff, Verdict};
+use provider_core::telemetry::Telemetry;
+use serde::Serialize;
+use tokio::time::Instant;
+
+use crate::api::{ApiClient, ApiError, CreateDroplet, Droplet, ImageRef, Size};
+use crate::channel::{Channel, Command};
+use crate::naming::{
+    CLUSTER_TAG_PREFIX, MACHINE_TAG_PREFIX, MANAGED_TAG, cluster_tag, decode_tag, droplet_name,
+    machine_tag, provider_tag,
+};
+
+/// Where the on-host agent finds the provider; written into every Droplet's user_data.
+#[derive(Clone, Debug)]
+pub struct AgentProvisioning {
+    /// `--bootstrap-endpoint`, verbatim.
+    pub endpoint: String,
+    /// The PEM the agent pins (`--bootstrap-ca`, else the channel's certificate), verbatim.
+    pub ca_pem: String,
+}
+
+/// Everything [`DigitalOceanCloud`] needs besides its clients.
+#[derive(Clone, Debug)]
+pub struct CloudSettings {
+    /// `--provider`: the instance whose Droplets these are.
+    pub provider: String,
+    /// `--region`: the only region this instance creates in and reads from.
+    pub region: String,
+    pub image: ImageRef,
+    /// `--base-user-data` contents, merged before the agent's cloud-config.
+    pub base_user_data: Option<String>,
+    pub agent: AgentProvisioning,
+    /// Interval of the wait-for-`active` polls.
+    pub active_poll: Duration,
+    /// Longest wait for `active`, within the transition deadline.
+    pub active_cap: Duration,
+    /// How long a fetched size catalogue is reused.
+    pub sizes_ttl: Duration,
+    /// Backoff between create attempts (each preceded by a lookup).
+    pub create_backoff: Backoff,
+}
+
+impl CloudSettings {
+    /// Settings with the reference's timings: 5 s polls, 10 min cap, 1 min size cache.
+    pub fn new(
+        provider: String,
+        region: String,
+        image: ImageRef,
+        base_user_data: Option<String>,
+        agent: AgentProvisioning,
+    ) -> CloudSettings {
+        CloudSettings {
+            provider,
+            region,
+            image,
+            base_user_data,
+            agent,
+            active_poll: Duration::from_secs(5),
+            active_cap: Duration::from_secs(600),
+            sizes_ttl: Duration::from_secs(60),
+            create_backoff: Backoff::default(),
+        }
+    }
+}
+
+/// Budget of calls made outside a transition (inventory, prices, sizes).
+const READ_BUDGET: Duration = Duration::from_secs(30);
+
+/// The DigitalOcean implementation of [`Cloud`].
+pub struct DigitalOceanCloud {
+    api: ApiClient,
+    channel: Channel,
+    settings: CloudSettings,
+    provider_tag: String,
+    telemetry: Telemetry,
+    sizes: tokio::sync::Mutex<Option<(Instant, Arc<Vec<Size>>)>>,
+}
+
+impl std::fmt::Debug for DigitalOceanCloud {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("DigitalOceanCloud")
+            .field("region", &self.settings.region)
+            .field("provider_tag", &self.provider_tag)
+            .finish_non_exhaustive()
+    }
+}
+
+impl DigitalOceanCloud {
+    pub fn new(
+        api: ApiClient,
+        channel: Channel,
+        settings: CloudSettings,
+        telemetry: Telemetry,
+    ) -> DigitalOceanCloud {
+        let provider_tag = provider_tag(&settings.provider);
+        DigitalOceanCloud {
+            api,
+            channel,
+            settings,
+            provider_tag,
+            telemetry,
+            sizes: tokio::sync::Mutex::new(None),
+        }
+    }
+
+    /// The user_data of a new Droplet: the operator's base part (if any), then the agent's
+    /// cloud-config with its endpoint, pinned CA, machine id and token.
+    pub fn user_data(&self, machine_id: &str) -> String {
+        let ours = agent_cloud_config(
+            &self.settings.agent,
+            machine_id,
+            self.channel.token_for(machine_id).expose(),
+        );
+        provider_core::userdata::assemble(self.settings.base_user_data.as_deref(), &ours)
+    }
+
+    /// Whether this instance owns `droplet`: managed, ours, in our region.
+    fn owns(&self, droplet: &Droplet) -> bool {
+        droplet.has_tag(MANAGED_TAG)
+            && droplet.has_tag(&self.provider_tag)
+            && droplet.region.slug == self.settings.region
+    }
+
+    /// The Droplet a previous attempt created for `machine_id`, if any.
+    async fn find_created(
+        &self,
+        machine_id: &str,
+        deadline: Instant,
+    ) -> Result<Option<Droplet>, ApiError> {
+        let tag = machine_tag(machine_id);
+        let found = self.api.list_droplets_by_tag(&tag, deadline).await?;
+        Ok(found
+            .into_iter()
+            .filter(|d| self.owns(d) && d.has_tag(&tag))
+            .min_by_key(|d| d.id))
+    }
+
+    async fn create(
+        &self,
+        machine: &Machine,
+        ctx: &TransitionContext,
+    ) -> Result<OwnedHost, String> {
+        let zone = if machine.zone.is_empty() {
+            &self.settings.region
+        } else {
+            &machine.zone
+        };
+        if *zone != self.settings.region {
+            return Err(format!(
+                "create droplet: offering region {zone:?} does not match this provider's region {:?}",
+                self.settings.region
+            ));
+        }
+        let size = &machine.instance_type;
+        let request = CreateDroplet {
+            name: droplet_name(&machine.id),
+            region: self.settings.region.clone(),
+            size: size.clone(),
+            image: self.settings.image.clone(),
+            user_data: self.user_data(&machine.id),
+            tags: vec![
+                MANAGED_TAG.to_owned(),
+                machine_tag(&machine.id),
+                self.provider_tag.clone(),
+            ],
+        };
+        let backoff = self.settings.create_backoff;
+        let mut attempt = 0;
+        let created = loop {
+            attempt += 1;
+            let existing = self
+                .find_created(&machine.id, ctx.deadline)
+                .await
+                .map_err(|e| format!("create droplet {size}: pre-create lookup: {e}"))?;
+            if let Some(existing) = existing {
+                if attempt == 1 {
+                    tracing::info!(machine_id = %machine.id, droplet = existing.id, "adopting the Droplet of an earlier create");
+                } else {
+                    tracing::info!(machine_id = %machine.id, droplet = existing.id, "create took effect despite its error; adopting the Droplet");
+                }
+                break existing;
+            }
+            let error = match self.api.create_droplet(&request, ctx.deadline).await {
+                Ok(d) if d.id != 0 => break d,
+                Ok(_) => return Err(format!("create droplet {size}: empty result")),
+                Err(e) => e,
+            };
+            // The create may have taken effect even though it failed (a dropped response, a
+            // garbled body): only a clear refusal ends here; anything else is looked up first.
+            let after = match error.verdict() {
+                Verdict::Retry { after } => after,
+                Verdict::Fatal if matches!(error, ApiError::Decode { .. }) => None,
+                Verdict::Fatal => return Err(format!("create droplet {size}: {error}")),
+            };
+            let wait = backoff.delay(attempt, after);
+            if attempt >= backoff.max_attempts || Instant::now() + wait >= ctx.deadline {
+                let last = self
+                    .find_created(&machine.id, ctx.deadline)
+                    .await
+                    .ok()
+                    .flatten();
+                match last {
+                    Some(d) => break d,
+                    None => return Err(format!("create droplet {size}: {error}")),
+                }
+            }
+            tracing::warn!(machine_id = %machine.id, attempt, error = %error, "create droplet failed; looking up before retrying");
+            sleep_or_cancel(wait, ctx)
+                .await
+                .map_err(|e| format!("create droplet {size}: {e}"))?;
+        };
+        let active = self
+            .wait_active(created.id, ctx)
+            .await
+            .map_err(|e| format!("create droplet {size}: {e}"))?;
+        Ok(self.owned_host(&active))
+    }
+
+    /// Polls the Droplet until it is `active`. A 404 fails at once; other errors are retried
+    /// until the cap or the transition deadline.
+    async fn wait_active(&self, id: u64, ctx: &TransitionContext) -> Result<Droplet, String> {
+        let cap = self.settings.active_cap;
+        let until = ctx.deadline.min(Instant::now() + cap);
+        loop {
+            let last = match self.api.get_droplet_once(id, ctx.deadline).await {
+                Ok(d) if d.status == "active" => return Ok(d),
+                Ok(d) => format!("status {:?}", d.status),
+                Err(e) if e.is_not_found() => {
+                    return Err(format!(
+                        "droplet {id} not found while waiting to become active (deleted out-of-band?): {e}"
+                    ));
+                }
+                Err(e) => e.to_string(),
+            };
+            let poll = self.settings.active_poll;
+            if Instant::now() + poll >= until {
+                if until < ctx.deadline {
+                    return Err(format!(
+                        "droplet {id} did not become active within {} (last: {last})",
+                        provider_core::duration::format(cap)
+                    ));
+                }
+                return Err(format!(
+                    "waiting for droplet {id} to become active: context deadline exceeded (last: {last})"
+                ));
+            }
+            sleep_or_cancel(poll, ctx).await.map_err(|e| {
+                format!("waiting for droplet {id} to become active: {e} (last: {last})")
+            })?;
+        }
+    }
+
+    fn owned_host(&self, d: &Droplet) -> OwnedHost {
+        OwnedHost {
+            id: d.id.to_string(),
+            machine_id: decode_tag(&d.tags, MACHINE_TAG_PREFIX).unwrap_or_default(),
+            instance_type: d.size_slug.clone(),
+            zone: d.region.slug.clone(),
+            public_ipv4: d.public_ipv4(),
+            cluster: decode_tag(&d.tags, CLUSTER_TAG_PREFIX),
+            running: d.status == "new" || d.status == "active",
+        }
+    }
+
+    /// Reads a Droplet for Configure/Drain and checks it is ours and carries a machine id.
+    async fn managed_droplet(
+        &self,
+        op: &str,
+        host_id: &str,
+        machine: &Machine,
+        deadline: Instant,
+    ) -> Result<(Droplet, String), String> {
+        let id = parse_id(op, host_id)?;
+        let d = self
+            .api
+            .get_droplet(id, deadline)
+            .await
+            .map_err(|e| format!("{op}: look up droplet {id}: {e}"))?;
+        if !self.owns(&d) {
+            return Err(format!("{op}: droplet {id} is not owned by this provider"));
+        }
+        let machine_id = decode_tag(&d.tags, MACHINE_TAG_PREFIX)
+            .ok_or_else(|| format!("{op}: droplet {id} carries no machine id tag"))?;
+        if machine_id != machine.id {
+            return Err(format!(
+                "{op}: droplet {id} belongs to machine {machine_id:?}, not {:?}",
+                machine.id
+            ));
+        }
+        Ok((d, machine_id))
+    }
+
+    async fn configure(
+        &self,
+        machine: &Machine,
+        host_id: &str,
+        order: &ConfigureOrder,
+        ctx: &TransitionContext,
+    ) -> Result<(), String> {
+        let (d, machine_id) = self
+            .managed_droplet("configure", host_id, machine, ctx.deadline)
+            .await?;
+        self.wait_active(d.id, ctx)
+            .await
+            .map_err(|e| format!("configure: droplet {} not ready: {e}", d.id))?;
+        let command = Command::Configure {
+            cluster_id: order.cluster_id.clone(),
+            blob: order.blob.0.clone(),
+        };
+        self.channel
+            .deliver(&machine_id, command, ctx)
+            .await
+            .map_err(|e| e.0)?;
+        let tag = cluster_tag(&order.cluster_id);
+        self.api
+            .ensure_tag(&tag, ctx.deadline)
+            .await
+            .map_err(|e| format!("create cluster tag {tag}: {e}"))?;
+        self.api
+            .tag_droplet(&tag, d.id, ctx.deadline)
+            .await
+            .map_err(|e| format!("tag cluster binding: {e}"))?;
+        Ok(())
+    }
+
+    async fn drain(
+        &self,
+        machine: &Machine,
+        host_id: &str,
+        grace: i64,
+        ctx: &TransitionContext,
+    ) -> Result<(), String> {
+        let (d, machine_id) = self
+            .managed_droplet("drain", host_id, machine, ctx.deadline)
+            .await?;
+        let command = Command::Drain {
+            grace_seconds: grace.max(1),
+        };
+        self.channel
+            .deliver(&machine_id, command, ctx)
+            .await
+            .map_err(|e| e.0)?;
+        let current = self
+            .api
+            .get_droplet(d.id, ctx.deadline)
+            .await
+            .map_err(|e| format!("clear cluster binding: look up droplet {}: {e}", d.id))?;
+        for tag in current
+            .tags
+            .iter()
+            .filter(|t| t.starts_with(CLUSTER_TAG_PREFIX))
+        {
+            self.api
+                .untag_droplet(tag, d.id, ctx.deadline)
+                .await
+                .map_err(|e| format!("untag cluster binding {tag}: {e}"))?;
+        }
+        Ok(())
+    }
+
+    async fn delete(&self, host_id: &str, ctx: &TransitionContext) -> Result<(), String> {
+        let id = parse_id("delete", host_id)?;
+        match self.api.get_droplet(id, ctx.deadline).await {
+            Err(e) if e.is_not_found() => return Ok(()),
+            Err(e) => return Err(format!("delete droplet {id}: {e}")),
+            Ok(d) if !self.owns(&d) => {
+                return Err(format!(
+                    "delete: droplet {id} is not owned by this provider"
+                ));
+            }
+            Ok(_) => {}
+        }
+        match self.api.delete_droplet(id, ctx.deadline).await {
+            Ok(()) => Ok(()),
+            Err(e) if e.is_not_found() => Ok(()),
+            Err(e) => Err(format!("delete droplet {id}: {e}")),
+        }
+    }
+
+    /// The size catalogue, fetched at most once per TTL and shared by prices and capacities.
+    async fn sizes(&self) -> Result<Arc<Vec<Size>>, String> {
+        let mut cached = self.sizes.lock().await;
+        if let Some((at, sizes)) = cached.as_ref()
+            && at.elapsed() < self.settings.sizes_ttl
+        {
+            return Ok(sizes.clone());
+        }
+        let sizes = Arc::new(
+            self.api
+                .list_sizes(Instant::now() + READ_BUDGET)
+                .await
+                .map_err(|e| format!("list sizes: {e}"))?,
+        );
+        *cached = Some((Instant::now(), sizes.clone()));
+        Ok(sizes)
+    }
+
+    /// Records one operation's outcome under its reference `op` name.
+    fn timed<T>(
+        &self,
+        op: &'static str,
+        start: Instant,
+        r: Result<T, String>,
+    ) -> Result<T, BackendError> {
+        self.telemetry.api_call(op, r.is_ok(), start.elapsed());
+        r.map_err(BackendError)
+    }
+}
+
+#[async_trait]
+impl Cloud for DigitalOceanCloud {
+    async fn create_host(
+        &self,
+        machine: &Machine,
+        ctx: &TransitionContext,
+    ) -> Result<OwnedHost, BackendError> {
+        let start = Instant::now();
+        let r = self.create(machine, ctx).await;
+        self.timed("CreateDroplet", start, r)
+    }
+
+    async fn list_hosts(&self) -> Result<Vec<OwnedHost>, BackendError> {
+        let start = Instant::now();
+        let r = self
+            .api
+            .list_droplets_by_tag(&self.provider_tag, Instant::now() + READ_BUDGET)
+            .await
+            .map(|all| {
+                all.iter()
+                    .filter(|d| self.owns(d))
+                    .map(|d| self.owned_host(d))
+                    .collect()
+            })
+            .map_err(|e| format!("list managed droplets: {e}"));
+        self.timed("DescribeManaged", start, r)
+    }
+
+    async fn configure_host(
+        &self,
+        machine: &Machine,
+        host_id: &str,
+        order: &ConfigureOrder,
+        ctx: &TransitionContext,
+    ) -> Result<(), BackendError> {
+        let start = Instant::now();
+        let r = self.configure(machine, host_id, order, ctx).await;
+        self.timed("Configure", start, r)
+    }
+
+    /// The agent is the authority on readiness: it answers the `ready` command after its
+    /// readiness command succeeds (or, without one, because its hook returned only once the
+    /// node was Ready).
+    fn has_readiness_gate(&self) -> bool {
+        true
+    }
+
+    async fn confirm_ready(
+        &self,
+        machine: &Machine,
+        _host_id: &str,
+        cluster_id: &str,
+        ctx: &TransitionContext,
+    ) -> Result<(), BackendError> {
+        let command = Command::Ready {
+            cluster_id: cluster_id.to_owned(),
+        };
+        self.channel
+            .deliver(&machine.id, command, ctx)
+            .await
+            .map_err(|e| BackendError(e.0))
+    }
+
+    async fn drain_host(
+        &self,
+        machine: &Machine,
+        host_id: &str,
+        grace_period_seconds: i64,
+        ctx: &TransitionContext,
+    ) -> Result<(), BackendError> {
+        let start = Instant::now();
+        let r = self
+            .drain(machine, host_id, grace_period_seconds, ctx)
+            .await;
+        self.timed("Drain", start, r)
+    }
+
+    async fn delete_host(
+        &self,
+        host_id: &str,
+        ctx: &TransitionContext,
+    ) -> Result<(), BackendError> {
+        let start = Instant::now();
+        let r = self.delete(host_id, ctx).await;
+        self.timed("DeleteDroplet", start, r)
+    }
+
+    async fn price_usd(&self, instance_type: &str, _zone: &str) -> Result<f64, BackendError> {
+        let start = Instant::now();
+        let r = self.sizes().await.and_then(|sizes| {
+            sizes
+                .iter()
+                .find(|s| s.slug == instance_type)
+                .map(|s| s.price_hourly)
+                .ok_or_else(|| format!("no pricing for size {instance_type:?}"))
+        });
+        self.timed("SizePricing", start, r)
+    }
+
+    async fn capacities(
+        &self,
+        instance_types: &[String],
+    ) -> Result<HashMap<String, Capacity>, BackendError> {
+        let start = Instant::now();
+        let r = self.sizes().await.map(|sizes| {
+            sizes
+                .iter()
+                .filter(|s| instance_types.contains(&s.slug) && s.vcpus > 0 && s.memory > 0)
+                .map(|s| {
+                    (
+                        s.slug.clone(),
+                        Capacity {
+                            vcpus: s.vcpus,
+                            memory_mib: s.memory,
+                        },
+                    )
+                })
+                .collect()
+        });
+        self.timed("Sizes", start, r)
+    }
+}
+
+fn parse_id(op: &str, host_id: &str) -> Result<u64, String> {
+    host_id
+        .parse::<u64>()
+        .map_err(|e| format!("{op}: bad droplet id {host_id:?}: {e}"))
+}
+
+async fn sleep_or_cancel(wait: Duration, ctx: &TransitionContext) -> Result<(), &'static str> {
+    tokio::select! {
+        () = tokio::time::sleep(wait) => Ok(()),
+        () = ctx.cancel.cancelled() => Err("context canceled"),
+        () = tokio::time::sleep_until(ctx.deadline) => Err("context deadline exceeded"),
+    }
+}
+
+/// The agent's cloud-config: writes `/etc/bigfleet-agent/config.json` (mode 0600) with the
+/// keys `ca_pem`, `endpoint`, `machine_id`, `token`, pretty-printed and indented under
+/// `content: |`.
+pub fn agent_cloud_config(agent: &AgentProvisioning, machine_id: &str, token: &str) -> String {
+    #[derive(Serialize)]
+    struct AgentConfigFile<'a> {
+        ca_pem: &'a str,
+        endpoint: &'a str,
+        machine_id: &'a str,
+        token: &'a str,
+    }
+    let file = AgentConfigFile {
+        ca_pem: &agent.ca_pem,
+        endpoint: &agent.endpoint,
+        machine_id,
+        token,
+    };
+    let json = serde_json::to_string_pretty(&file).unwrap_or_default();
+    let mut out = String::from(
+        "#cloud-config\nwrite_files:\n  - path: /etc/bigfleet-agent/config.json\n    permissions: '0600'\n    owner: root:root\n    content: |\n",
+    );
+    for line in json.lines() {
+        out.push_str("      ");
+        out.push_str(line);
+        out.push('\n');
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn agent_config_rendering() {
+        let agent = AgentProvisioning {
+            endpoint: "https://x/a?b=1&c=2".into(),
+            ca_pem: "-----BEGIN CERTIFICATE-----\nMII\n-----END CERTIFICATE-----\n".into(),
+        };
+        let doc = agent_cloud_config(&agent, "m/1", "tok");
+        assert_eq!(
+            doc,
+            "#cloud-config\nwrite_files:\n  - path: /etc/bigfleet-agent/config.json\n    permissions: '0600'\n    owner: root:root\n    content: |\n      {\n        \"ca_pem\": \"-----BEGIN CERTIFICATE-----\\nMII\\n-----END CERTIFICATE-----\\n\",\n        \"endpoint\": \"https://x/a?b=1&c=2\",\n        \"machine_id\": \"m/1\",\n        \"token\": \"tok\"\n      }\n"
+        );
+    }
+
+    #[test]
+    fn droplet_ids() {
+        assert_eq!(parse_id("delete", "42"), Ok(42));
+        assert_eq!(
+            parse_id("delete", "x1").unwrap_err(),
+            "delete: bad droplet id \"x1\": invalid digit found in string"
+        );
+    }
+}

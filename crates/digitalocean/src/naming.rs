@@ -1,0 +1,154 @@
+//! How Droplets are named and tagged: ownership tags carry the machine id, the provider
+//! instance and the cluster binding as lower-case unpadded base32 (DigitalOcean tag names allow
+//! only `[A-Za-z0-9:_-]`), and the Droplet name is a hash of the machine id, so it is stable
+//! across restarts and processes.
+
+use sha2::{Digest, Sha256};
+
+/// Every Droplet this provider creates carries this tag.
+pub const MANAGED_TAG: &str = "bigfleet-managed";
+/// Prefix of the machine-id tag.
+pub const MACHINE_TAG_PREFIX: &str = "bfmid:";
+/// Prefix of the cluster-binding tag (set after Configure, removed on Drain).
+pub const CLUSTER_TAG_PREFIX: &str = "bfcluster:";
+/// Prefix of the provider-instance tag (`--provider`).
+pub const PROVIDER_TAG_PREFIX: &str = "bfprov:";
+
+const ALPHABET: &[u8; 32] = b"abcdefghijklmnopqrstuvwxyz234567";
+
+/// RFC 4648 base32, lower case, without padding.
+pub fn base32_lower(bytes: &[u8]) -> String {
+    let mut out = String::with_capacity(bytes.len().div_ceil(5) * 8);
+    let mut buffer: u32 = 0;
+    let mut bits = 0;
+    for &b in bytes {
+        buffer = (buffer << 8) | u32::from(b);
+        bits += 8;
+        while bits >= 5 {
+            bits -= 5;
+            out.push(char::from(ALPHABET[((buffer >> bits) & 31) as usize]));
+        }
+        buffer &= (1 << bits) - 1;
+    }
+    if bits > 0 {
+        out.push(char::from(ALPHABET[((buffer << (5 - bits)) & 31) as usize]));
+    }
+    out
+}
+
+/// Decodes [`base32_lower`] output (either case accepted); `None` when it is not valid base32
+/// or not UTF-8.
+pub fn base32_decode(text: &str) -> Option<String> {
+    let mut out = Vec::with_capacity(text.len() * 5 / 8);
+    let mut buffer: u32 = 0;
+    let mut bits = 0;
+    for c in text.bytes() {
+        let value = ALPHABET.iter().position(|&a| a == c.to_ascii_lowercase())? as u32;
+        buffer = (buffer << 5) | value;
+        bits += 5;
+        if bits >= 8 {
+            bits -= 8;
+            out.push((buffer >> bits) as u8);
+            buffer &= (1 << bits) - 1;
+        }
+    }
+    // Leftover bits must be zero padding of the last byte, as an encoder writes them.
+    if buffer != 0 || bits >= 5 {
+        return None;
+    }
+    String::from_utf8(out).ok()
+}
+
+pub fn machine_tag(machine_id: &str) -> String {
+    format!(
+        "{MACHINE_TAG_PREFIX}{}",
+        base32_lower(machine_id.as_bytes())
+    )
+}
+
+pub fn cluster_tag(cluster_id: &str) -> String {
+    format!(
+        "{CLUSTER_TAG_PREFIX}{}",
+        base32_lower(cluster_id.as_bytes())
+    )
+}
+
+pub fn provider_tag(provider: &str) -> String {
+    format!("{PROVIDER_TAG_PREFIX}{}", base32_lower(provider.as_bytes()))
+}
+
+/// `bigfleet-` + base32 of SHA-256(machine id): 61 characters, stable for the machine.
+pub fn droplet_name(machine_id: &str) -> String {
+    format!(
+        "bigfleet-{}",
+        base32_lower(&Sha256::digest(machine_id.as_bytes()))
+    )
+}
+
+/// The value of the first tag with `prefix`, decoded.
+pub fn decode_tag(tags: &[String], prefix: &str) -> Option<String> {
+    tags.iter()
+        .find_map(|t| t.strip_prefix(prefix))
+        .and_then(base32_decode)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn rfc4648_vectors() {
+        for (plain, encoded) in [
+            ("", ""),
+            ("f", "my"),
+            ("fo", "mzxq"),
+            ("foo", "mzxw6"),
+            ("foob", "mzxw6yq"),
+            ("fooba", "mzxw6ytb"),
+            ("foobar", "mzxw6ytboi"),
+        ] {
+            assert_eq!(base32_lower(plain.as_bytes()), encoded);
+            assert_eq!(base32_decode(encoded).as_deref(), Some(plain));
+            assert_eq!(
+                base32_decode(&encoded.to_uppercase()).as_deref(),
+                Some(plain)
+            );
+        }
+        assert_eq!(base32_decode("m1"), None);
+        assert_eq!(base32_decode("mz"), None, "non-zero padding bits");
+    }
+
+    #[test]
+    fn tags_round_trip_and_stay_valid() {
+        let id = "digitalocean/OnDemand/s-2vcpu-4gb/nyc3/000";
+        let tag = machine_tag(id);
+        assert!(tag.starts_with("bfmid:"));
+        assert!(
+            tag.bytes()
+                .all(|c| c.is_ascii_alphanumeric() || b":_-".contains(&c))
+        );
+        assert_eq!(
+            decode_tag(&[MANAGED_TAG.into(), tag], MACHINE_TAG_PREFIX).as_deref(),
+            Some(id)
+        );
+        assert_eq!(
+            decode_tag(&[cluster_tag("prod/eu")], CLUSTER_TAG_PREFIX).as_deref(),
+            Some("prod/eu")
+        );
+        assert_eq!(provider_tag("digitalocean"), "bfprov:mruwo2lumfwg6y3fmfxa");
+    }
+
+    #[test]
+    fn names_are_stable_hashes() {
+        let name = droplet_name("digitalocean/OnDemand/s-2vcpu-4gb/nyc3/000");
+        assert_eq!(name.len(), 61);
+        assert_eq!(
+            name,
+            droplet_name("digitalocean/OnDemand/s-2vcpu-4gb/nyc3/000")
+        );
+        assert_ne!(
+            name,
+            droplet_name("digitalocean/OnDemand/s-2vcpu-4gb/nyc3/001")
+        );
+    }
+}

@@ -1,0 +1,165 @@
+//! Start-up of the real backend: checks the flags in the reference's order with its messages
+//! (digitalocean.md §3), loads the bootstrap channel's TLS material, and builds the channel and
+//! the [`DigitalOceanCloud`] before any port is bound.
+
+use std::sync::Arc;
+
+use provider_core::retry::Backoff;
+use provider_core::telemetry::Telemetry;
+use rustls::ServerConfig;
+use rustls_pki_types::pem::PemObject;
+use rustls_pki_types::{CertificateDer, PrivateKeyDer};
+
+use crate::api::{ApiClient, ApiToken, ImageRef, parse_base_url};
+use crate::channel::{AuthLimit, Channel, ChannelSettings, DEFAULT_POLL_HOLD};
+use crate::cloud::{AgentProvisioning, CloudSettings, DigitalOceanCloud};
+use crate::token::BootstrapSecret;
+
+/// The flags of the real backend, as parsed (secrets already resolved from their env vars).
+#[derive(Clone, Default)]
+pub struct RealFlags {
+    pub provider: String,
+    pub token: String,
+    pub region: String,
+    pub image: String,
+    pub api_url: String,
+    /// The contents of `--base-user-data`, already read.
+    pub base_user_data: Option<String>,
+    pub bootstrap_addr: String,
+    pub bootstrap_endpoint: String,
+    pub bootstrap_tls_cert: String,
+    pub bootstrap_tls_key: String,
+    pub bootstrap_ca: String,
+    pub bootstrap_secret: String,
+}
+
+impl std::fmt::Debug for RealFlags {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("RealFlags")
+            .field("provider", &self.provider)
+            .field("region", &self.region)
+            .field("image", &self.image)
+            .field("api_url", &self.api_url)
+            .field("bootstrap_addr", &self.bootstrap_addr)
+            .field("bootstrap_endpoint", &self.bootstrap_endpoint)
+            .finish_non_exhaustive()
+    }
+}
+
+/// The validated real backend, ready to serve.
+#[derive(Debug)]
+pub struct RealBackend {
+    pub cloud: Arc<DigitalOceanCloud>,
+    /// The bootstrap channel: bind `bootstrap_addr` and run [`Channel::serve`].
+    pub channel: Channel,
+    pub bootstrap_addr: String,
+}
+
+/// Validates the flags in the reference's order and builds the channel and the cloud.
+/// Nothing is bound or contacted.
+pub fn build_real(flags: &RealFlags, telemetry: Telemetry) -> Result<RealBackend, String> {
+    let secret = BootstrapSecret::new(flags.bootstrap_secret.clone()).ok_or(
+        "the digitalocean backend requires --bootstrap-secret or BIGFLEET_BOOTSTRAP_SECRET: a \
+         stable HMAC key minting per-machine agent tokens (a random per-process secret would \
+         invalidate already-issued tokens on restart and break Configure for every live Droplet)",
+    )?;
+    if flags.bootstrap_addr.is_empty()
+        || flags.bootstrap_tls_cert.is_empty()
+        || flags.bootstrap_tls_key.is_empty()
+    {
+        return Err("the digitalocean backend requires --bootstrap-addr, --bootstrap-tls-cert and \
+                    --bootstrap-tls-key (the bootstrap blob is a join secret and must travel over TLS)"
+            .into());
+    }
+    let tls = load_channel_tls(&flags.bootstrap_tls_cert, &flags.bootstrap_tls_key)
+        .map_err(|e| format!("load bootstrap TLS keypair: {e}"))?;
+    let ca_path = if flags.bootstrap_ca.is_empty() {
+        &flags.bootstrap_tls_cert
+    } else {
+        &flags.bootstrap_ca
+    };
+    let ca_pem = std::fs::read(ca_path)
+        .map_err(|e| format!("read bootstrap CA: open {ca_path}: {e}"))
+        .map(|b| String::from_utf8_lossy(&b).into_owned())?;
+    let token = ApiToken::new(&flags.token)
+        .ok_or("digitalocean: token is required for the digitalocean backend")?;
+    if flags.region.is_empty() {
+        return Err("digitalocean: --region is required for the digitalocean backend".into());
+    }
+    if flags.image.is_empty() {
+        return Err("digitalocean: --image is required for the digitalocean backend".into());
+    }
+    if flags.bootstrap_endpoint.is_empty() {
+        return Err(
+            "digitalocean: --bootstrap-endpoint is required so the on-host agent can \
+                    reach the provider"
+                .into(),
+        );
+    }
+    let api_url = if flags.api_url.is_empty() {
+        crate::api::DEFAULT_API_URL
+    } else {
+        &flags.api_url
+    };
+    let base = parse_base_url(api_url)?;
+    let api = ApiClient::new(base, token, Backoff::default(), telemetry)?;
+    let channel = Channel::new(
+        ChannelSettings {
+            secret,
+            tls,
+            poll_hold: DEFAULT_POLL_HOLD,
+            auth_limit: AuthLimit::default(),
+        },
+        telemetry,
+    );
+    let settings = CloudSettings::new(
+        flags.provider.clone(),
+        flags.region.clone(),
+        ImageRef::parse(&flags.image),
+        flags.base_user_data.clone(),
+        AgentProvisioning {
+            endpoint: flags.bootstrap_endpoint.clone(),
+            ca_pem,
+        },
+    );
+    let cloud = Arc::new(DigitalOceanCloud::new(
+        api,
+        channel.clone(),
+        settings,
+        telemetry,
+    ));
+    Ok(RealBackend {
+        cloud,
+        channel,
+        bootstrap_addr: flags.bootstrap_addr.clone(),
+    })
+}
+
+/// Loads a certificate chain and key from PEM files into a TLS 1.3-only server config.
+pub fn load_channel_tls(cert_path: &str, key_path: &str) -> Result<Arc<ServerConfig>, String> {
+    let cert_pem = std::fs::read(cert_path).map_err(|e| format!("open {cert_path}: {e}"))?;
+    let key_pem = std::fs::read(key_path).map_err(|e| format!("open {key_path}: {e}"))?;
+    channel_tls(&cert_pem, &key_pem)
+}
+
+/// A TLS 1.3-only server config (ring provider, no client certificates, ALPN h2 and
+/// http/1.1) from PEM bytes.
+pub fn channel_tls(cert_pem: &[u8], key_pem: &[u8]) -> Result<Arc<ServerConfig>, String> {
+    let certs: Vec<CertificateDer<'static>> = CertificateDer::pem_slice_iter(cert_pem)
+        .collect::<Result<_, _>>()
+        .map_err(|e| format!("parse certificate: {e}"))?;
+    if certs.is_empty() {
+        return Err("no certificate found in the certificate file".into());
+    }
+    let key =
+        PrivateKeyDer::from_pem_slice(key_pem).map_err(|e| format!("parse private key: {e}"))?;
+    let provider = Arc::new(rustls::crypto::ring::default_provider());
+    let mut config = ServerConfig::builder_with_provider(provider)
+        .with_protocol_versions(&[&rustls::version::TLS13])
+        .map_err(|e| e.to_string())?
+        .with_no_client_auth()
+        .with_single_cert(certs, key)
+        .map_err(|e| format!("certificate and key do not match: {e}"))?;
+    config.alpn_protocols = vec![b"h2".to_vec(), b"http/1.1".to_vec()];
+    Ok(Arc::new(config))
+}

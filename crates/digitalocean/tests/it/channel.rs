@@ -1,0 +1,452 @@
+//! The bootstrap channel over real HTTPS: authentication, isolation between machines, status
+//! codes and bodies, the long poll, stale acks, throttling, TLS 1.3 only, CA pinning by the
+//! agent, and a channel restart under a polling agent.
+
+use std::time::Duration;
+
+use digitalocean::channel::{AuthLimit, Command};
+use tokio::net::TcpListener;
+
+use crate::support::*;
+
+fn configure(blob: &[u8]) -> Command {
+    Command::Configure {
+        cluster_id: "c".into(),
+        blob: blob.to_vec(),
+    }
+}
+
+async fn get_command(
+    client: &reqwest::Client,
+    endpoint: &str,
+    machine_id: Option<&str>,
+    bearer: Option<&str>,
+) -> reqwest::Response {
+    let mut request = client.get(format!("{endpoint}/v1/command"));
+    if let Some(id) = machine_id {
+        request = request.query(&[("machine_id", id)]);
+    }
+    if let Some(b) = bearer {
+        request = request.header("authorization", b);
+    }
+    request.send().await.unwrap()
+}
+
+#[tokio::test]
+async fn tokens_follow_the_reference_vectors() {
+    let secret = digitalocean::token::BootstrapSecret::new("secret").unwrap();
+    assert_eq!(
+        secret.token_for("m-1").expose(),
+        "RGyPhp3JM2vz25uzLTbRiiptVvpgYCMXhSNCnXL38y8"
+    );
+    assert_eq!(
+        secret
+            .token_for("digitalocean/OnDemand/s-2vcpu-4gb/nyc3/000")
+            .expose(),
+        "afTCmBgInQfipXp_8xl2hGCXP2zhASAQR1A3nGrvyPc"
+    );
+}
+
+#[tokio::test]
+async fn unauthenticated_and_cross_machine_requests_get_401() {
+    let pki = pki();
+    let ch = RunningChannel::start(
+        &pki,
+        Duration::from_millis(300),
+        AuthLimit {
+            burst: 100,
+            refill_every: Duration::from_secs(1),
+        },
+    )
+    .await;
+    let client = channel_client(&pki.ca_pem);
+    let endpoint = ch.endpoint();
+    let (a, b) = ("machine/a", "machine/b");
+    let channel = ch.channel.clone();
+    let pending = tokio::spawn(async move {
+        channel
+            .deliver(
+                b,
+                configure(b"B-secret-blob"),
+                &ctx(Duration::from_secs(10)),
+            )
+            .await
+    });
+
+    let bearer_a = format!("Bearer {}", token(a));
+    for (machine_id, bearer) in [
+        (Some(b), Some(bearer_a.as_str())), // A's token for B's command
+        (Some(b), None),                    // no header
+        (Some(b), Some("Bearer wrong")),    // wrong token
+        (Some(b), Some(format!("bearer {}", token(b)).leak() as &str)), // prefix is case-sensitive
+        (None, Some(bearer_a.as_str())),    // no machine id
+        (Some("machine/unknown"), Some(bearer_a.as_str())), // unknown machine: same answer
+    ] {
+        let r = get_command(&client, &endpoint, machine_id, bearer).await;
+        assert_eq!(r.status(), 401, "{machine_id:?} {bearer:?}");
+        assert_eq!(r.headers()["content-type"], "text/plain; charset=utf-8");
+        assert_eq!(r.headers()["x-content-type-options"], "nosniff");
+        assert_eq!(r.text().await.unwrap(), "unauthorized\n");
+    }
+    // A's own poll sees nothing of B's command.
+    let r = get_command(&client, &endpoint, Some(a), Some(&bearer_a)).await;
+    assert_eq!(r.status(), 204);
+    // An ack with A's token cannot release B's command.
+    let r = client
+        .post(format!("{endpoint}/v1/ack"))
+        .query(&[("machine_id", b)])
+        .bearer_auth(token(a))
+        .body(r#"{"command_id":"x","ok":true}"#)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 401);
+    // B gets its command, percent-encoded machine id and all.
+    let r = get_command(
+        &client,
+        &endpoint,
+        Some(b),
+        Some(&format!("Bearer {}", token(b))),
+    )
+    .await;
+    assert_eq!(r.status(), 200);
+    assert_eq!(r.headers()["content-type"], "application/json");
+    let body = r.text().await.unwrap();
+    assert!(body.ends_with("}\n"));
+    let command: serde_json::Value = serde_json::from_str(&body).unwrap();
+    assert_eq!(command["type"], "configure");
+    pending.abort();
+}
+
+#[tokio::test]
+async fn methods_paths_and_bodies() {
+    let pki = pki();
+    let ch = RunningChannel::start(&pki, Duration::from_millis(200), AuthLimit::default()).await;
+    let client = channel_client(&pki.ca_pem);
+    let endpoint = ch.endpoint();
+    // The method is checked before authentication.
+    let r = client
+        .post(format!("{endpoint}/v1/command"))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 405);
+    assert_eq!(r.text().await.unwrap(), "method not allowed\n");
+    let r = client
+        .get(format!("{endpoint}/v1/ack"))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 405);
+    let r = client
+        .get(format!("{endpoint}/v2/command"))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 404);
+    assert_eq!(r.text().await.unwrap(), "404 page not found\n");
+    let m = "m-1";
+    let ack = |body: &'static str| {
+        client
+            .post(format!("{endpoint}/v1/ack"))
+            .query(&[("machine_id", m)])
+            .bearer_auth(token(m))
+            .body(body)
+            .send()
+    };
+    let r = ack("not json").await.unwrap();
+    assert_eq!(r.status(), 400);
+    assert_eq!(r.text().await.unwrap(), "bad ack body\n");
+    // Nothing pending: an ack is accepted and ignored.
+    let r = ack(r#"{"command_id":"1","ok":true}"#).await.unwrap();
+    assert_eq!(r.status(), 204);
+    assert_eq!(r.text().await.unwrap(), "");
+}
+
+#[tokio::test]
+async fn the_poll_is_held_until_a_command_arrives() {
+    let pki = pki();
+    let ch = RunningChannel::start(&pki, Duration::from_secs(20), AuthLimit::default()).await;
+    let client = channel_client(&pki.ca_pem);
+    let endpoint = ch.endpoint();
+    let m = "digitalocean/OnDemand/s-2vcpu-4gb/nyc3/007";
+    let started = tokio::time::Instant::now();
+    let poll = tokio::spawn({
+        let client = client.clone();
+        let endpoint = endpoint.clone();
+        async move {
+            get_command(
+                &client,
+                &endpoint,
+                Some(m),
+                Some(&format!("Bearer {}", token(m))),
+            )
+            .await
+        }
+    });
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let channel = ch.channel.clone();
+    let delivery = tokio::spawn(async move {
+        channel
+            .deliver(
+                m,
+                Command::Drain { grace_seconds: 30 },
+                &ctx(Duration::from_secs(10)),
+            )
+            .await
+    });
+    let r = poll.await.unwrap();
+    let held = started.elapsed();
+    assert_eq!(r.status(), 200);
+    assert!(
+        held >= Duration::from_millis(300) && held < Duration::from_secs(10),
+        "{held:?}"
+    );
+    let command: serde_json::Value = r.json().await.unwrap();
+    assert_eq!(command["type"], "drain");
+    assert_eq!(command["grace_seconds"], 30);
+    let id = command["id"].as_str().unwrap().to_owned();
+
+    // Re-served until acked.
+    let again: serde_json::Value = get_command(
+        &client,
+        &endpoint,
+        Some(m),
+        Some(&format!("Bearer {}", token(m))),
+    )
+    .await
+    .json()
+    .await
+    .unwrap();
+    assert_eq!(again["id"], id.as_str());
+    let ack = |body: String| {
+        client
+            .post(format!("{endpoint}/v1/ack"))
+            .query(&[("machine_id", m)])
+            .bearer_auth(token(m))
+            .body(body)
+            .send()
+    };
+    // A stale ack is ignored and does not release the waiter.
+    let r = ack(r#"{"command_id":"stale-1","ok":true}"#.into())
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 204);
+    assert!(!delivery.is_finished());
+    let r = ack(format!(r#"{{"command_id":"{id}","ok":true}}"#))
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 200);
+    delivery.await.unwrap().unwrap();
+}
+
+#[tokio::test]
+async fn command_ids_differ_across_channel_instances_and_newer_commands_supersede() {
+    let pki = pki();
+    let one = RunningChannel::start(&pki, Duration::from_millis(100), AuthLimit::default()).await;
+    let two = RunningChannel::start(&pki, Duration::from_millis(100), AuthLimit::default()).await;
+    let client = channel_client(&pki.ca_pem);
+    let m = "m-9";
+    let mut ids = Vec::new();
+    for ch in [&one, &two] {
+        let channel = ch.channel.clone();
+        let first = tokio::spawn(async move {
+            channel
+                .deliver(m, configure(b"1"), &ctx(Duration::from_secs(10)))
+                .await
+        });
+        let r: serde_json::Value = get_command(
+            &client,
+            &ch.endpoint(),
+            Some(m),
+            Some(&format!("Bearer {}", token(m))),
+        )
+        .await
+        .json()
+        .await
+        .unwrap();
+        ids.push(r["id"].as_str().unwrap().to_owned());
+        let channel = ch.channel.clone();
+        let second = tokio::spawn(async move {
+            channel
+                .deliver(m, configure(b"2"), &ctx(Duration::from_millis(300)))
+                .await
+        });
+        let err = first.await.unwrap().unwrap_err();
+        assert_eq!(
+            err.0,
+            format!("agent did not apply configure for {m}: superseded by a newer command")
+        );
+        let _ = second.await;
+    }
+    assert_ne!(
+        ids[0], ids[1],
+        "a restarted provider never reuses a command id"
+    );
+}
+
+#[tokio::test]
+async fn failed_authentications_are_throttled_per_source() {
+    let pki = pki();
+    let ch = RunningChannel::start(
+        &pki,
+        Duration::from_millis(100),
+        AuthLimit {
+            burst: 3,
+            refill_every: Duration::from_secs(60),
+        },
+    )
+    .await;
+    let client = channel_client(&pki.ca_pem);
+    let endpoint = ch.endpoint();
+    for _ in 0..3 {
+        let r = get_command(&client, &endpoint, Some("m"), Some("Bearer guess")).await;
+        assert_eq!(r.status(), 401);
+    }
+    // Now even the right token is turned away until the bucket refills.
+    let r = get_command(
+        &client,
+        &endpoint,
+        Some("m"),
+        Some(&format!("Bearer {}", token("m"))),
+    )
+    .await;
+    assert_eq!(r.status(), 429);
+    let retry: u64 = r.headers()["retry-after"]
+        .to_str()
+        .unwrap()
+        .parse()
+        .unwrap();
+    assert!((1..=60).contains(&retry), "{retry}");
+}
+
+#[tokio::test]
+async fn tls_1_2_clients_are_refused() {
+    let pki = pki();
+    let ch = RunningChannel::start(&pki, Duration::from_millis(100), AuthLimit::default()).await;
+    let tls12 = reqwest::Client::builder()
+        .use_rustls_tls()
+        .tls_built_in_root_certs(false)
+        .add_root_certificate(reqwest::Certificate::from_pem(pki.ca_pem.as_bytes()).unwrap())
+        .max_tls_version(reqwest::tls::Version::TLS_1_2)
+        .build()
+        .unwrap();
+    let err = tls12
+        .get(format!("{}/v1/command", ch.endpoint()))
+        .send()
+        .await
+        .unwrap_err();
+    assert!(err.is_connect() || err.is_request(), "{err:?}");
+    // The same CA over TLS 1.3 works.
+    let ok = channel_client(&pki.ca_pem)
+        .get(format!("{}/v1/command", ch.endpoint()))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(ok.status(), 401);
+    // Plain HTTP gets nowhere either.
+    let plain = reqwest::Client::new();
+    assert!(
+        plain
+            .get(format!("http://{}/v1/command", ch.addr))
+            .send()
+            .await
+            .is_err()
+    );
+}
+
+#[tokio::test]
+async fn an_agent_refuses_a_channel_whose_certificate_is_not_from_its_pinned_ca() {
+    let real = pki();
+    let impostor = pki();
+    let ch =
+        RunningChannel::start(&impostor, Duration::from_millis(200), AuthLimit::default()).await;
+    let dir = tempfile::tempdir().unwrap();
+    let m = "m-pinned";
+    let config_json = serde_json::json!({
+        "endpoint": ch.endpoint(), "ca_pem": real.ca_pem, "machine_id": m, "token": token(m),
+    })
+    .to_string();
+    let agent = AgentProcess::spawn(AgentSetup {
+        dir: dir.path(),
+        config_json,
+        hook: recording_hook(dir.path(), 0),
+        drain_command: "true".into(),
+        readiness_command: None,
+    });
+    let err = ch
+        .channel
+        .deliver(m, configure(b"impostor-blob"), &ctx(Duration::from_secs(2)))
+        .await
+        .unwrap_err();
+    assert_eq!(
+        err.0,
+        format!("agent did not apply configure for {m}: context deadline exceeded")
+    );
+    assert!(!dir.path().join("hook.runs").exists(), "the hook never ran");
+    assert!(
+        agent
+            .wait_for_output("poll failed", Duration::from_secs(5))
+            .await
+    );
+    let out = agent.output();
+    assert!(
+        out.contains("certificate") || out.contains("UnknownIssuer"),
+        "{out}"
+    );
+    assert!(!out.contains(&token(m)), "{out}");
+}
+
+#[tokio::test]
+async fn a_polling_agent_survives_a_channel_restart() {
+    let pki = pki();
+    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    let first = RunningChannel::start_on(
+        listener,
+        &pki,
+        Duration::from_secs(20),
+        AuthLimit::default(),
+    );
+    let dir = tempfile::tempdir().unwrap();
+    let m = "m-restart";
+    let config_json = serde_json::json!({
+        "endpoint": first.endpoint(), "ca_pem": pki.ca_pem, "machine_id": m, "token": token(m),
+    })
+    .to_string();
+    let agent = AgentProcess::spawn(AgentSetup {
+        dir: dir.path(),
+        config_json,
+        hook: recording_hook(dir.path(), 0),
+        drain_command: "true".into(),
+        readiness_command: None,
+    });
+    assert!(
+        agent
+            .wait_for_output("bigfleet-agent polling", Duration::from_secs(10))
+            .await
+    );
+    // Stop the provider's channel while the agent's poll is held, then start a new one on
+    // the same address.
+    first.stop().await;
+    let listener = TcpListener::bind(addr).await.unwrap();
+    let second = RunningChannel::start_on(
+        listener,
+        &pki,
+        Duration::from_secs(20),
+        AuthLimit::default(),
+    );
+    second
+        .channel
+        .deliver(
+            m,
+            configure(b"after-restart"),
+            &ctx(Duration::from_secs(15)),
+        )
+        .await
+        .unwrap();
+    assert_eq!(
+        std::fs::read(dir.path().join("hook.blob.copy")).unwrap(),
+        b"after-restart"
+    );
+}

@@ -1,0 +1,327 @@
+//! The whole lifecycle against the emulator with a real `bigfleet-agent` process playing the
+//! Droplet: create, configure (hook gets the cluster id and the blob), readiness, drain,
+//! delete; and what must never show up in logs.
+
+use std::time::Duration;
+
+use digitalocean::naming::{MANAGED_TAG, cluster_tag, droplet_name, machine_tag, provider_tag};
+use provider_core::backend::{BootstrapBlob, ConfigureOrder};
+use provider_core::cloud::Cloud;
+use provider_core::machine::HostRef;
+
+use crate::support::*;
+
+const BLOB: &[u8] = b"join-secret: kubeadm join 10.0.0.1:6443 --token abcdef.0123456789abcdef";
+
+#[tokio::test(flavor = "current_thread")]
+async fn full_lifecycle_with_the_real_agent() {
+    let logs = LogCapture::default();
+    let _guard = logs.install();
+    let env = Env::start_with(EnvOptions {
+        base_user_data: Some("#!/bin/sh\necho operator part\n".into()),
+        ..EnvOptions::default()
+    })
+    .await;
+    let mut m = machine(0);
+
+    // Create: one Droplet in the region, named from the machine id, with the ownership tags.
+    let host = env
+        .cloud
+        .create_host(&m, &ctx(Duration::from_secs(20)))
+        .await
+        .unwrap();
+    assert!(host.running);
+    assert_eq!(host.machine_id, m.id);
+    assert_eq!(host.zone, REGION);
+    assert_eq!(host.instance_type, "s-2vcpu-4gb");
+    assert!(host.public_ipv4.is_some());
+    let droplets = env.emulator.droplets();
+    assert_eq!(droplets.len(), 1);
+    let d = &droplets[0];
+    assert_eq!(d.id.to_string(), host.id);
+    assert_eq!(d.name, droplet_name(&m.id));
+    assert_eq!(d.region, REGION);
+    let mut tags = d.tags.clone();
+    tags.sort();
+    let mut want = vec![
+        MANAGED_TAG.to_owned(),
+        machine_tag(&m.id),
+        provider_tag(PROVIDER),
+    ];
+    want.sort();
+    assert_eq!(tags, want);
+    assert!(
+        d.user_data.starts_with("Content-Type: multipart/mixed"),
+        "operator part merged"
+    );
+    assert!(d.user_data.contains("echo operator part"));
+    m.host = Some(HostRef {
+        provider: PROVIDER.into(),
+        id: host.id.clone(),
+    });
+
+    // The Droplet boots: the agent reads the config its user_data carries.
+    let config_json = agent_config_from_user_data(&d.user_data);
+    let config: serde_json::Value = serde_json::from_str(&config_json).unwrap();
+    assert_eq!(config["machine_id"], m.id.as_str());
+    assert_eq!(config["endpoint"], env.channel.endpoint().as_str());
+    assert_eq!(config["token"], token(&m.id).as_str());
+    assert_eq!(config["ca_pem"], env.pki.ca_pem.as_str());
+    let dir = env.dir.path();
+    let hook = recording_hook(dir, 0);
+    let drain_record = dir.join("drain.args");
+    let agent = AgentProcess::spawn(AgentSetup {
+        dir,
+        config_json,
+        hook,
+        drain_command: format!(
+            "echo \"$BIGFLEET_GRACE_SECONDS $1\" > '{}'",
+            drain_record.display()
+        ),
+        readiness_command: Some(format!(
+            "test \"$BIGFLEET_CLUSTER_ID\" = prod-eu && touch '{}/ready'",
+            dir.display()
+        )),
+    });
+
+    // Configure: the blob reaches the hook, the cluster tag is set.
+    let order = ConfigureOrder {
+        cluster_id: "prod-eu".into(),
+        blob: BootstrapBlob(BLOB.to_vec()),
+    };
+    env.cloud
+        .configure_host(&m, &host.id, &order, &ctx(Duration::from_secs(20)))
+        .await
+        .unwrap();
+    assert_eq!(
+        std::fs::read_to_string(dir.join("hook.args")).unwrap(),
+        "prod-eu\n"
+    );
+    assert_eq!(std::fs::read(dir.join("hook.blob.copy")).unwrap(), BLOB);
+    assert_eq!(
+        std::fs::read_to_string(dir.join("hook.blob.mode"))
+            .unwrap()
+            .trim(),
+        "600"
+    );
+    let d = env.emulator.droplet(host.id.parse().unwrap()).unwrap();
+    assert!(d.tags.contains(&cluster_tag("prod-eu")), "{:?}", d.tags);
+    let listed = env.cloud.list_hosts().await.unwrap();
+    assert_eq!(listed.len(), 1);
+    assert_eq!(listed[0].cluster.as_deref(), Some("prod-eu"));
+
+    // Readiness: the agent's readiness command ran for this cluster.
+    assert!(env.cloud.has_readiness_gate());
+    env.cloud
+        .confirm_ready(&m, &host.id, "prod-eu", &ctx(Duration::from_secs(20)))
+        .await
+        .unwrap();
+    assert!(dir.join("ready").exists());
+
+    // Drain: grace 0 is sent as 1; the cluster tag goes away.
+    env.cloud
+        .drain_host(&m, &host.id, 0, &ctx(Duration::from_secs(20)))
+        .await
+        .unwrap();
+    assert_eq!(std::fs::read_to_string(&drain_record).unwrap(), "1 1\n");
+    let d = env.emulator.droplet(host.id.parse().unwrap()).unwrap();
+    assert!(
+        !d.tags.iter().any(|t| t.starts_with("bfcluster:")),
+        "{:?}",
+        d.tags
+    );
+
+    // Delete, twice: the second finds nothing and still succeeds.
+    env.cloud
+        .delete_host(&host.id, &ctx(Duration::from_secs(10)))
+        .await
+        .unwrap();
+    assert!(env.emulator.droplets().is_empty());
+    env.cloud
+        .delete_host(&host.id, &ctx(Duration::from_secs(10)))
+        .await
+        .unwrap();
+    assert_eq!(
+        std::fs::read_to_string(dir.join("hook.runs")).unwrap(),
+        "run\n",
+        "hook ran once"
+    );
+
+    // Nothing secret in either side's logs.
+    let provider_logs = logs.text();
+    let agent_logs = agent.output();
+    assert!(
+        provider_logs.contains("agent applied command"),
+        "{provider_logs}"
+    );
+    assert!(agent_logs.contains("command succeeded"), "{agent_logs}");
+    let blob_text = String::from_utf8_lossy(BLOB).into_owned();
+    let blob_b64 = base64_standard(BLOB);
+    for (name, text) in [("provider", &provider_logs), ("agent", &agent_logs)] {
+        for secret in [
+            SECRET,
+            token(&m.id).as_str(),
+            API_TOKEN,
+            blob_text.as_str(),
+            blob_b64.as_str(),
+        ] {
+            assert!(!text.contains(secret), "{name} logs leak a secret: {text}");
+        }
+    }
+}
+
+fn base64_standard(bytes: &[u8]) -> String {
+    use base64::Engine as _;
+    base64::engine::general_purpose::STANDARD.encode(bytes)
+}
+
+#[tokio::test]
+async fn a_failing_hook_fails_configure_with_the_agents_error() {
+    let env = Env::start().await;
+    let mut m = machine(1);
+    let host = env
+        .cloud
+        .create_host(&m, &ctx(Duration::from_secs(20)))
+        .await
+        .unwrap();
+    m.host = Some(HostRef {
+        provider: PROVIDER.into(),
+        id: host.id.clone(),
+    });
+    let d = env.emulator.droplet(host.id.parse().unwrap()).unwrap();
+    let dir = env.dir.path();
+    let _agent = AgentProcess::spawn(AgentSetup {
+        dir,
+        config_json: agent_config_from_user_data(&d.user_data),
+        hook: recording_hook(dir, 3),
+        drain_command: "true".into(),
+        readiness_command: None,
+    });
+    let order = ConfigureOrder {
+        cluster_id: "c1".into(),
+        blob: BootstrapBlob(b"x".to_vec()),
+    };
+    let err = env
+        .cloud
+        .configure_host(&m, &host.id, &order, &ctx(Duration::from_secs(20)))
+        .await
+        .unwrap_err();
+    assert_eq!(
+        err.0,
+        format!(
+            "agent bootstrap failed for {}: bootstrap hook failed: exit status: 3",
+            m.id
+        )
+    );
+    let d = env.emulator.droplet(host.id.parse().unwrap()).unwrap();
+    assert!(
+        !d.tags.iter().any(|t| t.starts_with("bfcluster:")),
+        "no binding after a failed hook"
+    );
+}
+
+#[tokio::test]
+async fn an_agent_that_never_answers_times_out() {
+    let env = Env::start().await;
+    let mut m = machine(2);
+    let host = env
+        .cloud
+        .create_host(&m, &ctx(Duration::from_secs(20)))
+        .await
+        .unwrap();
+    m.host = Some(HostRef {
+        provider: PROVIDER.into(),
+        id: host.id.clone(),
+    });
+    let order = ConfigureOrder {
+        cluster_id: "c1".into(),
+        blob: BootstrapBlob(b"x".to_vec()),
+    };
+    let err = env
+        .cloud
+        .configure_host(&m, &host.id, &order, &ctx(Duration::from_millis(600)))
+        .await
+        .unwrap_err();
+    assert_eq!(
+        err.0,
+        format!(
+            "agent did not apply configure for {}: context deadline exceeded",
+            m.id
+        )
+    );
+    // The command was withdrawn: a late poll finds nothing.
+    let client = channel_client(&env.pki.ca_pem);
+    let started = tokio::time::Instant::now();
+    let r = client
+        .get(format!("{}/v1/command", env.channel.endpoint()))
+        .query(&[("machine_id", m.id.as_str())])
+        .bearer_auth(token(&m.id))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 204);
+    assert!(
+        started.elapsed() >= Duration::from_secs(1),
+        "an empty poll is held"
+    );
+}
+
+#[tokio::test]
+async fn an_agent_restarted_mid_command_never_runs_it_twice() {
+    let env = Env::start().await;
+    let m = machine(3);
+    let dir = env.dir.path();
+    let hook = dir.join("bootstrap");
+    // The first run blocks until released; every run is recorded.
+    write_executable(
+        &hook,
+        &format!(
+            "#!/bin/sh\necho run >> '{d}/hook.runs'\nwhile [ ! -e '{d}/release' ]; do sleep 0.05; done\n",
+            d = dir.display()
+        ),
+    );
+    let config_json = format!(
+        "{{\"endpoint\":{:?},\"ca_pem\":{:?},\"machine_id\":{:?},\"token\":{:?}}}",
+        env.channel.endpoint(),
+        env.pki.ca_pem,
+        m.id,
+        token(&m.id)
+    );
+    let setup = |config_json: String| AgentSetup {
+        dir,
+        config_json,
+        hook: hook.clone(),
+        drain_command: "true".into(),
+        readiness_command: None,
+    };
+    let mut first = AgentProcess::spawn(setup(config_json.clone()));
+    let channel = env.channel.channel.clone();
+    let id = m.id.clone();
+    let delivery = tokio::spawn(async move {
+        let command = digitalocean::channel::Command::Configure {
+            cluster_id: "c".into(),
+            blob: b"b".to_vec(),
+        };
+        channel
+            .deliver(&id, command, &ctx(Duration::from_secs(20)))
+            .await
+    });
+    assert!(eventually(Duration::from_secs(10), || dir.join("hook.runs").exists()).await);
+    first.kill().await;
+    std::fs::write(dir.join("release"), b"").unwrap();
+    // The restarted agent is served the same command id and refuses to run it again.
+    let second = AgentProcess::spawn(setup(config_json));
+    let err = delivery.await.unwrap().unwrap_err();
+    assert_eq!(
+        err.0,
+        format!(
+            "agent bootstrap failed for {}: the agent restarted while running this command; it was not run again",
+            m.id
+        )
+    );
+    assert_eq!(
+        std::fs::read_to_string(dir.join("hook.runs")).unwrap(),
+        "run\n"
+    );
+    assert!(second.output().contains("not running it again"));
+}

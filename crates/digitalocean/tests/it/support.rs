@@ -1,0 +1,439 @@
+//! Shared test scaffolding: test PKI, the emulator + channel + cloud environment, the agent
+//! process, and log capture.
+
+use std::io::Write as _;
+use std::net::SocketAddr;
+use std::os::unix::fs::PermissionsExt as _;
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use digitalocean::api::{ApiClient, ApiToken, ImageRef};
+use digitalocean::channel::{AuthLimit, Channel, ChannelSettings};
+use digitalocean::cloud::{AgentProvisioning, CloudSettings, DigitalOceanCloud};
+use digitalocean::setup::channel_tls;
+use digitalocean::token::BootstrapSecret;
+use do_emulator::Emulator;
+use provider_core::backend::TransitionContext;
+use provider_core::machine::Machine;
+use provider_core::retry::Backoff;
+use provider_core::telemetry::Telemetry;
+use rcgen::{
+    BasicConstraints, CertificateParams, CertifiedIssuer, ExtendedKeyUsagePurpose, IsCa, KeyPair,
+};
+use tokio::net::TcpListener;
+use tokio_util::sync::CancellationToken;
+
+pub const API_TOKEN: &str = "dop_v1_test_api_token_0123456789";
+pub const SECRET: &str = "bootstrap-secret-for-tests-7f3a";
+pub const REGION: &str = "nyc3";
+pub const PROVIDER: &str = "do-test";
+
+/// A CA and a server certificate for 127.0.0.1 / localhost signed by it.
+pub struct Pki {
+    pub ca_pem: String,
+    pub cert_pem: String,
+    pub key_pem: String,
+}
+
+pub fn pki() -> Pki {
+    let mut ca_params = CertificateParams::new(Vec::<String>::new()).unwrap();
+    ca_params.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
+    ca_params
+        .distinguished_name
+        .push(rcgen::DnType::CommonName, "bigfleet test CA");
+    let ca = CertifiedIssuer::self_signed(ca_params, KeyPair::generate().unwrap()).unwrap();
+    let mut leaf =
+        CertificateParams::new(vec!["127.0.0.1".to_owned(), "localhost".to_owned()]).unwrap();
+    leaf.extended_key_usages = vec![ExtendedKeyUsagePurpose::ServerAuth];
+    let leaf_key = KeyPair::generate().unwrap();
+    let cert = leaf.signed_by(&leaf_key, &ca).unwrap();
+    Pki {
+        ca_pem: ca.pem(),
+        cert_pem: cert.pem(),
+        key_pem: leaf_key.serialize_pem(),
+    }
+}
+
+pub fn telemetry() -> Telemetry {
+    Telemetry::new("bigfleet_digitalocean")
+}
+
+pub fn fast_backoff() -> Backoff {
+    Backoff {
+        base: Duration::from_millis(20),
+        max: Duration::from_millis(200),
+        max_attempts: 8,
+    }
+}
+
+pub fn ctx(timeout: Duration) -> TransitionContext {
+    TransitionContext::with_timeout("op-test", timeout)
+}
+
+pub fn machine(index: u32) -> Machine {
+    let mut m = Machine::speculative(
+        format!("{PROVIDER}/OnDemand/s-2vcpu-4gb/{REGION}/{index:03}"),
+        "s-2vcpu-4gb",
+    );
+    m.zone = REGION.into();
+    m
+}
+
+/// A running bootstrap channel on 127.0.0.1.
+pub struct RunningChannel {
+    pub channel: Channel,
+    pub addr: SocketAddr,
+    stop: CancellationToken,
+    task: tokio::task::JoinHandle<std::io::Result<()>>,
+}
+
+impl RunningChannel {
+    pub async fn start(pki: &Pki, hold: Duration, limit: AuthLimit) -> RunningChannel {
+        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        RunningChannel::start_on(listener, pki, hold, limit)
+    }
+
+    pub fn start_on(
+        listener: TcpListener,
+        pki: &Pki,
+        hold: Duration,
+        limit: AuthLimit,
+    ) -> RunningChannel {
+        let addr = listener.local_addr().unwrap();
+        let tls = channel_tls(pki.cert_pem.as_bytes(), pki.key_pem.as_bytes()).unwrap();
+        let channel = Channel::new(
+            ChannelSettings {
+                secret: BootstrapSecret::new(SECRET).unwrap(),
+                tls,
+                poll_hold: hold,
+                auth_limit: limit,
+            },
+            telemetry(),
+        );
+        let stop = CancellationToken::new();
+        let serving = channel.clone();
+        let signal = stop.clone();
+        let task =
+            tokio::spawn(async move { serving.serve(listener, signal.cancelled_owned()).await });
+        RunningChannel {
+            channel,
+            addr,
+            stop,
+            task,
+        }
+    }
+
+    pub fn endpoint(&self) -> String {
+        format!("https://127.0.0.1:{}", self.addr.port())
+    }
+
+    /// Stops serving and waits until the listener is closed.
+    pub async fn stop(self) {
+        self.stop.cancel();
+        self.task.await.unwrap().unwrap();
+    }
+}
+
+/// Emulator + channel + cloud.
+pub struct Env {
+    pub emulator: Emulator,
+    pub api_url: String,
+    pub pki: Pki,
+    pub channel: RunningChannel,
+    pub cloud: Arc<DigitalOceanCloud>,
+    pub dir: tempfile::TempDir,
+    emulator_stop: CancellationToken,
+}
+
+impl Drop for Env {
+    fn drop(&mut self) {
+        self.emulator_stop.cancel();
+    }
+}
+
+pub struct EnvOptions {
+    pub hold: Duration,
+    pub limit: AuthLimit,
+    pub base_user_data: Option<String>,
+}
+
+impl Default for EnvOptions {
+    fn default() -> EnvOptions {
+        EnvOptions {
+            hold: Duration::from_secs(2),
+            limit: AuthLimit::default(),
+            base_user_data: None,
+        }
+    }
+}
+
+impl Env {
+    pub async fn start() -> Env {
+        Env::start_with(EnvOptions::default()).await
+    }
+
+    pub async fn start_with(options: EnvOptions) -> Env {
+        let emulator = Emulator::new(API_TOKEN);
+        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let api_url = format!("http://{}", listener.local_addr().unwrap());
+        let emulator_stop = CancellationToken::new();
+        tokio::spawn(emulator.clone().serve(listener, emulator_stop.clone()));
+        let pki = pki();
+        let channel = RunningChannel::start(&pki, options.hold, options.limit).await;
+        let cloud = Arc::new(cloud_for(
+            &api_url,
+            &channel,
+            &pki,
+            options.base_user_data,
+            PROVIDER,
+        ));
+        Env {
+            emulator,
+            api_url,
+            pki,
+            channel,
+            cloud,
+            dir: tempfile::tempdir().unwrap(),
+            emulator_stop,
+        }
+    }
+}
+
+pub fn api_client(api_url: &str) -> ApiClient {
+    let base = digitalocean::api::parse_base_url(api_url).unwrap();
+    ApiClient::new(
+        base,
+        ApiToken::new(API_TOKEN).unwrap(),
+        fast_backoff(),
+        telemetry(),
+    )
+    .unwrap()
+}
+
+pub fn cloud_for(
+    api_url: &str,
+    channel: &RunningChannel,
+    pki: &Pki,
+    base_user_data: Option<String>,
+    provider: &str,
+) -> DigitalOceanCloud {
+    let mut settings = CloudSettings::new(
+        provider.into(),
+        REGION.into(),
+        ImageRef::parse("ubuntu-24-04-x64"),
+        base_user_data,
+        AgentProvisioning {
+            endpoint: channel.endpoint(),
+            ca_pem: pki.ca_pem.clone(),
+        },
+    );
+    settings.active_poll = Duration::from_millis(20);
+    settings.create_backoff = fast_backoff();
+    DigitalOceanCloud::new(
+        api_client(api_url),
+        channel.channel.clone(),
+        settings,
+        telemetry(),
+    )
+}
+
+/// The agent's config.json as the Droplet's cloud-init would write it from its user_data.
+pub fn agent_config_from_user_data(user_data: &str) -> String {
+    let start = user_data
+        .find("    content: |\n")
+        .expect("agent cloud-config in user_data")
+        + "    content: |\n".len();
+    let mut json = String::new();
+    for line in user_data[start..].lines() {
+        let Some(stripped) = line.strip_prefix("      ") else {
+            break;
+        };
+        json.push_str(stripped);
+        json.push('\n');
+    }
+    json
+}
+
+pub fn write_executable(path: &Path, body: &str) {
+    let mut f = std::fs::File::create(path).unwrap();
+    f.write_all(body.as_bytes()).unwrap();
+    f.sync_all().unwrap();
+    drop(f);
+    std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o755)).unwrap();
+}
+
+/// A hook that records its arguments, the blob, the blob's mode and how often it ran, then
+/// exits with `exit_code`.
+pub fn recording_hook(dir: &Path, exit_code: i32) -> PathBuf {
+    let hook = dir.join("bootstrap");
+    let body = format!(
+        "#!/bin/sh\n\
+         echo \"$@\" > '{d}/hook.args'\n\
+         cp \"$0.blob\" '{d}/hook.blob.copy'\n\
+         stat -c %a \"$0.blob\" > '{d}/hook.blob.mode'\n\
+         echo run >> '{d}/hook.runs'\n\
+         exit {exit_code}\n",
+        d = dir.display()
+    );
+    write_executable(&hook, &body);
+    hook
+}
+
+/// A running `bigfleet-agent` process with its stderr captured.
+pub struct AgentProcess {
+    child: tokio::process::Child,
+    pub output: Arc<Mutex<Vec<u8>>>,
+}
+
+pub struct AgentSetup<'a> {
+    pub dir: &'a Path,
+    pub config_json: String,
+    pub hook: PathBuf,
+    pub drain_command: String,
+    pub readiness_command: Option<String>,
+}
+
+impl AgentProcess {
+    pub fn spawn(setup: AgentSetup<'_>) -> AgentProcess {
+        let config = setup.dir.join("config.json");
+        std::fs::write(&config, &setup.config_json).unwrap();
+        let mut cmd = tokio::process::Command::new(env!("CARGO_BIN_EXE_bigfleet-agent"));
+        cmd.arg("--config")
+            .arg(&config)
+            .arg("--hook")
+            .arg(&setup.hook)
+            .arg("--drain-command")
+            .arg(&setup.drain_command)
+            .arg("--state")
+            .arg(setup.dir.join("state/executed.json"))
+            .arg("--max-backoff")
+            .arg("200ms")
+            .env("RUST_LOG", "debug")
+            .stdin(std::process::Stdio::null())
+            .stdout(std::process::Stdio::piped())
+            .stderr(std::process::Stdio::piped())
+            .kill_on_drop(true);
+        if let Some(ready) = setup.readiness_command {
+            cmd.arg("--readiness-command").arg(ready);
+        }
+        let mut child = cmd.spawn().unwrap();
+        let output = Arc::new(Mutex::new(Vec::new()));
+        for stream in [
+            child
+                .stderr
+                .take()
+                .map(|s| Box::new(s) as Box<dyn tokio::io::AsyncRead + Unpin + Send>),
+            child
+                .stdout
+                .take()
+                .map(|s| Box::new(s) as Box<dyn tokio::io::AsyncRead + Unpin + Send>),
+        ]
+        .into_iter()
+        .flatten()
+        {
+            let output = output.clone();
+            tokio::spawn(async move {
+                use tokio::io::AsyncReadExt as _;
+                let mut stream = stream;
+                let mut buf = [0u8; 4096];
+                while let Ok(n) = stream.read(&mut buf).await {
+                    if n == 0 {
+                        break;
+                    }
+                    output.lock().unwrap().extend_from_slice(&buf[..n]);
+                }
+            });
+        }
+        AgentProcess { child, output }
+    }
+
+    pub fn output(&self) -> String {
+        String::from_utf8_lossy(&self.output.lock().unwrap()).into_owned()
+    }
+
+    /// Kills the agent at once (SIGKILL), as a crash would.
+    pub async fn kill(&mut self) {
+        self.child.kill().await.unwrap();
+    }
+
+    /// Waits until the agent's output contains `needle` (bounded).
+    pub async fn wait_for_output(&self, needle: &str, within: Duration) -> bool {
+        let until = tokio::time::Instant::now() + within;
+        while tokio::time::Instant::now() < until {
+            if self.output().contains(needle) {
+                return true;
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        false
+    }
+}
+
+/// Waits until `f` holds (bounded); for state that other processes change.
+pub async fn eventually(within: Duration, mut f: impl FnMut() -> bool) -> bool {
+    let until = tokio::time::Instant::now() + within;
+    while tokio::time::Instant::now() < until {
+        if f() {
+            return true;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    f()
+}
+
+/// Captures the provider's logs of the current thread.
+#[derive(Clone, Default)]
+pub struct LogCapture(Arc<Mutex<Vec<u8>>>);
+
+impl LogCapture {
+    pub fn install(&self) -> tracing::subscriber::DefaultGuard {
+        let subscriber = tracing_subscriber::fmt()
+            .with_max_level(tracing::Level::TRACE)
+            .with_writer(self.clone())
+            .with_ansi(false)
+            .finish();
+        tracing::subscriber::set_default(subscriber)
+    }
+
+    pub fn text(&self) -> String {
+        String::from_utf8_lossy(&self.0.lock().unwrap()).into_owned()
+    }
+}
+
+impl std::io::Write for LogCapture {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        self.0.lock().unwrap().extend_from_slice(buf);
+        Ok(buf.len())
+    }
+    fn flush(&mut self) -> std::io::Result<()> {
+        Ok(())
+    }
+}
+
+impl<'a> tracing_subscriber::fmt::MakeWriter<'a> for LogCapture {
+    type Writer = LogCapture;
+    fn make_writer(&'a self) -> LogCapture {
+        self.clone()
+    }
+}
+
+/// An HTTPS client that trusts `ca_pem` only, TLS 1.3.
+pub fn channel_client(ca_pem: &str) -> reqwest::Client {
+    reqwest::Client::builder()
+        .use_rustls_tls()
+        .tls_built_in_root_certs(false)
+        .add_root_certificate(reqwest::Certificate::from_pem(ca_pem.as_bytes()).unwrap())
+        .min_tls_version(reqwest::tls::Version::TLS_1_3)
+        .timeout(Duration::from_secs(30))
+        .build()
+        .unwrap()
+}
+
+pub fn token(machine_id: &str) -> String {
+    BootstrapSecret::new(SECRET)
+        .unwrap()
+        .token_for(machine_id)
+        .expose()
+        .to_owned()
+}

@@ -1,0 +1,945 @@
+//! A local, stateful emulator of the DigitalOcean API subset the provider uses: Droplets
+//! (create, get, list by tag, delete), tags (create, tag and untag resources), sizes and
+//! actions, with `links.pages.next` / `meta.total` pagination and DigitalOcean-shaped objects.
+//! Fault knobs make it misbehave on purpose: 429 storms with rate-limit headers, 5xx answers,
+//! a create whose response is lost after the Droplet exists, Droplets that take a while to
+//! become `active`, bad pagination links and out-of-band deletion. Loopback only.
+
+use std::collections::{BTreeMap, BTreeSet, VecDeque};
+use std::net::SocketAddr;
+use std::sync::{Arc, Mutex};
+use std::time::{SystemTime, UNIX_EPOCH};
+
+use axum::extract::{Path, Query, State};
+use axum::http::{HeaderMap, StatusCode};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{delete, get, post};
+use axum::{Extension, Json, Router};
+use hyper_util::rt::{TokioExecutor, TokioIo};
+use serde::Deserialize;
+use serde_json::{Value, json};
+use tokio::net::TcpListener;
+use tokio_util::sync::CancellationToken;
+
+/// One injected failure of the next API request.
+#[derive(Clone, Copy, Debug, Deserialize, PartialEq, Eq)]
+pub struct Fault {
+    /// 429 or a 5xx status.
+    pub status: u16,
+    /// Seconds sent in `Retry-After` (and in `ratelimit-reset` as now + this); none if absent.
+    #[serde(default)]
+    pub retry_after: Option<u64>,
+}
+
+/// A Droplet as the emulator stores it.
+#[derive(Clone, Debug)]
+pub struct EmulatedDroplet {
+    pub id: u64,
+    pub name: String,
+    pub region: String,
+    pub size: String,
+    pub image: Value,
+    pub user_data: String,
+    pub tags: Vec<String>,
+    pub status: String,
+    pub public_ipv4: String,
+    /// GETs of this Droplet still answered with `new` before it turns `active`.
+    polls_left: u32,
+    created_at: String,
+}
+
+#[derive(Clone, Debug)]
+struct EmulatedSize {
+    slug: &'static str,
+    vcpus: u32,
+    memory_mb: u64,
+    disk_gb: u64,
+    price_hourly: f64,
+}
+
+#[derive(Default)]
+struct Knobs {
+    fail_next: VecDeque<Fault>,
+    drop_create_responses: u32,
+    active_after_polls: u32,
+    bad_next_link: bool,
+}
+
+struct EmulatorState {
+    token: String,
+    next_droplet: u64,
+    next_action: u64,
+    droplets: BTreeMap<u64, EmulatedDroplet>,
+    tags: BTreeSet<String>,
+    sizes: Vec<EmulatedSize>,
+    actions: Vec<Value>,
+    knobs: Knobs,
+    create_requests: u32,
+    requests: Vec<String>,
+}
+
+/// The emulator: clone it freely; all clones share one state.
+#[derive(Clone)]
+pub struct Emulator {
+    state: Arc<Mutex<EmulatorState>>,
+}
+
+impl std::fmt::Debug for Emulator {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Emulator").finish_non_exhaustive()
+    }
+}
+
+fn default_sizes() -> Vec<EmulatedSize> {
+    let s = |slug, vcpus, memory_mb, disk_gb, price_hourly| EmulatedSize {
+        slug,
+        vcpus,
+        memory_mb,
+        disk_gb,
+        price_hourly,
+    };
+    vec![
+        s("s-1vcpu-512mb-10gb", 1, 512, 10, 0.00595),
+        s("s-1vcpu-1gb", 1, 1024, 25, 0.00893),
+        s("s-1vcpu-2gb", 1, 2048, 50, 0.01786),
+        s("s-2vcpu-2gb", 2, 2048, 60, 0.02679),
+        s("s-2vcpu-4gb", 2, 4096, 80, 0.03571),
+        s("s-4vcpu-8gb", 4, 8192, 160, 0.07143),
+        s("s-8vcpu-16gb", 8, 16384, 320, 0.14286),
+        s("g-2vcpu-8gb", 2, 8192, 25, 0.09375),
+        s("g-4vcpu-16gb", 4, 16384, 50, 0.1875),
+        s("g-8vcpu-32gb", 8, 32768, 100, 0.375),
+        s("g-16vcpu-64gb", 16, 65536, 200, 0.75),
+        s("c-2", 2, 4096, 25, 0.0625),
+        s("c-4", 4, 8192, 50, 0.125),
+        s("c-8", 8, 16384, 100, 0.25),
+        s("c-16", 16, 32768, 200, 0.5),
+        s("m-2vcpu-16gb", 2, 16384, 50, 0.125),
+        s("m-4vcpu-32gb", 4, 32768, 100, 0.25),
+        s("m-8vcpu-64gb", 8, 65536, 200, 0.5),
+        s("m-16vcpu-128gb", 16, 131072, 400, 1.0),
+        s("s-2vcpu-4gb-amd", 2, 4096, 80, 0.03869),
+        s("s-4vcpu-16gb-amd", 4, 16384, 200, 0.125),
+    ]
+}
+
+const REGIONS: &[&str] = &[
+    "nyc1", "nyc3", "sfo3", "ams3", "fra1", "lon1", "sgp1", "tor1",
+];
+
+fn lock(state: &Mutex<EmulatorState>) -> std::sync::MutexGuard<'_, EmulatorState> {
+    state.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+fn now_rfc3339() -> String {
+    let secs = SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map(|d| d.as_secs())
+        .unwrap_or(0);
+    let (days, rem) = (secs / 86_400, secs % 86_400);
+    // Civil date from days since the epoch (Howard Hinnant's algorithm).
+    let z = days as i64 + 719_468;
+    let era = z.div_euclid(146_097);
+    let doe = z.rem_euclid(146_097);
+    let yoe = (doe - doe / 1460 + doe / 36_524 - doe / 146_096) / 365;
+    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
+    let mp = (5 * doy + 2) / 153;
+    let day = doy - (153 * mp + 2) / 5 + 1;
+    let month = if mp < 10 { mp + 3 } else { mp - 9 };
+    let year = yoe + era * 400 + i64::from(month <= 2);
+    format!(
+        "{year:04}-{month:02}-{day:02}T{:02}:{:02}:{:02}Z",
+        rem / 3600,
+        rem % 3600 / 60,
+        rem % 60
+    )
+}
+
+fn unix_now() -> u64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map(|d| d.as_secs())
+        .unwrap_or(0)
+}
+
+fn valid_tag(tag: &str) -> bool {
+    !tag.is_empty()
+        && tag.len() <= 255
+        && tag
+            .bytes()
+            .all(|c| c.is_ascii_alphanumeric() || b":_-".contains(&c))
+}
+
+fn valid_name(name: &str) -> bool {
+    !name.is_empty()
+        && name.len() <= 255
+        && name
+            .bytes()
+            .all(|c| c.is_ascii_alphanumeric() || b".-".contains(&c))
+}
+
+impl Emulator {
+    /// An empty account whose API accepts `token`.
+    pub fn new(token: &str) -> Emulator {
+        Emulator {
+            state: Arc::new(Mutex::new(EmulatorState {
+                token: token.to_owned(),
+                next_droplet: 400_000_001,
+                next_action: 2_000_000_001,
+                droplets: BTreeMap::new(),
+                tags: BTreeSet::new(),
+                sizes: default_sizes(),
+                actions: Vec::new(),
+                knobs: Knobs::default(),
+                create_requests: 0,
+                requests: Vec::new(),
+            })),
+        }
+    }
+
+    /// Fails the next `count` API requests with `fault`.
+    pub fn fail_next(&self, count: usize, fault: Fault) {
+        lock(&self.state)
+            .knobs
+            .fail_next
+            .extend(std::iter::repeat_n(fault, count));
+    }
+
+    /// The next `count` creates make the Droplet and then drop the connection unanswered.
+    pub fn drop_create_responses(&self, count: u32) {
+        lock(&self.state).knobs.drop_create_responses = count;
+    }
+
+    /// New Droplets stay `new` for this many GETs of the Droplet.
+    pub fn set_active_after_polls(&self, polls: u32) {
+        lock(&self.state).knobs.active_after_polls = polls;
+    }
+
+    /// Makes every `links.pages.next` point somewhere it must not be followed.
+    pub fn set_bad_next_link(&self, bad: bool) {
+        lock(&self.state).knobs.bad_next_link = bad;
+    }
+
+    pub fn set_size_price(&self, slug: &str, price_hourly: f64) {
+        for size in lock(&self.state)
+            .sizes
+            .iter_mut()
+            .filter(|s| s.slug == slug)
+        {
+            size.price_hourly = price_hourly;
+        }
+    }
+
+    /// Deletes a Droplet behind the provider's back; false if it did not exist.
+    pub fn delete_out_of_band(&self, id: u64) -> bool {
+        lock(&self.state).droplets.remove(&id).is_some()
+    }
+
+    /// Adds a Droplet directly (as if another tool had created it), already `active`.
+    pub fn insert_droplet(&self, name: &str, region: &str, size: &str, tags: &[&str]) -> u64 {
+        let mut state = lock(&self.state);
+        let id = state.next_droplet;
+        state.next_droplet += 1;
+        for t in tags {
+            state.tags.insert((*t).to_owned());
+        }
+        state.droplets.insert(
+            id,
+            EmulatedDroplet {
+                id,
+                name: name.to_owned(),
+                region: region.to_owned(),
+                size: size.to_owned(),
+                image: json!("ubuntu-24-04-x64"),
+                user_data: String::new(),
+                tags: tags.iter().map(|t| (*t).to_owned()).collect(),
+                status: "active".into(),
+                public_ipv4: format!("192.0.2.{}", id % 250 + 1),
+                polls_left: 0,
+                created_at: now_rfc3339(),
+            },
+        );
+        id
+    }
+
+    pub fn droplets(&self) -> Vec<EmulatedDroplet> {
+        lock(&self.state).droplets.values().cloned().collect()
+    }
+
+    pub fn droplet(&self, id: u64) -> Option<EmulatedDroplet> {
+        lock(&self.state).droplets.get(&id).cloned()
+    }
+
+    pub fn tags(&self) -> Vec<String> {
+        lock(&self.state).tags.iter().cloned().collect()
+    }
+
+    /// How many `POST /v2/droplets` arrived (including failed ones).
+    pub fn create_requests(&self) -> u32 {
+        lock(&self.state).create_requests
+    }
+
+    /// Every API request so far, as `METHOD /path`.
+    pub fn requests(&self) -> Vec<String> {
+        lock(&self.state).requests.clone()
+    }
+
+    fn router(&self) -> Router {
+        let api = Router::new()
+            .route("/v2/droplets", post(create_droplet).get(list_droplets))
+            .route("/v2/droplets/{id}", get(get_droplet).delete(delete_droplet))
+            .route("/v2/droplets/{id}/actions", get(droplet_actions))
+            .route("/v2/actions/{id}", get(get_action))
+            .route("/v2/tags", post(create_tag).get(list_tags))
+            .route(
+                "/v2/tags/{tag}/resources",
+                post(tag_resources).delete(untag_resources),
+            )
+            .route("/v2/sizes", get(list_sizes))
+            .layer(axum::middleware::from_fn_with_state(self.clone(), gate));
+        let admin = Router::new()
+            .route("/_emulator/droplets", get(admin_droplets))
+            .route("/_emulator/droplets/{id}", delete(admin_delete))
+            .route("/_emulator/faults", post(admin_faults))
+            .route("/_emulator/stats", get(admin_stats));
+        api.merge(admin).with_state(self.clone())
+    }
+
+    /// Serves plain HTTP on `listener` until `shutdown` is cancelled.
+    pub async fn serve(self, listener: TcpListener, shutdown: CancellationToken) {
+        let router = self.router();
+        loop {
+            let (tcp, _peer): (_, SocketAddr) = tokio::select! {
+                () = shutdown.cancelled() => return,
+                accepted = listener.accept() => match accepted {
+                    Ok(pair) => pair,
+                    Err(_) => continue,
+                },
+            };
+            let kill = ConnectionKill(CancellationToken::new());
+            let service = hyper_util::service::TowerToHyperService::new(
+                router.clone().layer(Extension(kill.clone())),
+            );
+            let shutdown = shutdown.clone();
+            tokio::spawn(async move {
+                let builder = hyper_util::server::conn::auto::Builder::new(TokioExecutor::new());
+                let conn = builder.serve_connection(TokioIo::new(tcp), service);
+                tokio::select! {
+                    _ = conn => {}
+                    // Dropping the connection unanswered is the "lost response" fault.
+                    () = kill.0.cancelled() => {}
+                    () = shutdown.cancelled() => {}
+                }
+            });
+        }
+    }
+}
+
+/// Cancelled by a handler to drop its connection without an answer.
+#[derive(Clone)]
+struct ConnectionKill(CancellationToken);
+
+fn api_error(status: StatusCode, id: &str, message: &str) -> Response {
+    (status, Json(json!({ "id": id, "message": message }))).into_response()
+}
+
+/// Authentication, request log, injected faults and rate-limit headers for `/v2/*`.
+async fn gate(
+    State(emu): State<Emulator>,
+    request: axum::extract::Request,
+    next: axum::middleware::Next,
+) -> Response {
+    let fault = {
+        let mut state = lock(&emu.state);
+        state
+            .requests
+            .push(format!("{} {}", request.method(), request.uri().path()));
+        if request.method() == axum::http::Method::POST && request.uri().path() == "/v2/droplets" {
+            state.create_requests += 1;
+        }
+        let expected = format!("Bearer {}", state.token);
+        let authorised = request
+            .headers()
+            .get(axum::http::header::AUTHORIZATION)
+            .is_some_and(|v| v.as_bytes() == expected.as_bytes());
+        if !authorised {
+            return api_error(
+                StatusCode::UNAUTHORIZED,
+                "Unauthorized",
+                "Unable to authenticate you",
+            );
+        }
+        state.knobs.fail_next.pop_front()
+    };
+    let reset = unix_now() + 60;
+    if let Some(fault) = fault {
+        let status =
+            StatusCode::from_u16(fault.status).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR);
+        let mut response = if status == StatusCode::TOO_MANY_REQUESTS {
+            api_error(status, "too_many_requests", "API Rate limit exceeded.")
+        } else {
+            api_error(
+                status,
+                "server_error",
+                "Server was unable to give you a response.",
+            )
+        };
+        let headers = response.headers_mut();
+        if let Some(after) = fault.retry_after {
+            headers.insert("retry-after", after.into());
+            headers.insert("ratelimit-reset", (unix_now() + after).into());
+        }
+        headers.insert("ratelimit-limit", 5000.into());
+        headers.insert("ratelimit-remaining", 0.into());
+        return response;
+    }
+    let mut response = next.run(request).await;
+    let headers = response.headers_mut();
+    headers.insert("ratelimit-limit", 5000.into());
+    headers.insert("ratelimit-remaining", 4999.into());
+    headers.insert("ratelimit-reset", reset.into());
+    response
+}
+
+fn size_json(s: &EmulatedSize) -> Value {
+    json!({
+        "slug": s.slug,
+        "memory": s.memory_mb,
+        "vcpus": s.vcpus,
+        "disk": s.disk_gb,
+        "transfer": 4.0,
+        "price_monthly": (s.price_hourly * 672.0 * 100.0).round() / 100.0,
+        "price_hourly": s.price_hourly,
+        "regions": REGIONS,
+        "available": true,
+        "description": "Emulated",
+    })
+}
+
+fn droplet_json(state: &EmulatorState, d: &EmulatedDroplet) -> Value {
+    let size = state.sizes.iter().find(|s| s.slug == d.size);
+    let (vcpus, memory, disk) = size.map_or((1, 1024, 25), |s| (s.vcpus, s.memory_mb, s.disk_gb));
+    let image = match &d.image {
+        Value::Number(n) => {
+            json!({ "id": n, "name": "snapshot", "distribution": "Unknown", "slug": null, "public": false, "regions": [d.region], "type": "snapshot" })
+        }
+        slug => {
+            json!({ "id": 191_457_505, "name": "24.04 (LTS) x64", "distribution": "Ubuntu", "slug": slug, "public": true, "regions": REGIONS, "type": "base" })
+        }
+    };
+    let public = if d.status == "new" {
+        json!([])
+    } else {
+        json!([{ "ip_address": d.public_ipv4, "netmask": "255.255.255.0", "gateway": "192.0.2.254", "type": "public" }])
+    };
+    json!({
+        "id": d.id,
+        "name": d.name,
+        "memory": memory,
+        "vcpus": vcpus,
+        "disk": disk,
+        "locked": false,
+        "status": d.status,
+        "kernel": null,
+        "created_at": d.created_at,
+        "features": ["droplet_agent", "private_networking"],
+        "backup_ids": [],
+        "next_backup_window": null,
+        "snapshot_ids": [],
+        "image": image,
+        "volume_ids": [],
+        "size": size.map(size_json).unwrap_or(Value::Null),
+        "size_slug": d.size,
+        "networks": {
+            "v4": public,
+            "v6": []
+        },
+        "region": {
+            "name": d.region.to_uppercase(),
+            "slug": d.region,
+            "features": ["backups", "ipv6", "metadata", "install_agent"],
+            "available": true,
+            "sizes": state.sizes.iter().map(|s| s.slug).collect::<Vec<_>>()
+        },
+        "tags": d.tags,
+        "vpc_uuid": "5a4981aa-9653-4bd1-bef5-d6bff52042e4"
+    })
+}
+
+#[derive(Deserialize)]
+struct PageQuery {
+    page: Option<usize>,
+    per_page: Option<usize>,
+    tag_name: Option<String>,
+}
+
+/// One page of `items` under `key`, with `links.pages` and `meta.total`.
+fn page_of(
+    items: Vec<Value>,
+    key: &str,
+    q: &PageQuery,
+    headers: &HeaderMap,
+    path: &str,
+    bad_next_link: bool,
+) -> Value {
+    let per_page = q.per_page.unwrap_or(20).clamp(1, 200);
+    let page = q.page.unwrap_or(1).max(1);
+    let total = items.len();
+    let last = total.div_ceil(per_page).max(1);
+    let host = headers
+        .get(axum::http::header::HOST)
+        .and_then(|h| h.to_str().ok())
+        .unwrap_or("127.0.0.1");
+    let link = |n: usize| {
+        let mut query = format!("page={n}&per_page={per_page}");
+        if let Some(tag) = &q.tag_name {
+            query.push_str("&tag_name=");
+            query.push_str(&percent_encode(tag));
+        }
+        format!("http://{host}{path}?{query}")
+    };
+    let mut pages = serde_json::Map::new();
+    if page > 1 {
+        pages.insert("first".into(), json!(link(1)));
+        pages.insert("prev".into(), json!(link(page - 1)));
+    }
+    if page < last {
+        let next = if bad_next_link {
+            "http://[not-a-link".to_owned()
+        } else {
+            link(page + 1)
+        };
+        pages.insert("next".into(), json!(next));
+        pages.insert("last".into(), json!(link(last)));
+    }
+    let slice: Vec<Value> = items
+        .into_iter()
+        .skip((page - 1) * per_page)
+        .take(per_page)
+        .collect();
+    json!({ key: slice, "links": { "pages": pages }, "meta": { "total": total } })
+}
+
+fn percent_encode(text: &str) -> String {
+    text.bytes()
+        .map(|b| {
+            if b.is_ascii_alphanumeric() || b"-_.~".contains(&b) {
+                char::from(b).to_string()
+            } else {
+                format!("%{b:02X}")
+            }
+        })
+        .collect()
+}
+
+#[derive(Deserialize)]
+struct CreateBody {
+    name: Option<String>,
+    region: Option<String>,
+    size: Option<String>,
+    image: Option<Value>,
+    #[serde(default)]
+    user_data: String,
+    #[serde(default)]
+    tags: Vec<String>,
+}
+
+async fn create_droplet(
+    State(emu): State<Emulator>,
+    Extension(kill): Extension<ConnectionKill>,
+    body: Result<Json<CreateBody>, axum::extract::rejection::JsonRejection>,
+) -> Response {
+    let Ok(Json(body)) = body else {
+        return api_error(
+            StatusCode::BAD_REQUEST,
+            "bad_request",
+            "unparseable request body",
+        );
+    };
+    let unprocessable =
+        |m: &str| api_error(StatusCode::UNPROCESSABLE_ENTITY, "unprocessable_entity", m);
+    let (Some(name), Some(region), Some(size), Some(image)) =
+        (body.name, body.region, body.size, body.image)
+    else {
+        return unprocessable("name, region, size and image are required");
+    };
+    if !valid_name(&name) {
+        return unprocessable("Name is invalid: only a-z, A-Z, 0-9, . and - are allowed");
+    }
+    if let Some(bad) = body.tags.iter().find(|t| !valid_tag(t)) {
+        return unprocessable(&format!("tag {bad:?} is invalid"));
+    }
+    if body.user_data.len() > 64 * 1024 {
+        return unprocessable("user_data is limited to 64 KiB");
+    }
+    let created = (|| {
+        let mut state = lock(&emu.state);
+        if !REGIONS.contains(&region.as_str()) {
+            return Err("You specified an invalid region for Droplet creation.");
+        }
+        if !state.sizes.iter().any(|s| s.slug == size) {
+            return Err("You specified an invalid size for Droplet creation.");
+        }
+        let id = state.next_droplet;
+        state.next_droplet += 1;
+        let action_id = state.next_action;
+        state.next_action += 1;
+        for t in &body.tags {
+            state.tags.insert(t.clone());
+        }
+        let polls_left = state.knobs.active_after_polls;
+        let droplet = EmulatedDroplet {
+            id,
+            name,
+            region,
+            size,
+            image,
+            user_data: body.user_data,
+            tags: body.tags,
+            status: if polls_left == 0 {
+                "active".into()
+            } else {
+                "new".into()
+            },
+            public_ipv4: format!("192.0.2.{}", id % 250 + 1),
+            polls_left,
+            created_at: now_rfc3339(),
+        };
+        state.actions.push(json!({
+        "id": action_id, "status": "in-progress", "type": "create", "started_at": now_rfc3339(),
+        "completed_at": null, "resource_id": id, "resource_type": "droplet", "region_slug": droplet.region
+    }));
+        let mut view = droplet_json(&state, &droplet);
+        view["status"] = json!("new");
+        view["networks"]["v4"] = json!([]);
+        state.droplets.insert(id, droplet);
+        let lose_response = state.knobs.drop_create_responses > 0;
+        if lose_response {
+            state.knobs.drop_create_responses -= 1;
+        }
+        Ok((view, action_id, lose_response))
+    })();
+    let (view, action_id, lose_response) = match created {
+        Ok(created) => created,
+        Err(message) => return unprocessable(message),
+    };
+    if lose_response {
+        kill.0.cancel();
+        std::future::pending::<()>().await;
+    }
+    let links = json!({ "actions": [{ "id": action_id, "rel": "create", "href": format!("/v2/actions/{action_id}") }] });
+    (
+        StatusCode::ACCEPTED,
+        Json(json!({ "droplet": view, "links": links })),
+    )
+        .into_response()
+}
+
+async fn list_droplets(
+    State(emu): State<Emulator>,
+    Query(q): Query<PageQuery>,
+    headers: HeaderMap,
+) -> Response {
+    let state = lock(&emu.state);
+    let items = state
+        .droplets
+        .values()
+        .filter(|d| q.tag_name.as_ref().is_none_or(|t| d.tags.contains(t)))
+        .map(|d| droplet_json(&state, d))
+        .collect();
+    let body = page_of(
+        items,
+        "droplets",
+        &q,
+        &headers,
+        "/v2/droplets",
+        state.knobs.bad_next_link,
+    );
+    Json(body).into_response()
+}
+
+fn not_found() -> Response {
+    api_error(
+        StatusCode::NOT_FOUND,
+        "not_found",
+        "The resource you were accessing could not be found.",
+    )
+}
+
+async fn get_droplet(State(emu): State<Emulator>, Path(id): Path<String>) -> Response {
+    let Ok(id) = id.parse::<u64>() else {
+        return not_found();
+    };
+    let mut state = lock(&emu.state);
+    let Some(d) = state.droplets.get_mut(&id) else {
+        return not_found();
+    };
+    if d.status == "new" {
+        d.polls_left = d.polls_left.saturating_sub(1);
+        if d.polls_left == 0 {
+            d.status = "active".into();
+        }
+    }
+    let d = d.clone();
+    let view = droplet_json(&state, &d);
+    Json(json!({ "droplet": view })).into_response()
+}
+
+async fn delete_droplet(State(emu): State<Emulator>, Path(id): Path<String>) -> Response {
+    let Ok(id) = id.parse::<u64>() else {
+        return not_found();
+    };
+    let mut state = lock(&emu.state);
+    if state.droplets.remove(&id).is_none() {
+        return not_found();
+    }
+    StatusCode::NO_CONTENT.into_response()
+}
+
+async fn droplet_actions(State(emu): State<Emulator>, Path(id): Path<u64>) -> Response {
+    let state = lock(&emu.state);
+    let actions: Vec<Value> = state
+        .actions
+        .iter()
+        .filter(|a| a["resource_id"] == json!(id))
+        .cloned()
+        .collect();
+    let total = actions.len();
+    Json(json!({ "actions": actions, "links": {}, "meta": { "total": total } })).into_response()
+}
+
+async fn get_action(State(emu): State<Emulator>, Path(id): Path<u64>) -> Response {
+    let state = lock(&emu.state);
+    match state.actions.iter().find(|a| a["id"] == json!(id)) {
+        Some(action) => {
+            let mut action = action.clone();
+            let done = action["resource_id"]
+                .as_u64()
+                .and_then(|r| state.droplets.get(&r))
+                .is_none_or(|d| d.status == "active");
+            if done {
+                action["status"] = json!("completed");
+            }
+            Json(json!({ "action": action })).into_response()
+        }
+        None => not_found(),
+    }
+}
+
+#[derive(Deserialize)]
+struct TagBody {
+    name: String,
+}
+
+async fn create_tag(
+    State(emu): State<Emulator>,
+    body: Result<Json<TagBody>, axum::extract::rejection::JsonRejection>,
+) -> Response {
+    let Ok(Json(body)) = body else {
+        return api_error(
+            StatusCode::BAD_REQUEST,
+            "bad_request",
+            "unparseable request body",
+        );
+    };
+    if !valid_tag(&body.name) {
+        return api_error(
+            StatusCode::UNPROCESSABLE_ENTITY,
+            "unprocessable_entity",
+            "tag name is invalid",
+        );
+    }
+    let mut state = lock(&emu.state);
+    if !state.tags.insert(body.name.clone()) {
+        return api_error(
+            StatusCode::UNPROCESSABLE_ENTITY,
+            "unprocessable_entity",
+            "tag already exists",
+        );
+    }
+    let tag = json!({ "name": body.name, "resources": { "count": 0 } });
+    (StatusCode::CREATED, Json(json!({ "tag": tag }))).into_response()
+}
+
+async fn list_tags(
+    State(emu): State<Emulator>,
+    Query(q): Query<PageQuery>,
+    headers: HeaderMap,
+) -> Response {
+    let state = lock(&emu.state);
+    let items = state
+        .tags
+        .iter()
+        .map(|t| {
+            let count = state
+                .droplets
+                .values()
+                .filter(|d| d.tags.contains(t))
+                .count();
+            json!({ "name": t, "resources": { "count": count, "droplets": { "count": count } } })
+        })
+        .collect();
+    Json(page_of(
+        items,
+        "tags",
+        &q,
+        &headers,
+        "/v2/tags",
+        state.knobs.bad_next_link,
+    ))
+    .into_response()
+}
+
+#[derive(Deserialize)]
+struct ResourcesBody {
+    resources: Vec<ResourceRef>,
+}
+
+#[derive(Deserialize)]
+struct ResourceRef {
+    resource_id: String,
+    resource_type: String,
+}
+
+async fn tag_resources(
+    State(emu): State<Emulator>,
+    Path(tag): Path<String>,
+    body: Result<Json<ResourcesBody>, axum::extract::rejection::JsonRejection>,
+) -> Response {
+    change_tag(emu, tag, body, true)
+}
+
+async fn untag_resources(
+    State(emu): State<Emulator>,
+    Path(tag): Path<String>,
+    body: Result<Json<ResourcesBody>, axum::extract::rejection::JsonRejection>,
+) -> Response {
+    change_tag(emu, tag, body, false)
+}
+
+fn change_tag(
+    emu: Emulator,
+    tag: String,
+    body: Result<Json<ResourcesBody>, axum::extract::rejection::JsonRejection>,
+    add: bool,
+) -> Response {
+    let Ok(Json(body)) = body else {
+        return api_error(
+            StatusCode::BAD_REQUEST,
+            "bad_request",
+            "unparseable request body",
+        );
+    };
+    let mut state = lock(&emu.state);
+    if !state.tags.contains(&tag) {
+        return not_found();
+    }
+    for r in &body.resources {
+        let id = r.resource_id.parse::<u64>().ok();
+        let Some(d) = id
+            .and_then(|id| state.droplets.get_mut(&id))
+            .filter(|_| r.resource_type == "droplet")
+        else {
+            return not_found();
+        };
+        let present = d.tags.contains(&tag);
+        if add && !present {
+            d.tags.push(tag.clone());
+        } else if !add && present {
+            d.tags.retain(|t| *t != tag);
+        }
+    }
+    StatusCode::NO_CONTENT.into_response()
+}
+
+async fn list_sizes(
+    State(emu): State<Emulator>,
+    Query(q): Query<PageQuery>,
+    headers: HeaderMap,
+) -> Response {
+    let state = lock(&emu.state);
+    let items = state.sizes.iter().map(size_json).collect();
+    Json(page_of(
+        items,
+        "sizes",
+        &q,
+        &headers,
+        "/v2/sizes",
+        state.knobs.bad_next_link,
+    ))
+    .into_response()
+}
+
+async fn admin_droplets(State(emu): State<Emulator>) -> Response {
+    let state = lock(&emu.state);
+    let droplets: Vec<Value> = state
+        .droplets
+        .values()
+        .map(|d| {
+            let mut v = droplet_json(&state, d);
+            v["user_data"] = json!(d.user_data);
+            v
+        })
+        .collect();
+    Json(json!({ "droplets": droplets })).into_response()
+}
+
+async fn admin_delete(State(emu): State<Emulator>, Path(id): Path<u64>) -> Response {
+    if emu.delete_out_of_band(id) {
+        StatusCode::NO_CONTENT.into_response()
+    } else {
+        not_found()
+    }
+}
+
+#[derive(Deserialize)]
+struct FaultsBody {
+    #[serde(default)]
+    fail_next: Vec<Fault>,
+    drop_create_responses: Option<u32>,
+    active_after_polls: Option<u32>,
+    bad_next_link: Option<bool>,
+}
+
+async fn admin_faults(State(emu): State<Emulator>, Json(body): Json<FaultsBody>) -> Response {
+    for fault in body.fail_next {
+        emu.fail_next(1, fault);
+    }
+    if let Some(n) = body.drop_create_responses {
+        emu.drop_create_responses(n);
+    }
+    if let Some(n) = body.active_after_polls {
+        emu.set_active_after_polls(n);
+    }
+    if let Some(bad) = body.bad_next_link {
+        emu.set_bad_next_link(bad);
+    }
+    StatusCode::NO_CONTENT.into_response()
+}
+
+async fn admin_stats(State(emu): State<Emulator>) -> Response {
+    let state = lock(&emu.state);
+    Json(json!({
+        "create_requests": state.create_requests,
+        "droplets": state.droplets.len(),
+        "requests": state.requests.len(),
+    }))
+    .into_response()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn dates_and_names() {
+        let d = now_rfc3339();
+        assert_eq!(d.len(), 20);
+        assert!(d.starts_with("20"));
+        assert!(valid_tag("bfmid:mzxw6"));
+        assert!(!valid_tag("a b"));
+        assert!(valid_name("bigfleet-abc"));
+        assert!(!valid_name("bad_name"));
+        assert_eq!(percent_encode("bfmid:a b"), "bfmid%3Aa%20b");
+    }
+}
