@@ -14,6 +14,8 @@ Commands:
   values-table CHART
       print the chart README's values table, generated from the "# --" comments in
       values.yaml.
+  validate FILE...
+      validate every object of plain manifests (the Secret examples) the same way.
 """
 
 import argparse
@@ -111,6 +113,16 @@ def render_only(args):
         sys.stdout.write(f"---\n# Source: {path}\n{text}\n")
 
 
+def validate_files(args):
+    for path in args.files:
+        with open(path, encoding="utf-8") as handle:
+            documents = [d for d in yaml.safe_load_all(handle) if d is not None]
+        if not documents:
+            raise SystemExit(f"{path}: no objects")
+        for document in documents:
+            validate(document, path)
+
+
 def documented_keys(values_path):
     """Yields (dotted key, description) for every key preceded by a "# --" comment."""
     stack = []  # (indent, key) of the open mappings
@@ -168,9 +180,12 @@ def main():
             command.add_argument("--json", required=True)
     table = commands.add_parser("values-table")
     table.add_argument("chart")
+    files = commands.add_parser("validate")
+    files.add_argument("files", nargs="+")
     args = parser.parse_args()
+    handlers = {"check": check, "render": render_only, "values-table": values_table, "validate": validate_files}
     try:
-        {"check": check, "render": render_only, "values-table": values_table}[args.command](args)
+        handlers[args.command](args)
     except helm.HelmError as error:
         raise SystemExit(f"helm: {error}")
 

@@ -1,7 +1,8 @@
 //! `cargo xtask helm [--update-snapshots]`: renders both provider charts with Helm's own engine,
 //! lints them, validates every object against the Kubernetes schemas, checks the rendered
-//! Deployments against the rules the charts promise, and compares the renders and the README
-//! values tables with the committed copies.
+//! Deployments against the rules the charts promise, compares the renders and the README
+//! values tables with the committed copies, validates the Secret examples, and makes sure
+//! bad values are refused.
 //!
 //! Helm and the schemas come from the Python environment that `deploy/ci-setup.sh` installs
 //! (`deploy/ci/chartcheck.py` does the Helm and schema work); this module drives the cases
@@ -59,6 +60,8 @@ const COMMON_FLAGS: &[&str] = &[
     "delete-timeout",
     "shutdown-grace",
     "log-format",
+    "log-level",
+    "fake-latency",
     "admin-socket",
 ];
 
@@ -235,6 +238,26 @@ pub(crate) fn run(args: &[String]) -> Result<()> {
             stale.push(readme);
         }
     }
+
+    let examples = root.join("deploy/secret");
+    let mut files: Vec<PathBuf> = fs::read_dir(&examples)?
+        .map(|entry| entry.map(|e| e.path()))
+        .collect::<std::io::Result<_>>()?;
+    files.retain(|path| path.to_string_lossy().ends_with(".example.yaml"));
+    files.sort();
+    ensure!(
+        !files.is_empty(),
+        "no Secret examples in {}",
+        examples.display()
+    );
+    output(
+        Command::new(&python)
+            .arg(root.join("deploy/ci/chartcheck.py"))
+            .arg("validate")
+            .args(&files),
+    )?;
+    println!("helm: {} Secret examples are valid objects", files.len());
+    passed += 1;
 
     for refusal in REFUSALS {
         let values = scratch.join(format!("refusal-{passed}.yaml"));
