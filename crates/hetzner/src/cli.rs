@@ -33,7 +33,7 @@ pub struct Cli {
     pub token: Secret,
 
     /// Hetzner Cloud API base URL (plain http only for loopback addresses).
-    #[arg(long = "hcloud-endpoint", env = "HCLOUD_ENDPOINT", default_value = "https://api.hetzner.cloud/v1", value_name = "URL")]
+    #[arg(long = "hcloud-endpoint", env = "HCLOUD_ENDPOINT", hide_env_values = true, default_value = "https://api.hetzner.cloud/v1", value_name = "URL")]
     pub hcloud_endpoint: String,
 
     /// First location of the default offering mix.

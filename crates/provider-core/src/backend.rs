@@ -173,7 +173,7 @@ pub fn validate(machine: &Machine, require_zone: bool) -> Result<(), String> {
 
 /// Renders `cpu`/`memory` allocatable from vCPUs and MiB: whole GiB as `<N>Gi`, else `<N>Mi`.
 pub fn allocatable_of(vcpus: u32, memory_mib: u64) -> StringMap {
-    let memory = if memory_mib % 1024 == 0 {
+    let memory = if memory_mib.is_multiple_of(1024) {
         format!("{}Gi", memory_mib / 1024)
     } else {
         format!("{memory_mib}Mi")

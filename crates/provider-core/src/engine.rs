@@ -449,10 +449,8 @@ impl Engine {
             if machines.len() >= cap {
                 break;
             }
-            if let Some(since) = since {
-                if slot.last_change <= since {
-                    continue;
-                }
+            if since.is_some_and(|since| slot.last_change <= since) {
+                continue;
             }
             if !any_state && !wanted[slot.machine.state.wire() as usize] {
                 continue;
@@ -581,6 +579,12 @@ impl Engine {
             // finish late; its late result is then discarded as stale.
             let mut handle = tokio::spawn(async move { run_backend(&*backend, &machine, &task_ctx, work).await });
             let outcome = tokio::select! {
+                biased;
+                _ = engine.abandon.cancelled() => {
+                    // Shutdown grace ran out: leave the slot transitional in the store so the
+                    // next start resumes (or fails) it.
+                    return;
+                }
                 joined = &mut handle => match joined {
                     Ok(result) => result.map_err(|e| e.0),
                     Err(_) => Err(format!("{kind} transition aborted: the backend panicked")),
@@ -592,12 +596,11 @@ impl Engine {
                         duration::format(timeout)
                     ))
                 },
-                _ = engine.abandon.cancelled() => {
-                    // Shutdown grace ran out: leave the slot transitional in the store so the
-                    // next start resumes (or fails) it.
-                    return;
-                }
             };
+            if outcome.is_err() && engine.abandon.is_cancelled() {
+                // The error is the abandonment itself, not the substrate's answer.
+                return;
+            }
             let timed_out = !handle.is_finished();
             let ok = outcome.is_ok();
             if let Err(message) = &outcome {
@@ -714,3 +717,6 @@ async fn run_backend(
             .map(|()| Effect::default()),
     }
 }
+
+#[cfg(test)]
+mod tests;

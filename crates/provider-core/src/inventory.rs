@@ -243,13 +243,14 @@ impl Inventory {
         };
         let state = slot.machine.state;
         // 3. Idempotent retry of the recorded operation.
-        if let Some(operation_id) = slot.operation(kind) {
-            if kind.is_retry_position(state) {
-                return Ok(Admission::Retry {
-                    operation_id: operation_id.to_owned(),
-                    machine: slot.machine.clone(),
-                });
-            }
+        if let Some(operation_id) = slot
+            .operation(kind)
+            .filter(|_| kind.is_retry_position(state))
+        {
+            return Ok(Admission::Retry {
+                operation_id: operation_id.to_owned(),
+                machine: slot.machine.clone(),
+            });
         }
         // 4. Position.
         if !kind.can_start(state) {

@@ -101,10 +101,8 @@ impl Backoff {
                 return Err(err);
             }
             let wait = self.delay(n, after);
-            if let Some(deadline) = deadline {
-                if Instant::now() + wait >= deadline {
-                    return Err(err);
-                }
+            if deadline.is_some_and(|deadline| Instant::now() + wait >= deadline) {
+                return Err(err);
             }
             tokio::time::sleep(wait).await;
             n += 1;

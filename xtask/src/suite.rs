@@ -1,0 +1,38 @@
+//! `cargo xtask test`: every test of the project, in order from the cheapest: the tools the
+//! checks need, the unit/property/integration tests (nextest), the end-to-end run of the
+//! binaries, the Helm chart validation, the docs check and the container image test.
+
+use std::process::Command;
+
+use anyhow::{Context, bail};
+
+use crate::repo;
+
+fn step(name: &str, command: &mut Command) -> anyhow::Result<()> {
+    println!("xtask test: {name}");
+    let status = command.status().with_context(|| format!("run {name}"))?;
+    if !status.success() {
+        bail!("{name} failed ({status})");
+    }
+    Ok(())
+}
+
+pub fn run(args: &[String]) -> anyhow::Result<()> {
+    let root = repo::root();
+    let quick = args.iter().any(|a| a == "--quick");
+    if !quick {
+        step("tool setup (deploy/ci-setup.sh)", Command::new("bash").arg(root.join("deploy/ci-setup.sh")))?;
+    }
+    step(
+        "cargo nextest run --workspace",
+        Command::new(env!("CARGO")).current_dir(&root).args(["nextest", "run", "--workspace", "--no-fail-fast"]),
+    )?;
+    step("end-to-end (cargo xtask e2e)", Command::new(env!("CARGO")).current_dir(&root).args(["xtask", "e2e"]))?;
+    if quick {
+        return Ok(());
+    }
+    step("Helm charts (cargo xtask helm)", Command::new(env!("CARGO")).current_dir(&root).args(["xtask", "helm"]))?;
+    step("docs check (cargo xtask docs)", Command::new(env!("CARGO")).current_dir(&root).args(["xtask", "docs"]))?;
+    step("container images (cargo xtask dist --test)", Command::new(env!("CARGO")).current_dir(&root).args(["xtask", "dist", "--test"]))?;
+    Ok(())
+}
