@@ -217,15 +217,14 @@ impl Fleet {
     fn slots(&self) -> Vec<Machine> {
         let mut out = Vec::new();
         for o in &self.offerings {
+            // One shape per offering, shared by all of its slots.
+            let mut shape = self.machine(String::new(), &o.instance_type, &o.zone);
+            shape.resources = o.resources.clone();
+            shape.labels = o.labels.clone();
+            shape.labels.extend((self.extra_labels)(&o.instance_type));
             for i in 0..o.count.max(0) {
-                let mut m = self.machine(
-                    slot_id(&self.provider, &o.instance_type, &o.zone, i),
-                    &o.instance_type,
-                    &o.zone,
-                );
-                m.resources = o.resources.clone();
-                m.labels = o.labels.clone();
-                m.labels.extend((self.extra_labels)(&o.instance_type));
+                let mut m = shape.clone();
+                m.id = slot_id(&self.provider, &o.instance_type, &o.zone, i);
                 out.push(m);
             }
         }

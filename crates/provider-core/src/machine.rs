@@ -3,6 +3,7 @@
 
 use std::collections::BTreeMap;
 use std::fmt;
+use std::sync::Arc;
 
 /// The lifecycle state of a machine (contract.md §2).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
@@ -141,8 +142,114 @@ impl HostRef {
     }
 }
 
-/// A string map kept sorted, so that encodings and comparisons are deterministic.
-pub type StringMap = BTreeMap<String, String>;
+/// A sorted string map (labels, resources, metadata) that is shared, not copied, when cloned:
+/// every slot of an offering points at the same resources, allocatable and labels, which keeps
+/// a 100,000-machine inventory small. Writes copy on demand.
+#[derive(Clone, Default, PartialEq, Eq)]
+pub struct StringMap(Arc<BTreeMap<String, String>>);
+
+impl StringMap {
+    pub fn new() -> StringMap {
+        StringMap::default()
+    }
+
+    fn map_mut(&mut self) -> &mut BTreeMap<String, String> {
+        Arc::make_mut(&mut self.0)
+    }
+
+    pub fn insert(&mut self, key: String, value: String) -> Option<String> {
+        self.map_mut().insert(key, value)
+    }
+
+    pub fn remove(&mut self, key: &str) -> Option<String> {
+        if self.0.contains_key(key) { self.map_mut().remove(key) } else { None }
+    }
+
+    pub fn clear(&mut self) {
+        if !self.0.is_empty() {
+            self.0 = Arc::default();
+        }
+    }
+
+    /// Whether two maps share storage (cheap equality for the common case).
+    pub fn shares_with(&self, other: &StringMap) -> bool {
+        Arc::ptr_eq(&self.0, &other.0)
+    }
+}
+
+impl std::ops::Deref for StringMap {
+    type Target = BTreeMap<String, String>;
+    fn deref(&self) -> &BTreeMap<String, String> {
+        &self.0
+    }
+}
+
+impl fmt::Debug for StringMap {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        self.0.fmt(f)
+    }
+}
+
+impl From<BTreeMap<String, String>> for StringMap {
+    fn from(map: BTreeMap<String, String>) -> StringMap {
+        StringMap(Arc::new(map))
+    }
+}
+
+impl<const N: usize> From<[(String, String); N]> for StringMap {
+    fn from(pairs: [(String, String); N]) -> StringMap {
+        StringMap(Arc::new(BTreeMap::from(pairs)))
+    }
+}
+
+impl FromIterator<(String, String)> for StringMap {
+    fn from_iter<I: IntoIterator<Item = (String, String)>>(iter: I) -> StringMap {
+        StringMap(Arc::new(iter.into_iter().collect()))
+    }
+}
+
+impl Extend<(String, String)> for StringMap {
+    fn extend<I: IntoIterator<Item = (String, String)>>(&mut self, iter: I) {
+        let mut iter = iter.into_iter().peekable();
+        if iter.peek().is_some() {
+            self.map_mut().extend(iter);
+        }
+    }
+}
+
+impl<'a> Extend<(&'a String, &'a String)> for StringMap {
+    fn extend<I: IntoIterator<Item = (&'a String, &'a String)>>(&mut self, iter: I) {
+        self.extend(iter.into_iter().map(|(k, v)| (k.clone(), v.clone())));
+    }
+}
+
+impl<'a> IntoIterator for &'a StringMap {
+    type Item = (&'a String, &'a String);
+    type IntoIter = std::collections::btree_map::Iter<'a, String, String>;
+    fn into_iter(self) -> Self::IntoIter {
+        self.0.iter()
+    }
+}
+
+impl IntoIterator for StringMap {
+    type Item = (String, String);
+    type IntoIter = std::collections::btree_map::IntoIter<String, String>;
+    fn into_iter(self) -> Self::IntoIter {
+        Arc::unwrap_or_clone(self.0).into_iter()
+    }
+}
+
+impl serde::Serialize for StringMap {
+    fn serialize<S: serde::Serializer>(&self, serializer: S) -> Result<S::Ok, S::Error> {
+        self.0.serialize(serializer)
+    }
+}
+
+impl<'de> serde::Deserialize<'de> for StringMap {
+    fn deserialize<D: serde::Deserializer<'de>>(deserializer: D) -> Result<StringMap, D::Error> {
+        BTreeMap::deserialize(deserializer).map(StringMap::from)
+    }
+}
 
 /// One machine slot as the provider reports it.
 #[derive(Clone, Debug, PartialEq)]
