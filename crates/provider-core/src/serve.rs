@@ -239,3 +239,71 @@ pub async fn serve_http(
         .with_graceful_shutdown(shutdown)
         .await
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::engine::EngineOptions;
+    use crate::fake::{FakeCloud, FakeCloudProfile};
+    use crate::fleet::{CapacityBook, Fleet, PriceBook};
+    use crate::offerings::default_mix;
+
+    async fn engine() -> Arc<Engine> {
+        let cloud = Arc::new(FakeCloud::new(FakeCloudProfile {
+            name: "fake",
+            host_noun: "server",
+            id_base: 0,
+            ip_prefix: "192.0.2",
+            price_usd: 0.01,
+            latency: Duration::ZERO,
+            capacity: |_| None,
+        }));
+        let fleet = Fleet::new(
+            cloud,
+            "p",
+            default_mix(8, ["a", "b"], ["z1", "z2"]),
+            Arc::new(PriceBook::new(|_, _| Some(0.01))),
+            Arc::new(CapacityBook::new(|_| None)),
+            |_| crate::StringMap::new(),
+        );
+        let options = EngineOptions::new(Telemetry::new("bigfleet_servetest"));
+        Engine::start(Arc::new(fleet), Arc::new(crate::store::MemoryStore), options).await.unwrap()
+    }
+
+    #[tokio::test]
+    async fn health_readiness_and_metrics_over_http() {
+        let engine = engine().await;
+        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let ready = Readiness::default();
+        let stop = tokio_util::sync::CancellationToken::new();
+        let server = {
+            let stop = stop.clone();
+            tokio::spawn(serve_http(listener, ready.clone(), engine.clone(), async move { stop.cancelled().await }))
+        };
+        let client = reqwest::Client::new();
+        let get = |path: &str| {
+            let client = client.clone();
+            let url = format!("http://{addr}{path}");
+            async move {
+                let r = client.get(url).send().await.unwrap();
+                (r.status().as_u16(), r.text().await.unwrap())
+            }
+        };
+        assert_eq!(get("/healthz").await, (200, "ok\n".into()));
+        assert_eq!(get("/readyz").await, (503, "not ready\n".into()));
+        ready.set(true);
+        assert_eq!(get("/readyz").await, (200, "ready\n".into()));
+        engine.create("p/OnDemand/a/z1/000", crate::FenceToken { shard_id: String::new(), epoch: 0, sequence: 0 }).await.unwrap();
+        let (status, body) = get("/metrics").await;
+        assert_eq!(status, 200);
+        assert!(body.contains("bigfleet_servetest_machines{state=\"Speculative\"} 7"), "{body}");
+        assert!(body.contains("bigfleet_servetest_failed_machines_with_host 0"), "{body}");
+        assert!(body.contains("process_resident_memory_bytes"), "{body}");
+        assert_eq!(get("/nope").await.0, 404);
+        ready.set(false);
+        assert_eq!(get("/readyz").await.0, 503, "readiness goes false on shutdown");
+        stop.cancel();
+        server.await.unwrap().unwrap();
+    }
+}

@@ -283,3 +283,41 @@ impl CapacityProvider for Service {
         .await
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[tokio::test]
+    async fn a_panicking_handler_answers_internal_and_the_process_lives_on() {
+        let telemetry = Telemetry::new("bigfleet_servertest");
+        let result: Result<(), Status> =
+            observe(telemetry, "Get", "m", async { panic!("boom in handler") }).await;
+        let status = result.unwrap_err();
+        assert_eq!(status.code(), Code::Internal);
+        assert_eq!(status.message(), "internal error");
+        let ok: Result<u8, Status> = observe(telemetry, "Get", "m", async { Ok(7) }).await;
+        assert_eq!(ok.unwrap(), 7);
+    }
+
+    #[test]
+    fn wire_shape_omits_empty_host_and_resources() {
+        let m = Machine::speculative("m", "cx22");
+        let wire = machine_to_wire(&m);
+        assert!(wire.host.is_none());
+        assert!(wire.resources.is_none() && wire.allocatable.is_none());
+        let mut m = m;
+        m.host = Some(crate::HostRef { provider: "hetzner".into(), id: "42".into() });
+        m.resources.insert("cpu".into(), "1".into());
+        let wire = machine_to_wire(&m);
+        assert_eq!(wire.host.unwrap().r#ref, "42");
+        assert_eq!(wire.resources.unwrap().resources["cpu"], "1");
+    }
+
+    #[test]
+    fn code_names_match_the_reference_metrics() {
+        assert_eq!(code_name(Code::FailedPrecondition), "FailedPrecondition");
+        assert_eq!(code_name(Code::Ok), "OK");
+        assert_eq!(code_name(Code::Cancelled), "Canceled");
+    }
+}
