@@ -25,8 +25,12 @@ struct Flag {
 
 fn take_bracket(text: &mut String, key: &str) -> String {
     let marker = format!("[{key}: ");
-    let Some(start) = text.find(&marker) else { return String::new() };
-    let Some(len) = text[start..].find(']') else { return String::new() };
+    let Some(start) = text.find(&marker) else {
+        return String::new();
+    };
+    let Some(len) = text[start..].find(']') else {
+        return String::new();
+    };
     let value = text[start + marker.len()..start + len].to_owned();
     text.replace_range(start..start + len + 1, "");
     value
@@ -55,12 +59,21 @@ fn parse_help(help: &str) -> Vec<Flag> {
             continue;
         }
         let trimmed = line.trim_start();
-        let is_option = trimmed.starts_with("--") || (trimmed.starts_with('-') && trimmed.contains(", --"));
+        let is_option =
+            trimmed.starts_with("--") || (trimmed.starts_with('-') && trimmed.contains(", --"));
         if is_option && line.len() - trimmed.len() <= 6 {
             finish(&mut flags, &mut description);
             let long = trimmed.split("--").nth(1).unwrap_or_default();
-            let name: String = long.chars().take_while(|c| c.is_ascii_alphanumeric() || *c == '-').collect();
-            flags.push(Flag { name, default: String::new(), env: String::new(), about: String::new() });
+            let name: String = long
+                .chars()
+                .take_while(|c| c.is_ascii_alphanumeric() || *c == '-')
+                .collect();
+            flags.push(Flag {
+                name,
+                default: String::new(),
+                env: String::new(),
+                about: String::new(),
+            });
         } else {
             description.push(' ');
             description.push_str(trimmed);
@@ -78,8 +91,16 @@ fn render(flags: &[Flag]) -> String {
             "" | "\"\"" => "(empty)".to_owned(),
             d => format!("`{d}`"),
         };
-        let env = if f.env.is_empty() { String::new() } else { format!("`{}`", f.env) };
-        out.push_str(&format!("| `--{}` | {default} | {env} | {} |\n", f.name, f.about.replace('|', "\\|")));
+        let env = if f.env.is_empty() {
+            String::new()
+        } else {
+            format!("`{}`", f.env)
+        };
+        out.push_str(&format!(
+            "| `--{}` | {default} | {env} | {} |\n",
+            f.name,
+            f.about.replace('|', "\\|")
+        ));
     }
     out
 }
@@ -92,7 +113,10 @@ fn splice(doc: &str, table: &str) -> Option<String> {
 
 fn help_of(root: &Path, binary: &str) -> anyhow::Result<String> {
     let exe = root.join("target/debug").join(binary);
-    let out = Command::new(&exe).arg("--help").output().with_context(|| format!("run {}", exe.display()))?;
+    let out = Command::new(&exe)
+        .arg("--help")
+        .output()
+        .with_context(|| format!("run {}", exe.display()))?;
     if !out.status.success() {
         bail!("{binary} --help failed");
     }
@@ -112,7 +136,8 @@ pub fn run(args: &[String]) -> anyhow::Result<()> {
     let mut stale = Vec::new();
     for binary in BINARIES {
         let path = root.join("docs").join(binary).join("configuration.md");
-        let doc = std::fs::read_to_string(&path).with_context(|| format!("read {}", path.display()))?;
+        let doc =
+            std::fs::read_to_string(&path).with_context(|| format!("read {}", path.display()))?;
         let table = render(&parse_help(&help_of(&root, binary)?));
         let Some(fresh) = splice(&doc, &table) else {
             bail!("{} has no {BEGIN} ... {END} markers", path.display());
@@ -127,7 +152,10 @@ pub fn run(args: &[String]) -> anyhow::Result<()> {
         }
     }
     if !stale.is_empty() {
-        bail!("flag tables out of date with --help: {} (run `cargo xtask docs --update`)", stale.join(", "));
+        bail!(
+            "flag tables out of date with --help: {} (run `cargo xtask docs --update`)",
+            stale.join(", ")
+        );
     }
     println!("docs: flag tables match --help");
     Ok(())
@@ -143,7 +171,15 @@ mod tests {
     fn parses_clap_help() {
         let flags = parse_help(HELP);
         assert_eq!(flags.len(), 3);
-        assert_eq!(flags[0], Flag { name: "addr".into(), default: ":9000".into(), env: String::new(), about: "gRPC listen address".into() });
+        assert_eq!(
+            flags[0],
+            Flag {
+                name: "addr".into(),
+                default: ":9000".into(),
+                env: String::new(),
+                about: "gRPC listen address".into()
+            }
+        );
         assert_eq!(flags[1].env, "HCLOUD_TOKEN");
         assert_eq!(flags[2].about, "Register reflection over two lines");
         assert_eq!(flags[2].default, "true");
@@ -153,9 +189,17 @@ mod tests {
     fn a_stale_table_is_detected() {
         let table = render(&parse_help(HELP));
         let doc = format!("intro\n{BEGIN}\n{table}{END}\nrest\n");
-        assert_eq!(splice(&doc, &table).as_deref(), Some(doc.as_str()), "fresh table: no change");
+        assert_eq!(
+            splice(&doc, &table).as_deref(),
+            Some(doc.as_str()),
+            "fresh table: no change"
+        );
         let edited = doc.replace(":9000", ":9999");
-        assert_ne!(splice(&edited, &table).as_deref(), Some(edited.as_str()), "an edited default is caught");
+        assert_ne!(
+            splice(&edited, &table).as_deref(),
+            Some(edited.as_str()),
+            "an edited default is caught"
+        );
         assert_eq!(splice("no markers", &table), None);
     }
 }

@@ -21,18 +21,46 @@ pub fn run(args: &[String]) -> anyhow::Result<()> {
     let root = repo::root();
     let quick = args.iter().any(|a| a == "--quick");
     if !quick {
-        step("tool setup (deploy/ci-setup.sh)", Command::new("bash").arg(root.join("deploy/ci-setup.sh")))?;
+        step(
+            "tool setup (deploy/ci-setup.sh)",
+            Command::new("bash").arg(root.join("deploy/ci-setup.sh")),
+        )?;
     }
     step(
         "cargo nextest run --workspace",
-        Command::new(env!("CARGO")).current_dir(&root).args(["nextest", "run", "--workspace", "--no-fail-fast"]),
+        Command::new(env!("CARGO")).current_dir(&root).args([
+            "nextest",
+            "run",
+            "--workspace",
+            "--no-fail-fast",
+        ]),
     )?;
-    step("end-to-end (cargo xtask e2e)", Command::new(env!("CARGO")).current_dir(&root).args(["xtask", "e2e"]))?;
+    step(
+        "end-to-end (cargo xtask e2e)",
+        Command::new(env!("CARGO"))
+            .current_dir(&root)
+            .args(["xtask", "e2e"]),
+    )?;
     if quick {
         return Ok(());
     }
-    step("Helm charts (cargo xtask helm)", Command::new(env!("CARGO")).current_dir(&root).args(["xtask", "helm"]))?;
-    step("docs check (cargo xtask docs)", Command::new(env!("CARGO")).current_dir(&root).args(["xtask", "docs"]))?;
-    step("container images (cargo xtask dist --test)", Command::new(env!("CARGO")).current_dir(&root).args(["xtask", "dist", "--test"]))?;
+    step(
+        "Helm charts (cargo xtask helm)",
+        Command::new(env!("CARGO"))
+            .current_dir(&root)
+            .args(["xtask", "helm"]),
+    )?;
+    step(
+        "docs check (cargo xtask docs)",
+        Command::new(env!("CARGO"))
+            .current_dir(&root)
+            .args(["xtask", "docs"]),
+    )?;
+    step(
+        "container images (cargo xtask dist --test)",
+        Command::new(env!("CARGO"))
+            .current_dir(&root)
+            .args(["xtask", "dist", "--test"]),
+    )?;
     Ok(())
 }

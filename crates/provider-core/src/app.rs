@@ -24,7 +24,10 @@ pub type SideServer = Box<
     dyn FnOnce(
             CancellationToken,
         ) -> std::pin::Pin<
-            Box<dyn std::future::Future<Output = Result<tokio::task::JoinHandle<()>, String>> + Send>,
+            Box<
+                dyn std::future::Future<Output = Result<tokio::task::JoinHandle<()>, String>>
+                    + Send,
+            >,
         > + Send,
 >;
 

@@ -62,8 +62,12 @@ pub enum FailedAction {
 /// Runs a subcommand and returns what to print on stdout.
 pub async fn run(command: Command) -> Result<String, String> {
     match command {
-        Command::State { action: StateAction::Export { state } } => crate::durable::export_json(&state),
-        Command::Admin { action: AdminAction::Failed { action } } => match action {
+        Command::State {
+            action: StateAction::Export { state },
+        } => crate::durable::export_json(&state),
+        Command::Admin {
+            action: AdminAction::Failed { action },
+        } => match action {
             FailedAction::List { admin_socket } => {
                 let reply = admin::call(&admin_socket, &AdminRequest::FailedList).await?;
                 if !reply.ok {
@@ -72,8 +76,18 @@ pub async fn run(command: Command) -> Result<String, String> {
                 serde_json::to_string_pretty(&reply.failed).map_err(|e| e.to_string())
             }
             FailedAction::Release { id, admin_socket } => {
-                let reply = admin::call(&admin_socket, &AdminRequest::Release { machine_id: id.clone() }).await?;
-                if reply.ok { Ok(format!("released {id}")) } else { Err(reply.error) }
+                let reply = admin::call(
+                    &admin_socket,
+                    &AdminRequest::Release {
+                        machine_id: id.clone(),
+                    },
+                )
+                .await?;
+                if reply.ok {
+                    Ok(format!("released {id}"))
+                } else {
+                    Err(reply.error)
+                }
             }
         },
     }

@@ -20,15 +20,27 @@ fn seeded(n: usize) -> Inventory {
 }
 
 fn tok(shard: &str, epoch: i64, sequence: i64) -> FenceToken {
-    FenceToken { shard_id: shard.into(), epoch, sequence }
+    FenceToken {
+        shard_id: shard.into(),
+        epoch,
+        sequence,
+    }
 }
 
 fn zero() -> FenceToken {
     tok("", 0, 0)
 }
 
-fn admit(inv: &mut Inventory, kind: OperationKind, id: &str, token: &FenceToken) -> Result<Admission, CoreError> {
-    let binding = (kind == Configure).then(|| Binding { cluster: "c1".into(), shard_metadata: StringMap::from([("k".into(), "v".into())]) });
+fn admit(
+    inv: &mut Inventory,
+    kind: OperationKind,
+    id: &str,
+    token: &FenceToken,
+) -> Result<Admission, CoreError> {
+    let binding = (kind == Configure).then(|| Binding {
+        cluster: "c1".into(),
+        shard_metadata: StringMap::from([("k".into(), "v".into())]),
+    });
     inv.admit(kind, id, token, binding, &mut Vec::new())
 }
 
@@ -41,7 +53,10 @@ fn accepted_op(a: Result<Admission, CoreError>) -> String {
 
 fn settle(inv: &mut Inventory, id: &str, kind: OperationKind, op: &str) {
     let effect = Effect {
-        host: (kind == Create).then(|| HostRef { provider: "p".into(), id: "h1".into() }),
+        host: (kind == Create).then(|| HostRef {
+            provider: "p".into(),
+            id: "h1".into(),
+        }),
         ..Effect::default()
     };
     assert!(inv.complete(id, kind, op, Ok(effect), &mut Vec::new()));
@@ -56,20 +71,46 @@ fn fence_runs_before_not_found_and_records_first_contact() {
     let mut inv = seeded(1);
     let err = admit(&mut inv, Create, "ghost", &tok("s", 1, 1)).unwrap_err();
     assert!(matches!(err, CoreError::UnknownMachine(_)));
-    assert_eq!(inv.fence_mark("s", "ghost"), Some(HighWaterMark { epoch: 1, sequence: 1 }));
+    assert_eq!(
+        inv.fence_mark("s", "ghost"),
+        Some(HighWaterMark {
+            epoch: 1,
+            sequence: 1
+        })
+    );
     let err = admit(&mut inv, Create, "ghost", &tok("s", 1, 1)).unwrap_err();
-    assert!(matches!(err, CoreError::Fenced { .. }), "replay at an unknown id is fenced: {err:?}");
+    assert!(
+        matches!(err, CoreError::Fenced { .. }),
+        "replay at an unknown id is fenced: {err:?}"
+    );
 }
 
 #[test]
 fn passing_token_advances_the_mark_even_when_the_operation_fails() {
     let mut inv = seeded(1);
     let mut changes = Vec::new();
-    let err = inv.admit(Drain, "m-0", &tok("s", 5, 1), None, &mut changes).unwrap_err();
-    assert!(matches!(err, CoreError::InvalidTransition { kind: Drain, state: MachineState::Speculative }));
-    assert!(changes.iter().any(|c| matches!(c, Change::PutFence { .. })), "the advance is persisted");
-    assert!(matches!(admit(&mut inv, Create, "m-0", &tok("s", 5, 1)), Err(CoreError::Fenced { .. })));
-    assert!(matches!(admit(&mut inv, Create, "m-0", &tok("s", 5, 2)), Ok(Admission::Accepted { .. })));
+    let err = inv
+        .admit(Drain, "m-0", &tok("s", 5, 1), None, &mut changes)
+        .unwrap_err();
+    assert!(matches!(
+        err,
+        CoreError::InvalidTransition {
+            kind: Drain,
+            state: MachineState::Speculative
+        }
+    ));
+    assert!(
+        changes.iter().any(|c| matches!(c, Change::PutFence { .. })),
+        "the advance is persisted"
+    );
+    assert!(matches!(
+        admit(&mut inv, Create, "m-0", &tok("s", 5, 1)),
+        Err(CoreError::Fenced { .. })
+    ));
+    assert!(matches!(
+        admit(&mut inv, Create, "m-0", &tok("s", 5, 2)),
+        Ok(Admission::Accepted { .. })
+    ));
 }
 
 #[test]
@@ -77,7 +118,10 @@ fn fence_runs_before_the_idempotent_short_circuit() {
     let mut inv = seeded(1);
     accepted_op(admit(&mut inv, Create, "m-0", &tok("s", 1, 2)));
     let err = admit(&mut inv, Create, "m-0", &tok("s", 1, 1)).unwrap_err();
-    assert!(matches!(err, CoreError::Fenced { .. }), "a zombie learns nothing: {err:?}");
+    assert!(
+        matches!(err, CoreError::Fenced { .. }),
+        "a zombie learns nothing: {err:?}"
+    );
 }
 
 #[test]
@@ -86,10 +130,19 @@ fn rejected_tokens_leave_the_mark_and_the_machine_untouched() {
     accepted_op(admit(&mut inv, Create, "m-0", &tok("s", 2, 2)));
     let before = inv.get("m-0").unwrap().clone();
     let mut changes = Vec::new();
-    assert!(inv.admit(Create, "m-0", &tok("s", 1, 9), None, &mut changes).is_err());
+    assert!(
+        inv.admit(Create, "m-0", &tok("s", 1, 9), None, &mut changes)
+            .is_err()
+    );
     assert!(changes.is_empty());
     assert_eq!(inv.get("m-0").unwrap(), &before);
-    assert_eq!(inv.fence_mark("s", "m-0"), Some(HighWaterMark { epoch: 2, sequence: 2 }));
+    assert_eq!(
+        inv.fence_mark("s", "m-0"),
+        Some(HighWaterMark {
+            epoch: 2,
+            sequence: 2
+        })
+    );
 }
 
 #[test]
@@ -99,7 +152,13 @@ fn zero_token_bypasses_fencing_and_records_nothing() {
     assert!(inv.fences.is_empty());
     // A non-zero token with an empty shard id is a real token under shard "".
     let _ = admit(&mut inv, Create, "m-0", &tok("", 1, 0));
-    assert_eq!(inv.fence_mark("", "m-0"), Some(HighWaterMark { epoch: 1, sequence: 0 }));
+    assert_eq!(
+        inv.fence_mark("", "m-0"),
+        Some(HighWaterMark {
+            epoch: 1,
+            sequence: 0
+        })
+    );
 }
 
 #[test]
@@ -107,7 +166,10 @@ fn fence_marks_are_per_shard_and_machine() {
     let mut inv = seeded(2);
     accepted_op(admit(&mut inv, Create, "m-0", &tok("s", 9, 9)));
     accepted_op(admit(&mut inv, Create, "m-1", &tok("s", 1, 1)));
-    assert!(matches!(admit(&mut inv, Create, "m-0", &tok("other", 1, 1)), Ok(Admission::Retry { .. })));
+    assert!(matches!(
+        admit(&mut inv, Create, "m-0", &tok("other", 1, 1)),
+        Ok(Admission::Retry { .. })
+    ));
 }
 
 #[test]
@@ -116,7 +178,10 @@ fn retries_return_the_recorded_id_and_the_current_snapshot() {
     let op = accepted_op(admit(&mut inv, Create, "m-0", &tok("s", 1, 1)));
     let next_op = inv.next_op;
     match admit(&mut inv, Create, "m-0", &tok("s", 1, 2)).unwrap() {
-        Admission::Retry { operation_id, machine } => {
+        Admission::Retry {
+            operation_id,
+            machine,
+        } => {
             assert_eq!(operation_id, op);
             assert_eq!(machine.state, MachineState::Creating);
         }
@@ -124,9 +189,16 @@ fn retries_return_the_recorded_id_and_the_current_snapshot() {
     }
     settle(&mut inv, "m-0", Create, &op);
     match admit(&mut inv, Create, "m-0", &tok("s", 1, 3)).unwrap() {
-        Admission::Retry { operation_id, machine } => {
+        Admission::Retry {
+            operation_id,
+            machine,
+        } => {
             assert_eq!(operation_id, op);
-            assert_eq!(machine.state, MachineState::Idle, "current snapshot, already settled");
+            assert_eq!(
+                machine.state,
+                MachineState::Idle,
+                "current snapshot, already settled"
+            );
         }
         other => panic!("{other:?}"),
     }
@@ -150,7 +222,10 @@ fn a_new_cycle_mints_a_new_operation_id() {
 fn out_of_position_is_internal_with_the_reference_message() {
     let mut inv = seeded(1);
     let err = admit(&mut inv, Configure, "m-0", &zero()).unwrap_err();
-    assert_eq!(err.to_string(), "providerkit: invalid state transition: cannot configure a machine in state Speculative");
+    assert_eq!(
+        err.to_string(),
+        "providerkit: invalid state transition: cannot configure a machine in state Speculative"
+    );
     assert_eq!(err.code(), tonic::Code::Internal);
 }
 
@@ -161,7 +236,16 @@ fn failed_is_terminal_for_every_kind() {
     assert!(inv.complete("m-0", Create, &op, Err("boom".into()), &mut Vec::new()));
     for kind in OperationKind::ALL {
         let err = admit(&mut inv, kind, "m-0", &zero()).unwrap_err();
-        assert!(matches!(err, CoreError::InvalidTransition { state: MachineState::Failed, .. }), "{kind}: {err:?}");
+        assert!(
+            matches!(
+                err,
+                CoreError::InvalidTransition {
+                    state: MachineState::Failed,
+                    ..
+                }
+            ),
+            "{kind}: {err:?}"
+        );
     }
     assert_eq!(inv.get("m-0").unwrap().machine.last_error, "boom");
 }
@@ -181,16 +265,31 @@ fn binding_is_set_at_acceptance_kept_on_failure_and_cleared_by_drain() {
         }
         other => panic!("{other:?}"),
     }
-    let op = inv.get("m-0").unwrap().operation(Configure).unwrap().to_owned();
+    let op = inv
+        .get("m-0")
+        .unwrap()
+        .operation(Configure)
+        .unwrap()
+        .to_owned();
     settle(&mut inv, "m-0", Configure, &op);
     let drain = accepted_op(admit(&mut inv, Drain, "m-0", &zero()));
-    assert_eq!(inv.get("m-0").unwrap().machine.cluster, "c1", "Draining keeps the binding");
+    assert_eq!(
+        inv.get("m-0").unwrap().machine.cluster,
+        "c1",
+        "Draining keeps the binding"
+    );
     settle(&mut inv, "m-0", Drain, &drain);
     let m = &inv.get("m-0").unwrap().machine;
     assert!(m.cluster.is_empty() && m.shard_metadata.is_empty());
     // A failed configure keeps the binding on the FAILED record.
     let op = accepted_op(admit(&mut inv, Configure, "m-1", &zero()));
-    inv.complete("m-1", Configure, &op, Err("hook failed".into()), &mut Vec::new());
+    inv.complete(
+        "m-1",
+        Configure,
+        &op,
+        Err("hook failed".into()),
+        &mut Vec::new(),
+    );
     assert_eq!(inv.get("m-1").unwrap().machine.cluster, "c1");
 }
 
@@ -199,11 +298,20 @@ fn stale_completions_are_discarded() {
     let mut inv = seeded(1);
     let op = accepted_op(admit(&mut inv, Create, "m-0", &zero()));
     let mut changes = Vec::new();
-    assert!(!inv.complete("m-0", Create, "op-unknown", Ok(Effect::default()), &mut changes));
+    assert!(!inv.complete(
+        "m-0",
+        Create,
+        "op-unknown",
+        Ok(Effect::default()),
+        &mut changes
+    ));
     assert!(!inv.complete("m-0", Configure, &op, Ok(Effect::default()), &mut changes));
     assert!(inv.complete("m-0", Create, &op, Err("timed out".into()), &mut changes));
     let rev = inv.revision();
-    assert!(!inv.complete("m-0", Create, &op, Ok(Effect::default()), &mut changes), "late success after FAILED");
+    assert!(
+        !inv.complete("m-0", Create, &op, Ok(Effect::default()), &mut changes),
+        "late success after FAILED"
+    );
     assert_eq!(state(&inv, "m-0"), MachineState::Failed);
     assert_eq!(inv.revision(), rev);
 }
@@ -211,10 +319,14 @@ fn stale_completions_are_discarded() {
 #[test]
 fn create_effect_replaces_resources_only_when_given() {
     let mut inv = seeded(1);
-    Arc::make_mut(&mut inv.slots.get_mut("m-0").unwrap().machine).resources = StringMap::from([("cpu".into(), "1".into())]);
+    Arc::make_mut(&mut inv.slots.get_mut("m-0").unwrap().machine).resources =
+        StringMap::from([("cpu".into(), "1".into())]);
     let op = accepted_op(admit(&mut inv, Create, "m-0", &zero()));
     let effect = Effect {
-        host: Some(HostRef { provider: "p".into(), id: "7".into() }),
+        host: Some(HostRef {
+            provider: "p".into(),
+            id: "7".into(),
+        }),
         resources: StringMap::new(),
         allocatable: StringMap::from([("cpu".into(), "2".into())]),
     };
@@ -263,13 +375,26 @@ fn interrupted_transitions_resume_or_fail() {
     assert_eq!(
         resumed,
         vec![
-            Interrupted { machine_id: "m-0".into(), kind: Create, operation_id: create },
-            Interrupted { machine_id: "m-2".into(), kind: Delete, operation_id: delete },
+            Interrupted {
+                machine_id: "m-0".into(),
+                kind: Create,
+                operation_id: create
+            },
+            Interrupted {
+                machine_id: "m-2".into(),
+                kind: Delete,
+                operation_id: delete
+            },
         ]
     );
     let m1 = &restarted.get("m-1").unwrap().machine;
     assert_eq!(m1.state, MachineState::Failed);
-    assert!(m1.last_error.starts_with("configure transition interrupted by a provider restart"), "{}", m1.last_error);
+    assert!(
+        m1.last_error
+            .starts_with("configure transition interrupted by a provider restart"),
+        "{}",
+        m1.last_error
+    );
     assert!(!changes.is_empty());
 }
 
@@ -277,7 +402,10 @@ fn machine(id: &str, state: MachineState, host: Option<&str>) -> Machine {
     let mut m = Machine::speculative(id, "cx22");
     m.zone = "nbg1".into();
     m.state = state;
-    m.host = host.map(|h| HostRef { provider: "p".into(), id: h.into() });
+    m.host = host.map(|h| HostRef {
+        provider: "p".into(),
+        id: h.into(),
+    });
     m
 }
 
@@ -306,23 +434,32 @@ fn reconcile_adds_refreshes_adopts_and_notices_vanished_hosts() {
     let mut m0 = machine("m-0", MachineState::Idle, Some("h9"));
     m0.price_per_hour = 0.5;
     let described = vec![
-        m0,                                                // Speculative -> adopted
-        machine("m-1", MachineState::Speculative, None),   // host vanished
-        machine("m-3", MachineState::Speculative, None),   // unchanged
-        machine("new", MachineState::Idle, Some("h10")),   // unknown: added
+        m0,                                              // Speculative -> adopted
+        machine("m-1", MachineState::Speculative, None), // host vanished
+        machine("m-3", MachineState::Speculative, None), // unchanged
+        machine("new", MachineState::Idle, Some("h10")), // unknown: added
     ];
     let head = inv.revision();
     let report = inv.reconcile(described, None, &mut Vec::new());
     assert_eq!(report.added, 1);
     assert_eq!(report.adopted, 1);
     assert_eq!(report.refreshed, 1);
-    assert_eq!(report.vanished, 2, "m-1 (Idle) and m-2 (Configured, absent)");
+    assert_eq!(
+        report.vanished, 2,
+        "m-1 (Idle) and m-2 (Configured, absent)"
+    );
     assert_eq!(state(&inv, "m-0"), MachineState::Idle);
     assert_eq!(inv.get("m-0").unwrap().machine.price_per_hour, 0.5);
     assert_eq!(state(&inv, "m-1"), MachineState::Speculative);
     assert!(inv.get("m-1").unwrap().machine.host.is_none());
     assert_eq!(state(&inv, "m-2"), MachineState::Failed);
-    assert!(inv.get("m-2").unwrap().machine.last_error.contains("deleted outside the provider"));
+    assert!(
+        inv.get("m-2")
+            .unwrap()
+            .machine
+            .last_error
+            .contains("deleted outside the provider")
+    );
     assert_eq!(state(&inv, "new"), MachineState::Idle);
     assert!(inv.revision() > head);
 }
@@ -351,7 +488,10 @@ fn release_returns_failed_slots_to_speculative() {
     let m = &inv.get("m-0").unwrap().machine;
     assert_eq!(m.state, MachineState::Speculative);
     assert!(m.host.is_none() && m.last_error.is_empty() && m.cluster.is_empty());
-    assert!(matches!(inv.release("m-1", &mut Vec::new()), Err(CoreError::Admin(_))));
+    assert!(matches!(
+        inv.release("m-1", &mut Vec::new()),
+        Err(CoreError::Admin(_))
+    ));
 }
 
 #[test]
