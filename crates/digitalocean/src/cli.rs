@@ -1,0 +1,204 @@
+//! The `digitalocean` command line: every flag of the reference provider with its default and
+//! environment variable, plus this provider's additions (see docs/digitalocean/configuration.md).
+
+use clap::{ArgAction, Parser};
+use provider_core::cli::Command;
+use provider_core::config::{CommonArgs, Secret, go_bool};
+
+/// BigFleet capacity provider for DigitalOcean Droplets.
+#[derive(Parser, Debug, Clone)]
+#[command(name = "digitalocean", version, about, long_about = None, args_conflicts_with_subcommands = true)]
+pub struct Cli {
+    #[command(subcommand)]
+    pub command: Option<Command>,
+
+    #[command(flatten)]
+    pub common: CommonArgs,
+
+    /// Provider label stamped into HostRef.provider and the slot-id prefix; also names this
+    /// instance in Droplet tags.
+    #[arg(long, default_value = "digitalocean", value_name = "NAME")]
+    pub provider: String,
+
+    /// Backend: digitalocean, fake, or auto (digitalocean when a token and --region are set).
+    #[arg(long = "do-backend", default_value = "auto", value_name = "MODE")]
+    pub do_backend: String,
+
+    /// Force the in-memory fake backend (testing and conformance only).
+    #[arg(long = "use-fake-backend", default_value = "false", value_parser = go_bool, num_args = 0..=1, require_equals = true, default_missing_value = "true", action = ArgAction::Set)]
+    pub use_fake_backend: bool,
+
+    /// DigitalOcean Personal Access Token.
+    #[arg(
+        long,
+        env = "DIGITALOCEAN_TOKEN",
+        hide_env_values = true,
+        default_value = "",
+        hide_default_value = true,
+        value_name = "TOKEN"
+    )]
+    pub token: Secret,
+
+    /// DigitalOcean API base URL (plain http only for loopback addresses).
+    #[arg(
+        long = "do-api-url",
+        env = "DIGITALOCEAN_API_URL",
+        hide_env_values = true,
+        default_value = "https://api.digitalocean.com",
+        value_name = "URL"
+    )]
+    pub do_api_url: String,
+
+    /// The region this process serves (required for the real backend).
+    #[arg(long, default_value = "", value_name = "REGION")]
+    pub region: String,
+
+    /// First region of the default offering mix.
+    #[arg(long = "region-a", default_value = "nyc3", value_name = "REGION")]
+    pub region_a: String,
+
+    /// Second region of the default offering mix.
+    #[arg(long = "region-b", default_value = "sfo3", value_name = "REGION")]
+    pub region_b: String,
+
+    /// HTTPS listen address of the on-host agent channel (required for the real backend).
+    #[arg(long = "bootstrap-addr", default_value = "", value_name = "ADDR")]
+    pub bootstrap_addr: String,
+
+    /// Externally reachable URL of the channel, written into every Droplet's user_data.
+    #[arg(long = "bootstrap-endpoint", default_value = "", value_name = "URL")]
+    pub bootstrap_endpoint: String,
+
+    /// Channel server certificate PEM.
+    #[arg(long = "bootstrap-tls-cert", default_value = "", value_name = "PATH")]
+    pub bootstrap_tls_cert: String,
+
+    /// Channel server private key PEM.
+    #[arg(long = "bootstrap-tls-key", default_value = "", value_name = "PATH")]
+    pub bootstrap_tls_key: String,
+
+    /// CA PEM the agent pins; defaults to the contents of --bootstrap-tls-cert.
+    #[arg(long = "bootstrap-ca", default_value = "", value_name = "PATH")]
+    pub bootstrap_ca: String,
+
+    /// HMAC key minting per-machine agent tokens (stable across restarts).
+    #[arg(
+        long = "bootstrap-secret",
+        env = "BIGFLEET_BOOTSTRAP_SECRET",
+        hide_env_values = true,
+        default_value = "",
+        hide_default_value = true,
+        value_name = "SECRET"
+    )]
+    pub bootstrap_secret: Secret,
+}
+
+/// The resolved backend.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Mode {
+    Real,
+    Fake,
+}
+
+impl Mode {
+    pub fn name(self) -> &'static str {
+        match self {
+            Mode::Real => "digitalocean",
+            Mode::Fake => "fake",
+        }
+    }
+}
+
+/// Backend selection with the reference's refusal and error messages.
+pub fn resolve_mode(cli: &Cli) -> Result<Mode, String> {
+    let requested = cli.do_backend.to_ascii_lowercase();
+    let resolved = match requested.as_str() {
+        "" | "auto" => {
+            if !cli.token.is_empty() && !cli.region.is_empty() {
+                Mode::Real
+            } else {
+                Mode::Fake
+            }
+        }
+        "digitalocean" => Mode::Real,
+        "fake" => Mode::Fake,
+        _ => {
+            return Err(format!(
+                "--do-backend must be digitalocean, fake, or auto (got {:?})",
+                cli.do_backend
+            ));
+        }
+    };
+    if cli.use_fake_backend {
+        return Ok(Mode::Fake);
+    }
+    if resolved == Mode::Fake && requested != "fake" {
+        let missing = match (cli.token.is_empty(), cli.region.is_empty()) {
+            (true, true) => "no token (--token or DIGITALOCEAN_TOKEN) and no --region",
+            (true, false) => "no token (--token or DIGITALOCEAN_TOKEN)",
+            _ => "no --region",
+        };
+        return Err(format!(
+            "refusing to start the digitalocean provider on the in-memory fake backend: no credentials were detected ({missing}). Configure the real backend, or pass --use-fake-backend to run the credential-free fake (testing/conformance only — it never creates real resources)"
+        ));
+    }
+    Ok(resolved)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn parse(args: &[&str]) -> Cli {
+        let mut full = vec!["digitalocean"];
+        full.extend_from_slice(args);
+        Cli::try_parse_from(full).unwrap()
+    }
+
+    #[test]
+    fn defaults_match_the_reference() {
+        let cli = parse(&[]);
+        assert_eq!(cli.common.addr, ":9000");
+        assert_eq!(cli.provider, "digitalocean");
+        assert_eq!(cli.region_a, "nyc3");
+        assert_eq!(cli.region_b, "sfo3");
+        assert_eq!(cli.common.seed_count, 32);
+        assert_eq!(cli.common.drain_timeout.as_secs(), 900);
+        assert!(cli.bootstrap_ca.is_empty());
+    }
+
+    #[test]
+    fn backend_selection() {
+        let err = resolve_mode(&parse(&["--token=", "--region=nyc3"])).unwrap_err();
+        assert!(err.starts_with("refusing to start the digitalocean provider on the in-memory fake backend: no credentials were detected (no token"), "{err}");
+        let err = resolve_mode(&parse(&["--token=t"])).unwrap_err();
+        assert!(err.contains("(no --region)"), "{err}");
+        assert_eq!(
+            resolve_mode(&parse(&["--token=t", "--region=nyc3"])),
+            Ok(Mode::Real)
+        );
+        assert_eq!(
+            resolve_mode(&parse(&["--token=", "--do-backend=fake"])),
+            Ok(Mode::Fake)
+        );
+        assert_eq!(
+            resolve_mode(&parse(&[
+                "--token=t",
+                "--region=nyc3",
+                "--use-fake-backend"
+            ])),
+            Ok(Mode::Fake)
+        );
+        assert_eq!(
+            resolve_mode(&parse(&["--do-backend=gcp"])).unwrap_err(),
+            "--do-backend must be digitalocean, fake, or auto (got \"gcp\")"
+        );
+    }
+
+    #[test]
+    fn secrets_are_never_printed() {
+        let cli = parse(&["--token=tok-123456", "--bootstrap-secret=hmac-abcdef"]);
+        let shown = format!("{cli:?}");
+        assert!(!shown.contains("tok-123456") && !shown.contains("hmac-abcdef"));
+    }
+}

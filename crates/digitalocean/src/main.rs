@@ -1,0 +1,211 @@
+//! The `digitalocean` binary: parses and validates the configuration, builds the fake or real
+//! backend (with its HTTPS bootstrap channel), and hands both to the shared provider runtime.
+
+mod cli;
+
+use std::path::Path;
+use std::process::ExitCode;
+use std::sync::Arc;
+
+use clap::Parser;
+use digitalocean::catalog;
+use provider_core::StringMap;
+use provider_core::app::{self, Launch, SideServer};
+use provider_core::cloud::Cloud;
+use provider_core::config::{init_logging, listen_addr};
+use provider_core::fake::{FakeCloud, FakeCloudProfile};
+use provider_core::fleet::{CapacityBook, Fleet, PriceBook};
+use provider_core::offerings::{self, Offering, OfferingRules};
+use provider_core::telemetry::Telemetry;
+
+use crate::cli::{Cli, Mode};
+
+/// Offering words and messages of the DigitalOcean provider.
+pub const RULES: OfferingRules = OfferingRules {
+    backend: "digitalocean backend",
+    type_key: "size",
+    zone_key: "region",
+    spot_message: "capacity_type \"spot\" is not offered by DigitalOcean (on-demand Droplets only)",
+    metal_message: "capacity_type \"{}\" is not a DigitalOcean Droplet substrate (on-demand only)",
+};
+
+fn load_offerings(cli: &Cli, mode: Mode) -> Result<Vec<Offering>, String> {
+    let offerings = if cli.common.offerings.is_empty() {
+        // One process serves one region: with the real backend the default mix lives in
+        // --region only, so no advertised slot is uncreatable.
+        let (a, b) = match mode {
+            Mode::Real => (cli.region.as_str(), cli.region.as_str()),
+            Mode::Fake => (cli.region_a.as_str(), cli.region_b.as_str()),
+        };
+        if mode == Mode::Real && (cli.region_a != cli.region || cli.region_b != cli.region) {
+            tracing::info!(
+                region = cli.region,
+                "default offering mix placed in --region only (one process serves one region)"
+            );
+        }
+        offerings::default_mix(
+            cli.common.seed_count,
+            ["s-2vcpu-4gb", "s-4vcpu-8gb"],
+            [a, b],
+        )
+    } else {
+        offerings::load(Path::new(&cli.common.offerings), &RULES)?
+    };
+    offerings::validate(&offerings, &RULES)?;
+    if mode == Mode::Real {
+        if let Some(o) = offerings.iter().find(|o| o.zone != cli.region) {
+            return Err(format!(
+                "digitalocean backend: offering {}/{}: region {:?} is not this provider's --region {:?} (one process serves one region; run another provider for that region)",
+                o.instance_type, o.zone, o.zone, cli.region
+            ));
+        }
+    }
+    for o in &offerings {
+        if catalog::pinned_price_usd(&o.instance_type).is_none() && mode == Mode::Fake {
+            return Err(format!(
+                "digitalocean backend: offering {}/{}: size {:?} has no pinned price and the fake backend cannot price it",
+                o.instance_type, o.zone, o.instance_type
+            ));
+        }
+    }
+    Ok(offerings)
+}
+
+fn no_extra_labels(_size: &str) -> StringMap {
+    StringMap::new()
+}
+
+async fn launch(cli: Cli) -> Result<(), String> {
+    let mode = cli::resolve_mode(&cli)?;
+    let telemetry = Telemetry::new("bigfleet_digitalocean");
+    let offerings = load_offerings(&cli, mode)?;
+    let offering_count = offerings.len();
+    let prices = Arc::new(PriceBook::new(|size, _region| {
+        catalog::pinned_price_usd(size)
+    }));
+    let capacities = Arc::new(CapacityBook::new(catalog::pinned_capacity));
+    let mut side_servers: Vec<SideServer> = Vec::new();
+    let cloud: Arc<dyn Cloud> = match mode {
+        Mode::Fake => {
+            tracing::warn!(
+                "using the IN-MEMORY fake DigitalOcean backend (dev / conformance only) — no real Droplets will be created"
+            );
+            Arc::new(FakeCloud::new(FakeCloudProfile {
+                name: "dofake",
+                host_noun: "droplet",
+                id_base: 300_000_000,
+                ip_prefix: "198.51.100",
+                price_usd: 0.03571,
+                latency: cli.common.fake_latency,
+                capacity: catalog::pinned_capacity,
+            }))
+        }
+        Mode::Real => {
+            let flags = digitalocean::RealFlags {
+                provider: cli.provider.clone(),
+                token: cli.token.expose().to_owned(),
+                region: cli.region.clone(),
+                image: cli.common.image.clone(),
+                api_url: cli.do_api_url.clone(),
+                base_user_data: cli.common.read_base_user_data()?,
+                bootstrap_addr: cli.bootstrap_addr.clone(),
+                bootstrap_endpoint: cli.bootstrap_endpoint.clone(),
+                bootstrap_tls_cert: cli.bootstrap_tls_cert.clone(),
+                bootstrap_tls_key: cli.bootstrap_tls_key.clone(),
+                bootstrap_ca: cli.bootstrap_ca.clone(),
+                bootstrap_secret: cli.bootstrap_secret.expose().to_owned(),
+            };
+            let real = digitalocean::build_real(&flags, telemetry)?;
+            let channel = real.channel.clone();
+            let addr = real.bootstrap_addr.clone();
+            side_servers.push(Box::new(move |stop| {
+                Box::pin(async move {
+                    let listener = tokio::net::TcpListener::bind(listen_addr(&addr))
+                        .await
+                        .map_err(|e| format!("listen on --bootstrap-addr {addr}: {e}"))?;
+                    Ok(tokio::spawn(async move {
+                        tracing::info!(addr, "serving on-host agent bootstrap channel");
+                        if let Err(e) = channel
+                            .serve(listener, async move { stop.cancelled().await })
+                            .await
+                        {
+                            tracing::error!(error = %e, "bootstrap channel server");
+                        }
+                    }))
+                })
+            }));
+            real.cloud
+        }
+    };
+    let fleet = Arc::new(Fleet::new(
+        cloud,
+        cli.provider.clone(),
+        offerings,
+        prices,
+        capacities,
+        no_extra_labels,
+    ));
+    let (addr, provider, region, metrics_addr) = (
+        cli.common.addr.clone(),
+        cli.provider.clone(),
+        cli.region.clone(),
+        cli.common.metrics_addr.clone(),
+    );
+    let announce = Box::new(move |security: provider_core::tls::SecurityMode| {
+        tracing::info!(
+            version = env!("CARGO_PKG_VERSION"),
+            addr,
+            provider,
+            do_backend = mode.name(),
+            region,
+            security = security.name(),
+            offerings = offering_count,
+            metrics_addr,
+            "serving CapacityProvider"
+        );
+    });
+    app::run(Launch {
+        common: cli.common,
+        backend: fleet.clone(),
+        fleet: Some(fleet),
+        telemetry,
+        announce,
+        side_servers,
+        require_zone: true,
+    })
+    .await
+}
+
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    init_logging(cli.common.log_format, &cli.common.log_level);
+    let runtime = match tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+    {
+        Ok(rt) => rt,
+        Err(e) => {
+            eprintln!("digitalocean: cannot start the async runtime: {e}");
+            return ExitCode::FAILURE;
+        }
+    };
+    if let Some(command) = cli.command.clone() {
+        return match runtime.block_on(provider_core::cli::run(command)) {
+            Ok(out) => {
+                println!("{out}");
+                ExitCode::SUCCESS
+            }
+            Err(e) => {
+                eprintln!("digitalocean: {e}");
+                ExitCode::FAILURE
+            }
+        };
+    }
+    match runtime.block_on(launch(cli)) {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            tracing::error!(err = %e, "provider exited with error");
+            ExitCode::FAILURE
+        }
+    }
+}
