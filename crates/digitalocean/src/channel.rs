@@ -162,11 +162,17 @@ impl Command {
 #[error("{0}")]
 pub struct DeliveryError(pub String);
 
+/// How a delivery ended, as its waiter learns it.
+enum Outcome {
+    Applied,
+    AgentFailed(String),
+    Superseded,
+}
+
 struct Pending {
     id: String,
-    kind: &'static str,
     body: Bytes,
-    waiter: oneshot::Sender<Result<(), String>>,
+    waiter: oneshot::Sender<Outcome>,
 }
 
 #[derive(Default)]
@@ -256,17 +262,11 @@ impl Channel {
             let slot = machines.entry(machine_id.to_owned()).or_default();
             let previous = slot.pending.replace(Pending {
                 id: id.clone(),
-                kind,
                 body: command.to_wire(&id),
                 waiter: tx,
             });
             if let Some(previous) = previous {
-                self.inner
-                    .telemetry
-                    .bootstrap_command(previous.kind, "superseded");
-                let _ = previous
-                    .waiter
-                    .send(Err("superseded by a newer command".into()));
+                let _ = previous.waiter.send(Outcome::Superseded);
             }
             slot.notify.notify_waiters();
         }
@@ -278,39 +278,42 @@ impl Channel {
             id: &id,
         };
         let outcome = tokio::select! {
-            r = rx => r.unwrap_or_else(|_| Err("superseded by a newer command".into())),
-            () = tokio::time::sleep_until(ctx.deadline) => Err("context deadline exceeded".into()),
-            () = ctx.cancel.cancelled() => Err("context canceled".into()),
+            r = rx => Ok(r.unwrap_or(Outcome::Superseded)),
+            () = tokio::time::sleep_until(ctx.deadline) => Err("context deadline exceeded"),
+            () = ctx.cancel.cancelled() => Err("context canceled"),
         };
         drop(guard);
         let telemetry = &self.inner.telemetry;
-        match outcome {
-            Ok(()) => {
-                telemetry.bootstrap_command(kind, "ok");
+        let (outcome, result) = match outcome {
+            Ok(Outcome::Applied) => {
                 tracing::info!(machine_id, command_id = %id, command = kind, "agent applied command");
-                Ok(())
+                ("ok", Ok(()))
             }
-            Err(agent_error) if agent_error.starts_with(AGENT_FAILED) => {
-                telemetry.bootstrap_command(kind, "failed");
-                let detail = &agent_error[AGENT_FAILED.len()..];
-                tracing::warn!(machine_id, command_id = %id, command = kind, error = detail, "agent reported failure");
-                Err(DeliveryError(format!(
-                    "agent bootstrap failed for {machine_id}: {detail}"
-                )))
+            Ok(Outcome::AgentFailed(detail)) => {
+                tracing::warn!(machine_id, command_id = %id, command = kind, error = %detail, "agent reported failure");
+                (
+                    "failed",
+                    Err(format!("agent bootstrap failed for {machine_id}: {detail}")),
+                )
             }
+            Ok(Outcome::Superseded) => (
+                "superseded",
+                Err(format!(
+                    "agent did not apply {kind} for {machine_id}: superseded by a newer command"
+                )),
+            ),
             Err(reason) => {
-                let outcome = if reason.starts_with("superseded") {
-                    "superseded"
-                } else {
-                    "timeout"
-                };
-                telemetry.bootstrap_command(kind, outcome);
-                tracing::warn!(machine_id, command_id = %id, command = kind, reason = %reason, "agent did not apply command");
-                Err(DeliveryError(format!(
-                    "agent did not apply {kind} for {machine_id}: {reason}"
-                )))
+                tracing::warn!(machine_id, command_id = %id, command = kind, reason, "agent did not apply command");
+                (
+                    "timeout",
+                    Err(format!(
+                        "agent did not apply {kind} for {machine_id}: {reason}"
+                    )),
+                )
             }
-        }
+        };
+        telemetry.bootstrap_command(kind, outcome);
+        result.map_err(DeliveryError)
     }
 
     /// Serves the channel on `listener` until `shutdown` resolves, then closes open
@@ -540,15 +543,14 @@ impl Channel {
         drop(machines);
         let outcome = if ack.ok {
             self.inner.telemetry.bootstrap_ack("ok");
-            Ok(())
+            Outcome::Applied
         } else {
             self.inner.telemetry.bootstrap_ack("failed");
-            let detail = if ack.error.is_empty() {
+            Outcome::AgentFailed(if ack.error.is_empty() {
                 "agent reported failure".to_owned()
             } else {
                 ack.error
-            };
-            Err(format!("{AGENT_FAILED}{detail}"))
+            })
         };
         let _ = pending.waiter.send(outcome);
         empty(StatusCode::OK)
@@ -559,9 +561,6 @@ impl Channel {
         text(StatusCode::BAD_REQUEST, "bad ack body")
     }
 }
-
-/// Marks an agent-reported failure inside the waiter's result.
-const AGENT_FAILED: &str = "\u{0}agent:";
 
 struct PendingGuard<'a> {
     channel: &'a Channel,
