@@ -2,5 +2,10 @@
 //! Cloud API (`hcloud`), SSH bootstrap delivery with pinned host keys, and the label scheme
 //! that ties servers to machine slots and provider instances.
 
+pub mod api;
 pub mod catalog;
+pub mod cloud;
+pub mod hostkey;
+pub mod labels;
 pub mod real;
+pub mod ssh;

@@ -1,0 +1,717 @@
+//! The Hetzner Cloud API client: the request and response types of the `hcloud` crate, sent by
+//! our own small executor so that every call is retried on 429/5xx with backoff and jitter,
+//! honours `Retry-After` / `RateLimit-Reset`, stays within the caller's deadline, and is counted.
+//!
+//! Why not call `hcloud::apis::*` directly: the generated functions read the response body and
+//! drop the headers, so a rate-limit reset hint could never be honoured, and they take a
+//! `Configuration` whose derived `Debug` prints the bearer token. The executor below builds the
+//! same requests (paths, query names, JSON bodies from `hcloud::models`) and parses responses
+//! with the same `hcloud::models` types, so the wire format is still the crate's.
+//!
+//! The API token lives in a [`Token`] whose `Debug`/`Display` print `[redacted]`; it is sent
+//! as a header value marked sensitive and appears in no error text.
+
+use std::collections::HashMap;
+use std::time::Duration;
+
+use hcloud::models;
+use provider_core::retry::{Backoff, Verdict, classify_status, hint_from_headers};
+use provider_core::telemetry::Telemetry;
+use reqwest::{Method, StatusCode, Url};
+use serde::Serialize;
+use serde::de::DeserializeOwned;
+use tokio::time::Instant;
+
+/// The public Hetzner Cloud API.
+pub const DEFAULT_ENDPOINT: &str = "https://api.hetzner.cloud/v1";
+
+/// The largest page Hetzner serves.
+const PER_PAGE: i64 = 50;
+
+/// The Hetzner API token. Never printed.
+#[derive(Clone)]
+pub struct Token(String);
+
+impl Token {
+    pub fn new(token: impl Into<String>) -> Token {
+        Token(token.into())
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.0.trim().is_empty()
+    }
+
+    fn header(&self) -> Result<http::HeaderValue, ApiError> {
+        let mut value =
+            http::HeaderValue::from_str(&format!("Bearer {}", self.0.trim())).map_err(|_| {
+                ApiError::Config(
+                    "the API token contains characters not allowed in an HTTP header".into(),
+                )
+            })?;
+        value.set_sensitive(true);
+        Ok(value)
+    }
+}
+
+impl std::fmt::Debug for Token {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("Token([redacted])")
+    }
+}
+
+impl std::fmt::Display for Token {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("[redacted]")
+    }
+}
+
+/// A failed API call.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+pub enum ApiError {
+    /// Hetzner answered with an error status.
+    #[error("hcloud {code} (HTTP {status}): {message}")]
+    Status {
+        status: u16,
+        code: String,
+        message: String,
+        hint: Option<Duration>,
+    },
+    /// The request did not complete (connection refused, reset, timed out).
+    #[error("hcloud request failed: {0}")]
+    Transport(String),
+    /// A response we could not parse.
+    #[error("hcloud response could not be parsed: {0}")]
+    Decode(String),
+    /// The deadline passed before the call could be (re)tried.
+    #[error("hcloud call gave up: deadline exceeded")]
+    Deadline,
+    /// The client is misconfigured.
+    #[error("{0}")]
+    Config(String),
+}
+
+impl ApiError {
+    pub fn status(&self) -> Option<u16> {
+        match self {
+            ApiError::Status { status, .. } => Some(*status),
+            _ => None,
+        }
+    }
+
+    pub fn code(&self) -> Option<&str> {
+        match self {
+            ApiError::Status { code, .. } => Some(code),
+            _ => None,
+        }
+    }
+
+    /// Whether the request may have reached Hetzner and taken effect although it failed
+    /// (a lost response): such a Create must be followed by a lookup, never blindly repeated.
+    pub fn is_ambiguous(&self) -> bool {
+        match self {
+            ApiError::Transport(_) | ApiError::Decode(_) | ApiError::Deadline => true,
+            ApiError::Status { status, .. } => *status >= 500,
+            ApiError::Config(_) => false,
+        }
+    }
+}
+
+/// Which failures a request may be repeated after.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Repeat {
+    /// Reads, deletes and label replacements: repeating them is harmless.
+    Idempotent,
+    /// Server creation: only a 429 (refused before any effect) is repeated here; the caller
+    /// resolves every other failure by looking the server up.
+    RefusedOnly,
+}
+
+fn classify(repeat: Repeat, err: &ApiError) -> Verdict {
+    match (repeat, err) {
+        (
+            _,
+            ApiError::Status {
+                status: 429, hint, ..
+            },
+        ) => Verdict::Retry { after: *hint },
+        (Repeat::RefusedOnly, _) => Verdict::Fatal,
+        (
+            Repeat::Idempotent,
+            ApiError::Status {
+                status, code, hint, ..
+            },
+        ) => {
+            // Hetzner answers `conflict` and `locked` while another action holds the server.
+            if code == "conflict" || code == "locked" {
+                Verdict::Retry { after: *hint }
+            } else {
+                classify_status(*status, *hint)
+            }
+        }
+        (Repeat::Idempotent, ApiError::Transport(_)) => Verdict::Retry { after: None },
+        (Repeat::Idempotent, _) => Verdict::Fatal,
+    }
+}
+
+/// Timing knobs of the client.
+#[derive(Clone, Copy, Debug)]
+pub struct ClientTiming {
+    /// Upper bound of one HTTP request (further bounded by the caller's deadline).
+    pub request_timeout: Duration,
+    pub backoff: Backoff,
+}
+
+impl Default for ClientTiming {
+    fn default() -> ClientTiming {
+        ClientTiming {
+            request_timeout: Duration::from_secs(30),
+            backoff: Backoff::default(),
+        }
+    }
+}
+
+/// The Hetzner Cloud API, as this provider uses it.
+#[derive(Clone)]
+pub struct HcloudApi {
+    http: reqwest::Client,
+    base: Url,
+    token: Token,
+    telemetry: Telemetry,
+    timing: ClientTiming,
+}
+
+impl std::fmt::Debug for HcloudApi {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("HcloudApi")
+            .field("base", &self.base.as_str())
+            .finish_non_exhaustive()
+    }
+}
+
+/// Validates `--hcloud-endpoint`: `https://` anywhere, plain `http://` only on loopback.
+pub fn parse_endpoint(endpoint: &str) -> Result<Url, String> {
+    let trimmed = endpoint.trim().trim_end_matches('/');
+    let url = Url::parse(trimmed)
+        .map_err(|e| format!("--hcloud-endpoint {endpoint:?} is not a valid URL: {e}"))?;
+    let host = url.host_str().unwrap_or("");
+    let loopback = host.eq_ignore_ascii_case("localhost")
+        || host
+            .trim_start_matches('[')
+            .trim_end_matches(']')
+            .parse::<std::net::IpAddr>()
+            .is_ok_and(|ip| ip.is_loopback());
+    match url.scheme() {
+        "https" if !host.is_empty() => Ok(url),
+        "http" if loopback => Ok(url),
+        "http" => Err(format!(
+            "--hcloud-endpoint {endpoint:?}: plain http is only allowed for loopback addresses; use https"
+        )),
+        _ => Err(format!(
+            "--hcloud-endpoint {endpoint:?} must be an https:// URL"
+        )),
+    }
+}
+
+impl HcloudApi {
+    pub fn new(
+        endpoint: &str,
+        token: Token,
+        telemetry: Telemetry,
+        timing: ClientTiming,
+    ) -> Result<HcloudApi, String> {
+        if token.is_empty() {
+            return Err("hcloud: token is required for the hetzner backend".into());
+        }
+        token.header().map_err(|e| e.to_string())?;
+        let base = parse_endpoint(endpoint)?;
+        let http = reqwest::Client::builder()
+            .user_agent(concat!("bigfleet-hetzner/", env!("CARGO_PKG_VERSION")))
+            .connect_timeout(Duration::from_secs(10))
+            .build()
+            .map_err(|e| format!("build the HTTP client: {e}"))?;
+        Ok(HcloudApi {
+            http,
+            base,
+            token,
+            telemetry,
+            timing,
+        })
+    }
+
+    pub fn timing(&self) -> ClientTiming {
+        self.timing
+    }
+
+    fn url(&self, path: &str) -> Url {
+        let mut url = self.base.clone();
+        let joined = format!("{}{}", url.path().trim_end_matches('/'), path);
+        url.set_path(&joined);
+        url
+    }
+
+    /// One HTTP request, no retries.
+    async fn attempt<T: DeserializeOwned>(
+        &self,
+        endpoint: &'static str,
+        method: &Method,
+        path: &str,
+        query: &[(&str, String)],
+        body: Option<&serde_json::Value>,
+        deadline: Option<Instant>,
+    ) -> Result<T, ApiError> {
+        let mut timeout = self.timing.request_timeout;
+        if let Some(deadline) = deadline {
+            let left = deadline.saturating_duration_since(Instant::now());
+            if left.is_zero() {
+                return Err(ApiError::Deadline);
+            }
+            timeout = timeout.min(left);
+        }
+        let mut request = self
+            .http
+            .request(method.clone(), self.url(path))
+            .header(http::header::AUTHORIZATION, self.token.header()?)
+            .timeout(timeout);
+        if !query.is_empty() {
+            request = request.query(query);
+        }
+        if let Some(body) = body {
+            request = request.json(body);
+        }
+        let response = match request.send().await {
+            Ok(r) => r,
+            Err(e) => {
+                self.telemetry.api_http(endpoint, "error");
+                return Err(ApiError::Transport(transport_text(e)));
+            }
+        };
+        let status = response.status();
+        self.telemetry.api_http(endpoint, status_class(status));
+        let hint = hint_from_headers(response.headers());
+        let text = response
+            .text()
+            .await
+            .map_err(|e| ApiError::Transport(transport_text(e)))?;
+        if status.is_success() {
+            let text = if text.trim().is_empty() {
+                "{}"
+            } else {
+                text.as_str()
+            };
+            return serde_json::from_str(text).map_err(|e| ApiError::Decode(e.to_string()));
+        }
+        let (code, message) = match serde_json::from_str::<models::ErrorResponse>(&text) {
+            Ok(body) => (body.error.code, body.error.message),
+            Err(_) => (
+                status
+                    .canonical_reason()
+                    .unwrap_or("error")
+                    .to_lowercase()
+                    .replace(' ', "_"),
+                text.chars().take(200).collect(),
+            ),
+        };
+        Err(ApiError::Status {
+            status: status.as_u16(),
+            code,
+            message,
+            hint,
+        })
+    }
+
+    /// A request with retries per `repeat`, within `deadline`.
+    #[allow(clippy::too_many_arguments)]
+    async fn call<T: DeserializeOwned>(
+        &self,
+        endpoint: &'static str,
+        method: Method,
+        path: &str,
+        query: &[(&str, String)],
+        body: Option<serde_json::Value>,
+        deadline: Option<Instant>,
+        repeat: Repeat,
+    ) -> Result<T, ApiError> {
+        self.timing
+            .backoff
+            .run(
+                deadline,
+                |_| self.attempt(endpoint, &method, path, query, body.as_ref(), deadline),
+                |e| classify(repeat, e),
+            )
+            .await
+    }
+
+    /// Every server matching `selector`, following pagination to the last page. Any failed
+    /// page fails the whole listing.
+    pub async fn list_servers(
+        &self,
+        selector: &str,
+        deadline: Option<Instant>,
+    ) -> Result<Vec<models::Server>, ApiError> {
+        let mut servers = Vec::new();
+        let mut page = 1;
+        loop {
+            let query = [
+                ("label_selector", selector.to_owned()),
+                ("page", page.to_string()),
+                ("per_page", PER_PAGE.to_string()),
+            ];
+            let response: models::ListServersResponse = self
+                .call(
+                    "GET /servers",
+                    Method::GET,
+                    "/servers",
+                    &query,
+                    None,
+                    deadline,
+                    Repeat::Idempotent,
+                )
+                .await?;
+            servers.extend(response.servers);
+            match response.meta.pagination.next_page {
+                Some(next) if next > page => page = next,
+                Some(next) => {
+                    return Err(ApiError::Decode(format!(
+                        "pagination went backwards (page {page}, next_page {next})"
+                    )));
+                }
+                None => break,
+            }
+        }
+        Ok(servers)
+    }
+
+    /// One server; `None` when it does not exist.
+    pub async fn get_server(
+        &self,
+        id: i64,
+        deadline: Option<Instant>,
+    ) -> Result<Option<models::Server>, ApiError> {
+        let path = format!("/servers/{id}");
+        let result: Result<models::GetServerResponse, _> = self
+            .call(
+                "GET /servers/{id}",
+                Method::GET,
+                &path,
+                &[],
+                None,
+                deadline,
+                Repeat::Idempotent,
+            )
+            .await;
+        match result {
+            Ok(response) => Ok(response.server.map(|s| *s)),
+            Err(e) if e.status() == Some(404) => Ok(None),
+            Err(e) => Err(e),
+        }
+    }
+
+    /// Creates a server. Only a 429 is repeated; see [`Repeat::RefusedOnly`].
+    pub async fn create_server(
+        &self,
+        request: &models::CreateServerRequest,
+        deadline: Option<Instant>,
+    ) -> Result<models::Server, ApiError> {
+        let body = to_json(request)?;
+        let response: models::CreateServerResponse = self
+            .call(
+                "POST /servers",
+                Method::POST,
+                "/servers",
+                &[],
+                Some(body),
+                deadline,
+                Repeat::RefusedOnly,
+            )
+            .await?;
+        Ok(*response.server)
+    }
+
+    /// Replaces the server's whole label map.
+    pub async fn replace_labels(
+        &self,
+        id: i64,
+        labels: HashMap<String, String>,
+        deadline: Option<Instant>,
+    ) -> Result<(), ApiError> {
+        let request = models::ReplaceServerRequest {
+            labels: Some(labels),
+            name: None,
+        };
+        let body = to_json(&request)?;
+        let path = format!("/servers/{id}");
+        let _: models::ReplaceServerResponse = self
+            .call(
+                "PUT /servers/{id}",
+                Method::PUT,
+                &path,
+                &[],
+                Some(body),
+                deadline,
+                Repeat::Idempotent,
+            )
+            .await?;
+        Ok(())
+    }
+
+    /// Deletes a server; one that does not exist counts as deleted.
+    pub async fn delete_server(&self, id: i64, deadline: Option<Instant>) -> Result<(), ApiError> {
+        let path = format!("/servers/{id}");
+        let result: Result<models::DeleteServerResponse, _> = self
+            .call(
+                "DELETE /servers/{id}",
+                Method::DELETE,
+                &path,
+                &[],
+                None,
+                deadline,
+                Repeat::Idempotent,
+            )
+            .await;
+        match result {
+            Ok(_) => Ok(()),
+            Err(e) if e.status() == Some(404) => Ok(()),
+            Err(e) => Err(e),
+        }
+    }
+
+    /// A server type by name.
+    pub async fn server_type(
+        &self,
+        name: &str,
+        deadline: Option<Instant>,
+    ) -> Result<Option<models::ServerType>, ApiError> {
+        let query = [("name", name.to_owned())];
+        let response: models::ListServerTypesResponse = self
+            .call(
+                "GET /server_types",
+                Method::GET,
+                "/server_types",
+                &query,
+                None,
+                deadline,
+                Repeat::Idempotent,
+            )
+            .await?;
+        Ok(response.server_types.into_iter().find(|t| t.name == name))
+    }
+
+    /// An image for `architecture`: by numeric id first (architecture ignored, as the
+    /// reference does), else by name.
+    pub async fn image(
+        &self,
+        name_or_id: &str,
+        architecture: models::Architecture,
+        deadline: Option<Instant>,
+    ) -> Result<Option<models::Image>, ApiError> {
+        if let Ok(id) = name_or_id.parse::<i64>() {
+            let path = format!("/images/{id}");
+            let result: Result<models::GetImageResponse, _> = self
+                .call(
+                    "GET /images/{id}",
+                    Method::GET,
+                    &path,
+                    &[],
+                    None,
+                    deadline,
+                    Repeat::Idempotent,
+                )
+                .await;
+            match result {
+                Ok(response) => {
+                    if let Some(image) = response.image {
+                        return Ok(Some(*image));
+                    }
+                }
+                Err(e) if e.status() == Some(404) => {}
+                Err(e) => return Err(e),
+            }
+        }
+        let arch = match architecture {
+            models::Architecture::Arm => "arm",
+            models::Architecture::X86 => "x86",
+        };
+        let query = [
+            ("name", name_or_id.to_owned()),
+            ("architecture", arch.to_owned()),
+        ];
+        let response: models::ListImagesResponse = self
+            .call(
+                "GET /images",
+                Method::GET,
+                "/images",
+                &query,
+                None,
+                deadline,
+                Repeat::Idempotent,
+            )
+            .await?;
+        Ok(response
+            .images
+            .into_iter()
+            .find(|i| i.name.as_deref() == Some(name_or_id) && i.architecture == architecture))
+    }
+
+    /// A location by name.
+    pub async fn location(
+        &self,
+        name: &str,
+        deadline: Option<Instant>,
+    ) -> Result<Option<models::Location>, ApiError> {
+        let query = [("name", name.to_owned())];
+        let response: models::ListLocationsResponse = self
+            .call(
+                "GET /locations",
+                Method::GET,
+                "/locations",
+                &query,
+                None,
+                deadline,
+                Repeat::Idempotent,
+            )
+            .await?;
+        Ok(response.locations.into_iter().find(|l| l.name == name))
+    }
+}
+
+fn to_json(value: &impl Serialize) -> Result<serde_json::Value, ApiError> {
+    serde_json::to_value(value).map_err(|e| ApiError::Decode(e.to_string()))
+}
+
+fn status_class(status: StatusCode) -> &'static str {
+    match status.as_u16() {
+        429 => "429",
+        200..=299 => "2xx",
+        300..=399 => "3xx",
+        400..=499 => "4xx",
+        _ => "5xx",
+    }
+}
+
+/// A transport error's text, with the URL's query string dropped (it may carry selectors but
+/// never the token; the token travels only in a header).
+fn transport_text(e: reqwest::Error) -> String {
+    let kind = if e.is_timeout() {
+        "timed out"
+    } else if e.is_connect() {
+        "connection failed"
+    } else {
+        "transport error"
+    };
+    let place = e
+        .url()
+        .map(|u| format!(" ({} {})", u.host_str().unwrap_or(""), u.path()));
+    let e = e.without_url();
+    let mut text = format!("{kind}: {e}");
+    let mut source = std::error::Error::source(&e);
+    while let Some(cause) = source {
+        text.push_str(&format!(": {cause}"));
+        source = cause.source();
+    }
+    text.push_str(&place.unwrap_or_default());
+    text
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn endpoints() {
+        assert!(parse_endpoint("https://api.hetzner.cloud/v1").is_ok());
+        assert!(parse_endpoint("http://127.0.0.1:8080/v1/").is_ok());
+        assert!(parse_endpoint("http://localhost:1/v1").is_ok());
+        assert!(parse_endpoint("http://[::1]:1/v1").is_ok());
+        let err = parse_endpoint("http://mirror.example.com/v1").unwrap_err();
+        assert!(err.contains("only allowed for loopback"), "{err}");
+        assert!(parse_endpoint("ftp://x/v1").is_err());
+        assert!(parse_endpoint("not a url").is_err());
+    }
+
+    #[test]
+    fn token_is_never_printed() {
+        let token = Token::new("s3cr3t-token");
+        assert_eq!(format!("{token:?}"), "Token([redacted])");
+        assert_eq!(token.to_string(), "[redacted]");
+        let header = token.header().unwrap();
+        assert!(header.is_sensitive());
+        assert!(!format!("{header:?}").contains("s3cr3t"));
+        let api = HcloudApi::new(
+            "https://api.hetzner.cloud/v1",
+            token,
+            Telemetry::new("bigfleet_hetzner_test"),
+            ClientTiming::default(),
+        )
+        .unwrap();
+        assert!(!format!("{api:?}").contains("s3cr3t"));
+        let err = HcloudApi::new(
+            "https://api.hetzner.cloud/v1",
+            Token::new(" "),
+            Telemetry::new("bigfleet_hetzner_test"),
+            ClientTiming::default(),
+        )
+        .unwrap_err();
+        assert_eq!(err, "hcloud: token is required for the hetzner backend");
+    }
+
+    #[test]
+    fn urls_keep_the_base_path() {
+        let api = HcloudApi::new(
+            "http://127.0.0.1:9/prefix/v1/",
+            Token::new("t"),
+            Telemetry::new("bigfleet_hetzner_test"),
+            ClientTiming::default(),
+        )
+        .unwrap();
+        assert_eq!(
+            api.url("/servers").as_str(),
+            "http://127.0.0.1:9/prefix/v1/servers"
+        );
+    }
+
+    #[test]
+    fn classification() {
+        let status = |status: u16, code: &str| ApiError::Status {
+            status,
+            code: code.into(),
+            message: String::new(),
+            hint: None,
+        };
+        let retry = Verdict::Retry { after: None };
+        assert_eq!(
+            classify(Repeat::Idempotent, &status(429, "rate_limit_exceeded")),
+            retry
+        );
+        assert_eq!(
+            classify(Repeat::Idempotent, &status(503, "unavailable")),
+            retry
+        );
+        assert_eq!(
+            classify(Repeat::Idempotent, &status(409, "conflict")),
+            retry
+        );
+        assert_eq!(classify(Repeat::Idempotent, &status(423, "locked")), retry);
+        assert_eq!(
+            classify(Repeat::Idempotent, &status(404, "not_found")),
+            Verdict::Fatal
+        );
+        assert_eq!(
+            classify(Repeat::Idempotent, &ApiError::Transport("x".into())),
+            retry
+        );
+        assert_eq!(
+            classify(Repeat::RefusedOnly, &status(429, "rate_limit_exceeded")),
+            retry
+        );
+        assert_eq!(
+            classify(Repeat::RefusedOnly, &status(503, "unavailable")),
+            Verdict::Fatal
+        );
+        assert_eq!(
+            classify(Repeat::RefusedOnly, &ApiError::Transport("x".into())),
+            Verdict::Fatal
+        );
+        assert!(status(502, "x").is_ambiguous());
+        assert!(!status(422, "invalid_input").is_ambiguous());
+    }
+}

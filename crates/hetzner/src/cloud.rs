@@ -1,0 +1,917 @@
+//! The real Hetzner Cloud backend: [`HetznerCloud`] implements `provider_core::cloud::Cloud`
+//! over the Hetzner API ([`crate::api`]) and SSH ([`crate::ssh`]).
+//!
+//! Ownership: every server carries `bigfleet-managed=true`, its machine id and the provider
+//! instance (`--provider`) in labels ([`crate::labels`]). Inventory reads select on the
+//! instance, keep only the configured locations and drop servers being deleted; a server is
+//! only ever adopted, configured, drained or deleted after its labels prove it is ours. A Create
+//! first looks for the server a previous attempt made, and a create error (name taken, lost
+//! response) is resolved by the same lookup, never by the name alone.
+//!
+//! Prices: the live price is the ServerType's **net** (VAT-exclusive) hourly EUR price for the
+//! location times `--eur-usd`. Net is what BigFleet should compare across clouds (VAT is
+//! recoverable for businesses and other clouds quote net), and it is the basis of the pinned
+//! table in [`crate::catalog`], so warm and cold prices agree.
+//!
+//! Label writes: Hetzner replaces a server's whole label map on update and has no conditional
+//! write. Every write here is a read-modify-write under a per-server async lock (so two
+//! transitions of this process never interleave on one server), followed by a re-read that
+//! checks our change is present; if another writer slipped in between, the change is re-applied
+//! on top of the newer map (at most three rounds). Only this provider instance writes the labels
+//! of its servers, so the in-process lock removes the lost-update race the reference has, and
+//! the verification catches anything outside it.
+//!
+//! Readiness (`--readiness-command`): Configure delivers the blob, runs the hook and records the
+//! cluster binding once the hook succeeded (the node has joined at that point). The connection
+//! is then kept for [`Cloud::confirm_ready`], which runs the command over the same pinned
+//! connection until it exits 0 or the Configure deadline passes.
+
+use std::collections::{HashMap, HashSet};
+use std::future::Future;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use async_trait::async_trait;
+use hcloud::models;
+use provider_core::backend::{BackendError, ConfigureOrder, TransitionContext};
+use provider_core::cloud::{Capacity, Cloud, OwnedHost};
+use provider_core::machine::Machine;
+use provider_core::telemetry::Telemetry;
+use tokio::time::Instant;
+
+use crate::api::{ApiError, ClientTiming, HcloudApi, Token};
+use crate::hostkey::HostKey;
+use crate::labels;
+use crate::ssh::{self, PinnedSession, SshConfig, SshIdentity, SshTiming};
+
+/// The reference's default `--eur-usd`.
+pub const DEFAULT_EUR_USD: f64 = 1.08;
+
+/// Everything the real backend needs, as parsed from the command line.
+#[derive(Clone, Debug)]
+pub struct HetznerConfig {
+    pub token: Token,
+    /// `--hcloud-endpoint` (default [`crate::api::DEFAULT_ENDPOINT`]).
+    pub endpoint: String,
+    /// `--provider`: the instance whose servers this process owns.
+    pub provider_instance: String,
+    /// `--image`: name or numeric id.
+    pub image: String,
+    /// The locations of the offerings; inventory is limited to them.
+    pub locations: Vec<String>,
+    /// `--ssh-key` / `--ssh-user` / `--ssh-port`; `None` disables Configure and Drain.
+    pub ssh: Option<SshConfig>,
+    /// `--bootstrap-hook`.
+    pub bootstrap_hook: String,
+    /// The contents of `--base-user-data`.
+    pub base_user_data: Option<String>,
+    /// `--readiness-command`.
+    pub readiness_command: Option<String>,
+    /// `--eur-usd`.
+    pub eur_usd: f64,
+    pub telemetry: Telemetry,
+    pub timing: Timing,
+}
+
+/// Pacing of polls and retries; the defaults suit the real API, tests shorten them.
+#[derive(Clone, Copy, Debug)]
+pub struct Timing {
+    pub client: ClientTiming,
+    pub ssh: SshTiming,
+    /// Interval between server status polls while waiting for `running`.
+    pub running_poll: Duration,
+    /// Own cap on waiting for `running` (the Create deadline normally ends it first).
+    pub running_cap: Duration,
+    /// Interval between readiness-command runs.
+    pub readiness_poll: Duration,
+    /// Budget of an inventory listing (it has no transition deadline of its own).
+    pub list_budget: Duration,
+    /// Budget of a price or capacity lookup.
+    pub lookup_budget: Duration,
+}
+
+impl Default for Timing {
+    fn default() -> Timing {
+        Timing {
+            client: ClientTiming::default(),
+            ssh: SshTiming::default(),
+            running_poll: Duration::from_secs(3),
+            running_cap: Duration::from_secs(600),
+            readiness_poll: Duration::from_secs(5),
+            list_budget: Duration::from_secs(60),
+            lookup_budget: Duration::from_secs(30),
+        }
+    }
+}
+
+/// The real Hetzner Cloud backend.
+pub struct HetznerCloud {
+    api: HcloudApi,
+    provider: String,
+    image: String,
+    locations: HashSet<String>,
+    ssh: Option<SshIdentity>,
+    hook: String,
+    base_user_data: Option<String>,
+    readiness_command: Option<String>,
+    eur_usd: f64,
+    telemetry: Telemetry,
+    timing: Timing,
+    label_locks: Mutex<HashMap<i64, Arc<tokio::sync::Mutex<()>>>>,
+    /// Connections kept from a successful configure for the readiness gate, by server id.
+    ready_sessions: tokio::sync::Mutex<HashMap<i64, PinnedSession>>,
+}
+
+impl std::fmt::Debug for HetznerCloud {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("HetznerCloud")
+            .field("api", &self.api)
+            .field("provider", &self.provider)
+            .field("image", &self.image)
+            .field("locations", &self.locations)
+            .field("ssh", &self.ssh)
+            .finish_non_exhaustive()
+    }
+}
+
+fn err(message: impl Into<String>) -> BackendError {
+    BackendError::new(message)
+}
+
+fn server_id(host_id: &str, what: &str) -> Result<i64, BackendError> {
+    host_id
+        .trim()
+        .parse::<i64>()
+        .map_err(|e| err(format!("{what}: bad server id {host_id:?}: {e}")))
+}
+
+fn is_running(status: models::server::Status) -> bool {
+    use models::server::Status;
+    matches!(
+        status,
+        Status::Running | Status::Initializing | Status::Starting
+    )
+}
+
+fn ipv4_of(server: &models::Server) -> Option<String> {
+    server
+        .public_net
+        .ipv4
+        .as_ref()
+        .map(|v4| v4.ip.clone())
+        .filter(|ip| !ip.is_empty())
+}
+
+impl HetznerCloud {
+    /// Validates the configuration (token, image, endpoint, SSH key) and builds the backend.
+    /// Makes no network call.
+    pub fn new(config: HetznerConfig) -> Result<HetznerCloud, String> {
+        if config.token.is_empty() {
+            return Err("hcloud: token is required for the hetzner backend".into());
+        }
+        if config.image.trim().is_empty() {
+            return Err("hcloud: --image is required for the hetzner backend".into());
+        }
+        if config.provider_instance.is_empty() {
+            return Err("hcloud: --provider must not be empty".into());
+        }
+        if config.bootstrap_hook.trim().is_empty() {
+            return Err("hcloud: --bootstrap-hook must not be empty".into());
+        }
+        let locations: HashSet<String> = config
+            .locations
+            .iter()
+            .filter(|l| !l.is_empty())
+            .cloned()
+            .collect();
+        if locations.is_empty() {
+            return Err("hcloud: no locations configured (every offering names one)".into());
+        }
+        let eur_usd = if config.eur_usd.is_finite() && config.eur_usd > 0.0 {
+            config.eur_usd
+        } else {
+            tracing::warn!(
+                given = config.eur_usd,
+                used = DEFAULT_EUR_USD,
+                "--eur-usd must be positive; using the default"
+            );
+            DEFAULT_EUR_USD
+        };
+        let ssh = config.ssh.as_ref().map(SshIdentity::parse).transpose()?;
+        let api = HcloudApi::new(
+            &config.endpoint,
+            config.token,
+            config.telemetry,
+            config.timing.client,
+        )?;
+        Ok(HetznerCloud {
+            api,
+            provider: config.provider_instance,
+            image: config.image.trim().to_owned(),
+            locations,
+            ssh,
+            hook: config.bootstrap_hook,
+            base_user_data: config.base_user_data,
+            readiness_command: config.readiness_command.filter(|c| !c.trim().is_empty()),
+            eur_usd,
+            telemetry: config.telemetry,
+            timing: config.timing,
+            label_locks: Mutex::new(HashMap::new()),
+            ready_sessions: tokio::sync::Mutex::new(HashMap::new()),
+        })
+    }
+
+    /// Whether Configure and Drain can reach servers (an `--ssh-key` was given).
+    pub fn ssh_enabled(&self) -> bool {
+        self.ssh.is_some()
+    }
+
+    async fn timed<T>(
+        &self,
+        op: &'static str,
+        work: impl Future<Output = Result<T, BackendError>>,
+    ) -> Result<T, BackendError> {
+        let started = std::time::Instant::now();
+        let result = work.await;
+        self.telemetry
+            .api_call(op, result.is_ok(), started.elapsed());
+        result
+    }
+
+    /// Whether `server`'s labels prove that this provider instance owns it.
+    fn is_ours(&self, server: &models::Server) -> bool {
+        server.labels.get(labels::MANAGED).map(String::as_str) == Some("true")
+            && labels::text_of(&server.labels, labels::PROVIDER).as_deref()
+                == Some(self.provider.as_str())
+    }
+
+    /// Whether `server` is ours and carries `machine_id` (or, for an adopted orphan without a
+    /// machine-id label, is recorded under its own server id).
+    fn is_machines(&self, server: &models::Server, machine_id: &str) -> bool {
+        self.is_ours(server)
+            && match labels::machine_id_of(&server.labels) {
+                Some(id) => id == machine_id,
+                None => machine_id == server.id.to_string(),
+            }
+    }
+
+    fn to_owned_host(&self, server: &models::Server) -> Option<OwnedHost> {
+        let machine_id = match labels::machine_id_of(&server.labels) {
+            Some(id) => id,
+            // An owned server without a decodable machine id is reported under its server id,
+            // but only while it runs, as the reference does.
+            None if is_running(server.status) => server.id.to_string(),
+            None => return None,
+        };
+        Some(OwnedHost {
+            id: server.id.to_string(),
+            machine_id,
+            instance_type: server.server_type.name.clone(),
+            zone: server.location.name.clone(),
+            public_ipv4: ipv4_of(server),
+            cluster: labels::text_of(&server.labels, labels::CLUSTER).filter(|c| !c.is_empty()),
+            running: is_running(server.status),
+        })
+    }
+
+    /// The live server a previous Create made for `machine_id`, if any.
+    async fn find_machine_server(
+        &self,
+        machine_id: &str,
+        deadline: Instant,
+    ) -> Result<Option<models::Server>, ApiError> {
+        let mut pairs = vec![(labels::MANAGED.to_owned(), "true".to_owned())];
+        pairs.extend(labels::machine_id_labels(machine_id));
+        pairs.extend(labels::text_labels(labels::PROVIDER, &self.provider));
+        let mut found: Vec<models::Server> = self
+            .api
+            .list_servers(&labels::selector(&pairs), Some(deadline))
+            .await?
+            .into_iter()
+            .filter(|s| s.status != models::server::Status::Deleting)
+            .filter(|s| {
+                self.is_ours(s) && labels::machine_id_of(&s.labels).as_deref() == Some(machine_id)
+            })
+            .collect();
+        found.sort_by_key(|s| s.id);
+        if found.len() > 1 {
+            let ids: Vec<i64> = found.iter().map(|s| s.id).collect();
+            tracing::warn!(machine = machine_id, servers = ?ids, "several servers carry one machine id; using the oldest");
+        }
+        Ok(found.into_iter().next())
+    }
+
+    /// The per-server lock that serialises this process's label writes on one server.
+    fn label_lock(&self, id: i64) -> Arc<tokio::sync::Mutex<()>> {
+        let mut locks = self.label_locks.lock().unwrap_or_else(|e| e.into_inner());
+        locks.retain(|_, lock| Arc::strong_count(lock) > 1);
+        locks.entry(id).or_default().clone()
+    }
+
+    /// Applies `change` to the server's labels: read, modify, write, re-read and verify.
+    async fn update_labels(
+        &self,
+        id: i64,
+        deadline: Instant,
+        change: impl Fn(&mut HashMap<String, String>),
+    ) -> Result<(), String> {
+        let lock = self.label_lock(id);
+        let _held = lock.lock().await;
+        for _ in 0..3 {
+            let server = self
+                .api
+                .get_server(id, Some(deadline))
+                .await
+                .map_err(|e| e.to_string())?
+                .ok_or_else(|| format!("server {id} not found"))?;
+            let mut wanted = server.labels.clone();
+            change(&mut wanted);
+            if wanted == server.labels {
+                return Ok(());
+            }
+            self.api
+                .replace_labels(id, wanted, Some(deadline))
+                .await
+                .map_err(|e| e.to_string())?;
+            let now = self
+                .api
+                .get_server(id, Some(deadline))
+                .await
+                .map_err(|e| e.to_string())?
+                .ok_or_else(|| format!("server {id} vanished during a label update"))?;
+            let mut check = now.labels.clone();
+            change(&mut check);
+            if check == now.labels {
+                return Ok(());
+            }
+            tracing::warn!(
+                server = id,
+                "a concurrent label update overwrote ours; re-applying it"
+            );
+        }
+        Err(format!(
+            "server {id}: labels kept changing underneath three consecutive updates"
+        ))
+    }
+
+    async fn wait_running(
+        &self,
+        id: i64,
+        ctx: &TransitionContext,
+    ) -> Result<models::Server, BackendError> {
+        let cap = Instant::now() + self.timing.running_cap;
+        let deadline = ctx.deadline.min(cap);
+        loop {
+            let server = self
+                .api
+                .get_server(id, Some(deadline))
+                .await
+                .map_err(|e| err(format!("poll server {id}: {e}")))?
+                .ok_or_else(|| err(format!("server {id} vanished while creating")))?;
+            if server.status == models::server::Status::Running {
+                return Ok(server);
+            }
+            let left = deadline.saturating_duration_since(Instant::now());
+            if left.is_zero() {
+                return Err(if cap <= ctx.deadline {
+                    err(format!(
+                        "server {id} did not reach running within {:?}",
+                        self.timing.running_cap
+                    ))
+                } else {
+                    err(format!("waiting for server {id} to run: deadline exceeded"))
+                });
+            }
+            tokio::select! {
+                _ = tokio::time::sleep(self.timing.running_poll.min(left)) => {}
+                _ = ctx.cancel.cancelled() => {
+                    return Err(err(format!("waiting for server {id} to run: cancelled")));
+                }
+            }
+        }
+    }
+
+    async fn create(
+        &self,
+        machine: &Machine,
+        ctx: &TransitionContext,
+    ) -> Result<OwnedHost, BackendError> {
+        let deadline = ctx.deadline;
+        let server_type = &machine.instance_type;
+        let owned = |server: &models::Server| {
+            self.to_owned_host(server)
+                .ok_or_else(|| err(format!("server {} has no machine-id label", server.id)))
+        };
+        if let Some(existing) = self
+            .find_machine_server(&machine.id, deadline)
+            .await
+            .map_err(|e| err(format!("look up existing servers: {e}")))?
+        {
+            tracing::info!(machine = %machine.id, server = existing.id, "adopting the server a previous Create made");
+            let server = self.wait_running(existing.id, ctx).await?;
+            return owned(&server);
+        }
+        if !self.locations.contains(&machine.zone) {
+            let mut known: Vec<&String> = self.locations.iter().collect();
+            known.sort();
+            return Err(err(format!(
+                "location {:?} is not one of this provider's locations {known:?}",
+                machine.zone
+            )));
+        }
+        let kind = self
+            .api
+            .server_type(server_type, Some(deadline))
+            .await
+            .map_err(|e| err(format!("resolve server type {server_type}: {e}")))?
+            .ok_or_else(|| err(format!("unknown server type {server_type:?}")))?;
+        let image = self
+            .api
+            .image(&self.image, kind.architecture, Some(deadline))
+            .await
+            .map_err(|e| err(format!("resolve image {}: {e}", self.image)))?
+            .ok_or_else(|| {
+                err(format!(
+                    "unknown image {:?} for architecture {}",
+                    self.image,
+                    arch_name(kind.architecture)
+                ))
+            })?;
+        let location = self
+            .api
+            .location(&machine.zone, Some(deadline))
+            .await
+            .map_err(|e| err(format!("resolve location {}: {e}", machine.zone)))?
+            .ok_or_else(|| err(format!("unknown location {:?}", machine.zone)))?;
+        let host_key = HostKey::generate().map_err(err)?;
+        let user_data = provider_core::userdata::assemble(
+            self.base_user_data.as_deref(),
+            &host_key.cloud_config(),
+        );
+        let mut server_labels: HashMap<String, String> = HashMap::new();
+        server_labels.insert(labels::MANAGED.into(), "true".into());
+        server_labels.extend(labels::machine_id_labels(&machine.id));
+        server_labels.extend(labels::text_labels(labels::PROVIDER, &self.provider));
+        server_labels.insert(
+            labels::HOST_KEY_FP.into(),
+            host_key.fingerprint().to_owned(),
+        );
+        let name = labels::server_name(&machine.id);
+        let request = models::CreateServerRequest {
+            name: name.clone(),
+            server_type: kind.name.clone(),
+            image: image.id.to_string(),
+            location: Some(location.name.clone()),
+            user_data: Some(user_data),
+            labels: Some(server_labels),
+            ..Default::default()
+        };
+        let mut attempt = 0u32;
+        let created = loop {
+            attempt += 1;
+            match self.api.create_server(&request, Some(deadline)).await {
+                Ok(server) => break server,
+                Err(e) if e.code() == Some("uniqueness_error") || e.is_ambiguous() => {
+                    // The name is taken or the response was lost: the server may exist. Adopt
+                    // it only if its labels say it is this machine's.
+                    let found = self
+                        .find_machine_server(&machine.id, deadline)
+                        .await
+                        .map_err(|le| {
+                            err(format!(
+                                "create server {server_type}: {e}; look up after the failure: {le}"
+                            ))
+                        })?;
+                    if let Some(server) = found {
+                        tracing::info!(machine = %machine.id, server = server.id, err = %e, "create failed but the server exists; adopting it");
+                        break server;
+                    }
+                    if e.code() == Some("uniqueness_error") {
+                        return Err(err(format!(
+                            "create server {server_type}: the name {name} is taken by a server \
+                             that is not labelled as machine {:?} of provider {:?}; refusing to adopt it",
+                            machine.id, self.provider
+                        )));
+                    }
+                    let wait = self.timing.client.backoff.delay(attempt, None);
+                    if Instant::now() + wait >= deadline
+                        || attempt >= self.timing.client.backoff.max_attempts
+                    {
+                        return Err(err(format!("create server {server_type}: {e}")));
+                    }
+                    tracing::warn!(machine = %machine.id, err = %e, "create failed without a server; retrying");
+                    tokio::select! {
+                        _ = tokio::time::sleep(wait) => {}
+                        _ = ctx.cancel.cancelled() => return Err(err(format!("create server {server_type}: {e}"))),
+                    }
+                }
+                Err(e) => return Err(err(format!("create server {server_type}: {e}"))),
+            }
+        };
+        tracing::info!(machine = %machine.id, server = created.id, name = %name, "server created");
+        let server = self.wait_running(created.id, ctx).await?;
+        owned(&server)
+    }
+
+    /// The server behind `host_id`, checked to belong to `machine`, and its public IPv4.
+    async fn resolve_host(
+        &self,
+        what: &str,
+        machine: &Machine,
+        host_id: &str,
+        deadline: Instant,
+    ) -> Result<(models::Server, String), BackendError> {
+        let id = server_id(host_id, what)?;
+        let server = self
+            .api
+            .get_server(id, Some(deadline))
+            .await
+            .map_err(|e| err(format!("{what}: look up server {id}: {e}")))?
+            .ok_or_else(|| err(format!("{what}: server {id} not found")))?;
+        if !self.is_machines(&server, &machine.id) {
+            return Err(err(format!(
+                "{what}: server {id} is not labelled as machine {:?} of provider {:?}; refusing to touch it",
+                machine.id, self.provider
+            )));
+        }
+        let ip = ipv4_of(&server).ok_or_else(|| {
+            err(format!(
+                "{what}: server {id} has no public IPv4 for SSH delivery"
+            ))
+        })?;
+        Ok((server, ip))
+    }
+
+    /// Opens the pinned SSH connection, pinning on first use when the server has no pin.
+    async fn open_ssh(
+        &self,
+        identity: &SshIdentity,
+        server: &models::Server,
+        ip: &str,
+        ctx: &TransitionContext,
+    ) -> Result<PinnedSession, BackendError> {
+        let pin = server
+            .labels
+            .get(labels::HOST_KEY_FP)
+            .filter(|p| !p.is_empty());
+        let session = ssh::connect(
+            identity,
+            ip,
+            pin.map(String::as_str),
+            self.timing.ssh,
+            ctx.deadline,
+            &ctx.cancel,
+        )
+        .await
+        .map_err(|e| err(e.to_string()))?;
+        if session.first_use {
+            tracing::warn!(server = server.id, fingerprint = %session.observed, "pinning SSH host key on first use (no pre-injected key)");
+            let observed = session.observed.clone();
+            let result = self
+                .update_labels(server.id, ctx.deadline, |l| {
+                    l.insert(labels::HOST_KEY_FP.to_owned(), observed.clone());
+                })
+                .await;
+            if let Err(e) = result {
+                tracing::warn!(server = server.id, err = %e, "failed to persist TOFU host-key pin");
+            }
+        }
+        Ok(session)
+    }
+
+    async fn configure(
+        &self,
+        machine: &Machine,
+        host_id: &str,
+        order: &ConfigureOrder,
+        ctx: &TransitionContext,
+    ) -> Result<(), BackendError> {
+        let Some(identity) = &self.ssh else {
+            return Err(err(format!(
+                "configure: SSH delivery disabled (set --ssh-key); cannot deliver bootstrap to {host_id}"
+            )));
+        };
+        let (server, ip) = self
+            .resolve_host("configure", machine, host_id, ctx.deadline)
+            .await?;
+        let session = self.open_ssh(identity, &server, &ip, ctx).await?;
+        let script = ssh::configure_script(&self.hook, &order.cluster_id, order.blob.0.len());
+        let exit = session
+            .run(&script, &order.blob.0, ctx.deadline, &ctx.cancel)
+            .await
+            .map_err(|e| err(e.to_string()))?;
+        if exit.status != 0 {
+            session.close().await;
+            return Err(err(format!(
+                "ssh command on {ip} failed: Process exited with status {}",
+                exit.status
+            )));
+        }
+        let binding = labels::text_labels(labels::CLUSTER, &order.cluster_id);
+        if let Err(e) = self
+            .update_labels(server.id, ctx.deadline, |l| {
+                labels::set_chunked(l, labels::CLUSTER, binding.clone())
+            })
+            .await
+        {
+            session.close().await;
+            return Err(err(format!("label cluster binding: {e}")));
+        }
+        tracing::info!(machine = %machine.id, server = server.id, "bootstrap delivered and hook succeeded");
+        if self.readiness_command.is_some() {
+            self.ready_sessions.lock().await.insert(server.id, session);
+        } else {
+            session.close().await;
+        }
+        Ok(())
+    }
+
+    async fn ready(
+        &self,
+        machine: &Machine,
+        host_id: &str,
+        ctx: &TransitionContext,
+    ) -> Result<(), BackendError> {
+        let Some(command) = &self.readiness_command else {
+            return Ok(());
+        };
+        let id = server_id(host_id, "readiness")?;
+        let kept = self.ready_sessions.lock().await.remove(&id);
+        let session = match kept {
+            Some(session) => session,
+            None => {
+                let Some(identity) = &self.ssh else {
+                    return Err(err("readiness: SSH delivery disabled (set --ssh-key)"));
+                };
+                let (server, ip) = self
+                    .resolve_host("readiness", machine, host_id, ctx.deadline)
+                    .await?;
+                self.open_ssh(identity, &server, &ip, ctx).await?
+            }
+        };
+        let ip = session.ip().to_owned();
+        let mut last: Option<String> = None;
+        let last = loop {
+            match session.run(command, b"", ctx.deadline, &ctx.cancel).await {
+                Ok(exit) if exit.status == 0 => {
+                    session.close().await;
+                    return Ok(());
+                }
+                Ok(exit) => last = Some(format!("last exit status {}", exit.status)),
+                // A run cut short by the deadline says less than the one before it.
+                Err(e) if last.is_none() || Instant::now() < ctx.deadline => {
+                    last = Some(e.to_string())
+                }
+                Err(_) => {}
+            }
+            let last = last.clone().unwrap_or_default();
+            let left = ctx.deadline.saturating_duration_since(Instant::now());
+            if left.is_zero() || ctx.cancel.is_cancelled() {
+                break last;
+            }
+            tokio::select! {
+                _ = tokio::time::sleep(self.timing.readiness_poll.min(left)) => {}
+                _ = ctx.cancel.cancelled() => break last,
+            }
+        };
+        session.close().await;
+        Err(err(format!(
+            "readiness: --readiness-command did not succeed on {ip} before the Configure deadline ({last})"
+        )))
+    }
+
+    async fn drain(
+        &self,
+        machine: &Machine,
+        host_id: &str,
+        grace_period_seconds: i64,
+        ctx: &TransitionContext,
+    ) -> Result<(), BackendError> {
+        let Some(identity) = &self.ssh else {
+            return Err(err(format!(
+                "drain: server {host_id} cannot be drained without --ssh-key: the node would stay \
+                 joined to its cluster, so the binding is kept; set --ssh-key and retry"
+            )));
+        };
+        let (server, ip) = self
+            .resolve_host("drain", machine, host_id, ctx.deadline)
+            .await?;
+        if let Some(stale) = self.ready_sessions.lock().await.remove(&server.id) {
+            stale.close().await;
+        }
+        let session = self.open_ssh(identity, &server, &ip, ctx).await?;
+        let grace = if grace_period_seconds <= 0 {
+            1
+        } else {
+            grace_period_seconds
+        };
+        let exit = session
+            .run(&ssh::drain_script(grace), b"", ctx.deadline, &ctx.cancel)
+            .await;
+        session.close().await;
+        let exit = exit.map_err(|e| err(e.to_string()))?;
+        if exit.status != 0 {
+            return Err(err(format!(
+                "ssh command on {ip} failed: Process exited with status {}",
+                exit.status
+            )));
+        }
+        self.update_labels(server.id, ctx.deadline, |l| {
+            labels::remove_chunked(l, labels::CLUSTER)
+        })
+        .await
+        .map_err(|e| err(format!("drain: clear cluster binding: {e}")))?;
+        tracing::info!(machine = %machine.id, server = server.id, "node drained and binding cleared");
+        Ok(())
+    }
+
+    async fn delete(&self, host_id: &str, ctx: &TransitionContext) -> Result<(), BackendError> {
+        let id = server_id(host_id, "delete")?;
+        let Some(server) = self
+            .api
+            .get_server(id, Some(ctx.deadline))
+            .await
+            .map_err(|e| err(format!("delete: lookup server {id}: {e}")))?
+        else {
+            return Ok(());
+        };
+        if !self.is_ours(&server) {
+            return Err(err(format!(
+                "delete: server {id} is not labelled as owned by provider {:?}; refusing to delete it",
+                self.provider
+            )));
+        }
+        if let Some(stale) = self.ready_sessions.lock().await.remove(&id) {
+            stale.close().await;
+        }
+        self.api
+            .delete_server(id, Some(ctx.deadline))
+            .await
+            .map_err(|e| err(format!("delete: delete server {id}: {e}")))?;
+        tracing::info!(server = id, "server deleted");
+        Ok(())
+    }
+
+    async fn price(&self, server_type: &str, location: &str) -> Result<f64, BackendError> {
+        let deadline = Instant::now() + self.timing.lookup_budget;
+        let kind = self
+            .api
+            .server_type(server_type, Some(deadline))
+            .await
+            .map_err(|e| err(e.to_string()))?
+            .ok_or_else(|| err(format!("unknown server type {server_type:?}")))?;
+        let entry = kind
+            .prices
+            .iter()
+            .find(|p| p.location == location)
+            .ok_or_else(|| err(format!("no pricing for {server_type} in {location}")))?;
+        let eur: f64 = entry.price_hourly.net.trim().parse().map_err(|e| {
+            err(format!(
+                "parse hourly price for {server_type}/{location}: {e}"
+            ))
+        })?;
+        if !eur.is_finite() || eur < 0.0 {
+            return Err(err(format!(
+                "parse hourly price for {server_type}/{location}: {eur} is not a price"
+            )));
+        }
+        Ok(eur * self.eur_usd)
+    }
+
+    async fn lookup_capacities(
+        &self,
+        types: &[String],
+    ) -> Result<HashMap<String, Capacity>, BackendError> {
+        let deadline = Instant::now() + self.timing.lookup_budget;
+        let mut out = HashMap::new();
+        for name in types {
+            let Some(kind) = self
+                .api
+                .server_type(name, Some(deadline))
+                .await
+                .map_err(|e| err(format!("resolve server type {name}: {e}")))?
+            else {
+                continue;
+            };
+            let vcpus = u32::try_from(kind.cores).unwrap_or(0);
+            let memory_mib = (kind.memory * 1024.0).round();
+            if vcpus == 0 || !memory_mib.is_finite() || memory_mib <= 0.0 {
+                continue;
+            }
+            out.insert(
+                name.clone(),
+                Capacity {
+                    vcpus,
+                    memory_mib: memory_mib as u64,
+                },
+            );
+        }
+        Ok(out)
+    }
+}
+
+fn arch_name(arch: models::Architecture) -> &'static str {
+    match arch {
+        models::Architecture::Arm => "arm",
+        models::Architecture::X86 => "x86",
+    }
+}
+
+#[async_trait]
+impl Cloud for HetznerCloud {
+    async fn create_host(
+        &self,
+        machine: &Machine,
+        ctx: &TransitionContext,
+    ) -> Result<OwnedHost, BackendError> {
+        self.timed("CreateServer", async {
+            self.create(machine, ctx).await.map_err(|e| {
+                if e.0.starts_with("create server ") {
+                    e
+                } else {
+                    err(format!("create server {}: {}", machine.instance_type, e.0))
+                }
+            })
+        })
+        .await
+    }
+
+    async fn list_hosts(&self) -> Result<Vec<OwnedHost>, BackendError> {
+        self.timed("DescribeManaged", async {
+            let deadline = Instant::now() + self.timing.list_budget;
+            let servers = self
+                .api
+                .list_servers(&labels::instance_selector(&self.provider), Some(deadline))
+                .await
+                .map_err(|e| err(format!("describe managed servers: {e}")))?;
+            Ok(servers
+                .iter()
+                .filter(|s| s.status != models::server::Status::Deleting)
+                .filter(|s| self.is_ours(s) && self.locations.contains(&s.location.name))
+                .filter_map(|s| self.to_owned_host(s))
+                .collect())
+        })
+        .await
+    }
+
+    async fn configure_host(
+        &self,
+        machine: &Machine,
+        host_id: &str,
+        order: &ConfigureOrder,
+        ctx: &TransitionContext,
+    ) -> Result<(), BackendError> {
+        self.timed("Configure", self.configure(machine, host_id, order, ctx))
+            .await
+    }
+
+    fn has_readiness_gate(&self) -> bool {
+        self.readiness_command.is_some()
+    }
+
+    async fn confirm_ready(
+        &self,
+        machine: &Machine,
+        host_id: &str,
+        _cluster_id: &str,
+        ctx: &TransitionContext,
+    ) -> Result<(), BackendError> {
+        self.timed("Readiness", self.ready(machine, host_id, ctx))
+            .await
+    }
+
+    async fn drain_host(
+        &self,
+        machine: &Machine,
+        host_id: &str,
+        grace_period_seconds: i64,
+        ctx: &TransitionContext,
+    ) -> Result<(), BackendError> {
+        self.timed(
+            "Drain",
+            self.drain(machine, host_id, grace_period_seconds, ctx),
+        )
+        .await
+    }
+
+    async fn delete_host(
+        &self,
+        host_id: &str,
+        ctx: &TransitionContext,
+    ) -> Result<(), BackendError> {
+        self.timed("DeleteServer", self.delete(host_id, ctx)).await
+    }
+
+    async fn price_usd(&self, instance_type: &str, zone: &str) -> Result<f64, BackendError> {
+        self.timed("ServerTypePricing", self.price(instance_type, zone))
+            .await
+    }
+
+    async fn capacities(
+        &self,
+        instance_types: &[String],
+    ) -> Result<HashMap<String, Capacity>, BackendError> {
+        self.timed("ServerType", self.lookup_capacities(instance_types))
+            .await
+    }
+}

@@ -1,0 +1,283 @@
+//! API faults: lost and slow Create responses, name collisions, rate-limit storms, 5xx,
+//! pagination, out-of-band deletion, and the token staying secret throughout.
+
+use std::collections::HashMap;
+use std::time::Duration;
+
+use hcloud_emulator::{CreateFault, Fault};
+use hetzner::labels;
+use provider_core::cloud::Cloud;
+
+use crate::harness::{Env, Options, PROVIDER, TOKEN, ctx};
+
+fn owned_labels(machine_id: &str, provider: &str) -> HashMap<String, String> {
+    let mut l: HashMap<String, String> = HashMap::from([(labels::MANAGED.into(), "true".into())]);
+    l.extend(labels::machine_id_labels(machine_id));
+    l.extend(labels::text_labels(labels::PROVIDER, provider));
+    l
+}
+
+#[tokio::test]
+async fn a_lost_create_response_is_resolved_by_lookup_not_a_second_server() {
+    let env = Env::new(Options::default()).await;
+    env.emulator.inject_create([CreateFault::LoseResponse]);
+    let machine = env.machine("cx22", "nbg1", 0);
+    let host = env.cloud.create_host(&machine, &ctx(30)).await.unwrap();
+    assert_eq!(env.emulator.servers().len(), 1);
+    assert_eq!(host.id, env.emulator.servers()[0].id.to_string());
+    assert_eq!(
+        env.emulator.count("POST", "/servers"),
+        1,
+        "the ambiguous POST was not repeated"
+    );
+    // The engine retrying the whole Create finds the same server.
+    let again = env.cloud.create_host(&machine, &ctx(30)).await.unwrap();
+    assert_eq!(again.id, host.id);
+    assert_eq!(env.emulator.servers().len(), 1);
+    assert_eq!(env.emulator.count("POST", "/servers"), 1);
+}
+
+#[tokio::test]
+async fn a_create_that_times_out_makes_no_second_server() {
+    let env = Env::new(Options {
+        request_timeout: Duration::from_millis(300),
+        ..Options::default()
+    })
+    .await;
+    env.emulator
+        .inject_create([CreateFault::Hang(Duration::from_secs(3))]);
+    let machine = env.machine("cx22", "nbg1", 1);
+    let host = env.cloud.create_host(&machine, &ctx(30)).await.unwrap();
+    let servers = env.emulator.servers();
+    assert_eq!(servers.len(), 1);
+    assert_eq!(host.id, servers[0].id.to_string());
+    assert_eq!(
+        labels::machine_id_of(&servers[0].labels).as_deref(),
+        Some(machine.id.as_str())
+    );
+}
+
+#[tokio::test]
+async fn a_name_taken_by_someone_else_is_never_adopted() {
+    let env = Env::new(Options::default()).await;
+    let machine = env.machine("cx22", "nbg1", 0);
+    // Same name, but the labels belong to another provider instance.
+    let foreign = env.emulator.insert_server(
+        &labels::server_name(&machine.id),
+        "cx22",
+        "nbg1",
+        owned_labels(&machine.id, "someone-else"),
+        "127.0.0.1",
+    );
+    let err = env.cloud.create_host(&machine, &ctx(10)).await.unwrap_err();
+    assert!(err.0.contains("refusing to adopt it"), "{}", err.0);
+    assert_eq!(env.emulator.servers().len(), 1);
+    // And it is not reported, configured or deleted by us.
+    assert!(env.cloud.list_hosts().await.unwrap().is_empty());
+    let err = env
+        .cloud
+        .delete_host(&foreign.to_string(), &ctx(10))
+        .await
+        .unwrap_err();
+    assert!(err.0.contains("refusing to delete it"), "{}", err.0);
+    assert!(env.emulator.server(foreign).is_some());
+}
+
+#[tokio::test]
+async fn rate_limit_storms_are_waited_out_and_counted() {
+    let env = Env::new(Options {
+        telemetry_prefix: "bigfleet_hetzner_it_storm",
+        ..Options::default()
+    })
+    .await;
+    let metrics = provider_core::telemetry::recorder();
+    env.emulator.inject([
+        Fault::RateLimited {
+            retry_after: Some(0),
+            reset_in: None,
+        },
+        Fault::RateLimited {
+            retry_after: Some(0),
+            reset_in: None,
+        },
+        Fault::RateLimited {
+            retry_after: None,
+            reset_in: Some(1),
+        },
+        Fault::ServerError(503),
+        Fault::RateLimited {
+            retry_after: Some(0),
+            reset_in: None,
+        },
+    ]);
+    let price = env.cloud.price_usd("cx22", "nbg1").await.unwrap();
+    assert!(price > 0.0);
+    assert_eq!(env.emulator.count_status(429), 4);
+    assert_eq!(env.emulator.count_status(503), 1);
+    let rendered = metrics.render();
+    let line = |needle: &str| {
+        rendered
+            .lines()
+            .find(|l| l.starts_with(needle) && !l.starts_with('#'))
+            .map(str::to_owned)
+    };
+    let http429 = line(
+        "bigfleet_hetzner_it_storm_api_http_requests_total{endpoint=\"GET /server_types\",status=\"429\"}",
+    );
+    assert_eq!(
+        http429.as_deref().and_then(|l| l.rsplit(' ').next()),
+        Some("4"),
+        "{rendered}"
+    );
+    let ok = line(
+        "bigfleet_hetzner_it_storm_api_calls_total{op=\"ServerTypePricing\",outcome=\"success\"}",
+    );
+    assert_eq!(
+        ok.as_deref().and_then(|l| l.rsplit(' ').next()),
+        Some("1"),
+        "{rendered}"
+    );
+    env.assert_token_not_logged();
+}
+
+#[tokio::test]
+async fn a_storm_longer_than_the_budget_fails_instead_of_hanging() {
+    let env = Env::new(Options::default()).await;
+    env.emulator
+        .inject((0..20).map(|_| Fault::ServerError(502)));
+    let err = env.cloud.price_usd("cx22", "nbg1").await.unwrap_err();
+    assert!(err.0.contains("HTTP 502"), "{}", err.0);
+    assert_eq!(
+        env.emulator.count_status(502),
+        8,
+        "gave up after the configured attempts"
+    );
+}
+
+#[tokio::test]
+async fn inventory_follows_pagination_and_keeps_to_its_own_servers() {
+    let env = Env::new(Options::default()).await;
+    env.emulator.set_max_per_page(2);
+    let mut ours = Vec::new();
+    for i in 0..5 {
+        let host = env
+            .cloud
+            .create_host(&env.machine("cx22", "nbg1", i), &ctx(30))
+            .await
+            .unwrap();
+        ours.push(host.id);
+    }
+    // Someone else's servers: another provider instance, a location we do not serve, and an
+    // unmanaged server.
+    env.emulator.insert_server(
+        "other",
+        "cx22",
+        "nbg1",
+        owned_labels("x/OnDemand/cx22/nbg1/000", "other"),
+        "10.0.0.1",
+    );
+    env.emulator.insert_server(
+        "far",
+        "cx22",
+        "hel1",
+        owned_labels(&format!("{PROVIDER}/OnDemand/cx22/hel1/000"), PROVIDER),
+        "10.0.0.2",
+    );
+    env.emulator
+        .insert_server("plain", "cx22", "nbg1", HashMap::new(), "10.0.0.3");
+    // A failed page is retried, never skipped.
+    env.emulator.inject([Fault::ServerError(503)]);
+    let mut listed: Vec<String> = env
+        .cloud
+        .list_hosts()
+        .await
+        .unwrap()
+        .into_iter()
+        .map(|h| h.id)
+        .collect();
+    listed.sort();
+    ours.sort();
+    assert_eq!(listed, ours);
+    let pages = env
+        .emulator
+        .seen()
+        .iter()
+        .filter(|s| {
+            s.path == "/servers" && s.method == "GET" && s.query.contains("bigfleet-provider")
+        })
+        .count();
+    assert!(pages >= 3, "followed every page ({pages} requests)");
+
+    // A page that keeps failing fails the listing: never a short inventory.
+    env.emulator
+        .inject((0..20).map(|_| Fault::ServerError(500)));
+    assert!(env.cloud.list_hosts().await.is_err());
+}
+
+#[tokio::test]
+async fn servers_deleted_out_of_band_or_being_deleted_leave_the_inventory() {
+    let env = Env::new(Options::default()).await;
+    let a = env
+        .cloud
+        .create_host(&env.machine("cx22", "nbg1", 0), &ctx(30))
+        .await
+        .unwrap();
+    let b = env
+        .cloud
+        .create_host(&env.machine("cx22", "nbg1", 1), &ctx(30))
+        .await
+        .unwrap();
+    assert_eq!(env.cloud.list_hosts().await.unwrap().len(), 2);
+
+    assert!(env.emulator.delete_out_of_band(a.id.parse().unwrap()));
+    let hosts = env.cloud.list_hosts().await.unwrap();
+    assert_eq!(
+        hosts.iter().map(|h| h.id.clone()).collect::<Vec<_>>(),
+        vec![b.id.clone()]
+    );
+    env.cloud.delete_host(&a.id, &ctx(10)).await.unwrap();
+
+    env.emulator.set_deleting_reads(5);
+    env.cloud.delete_host(&b.id, &ctx(10)).await.unwrap();
+    assert!(
+        env.emulator.server(b.id.parse().unwrap()).is_some(),
+        "still deleting"
+    );
+    assert!(env.cloud.list_hosts().await.unwrap().is_empty());
+}
+
+#[tokio::test]
+async fn the_token_never_shows_in_errors_or_debug_output() {
+    let env = Env::new(Options::default()).await;
+    assert!(!format!("{:?}", env.cloud).contains(TOKEN));
+    let cloud = hetzner::cloud::HetznerCloud::new(hetzner::cloud::HetznerConfig {
+        token: hetzner::api::Token::new("wrong-token-value-123"),
+        endpoint: env.emulator.endpoint(),
+        provider_instance: PROVIDER.into(),
+        image: "ubuntu-24.04".into(),
+        locations: vec!["nbg1".into()],
+        ssh: None,
+        bootstrap_hook: "/opt/bigfleet/bootstrap".into(),
+        base_user_data: None,
+        readiness_command: None,
+        eur_usd: 1.08,
+        telemetry: env.telemetry,
+        timing: crate::harness::fast_timing(Duration::from_secs(5)),
+    })
+    .unwrap();
+    let err = cloud.list_hosts().await.unwrap_err();
+    assert_eq!(
+        err.0,
+        "describe managed servers: hcloud unauthorized (HTTP 401): unable to authenticate"
+    );
+    assert!(!err.0.contains("wrong-token-value-123"));
+    let err = cloud
+        .create_host(&env.machine("cx22", "nbg1", 0), &ctx(5))
+        .await
+        .unwrap_err();
+    assert!(!err.0.contains("wrong-token-value-123"), "{}", err.0);
+    assert!(!format!("{cloud:?}").contains("wrong-token-value-123"));
+    let logs = env.logs.text();
+    assert!(!logs.contains("wrong-token-value-123"));
+    env.assert_token_not_logged();
+}

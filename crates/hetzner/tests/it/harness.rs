@@ -1,0 +1,273 @@
+//! The test environment: an hcloud emulator and a real SSH listener on 127.0.0.1, a
+//! `HetznerCloud` pointed at both, a bootstrap hook that records what it was given, and a
+//! captured log.
+
+use std::io::Write;
+use std::os::unix::fs::PermissionsExt;
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use hcloud_emulator::Emulator;
+use hetzner::api::{ClientTiming, Token};
+use hetzner::cloud::{HetznerCloud, HetznerConfig, Timing};
+use hetzner::ssh::{SshConfig, SshTiming};
+use provider_core::backend::TransitionContext;
+use provider_core::machine::Machine;
+use provider_core::retry::Backoff;
+use provider_core::telemetry::Telemetry;
+use russh::keys::ssh_key::LineEnding;
+use russh::keys::{Algorithm, PrivateKey};
+use tokio::net::TcpListener;
+
+use crate::sshd::{SshdSetup, TestSshd};
+
+pub const TOKEN: &str = "it-token-5be0c7d1a9f2";
+pub const PROVIDER: &str = "hetzner-it";
+
+/// Log lines captured from `tracing`.
+#[derive(Clone, Default)]
+pub struct Logs(Arc<Mutex<Vec<u8>>>);
+
+impl Logs {
+    pub fn text(&self) -> String {
+        String::from_utf8_lossy(&self.0.lock().unwrap()).into_owned()
+    }
+}
+
+impl Write for Logs {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        self.0.lock().unwrap().extend_from_slice(buf);
+        Ok(buf.len())
+    }
+
+    fn flush(&mut self) -> std::io::Result<()> {
+        Ok(())
+    }
+}
+
+impl<'a> tracing_subscriber::fmt::MakeWriter<'a> for Logs {
+    type Writer = Logs;
+
+    fn make_writer(&'a self) -> Logs {
+        self.clone()
+    }
+}
+
+/// What varies between tests.
+pub struct Options {
+    pub ssh: bool,
+    pub readiness_command: Option<String>,
+    pub hook_exit: i32,
+    pub base_user_data: Option<String>,
+    pub request_timeout: Duration,
+    pub telemetry_prefix: &'static str,
+}
+
+impl Default for Options {
+    fn default() -> Options {
+        Options {
+            ssh: true,
+            readiness_command: None,
+            hook_exit: 0,
+            base_user_data: None,
+            request_timeout: Duration::from_secs(5),
+            telemetry_prefix: "bigfleet_hetzner_it",
+        }
+    }
+}
+
+pub struct Env {
+    pub emulator: Emulator,
+    pub cloud: Arc<HetznerCloud>,
+    pub dir: tempfile::TempDir,
+    pub hook: PathBuf,
+    pub client_key: PrivateKey,
+    pub logs: Logs,
+    pub telemetry: Telemetry,
+    ssh_listener: Option<TcpListener>,
+    _log_guard: tracing::subscriber::DefaultGuard,
+}
+
+pub fn fast_timing(request_timeout: Duration) -> Timing {
+    Timing {
+        client: ClientTiming {
+            request_timeout,
+            backoff: Backoff {
+                base: Duration::from_millis(10),
+                max: Duration::from_millis(200),
+                max_attempts: 8,
+            },
+        },
+        ssh: SshTiming {
+            attempt_timeout: Duration::from_secs(2),
+            retry_interval: Duration::from_millis(30),
+            auth_retries: 1,
+        },
+        running_poll: Duration::from_millis(5),
+        running_cap: Duration::from_secs(30),
+        readiness_poll: Duration::from_millis(20),
+        list_budget: Duration::from_secs(10),
+        lookup_budget: Duration::from_secs(10),
+    }
+}
+
+pub fn ctx(seconds: u64) -> TransitionContext {
+    TransitionContext::with_timeout("op-it", Duration::from_secs(seconds))
+}
+
+pub fn new_key() -> PrivateKey {
+    PrivateKey::random(&mut rand::rng(), Algorithm::Ed25519).unwrap()
+}
+
+fn executable(path: &Path, body: &str) {
+    std::fs::create_dir_all(path.parent().unwrap()).unwrap();
+    std::fs::write(path, body).unwrap();
+    std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o755)).unwrap();
+}
+
+impl Env {
+    pub async fn new(options: Options) -> Env {
+        let logs = Logs::default();
+        let subscriber = tracing_subscriber::fmt()
+            .with_writer(logs.clone())
+            .with_max_level(tracing::Level::TRACE)
+            .with_ansi(false)
+            .finish();
+        let guard = tracing::subscriber::set_default(subscriber);
+        let emulator = Emulator::start(TOKEN).await.unwrap();
+        emulator.set_new_server_ipv4("127.0.0.1");
+        let ssh_listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let ssh_port = ssh_listener.local_addr().unwrap().port();
+        let dir = tempfile::tempdir().unwrap();
+        let hook = dir.path().join("opt/bigfleet/bootstrap");
+        let record = dir.path().join("hook.args");
+        let copy = dir.path().join("hook.blob.copy");
+        executable(
+            &hook,
+            &format!(
+                "#!/bin/sh\nprintf '%s\\n' \"$@\" > '{}'\ncp \"$0.blob\" '{}'\nexit {}\n",
+                record.display(),
+                copy.display(),
+                options.hook_exit
+            ),
+        );
+        // Stand-ins for the node's tools, found first on the sshd's PATH.
+        let calls = dir.path().join("kubectl.calls");
+        executable(
+            &dir.path().join("bin/kubectl"),
+            &format!("#!/bin/sh\necho \"$@\" >> '{}'\n", calls.display()),
+        );
+        executable(
+            &dir.path().join("bin/hostname"),
+            "#!/bin/sh\necho node-it-1\n",
+        );
+        let client_key = new_key();
+        let telemetry = Telemetry::new(options.telemetry_prefix);
+        let ssh = options.ssh.then(|| SshConfig {
+            user: "root".into(),
+            key: client_key.to_openssh(LineEnding::LF).unwrap().to_string(),
+            port: ssh_port,
+        });
+        let cloud = HetznerCloud::new(HetznerConfig {
+            token: Token::new(TOKEN),
+            endpoint: emulator.endpoint(),
+            provider_instance: PROVIDER.into(),
+            image: "ubuntu-24.04".into(),
+            locations: vec!["nbg1".into(), "fsn1".into()],
+            ssh,
+            bootstrap_hook: hook.to_str().unwrap().to_owned(),
+            base_user_data: options.base_user_data,
+            readiness_command: options.readiness_command,
+            eur_usd: 1.25,
+            telemetry,
+            timing: fast_timing(options.request_timeout),
+        })
+        .unwrap();
+        Env {
+            emulator,
+            cloud: Arc::new(cloud),
+            dir,
+            hook,
+            client_key,
+            logs,
+            telemetry,
+            ssh_listener: Some(ssh_listener),
+            _log_guard: guard,
+        }
+    }
+
+    pub fn machine(&self, server_type: &str, zone: &str, index: i64) -> Machine {
+        let id = provider_core::fleet::slot_id(PROVIDER, server_type, zone, index);
+        let mut m = Machine::speculative(id, server_type);
+        m.zone = zone.into();
+        m
+    }
+
+    /// Starts the SSH server on the reserved port with `host_key`.
+    pub fn start_sshd(&mut self, host_key: PrivateKey, drop_first: usize) -> TestSshd {
+        let listener = self.ssh_listener.take().expect("one SSH server per test");
+        TestSshd::start(
+            listener,
+            SshdSetup {
+                host_key,
+                authorized: self.client_key.public_key().clone(),
+                user: "root".into(),
+                workdir: self.dir.path().to_owned(),
+                path_prefix: self.dir.path().join("bin"),
+                drop_first,
+            },
+        )
+    }
+
+    /// Closes the reserved SSH port: connections are refused from now on.
+    pub fn refuse_ssh(&mut self) {
+        self.ssh_listener.take();
+    }
+
+    /// The host key the provider injected into `server`'s user-data, as cloud-init would
+    /// install it.
+    pub fn injected_host_key(&self, server: i64) -> PrivateKey {
+        let user_data = self
+            .emulator
+            .user_data(server)
+            .expect("server has user-data");
+        let start = user_data
+            .find("ed25519_private: |\n")
+            .expect("host key in user-data");
+        let pem: String = user_data[start..]
+            .lines()
+            .skip(1)
+            .take_while(|l| l.starts_with("    "))
+            .map(|l| format!("{}\n", &l[4..]))
+            .collect();
+        PrivateKey::from_openssh(pem).unwrap()
+    }
+
+    pub fn hook_args(&self) -> Option<String> {
+        std::fs::read_to_string(self.dir.path().join("hook.args")).ok()
+    }
+
+    pub fn blob_copy(&self) -> Option<Vec<u8>> {
+        std::fs::read(self.dir.path().join("hook.blob.copy")).ok()
+    }
+
+    pub fn blob_file(&self) -> PathBuf {
+        PathBuf::from(format!("{}.blob", self.hook.display()))
+    }
+
+    pub fn kubectl_calls(&self) -> String {
+        std::fs::read_to_string(self.dir.path().join("kubectl.calls")).unwrap_or_default()
+    }
+
+    pub fn labels(&self, server: i64) -> std::collections::HashMap<String, String> {
+        self.emulator.server(server).expect("server exists").labels
+    }
+
+    /// Asserts the token appears nowhere in the captured log.
+    pub fn assert_token_not_logged(&self) {
+        let text = self.logs.text();
+        assert!(!text.is_empty(), "the log capture works");
+        assert!(!text.contains(TOKEN), "the token leaked into the log");
+    }
+}

@@ -1,0 +1,248 @@
+//! The whole lifecycle through the real client, the emulator and a real SSH server, with the
+//! backend wrapped in provider-core's `Fleet` as the binary wires it.
+
+use std::sync::Arc;
+
+use hetzner::catalog;
+use hetzner::labels;
+use provider_core::backend::{Backend, BootstrapBlob, ConfigureOrder};
+use provider_core::cloud::{Capacity, Cloud};
+use provider_core::fleet::{CapacityBook, Fleet, PriceBook};
+use provider_core::machine::{MachineState, StringMap};
+use provider_core::offerings::Offering;
+
+use crate::harness::{Env, Options, PROVIDER, ctx};
+
+fn offering(server_type: &str, zone: &str, count: i64) -> Offering {
+    Offering {
+        instance_type: server_type.into(),
+        zone: zone.into(),
+        capacity_type: "on_demand".into(),
+        count,
+        resources: StringMap::from([("cpu".into(), "1".into()), ("memory".into(), "2Gi".into())]),
+        labels: StringMap::new(),
+    }
+}
+
+fn fleet(env: &Env) -> Fleet {
+    let prices = Arc::new(PriceBook::new(|t, _| {
+        catalog::pinned_price_eur(t).map(|eur| eur * 1.25)
+    }));
+    let capacities = Arc::new(CapacityBook::new(catalog::pinned_capacity));
+    Fleet::new(
+        env.cloud.clone(),
+        PROVIDER,
+        vec![offering("cx22", "nbg1", 2), offering("cax11", "fsn1", 1)],
+        prices,
+        capacities,
+        catalog::extra_labels,
+    )
+}
+
+#[tokio::test]
+async fn create_configure_drain_delete_end_to_end() {
+    let mut env = Env::new(Options::default()).await;
+    env.emulator.set_polls_to_running(3);
+    let fleet = fleet(&env);
+
+    let slots = fleet.describe().await.unwrap();
+    assert_eq!(slots.len(), 3);
+    assert!(slots.iter().all(|m| m.state == MachineState::Speculative));
+    let mut machine = slots
+        .iter()
+        .find(|m| m.instance_type == "cx22")
+        .unwrap()
+        .clone();
+
+    // Create: one server, labelled, named after the machine, with the host key injected.
+    let effect = fleet.create(&machine, &ctx(30)).await.unwrap();
+    let host = effect.host.clone().unwrap();
+    assert_eq!(host.provider, PROVIDER);
+    assert_eq!(
+        effect.allocatable.get("memory").map(String::as_str),
+        Some("4Gi")
+    );
+    let servers = env.emulator.servers();
+    assert_eq!(servers.len(), 1);
+    let server = &servers[0];
+    assert_eq!(host.id, server.id.to_string());
+    assert_eq!(server.name, labels::server_name(&machine.id));
+    assert_eq!(server.status, hcloud::models::server::Status::Running);
+    assert_eq!(server.labels[labels::MANAGED], "true");
+    assert_eq!(
+        labels::machine_id_of(&server.labels).as_deref(),
+        Some(machine.id.as_str())
+    );
+    assert_eq!(
+        labels::text_of(&server.labels, labels::PROVIDER).as_deref(),
+        Some(PROVIDER)
+    );
+    let injected = env.injected_host_key(server.id);
+    assert_eq!(
+        server.labels[labels::HOST_KEY_FP],
+        hetzner::hostkey::fingerprint(injected.public_key())
+    );
+    assert!(
+        env.emulator
+            .user_data(server.id)
+            .unwrap()
+            .starts_with("#cloud-config\n")
+    );
+
+    // Inventory maps the server back to its slot.
+    let described = fleet.describe().await.unwrap();
+    let idle = described.iter().find(|m| m.id == machine.id).unwrap();
+    assert_eq!(idle.state, MachineState::Idle);
+    assert_eq!(idle.host.as_ref().unwrap().id, host.id);
+
+    // Configure: the server's sshd presents the injected key; the blob and the hook are real.
+    let sshd = env.start_sshd(injected, 0);
+    machine.host = Some(host.clone());
+    let blob: Vec<u8> = (0..300_000u32).map(|i| (i * 7 % 251) as u8).collect();
+    let order = ConfigureOrder {
+        cluster_id: "prod-eu-1".into(),
+        blob: BootstrapBlob(blob.clone()),
+    };
+    fleet.configure(&machine, &order, &ctx(30)).await.unwrap();
+    assert_eq!(env.hook_args().as_deref(), Some("prod-eu-1\n"));
+    assert_eq!(env.blob_copy().as_deref(), Some(blob.as_slice()));
+    use std::os::unix::fs::PermissionsExt;
+    let mode = std::fs::metadata(env.blob_file())
+        .unwrap()
+        .permissions()
+        .mode();
+    assert_eq!(mode & 0o777, 0o600);
+    let commands = sshd.observed.commands();
+    assert_eq!(commands.len(), 1);
+    assert!(
+        !commands[0].contains("prod-eu-1\n"),
+        "the hook got its argument quoted"
+    );
+    assert!(
+        commands[0].len() < 1000,
+        "the blob travelled over stdin, not the command line"
+    );
+    assert_eq!(env.labels(server.id)[labels::CLUSTER], "prod-eu-1");
+    let hosts = env.cloud.list_hosts().await.unwrap();
+    assert_eq!(hosts[0].cluster.as_deref(), Some("prod-eu-1"));
+
+    // Drain: cordon + drain with the grace period, then the binding is gone.
+    fleet.drain(&machine, 0, &ctx(30)).await.unwrap();
+    let calls = env.kubectl_calls();
+    assert!(calls.contains("cordon node-it-1"), "{calls}");
+    assert!(
+        calls.contains("drain node-it-1 --ignore-daemonsets --delete-emptydir-data --grace-period=1 --timeout=1s"),
+        "{calls}"
+    );
+    assert!(!env.labels(server.id).contains_key(labels::CLUSTER));
+
+    // Delete: gone, and deleting again is still a success.
+    fleet.delete(&machine, &ctx(30)).await.unwrap();
+    assert!(env.emulator.servers().is_empty());
+    fleet.delete(&machine, &ctx(30)).await.unwrap();
+    let after = fleet.describe().await.unwrap();
+    assert!(after.iter().all(|m| m.state == MachineState::Speculative));
+    env.assert_token_not_logged();
+}
+
+#[tokio::test]
+async fn arm_offerings_get_the_arm_image_and_prices_are_net_per_location() {
+    let env = Env::new(Options::default()).await;
+    let machine = env.machine("cax11", "fsn1", 0);
+    let host = env.cloud.create_host(&machine, &ctx(30)).await.unwrap();
+    let server = env.emulator.server(host.id.parse().unwrap()).unwrap();
+    assert_eq!(
+        server.image.unwrap().architecture,
+        hcloud::models::Architecture::Arm
+    );
+    assert_eq!(host.instance_type, "cax11");
+    assert_eq!(host.zone, "fsn1");
+    assert_eq!(host.public_ipv4.as_deref(), Some("127.0.0.1"));
+    assert!(host.running);
+
+    let cx22 = env.cloud.price_usd("cx22", "nbg1").await.unwrap();
+    assert!(
+        (cx22 - 0.0060 * 1.25).abs() < 1e-9,
+        "net EUR x rate, got {cx22}"
+    );
+    let hel = env.cloud.price_usd("cx22", "hel1").await.unwrap();
+    assert!(
+        (hel - 0.0060 * 0.9 * 1.25).abs() < 1e-9,
+        "per-location price, got {hel}"
+    );
+    let err = env.cloud.price_usd("cx22", "ash").await.unwrap_err();
+    assert_eq!(err.0, "no pricing for cx22 in ash");
+    let err = env.cloud.price_usd("cx99", "nbg1").await.unwrap_err();
+    assert_eq!(err.0, "unknown server type \"cx99\"");
+
+    let caps = env
+        .cloud
+        .capacities(&["cx22".into(), "cpx41".into(), "nope".into()])
+        .await
+        .unwrap();
+    assert_eq!(
+        caps["cx22"],
+        Capacity {
+            vcpus: 2,
+            memory_mib: 4096
+        }
+    );
+    assert_eq!(
+        caps["cpx41"],
+        Capacity {
+            vcpus: 8,
+            memory_mib: 16384
+        }
+    );
+    assert!(!caps.contains_key("nope"));
+}
+
+#[tokio::test]
+async fn create_errors_name_what_is_wrong() {
+    let env = Env::new(Options::default()).await;
+    let err = env
+        .cloud
+        .create_host(&env.machine("cx99", "nbg1", 0), &ctx(10))
+        .await
+        .unwrap_err();
+    assert_eq!(err.0, "create server cx99: unknown server type \"cx99\"");
+    let err = env
+        .cloud
+        .create_host(&env.machine("cx22", "hel1", 0), &ctx(10))
+        .await
+        .unwrap_err();
+    assert!(
+        err.0.starts_with(
+            "create server cx22: location \"hel1\" is not one of this provider's locations"
+        ),
+        "{}",
+        err.0
+    );
+    assert!(env.emulator.servers().is_empty());
+}
+
+#[tokio::test]
+async fn operator_user_data_is_merged_as_multipart() {
+    let env = Env::new(Options {
+        base_user_data: Some("#!/bin/sh\necho operator\n".into()),
+        ..Options::default()
+    })
+    .await;
+    let host = env
+        .cloud
+        .create_host(&env.machine("cx22", "nbg1", 0), &ctx(10))
+        .await
+        .unwrap();
+    let user_data = env.emulator.user_data(host.id.parse().unwrap()).unwrap();
+    assert!(user_data.starts_with("Content-Type: multipart/mixed; boundary=\""));
+    assert!(user_data.contains("Content-Type: text/x-shellscript\r\n"));
+    assert!(user_data.contains("#!/bin/sh\necho operator\n"));
+    assert!(user_data.contains("Content-Type: text/cloud-config\r\n"));
+    // The injected key is still recoverable from the merged document.
+    let key = env.injected_host_key(host.id.parse().unwrap());
+    let server_labels = env.labels(host.id.parse().unwrap());
+    assert_eq!(
+        server_labels[labels::HOST_KEY_FP],
+        hetzner::hostkey::fingerprint(key.public_key())
+    );
+}

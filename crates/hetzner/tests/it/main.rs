@@ -1,0 +1,12 @@
+//! Integration tests of the Hetzner backend: the real client against the local Hetzner API
+//! emulator, and SSH delivery against a real (in-process) SSH server, all on 127.0.0.1.
+
+// Helpers here are test code too: a panic is the failure report we want.
+#![allow(clippy::unwrap_used)]
+
+mod faults;
+mod harness;
+mod lifecycle;
+mod real_build;
+mod ssh_delivery;
+mod sshd;

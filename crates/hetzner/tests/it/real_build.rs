@@ -1,0 +1,135 @@
+//! Startup validation of the real backend's flags (`hetzner::real::build`).
+
+use std::io::Write;
+
+use hetzner::real::{RealArgs, build};
+use provider_core::config::Secret;
+use provider_core::machine::StringMap;
+use provider_core::offerings::Offering;
+use provider_core::telemetry::Telemetry;
+
+fn args() -> RealArgs {
+    RealArgs {
+        token: Secret::new("t0k3n-for-build-tests"),
+        endpoint: "https://api.hetzner.cloud/v1".into(),
+        provider: "hetzner".into(),
+        image: "ubuntu-24.04".into(),
+        ssh_key: String::new(),
+        ssh_user: "root".into(),
+        ssh_port: 22,
+        bootstrap_hook: "/opt/bigfleet/bootstrap".into(),
+        readiness_command: String::new(),
+        base_user_data: String::new(),
+        eur_usd: 1.08,
+    }
+}
+
+fn offerings() -> Vec<Offering> {
+    vec![Offering {
+        instance_type: "cx22".into(),
+        zone: "nbg1".into(),
+        capacity_type: String::new(),
+        count: 1,
+        resources: StringMap::new(),
+        labels: StringMap::new(),
+    }]
+}
+
+fn error(args: RealArgs) -> String {
+    build(args, &offerings(), Telemetry::new("bigfleet_hetzner_it"))
+        .err()
+        .expect("build fails")
+}
+
+#[test]
+fn required_flags() {
+    assert!(build(args(), &offerings(), Telemetry::new("bigfleet_hetzner_it")).is_ok());
+    assert_eq!(
+        error(RealArgs {
+            token: Secret::new(""),
+            ..args()
+        }),
+        "hcloud: token is required for the hetzner backend"
+    );
+    assert_eq!(
+        error(RealArgs {
+            image: String::new(),
+            ..args()
+        }),
+        "hcloud: --image is required for the hetzner backend"
+    );
+    let err = error(RealArgs {
+        endpoint: "http://mirror.example.com/v1".into(),
+        ..args()
+    });
+    assert!(
+        err.contains("plain http is only allowed for loopback"),
+        "{err}"
+    );
+    assert!(
+        build(
+            RealArgs {
+                endpoint: "http://127.0.0.1:8080/v1".into(),
+                ..args()
+            },
+            &offerings(),
+            Telemetry::new("bigfleet_hetzner_it")
+        )
+        .is_ok()
+    );
+}
+
+#[test]
+fn ssh_key_errors_name_the_file() {
+    let err = error(RealArgs {
+        ssh_key: "/nonexistent/id_ed25519".into(),
+        ..args()
+    });
+    assert!(
+        err.starts_with("read --ssh-key /nonexistent/id_ed25519: "),
+        "{err}"
+    );
+    let mut bad = tempfile::NamedTempFile::new().unwrap();
+    bad.write_all(
+        b"-----BEGIN OPENSSH PRIVATE KEY-----\nnot a key\n-----END OPENSSH PRIVATE KEY-----\n",
+    )
+    .unwrap();
+    let path = bad.path().to_str().unwrap().to_owned();
+    let err = error(RealArgs {
+        ssh_key: path.clone(),
+        ..args()
+    });
+    assert!(
+        err.starts_with(&format!("parse --ssh-key {path}: ")),
+        "{err}"
+    );
+    let mut good = tempfile::NamedTempFile::new().unwrap();
+    let key = crate::harness::new_key();
+    good.write_all(
+        key.to_openssh(russh::keys::ssh_key::LineEnding::LF)
+            .unwrap()
+            .as_bytes(),
+    )
+    .unwrap();
+    let ok = build(
+        RealArgs {
+            ssh_key: good.path().to_str().unwrap().into(),
+            ..args()
+        },
+        &offerings(),
+        Telemetry::new("bigfleet_hetzner_it"),
+    );
+    assert!(ok.is_ok());
+}
+
+#[test]
+fn base_user_data_must_be_readable() {
+    let err = error(RealArgs {
+        base_user_data: "/nonexistent/cloud-init".into(),
+        ..args()
+    });
+    assert!(
+        err.starts_with("read --base-user-data: /nonexistent/cloud-init: "),
+        "{err}"
+    );
+}
