@@ -5,6 +5,7 @@
 // Helpers outside #[test] functions panic on setup failures too: that is the report we want.
 #![allow(clippy::unwrap_used)]
 
+mod binary;
 mod channel;
 mod cloud;
 mod lifecycle;

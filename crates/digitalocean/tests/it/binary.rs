@@ -1,0 +1,365 @@
+//! The `digitalocean` binary with its real backend against the emulator, driven over gRPC,
+//! with real `bigfleet-agent` processes playing the Droplets: the full lifecycle, a failing
+//! hook and a silent agent, each ending where the contract says.
+
+use std::path::{Path, PathBuf};
+use std::process::Stdio;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use digitalocean::naming::machine_tag;
+use do_emulator::Emulator;
+use fleet_proto::v1alpha1 as pb;
+use pb::capacity_provider_client::CapacityProviderClient;
+use tokio::net::TcpListener;
+use tokio_util::sync::CancellationToken;
+use tonic::transport::Channel;
+
+use crate::support::*;
+
+const BLOB: &[u8] = b"kubeadm join 10.0.0.1:6443 --token binary.e2eblobsecret";
+
+/// A port that was free a moment ago, for a child process to bind.
+async fn free_port() -> u16 {
+    TcpListener::bind("127.0.0.1:0")
+        .await
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+}
+
+struct Provider {
+    _child: tokio::process::Child,
+    output: Arc<Mutex<Vec<u8>>>,
+    client: CapacityProviderClient<Channel>,
+    sequence: i64,
+    emulator: Emulator,
+    _emulator_stop: tokio_util::sync::DropGuard,
+    pki: Pki,
+    dir: tempfile::TempDir,
+}
+
+impl Provider {
+    async fn start(extra: &[&str]) -> Provider {
+        let emulator = Emulator::new(API_TOKEN);
+        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let api_url = format!("http://{}", listener.local_addr().unwrap());
+        let stop = CancellationToken::new();
+        tokio::spawn(emulator.clone().serve(listener, stop.clone()));
+        let dir = tempfile::tempdir().unwrap();
+        let pki = pki();
+        let file = |name: &str, body: &str| {
+            let path = dir.path().join(name);
+            std::fs::write(&path, body).unwrap();
+            path.display().to_string()
+        };
+        let (cert, key, ca) = (
+            file("channel.pem", &pki.cert_pem),
+            file("channel-key.pem", &pki.key_pem),
+            file("ca.pem", &pki.ca_pem),
+        );
+        let offerings = file(
+            "offerings.json",
+            r#"[{"size":"s-2vcpu-4gb","region":"nyc3","count":4,"resources":{"cpu":"1","memory":"2Gi"}}]"#,
+        );
+        let (grpc, bootstrap) = (free_port().await, free_port().await);
+        let mut cmd = tokio::process::Command::new(env!("CARGO_BIN_EXE_digitalocean"));
+        cmd.args([
+            "--provider=do-bin",
+            "--region=nyc3",
+            "--image=ubuntu-24-04-x64",
+            "--metrics-addr=",
+            "--reconcile-interval=0",
+            "--price-refresh=0",
+        ])
+        .arg(format!("--offerings={offerings}"))
+        .arg(format!("--addr=127.0.0.1:{grpc}"))
+        .arg(format!("--do-api-url={api_url}"))
+        .arg(format!("--bootstrap-addr=127.0.0.1:{bootstrap}"))
+        .arg(format!(
+            "--bootstrap-endpoint=https://127.0.0.1:{bootstrap}"
+        ))
+        .arg(format!("--bootstrap-tls-cert={cert}"))
+        .arg(format!("--bootstrap-tls-key={key}"))
+        .arg(format!("--bootstrap-ca={ca}"))
+        .args(extra)
+        .env("DIGITALOCEAN_TOKEN", API_TOKEN)
+        .env("BIGFLEET_BOOTSTRAP_SECRET", SECRET)
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .kill_on_drop(true);
+        let mut child = cmd.spawn().unwrap();
+        let output = Arc::new(Mutex::new(Vec::new()));
+        for stream in [
+            child
+                .stdout
+                .take()
+                .map(|s| Box::new(s) as Box<dyn tokio::io::AsyncRead + Unpin + Send>),
+            child
+                .stderr
+                .take()
+                .map(|s| Box::new(s) as Box<dyn tokio::io::AsyncRead + Unpin + Send>),
+        ]
+        .into_iter()
+        .flatten()
+        {
+            let output = output.clone();
+            tokio::spawn(async move {
+                use tokio::io::AsyncReadExt as _;
+                let mut stream = stream;
+                let mut buf = [0u8; 4096];
+                while let Ok(n) = stream.read(&mut buf).await {
+                    if n == 0 {
+                        break;
+                    }
+                    output.lock().unwrap().extend_from_slice(&buf[..n]);
+                }
+            });
+        }
+        // The child binds its own ports: connect until it answers (bounded).
+        let endpoint = format!("http://127.0.0.1:{grpc}");
+        let mut client = None;
+        for _ in 0..400 {
+            if let Ok(c) = CapacityProviderClient::connect(endpoint.clone()).await {
+                client = Some(c);
+                break;
+            }
+            if let Ok(Some(status)) = child.try_wait() {
+                panic!(
+                    "provider exited with {status}: {}",
+                    String::from_utf8_lossy(&output.lock().unwrap())
+                );
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        let client = client.unwrap_or_else(|| {
+            panic!(
+                "provider never listened: {}",
+                String::from_utf8_lossy(&output.lock().unwrap())
+            )
+        });
+        Provider {
+            _child: child,
+            output,
+            client,
+            sequence: 0,
+            emulator,
+            _emulator_stop: stop.drop_guard(),
+            pki,
+            dir,
+        }
+    }
+
+    fn logs(&self) -> String {
+        String::from_utf8_lossy(&self.output.lock().unwrap()).into_owned()
+    }
+
+    fn next(&mut self) -> i64 {
+        self.sequence += 1;
+        self.sequence
+    }
+
+    async fn speculative(&mut self, n: usize) -> Vec<String> {
+        let list = self
+            .client
+            .list(pb::ListFilter::default())
+            .await
+            .unwrap()
+            .into_inner();
+        let mut ids: Vec<String> = list
+            .machines
+            .iter()
+            .filter(|m| m.state == pb::MachineState::Speculative as i32)
+            .map(|m| m.id.clone())
+            .collect();
+        ids.sort();
+        assert!(ids.len() >= n, "{ids:?}");
+        ids.truncate(n);
+        ids
+    }
+
+    async fn get(&mut self, id: &str) -> pb::Machine {
+        self.client
+            .get(pb::MachineRef { id: id.to_owned() })
+            .await
+            .unwrap()
+            .into_inner()
+    }
+
+    /// Waits until the machine reaches `state` (bounded), failing fast on an unexpected FAILED.
+    async fn wait_for(&mut self, id: &str, state: pb::MachineState) -> pb::Machine {
+        for _ in 0..600 {
+            let m = self.get(id).await;
+            if m.state == state as i32 {
+                return m;
+            }
+            if m.state == pb::MachineState::Failed as i32 {
+                panic!("{id} FAILED: {}\n{}", m.last_error, self.logs());
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        panic!(
+            "{id} never reached {state:?}: {:?}\n{}",
+            self.get(id).await,
+            self.logs()
+        );
+    }
+
+    async fn create(&mut self, id: &str) {
+        let sequence_number = self.next();
+        let request = pb::CreateRequest {
+            machine_id: id.into(),
+            shard_id: "shard-a".into(),
+            shard_epoch: 1,
+            sequence_number,
+        };
+        self.client.create(request).await.unwrap();
+    }
+
+    async fn configure(&mut self, id: &str, cluster: &str, blob: &[u8]) {
+        let sequence_number = self.next();
+        let request = pb::ConfigureRequest {
+            machine_id: id.into(),
+            cluster_id: cluster.into(),
+            bootstrap_blob: blob.to_vec(),
+            shard_id: "shard-a".into(),
+            shard_epoch: 1,
+            sequence_number,
+            shard_metadata: Default::default(),
+        };
+        self.client.configure(request).await.unwrap();
+    }
+
+    /// Starts the agent of `machine_id`'s Droplet from the config its user_data carries.
+    fn boot_droplet(&self, machine_id: &str, hook_exit: i32) -> (AgentProcess, PathBuf) {
+        let tag = machine_tag(machine_id);
+        let droplet = self
+            .emulator
+            .droplets()
+            .into_iter()
+            .find(|d| d.tags.contains(&tag))
+            .expect("droplet");
+        let dir = self.dir.path().join(droplet.id.to_string());
+        std::fs::create_dir_all(&dir).unwrap();
+        let agent = AgentProcess::spawn(AgentSetup {
+            dir: &dir,
+            config_json: agent_config_from_user_data(&droplet.user_data),
+            hook: recording_hook(&dir, hook_exit),
+            drain_command: format!("echo \"$1\" > '{}/drain.args'", dir.display()),
+            readiness_command: None,
+        });
+        (agent, dir)
+    }
+}
+
+fn read(dir: &Path, name: &str) -> String {
+    std::fs::read_to_string(dir.join(name)).unwrap_or_default()
+}
+
+#[tokio::test]
+async fn the_binary_runs_the_whole_lifecycle_with_real_agents() {
+    let mut p = Provider::start(&[]).await;
+    assert!(
+        p.logs().contains("serving on-host agent bootstrap channel"),
+        "{}",
+        p.logs()
+    );
+    let ids = p.speculative(2).await;
+    let (good, bad) = (ids[0].clone(), ids[1].clone());
+
+    p.create(&good).await;
+    p.create(&bad).await;
+    let idle = p.wait_for(&good, pb::MachineState::Idle).await;
+    let host = idle.host.clone().expect("an Idle machine has a host");
+    assert_eq!(host.provider, "do-bin");
+    p.wait_for(&bad, pb::MachineState::Idle).await;
+    assert_eq!(p.emulator.droplets().len(), 2);
+
+    let (good_agent, good_dir) = p.boot_droplet(&good, 0);
+    let (_bad_agent, _) = p.boot_droplet(&bad, 7);
+
+    p.configure(&good, "prod-eu", BLOB).await;
+    p.configure(&bad, "prod-eu", BLOB).await;
+    let configured = p.wait_for(&good, pb::MachineState::Configured).await;
+    assert_eq!(configured.cluster, "prod-eu");
+    assert_eq!(read(&good_dir, "hook.args"), "prod-eu\n");
+    assert_eq!(
+        std::fs::read(good_dir.join("hook.blob.copy")).unwrap(),
+        BLOB
+    );
+    let failed = p.wait_for(&bad, pb::MachineState::Failed).await;
+    assert_eq!(
+        failed.last_error,
+        format!("agent bootstrap failed for {bad}: bootstrap hook failed: exit status: 7")
+    );
+
+    let sequence_number = p.next();
+    p.client
+        .drain(pb::DrainRequest {
+            machine_id: good.clone(),
+            grace_period_seconds: 0,
+            shard_id: "shard-a".into(),
+            shard_epoch: 1,
+            sequence_number,
+        })
+        .await
+        .unwrap();
+    p.wait_for(&good, pb::MachineState::Idle).await;
+    assert_eq!(read(&good_dir, "drain.args"), "1\n");
+
+    let sequence_number = p.next();
+    p.client
+        .delete(pb::DeleteRequest {
+            machine_id: good.clone(),
+            shard_id: "shard-a".into(),
+            shard_epoch: 1,
+            sequence_number,
+        })
+        .await
+        .unwrap();
+    p.wait_for(&good, pb::MachineState::Speculative).await;
+    assert_eq!(
+        p.emulator.droplets().len(),
+        1,
+        "only the FAILED machine's Droplet is left"
+    );
+
+    let logs = p.logs() + &good_agent.output();
+    for secret in [
+        SECRET,
+        API_TOKEN,
+        token(&good).as_str(),
+        token(&bad).as_str(),
+        "binary.e2eblobsecret",
+    ] {
+        assert!(
+            !logs.contains(secret),
+            "a secret leaked into the logs:\n{logs}"
+        );
+    }
+    let _ = &p.pki;
+}
+
+#[tokio::test]
+async fn a_silent_agent_times_out_into_failed() {
+    let mut p = Provider::start(&["--configure-timeout=2s"]).await;
+    let id = p.speculative(1).await.remove(0);
+    p.create(&id).await;
+    p.wait_for(&id, pb::MachineState::Idle).await;
+    // No agent ever polls for this Droplet.
+    p.configure(&id, "prod", BLOB).await;
+    let failed = p.wait_for(&id, pb::MachineState::Failed).await;
+    assert!(
+        failed.last_error.contains("context deadline exceeded")
+            && (failed
+                .last_error
+                .starts_with("configure transition timed out after 2s")
+                || failed
+                    .last_error
+                    .starts_with(&format!("agent did not apply configure for {id}"))),
+        "{}",
+        failed.last_error
+    );
+}
