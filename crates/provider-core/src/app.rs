@@ -204,6 +204,7 @@ pub async fn run(launch: Launch) -> Result<(), String> {
         ))
     };
     health.set(true).await;
+    telemetry.build_info();
     ready.set(true);
     announce(security);
 

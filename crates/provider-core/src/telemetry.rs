@@ -104,7 +104,8 @@ impl Telemetry {
         histogram!(self.api_duration, "op" => op).record(elapsed.as_secs_f64());
     }
 
-    /// One HTTP request to a cloud API, by endpoint template and status class.
+    /// One HTTP request to a cloud API, by endpoint template and status class (see
+    /// [`status_class`]; `error` for a transport failure).
     pub fn api_http(&self, endpoint: &'static str, status: &'static str) {
         counter!(self.api_http, "endpoint" => endpoint, "status" => status).increment(1);
     }
@@ -125,6 +126,11 @@ impl Telemetry {
             gauge!(self.machines, "state" => *state).set(*n as f64);
         }
         gauge!(self.failed_with_host).set(failed_with_host as f64);
+    }
+
+    /// Marks the build this process runs (`<prefix>_build_info{version} 1`).
+    pub fn build_info(&self) {
+        gauge!(self.build_info, "version" => env!("CARGO_PKG_VERSION")).set(1.0);
     }
 
     pub fn bootstrap_poll(&self, outcome: &'static str) {
@@ -164,4 +170,16 @@ pub fn recorder() -> PrometheusHandle {
             }
         })
         .clone()
+}
+
+/// The status class label of a cloud API answer: `429` on its own (rate limiting), else
+/// `2xx`, `3xx`, `4xx` or `5xx`.
+pub fn status_class(status: u16) -> &'static str {
+    match status {
+        429 => "429",
+        200..=299 => "2xx",
+        300..=399 => "3xx",
+        400..=499 => "4xx",
+        _ => "5xx",
+    }
 }
