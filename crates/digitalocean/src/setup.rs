@@ -96,6 +96,14 @@ pub fn build_real(flags: &RealFlags, telemetry: Telemetry) -> Result<RealBackend
                 .into(),
         );
     }
+    let endpoint_ok = reqwest::Url::parse(&flags.bootstrap_endpoint)
+        .is_ok_and(|u| u.scheme() == "https" && u.host_str().is_some_and(|h| !h.is_empty()));
+    if !endpoint_ok {
+        return Err(format!(
+            "digitalocean: --bootstrap-endpoint {:?} must be an https:// URL (the agent only speaks TLS)",
+            flags.bootstrap_endpoint
+        ));
+    }
     let api_url = if flags.api_url.is_empty() {
         crate::api::DEFAULT_API_URL
     } else {
@@ -162,4 +170,128 @@ pub fn channel_tls(cert_pem: &[u8], key_pem: &[u8]) -> Result<Arc<ServerConfig>,
         .map_err(|e| format!("certificate and key do not match: {e}"))?;
     config.alpn_protocols = vec![b"h2".to_vec(), b"http/1.1".to_vec()];
     Ok(Arc::new(config))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn write(dir: &std::path::Path, name: &str, body: &str) -> String {
+        let path = dir.join(name);
+        std::fs::write(&path, body).expect("write");
+        path.display().to_string()
+    }
+
+    /// Flags that pass every check, with a self-signed channel certificate.
+    fn valid(dir: &std::path::Path) -> RealFlags {
+        let key = rcgen::KeyPair::generate().expect("key");
+        let cert = rcgen::CertificateParams::new(vec!["localhost".to_owned()])
+            .expect("params")
+            .self_signed(&key)
+            .expect("cert");
+        RealFlags {
+            provider: "digitalocean".into(),
+            token: "dop_v1_x".into(),
+            region: "nyc3".into(),
+            image: "ubuntu-24-04-x64".into(),
+            api_url: String::new(),
+            base_user_data: None,
+            bootstrap_addr: ":9443".into(),
+            bootstrap_endpoint: "https://bootstrap.example.com:9443".into(),
+            bootstrap_tls_cert: write(dir, "cert.pem", &cert.pem()),
+            bootstrap_tls_key: write(dir, "key.pem", &key.serialize_pem()),
+            bootstrap_ca: String::new(),
+            bootstrap_secret: "s3cret".into(),
+        }
+    }
+
+    fn error(flags: &RealFlags) -> String {
+        build_real(flags, Telemetry::new("bigfleet_digitalocean_setup_test"))
+            .expect_err("must fail")
+    }
+
+    #[test]
+    fn checks_run_in_the_reference_order_with_its_messages() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let ok = valid(dir.path());
+        let backend = build_real(&ok, Telemetry::new("bigfleet_digitalocean_setup_test"))
+            .expect("valid flags");
+        assert_eq!(backend.bootstrap_addr, ":9443");
+
+        // Everything wrong at once: the secret is reported first.
+        let all_wrong = RealFlags::default();
+        assert!(error(&all_wrong).starts_with(
+            "the digitalocean backend requires --bootstrap-secret or BIGFLEET_BOOTSTRAP_SECRET: a stable HMAC key"
+        ));
+        let mut f = ok.clone();
+        f.bootstrap_tls_key.clear();
+        assert!(error(&f).starts_with(
+            "the digitalocean backend requires --bootstrap-addr, --bootstrap-tls-cert and --bootstrap-tls-key"
+        ));
+        let mut f = ok.clone();
+        f.bootstrap_tls_cert = dir.path().join("missing.pem").display().to_string();
+        assert!(
+            error(&f).starts_with("load bootstrap TLS keypair: open "),
+            "{}",
+            error(&f)
+        );
+        let mut f = ok.clone();
+        f.bootstrap_tls_key = write(dir.path(), "garbage.pem", "not pem");
+        assert!(
+            error(&f).starts_with("load bootstrap TLS keypair: parse private key"),
+            "{}",
+            error(&f)
+        );
+        let mut f = ok.clone();
+        f.bootstrap_ca = dir.path().join("no-ca.pem").display().to_string();
+        assert!(
+            error(&f).starts_with("read bootstrap CA: open "),
+            "{}",
+            error(&f)
+        );
+        let mut f = ok.clone();
+        f.token = " '' ".into();
+        assert_eq!(
+            error(&f),
+            "digitalocean: token is required for the digitalocean backend"
+        );
+        let mut f = ok.clone();
+        f.region.clear();
+        assert_eq!(
+            error(&f),
+            "digitalocean: --region is required for the digitalocean backend"
+        );
+        let mut f = ok.clone();
+        f.image.clear();
+        assert_eq!(
+            error(&f),
+            "digitalocean: --image is required for the digitalocean backend"
+        );
+        let mut f = ok.clone();
+        f.bootstrap_endpoint.clear();
+        assert_eq!(
+            error(&f),
+            "digitalocean: --bootstrap-endpoint is required so the on-host agent can reach the provider"
+        );
+        let mut f = ok.clone();
+        f.bootstrap_endpoint = "http://bootstrap.example.com".into();
+        assert!(error(&f).contains("must be an https:// URL"));
+        let mut f = ok;
+        f.api_url = "http://203.0.113.9".into();
+        assert!(error(&f).contains("plain http is only allowed for loopback addresses"));
+    }
+
+    #[test]
+    fn flags_never_print_secrets() {
+        let flags = RealFlags {
+            token: "dop_v1_x".into(),
+            bootstrap_secret: "s3cret".into(),
+            ..RealFlags::default()
+        };
+        let text = format!("{flags:?}");
+        assert!(
+            !text.contains("dop_v1_x") && !text.contains("s3cret"),
+            "{text}"
+        );
+    }
 }
