@@ -347,7 +347,7 @@ fn build_image(
     let log = File::create(&log_path)?;
     let previous = output(buildah().args(["images", "--quiet", "--no-trunc", tag]))
         .ok()
-        .map(|id| id.trim().to_owned());
+        .map(|id| id.trim().trim_start_matches("sha256:").to_owned());
 
     let status = buildah()
         .args([
@@ -383,31 +383,50 @@ fn build_image(
         );
     }
 
-    // Each stage that a later one copies from is committed as an untagged image; only the
-    // final one is wanted. The image this tag pointed at before is now untagged as well.
+    // Each stage that a later one copies from is committed as an untagged image, and buildah
+    // keeps a working container on it; only the final image is wanted. The image this tag
+    // pointed at before is now untagged as well.
     let built = fs::read_to_string(&iid_path)?;
-    let built = built.trim().trim_start_matches("sha256:");
-    let mut stale: Vec<&str> = log
+    let built = built.trim().trim_start_matches("sha256:").to_owned();
+    let mut stale: BTreeSet<String> = log
         .lines()
-        .filter_map(|line| line.strip_prefix("--> "))
-        .map(str::trim)
-        .filter(|id| !id.is_empty() && !built.starts_with(id))
-        .collect();
-    if let Some(previous) = previous
-        .as_deref()
+        .filter_map(|line| line.trim().strip_prefix("Copying config sha256:"))
+        .map(|id| id.trim().to_owned())
         .filter(|id| !id.is_empty() && *id != built)
-    {
-        stale.push(previous);
-    }
-    for id in stale {
-        // An image still used elsewhere (another tag, a container) stays; that is fine.
-        let _ = buildah()
-            .args(["rmi", id])
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .status();
-    }
+        .collect();
+    stale.extend(previous.filter(|id| !id.is_empty() && *id != built));
+    remove_images(&stale);
     Ok(())
+}
+
+/// Removes the given images and the working containers built on them, as far as possible:
+/// an image still used elsewhere (another tag, someone's container) stays.
+fn remove_images(ids: &BTreeSet<String>) {
+    if ids.is_empty() {
+        return;
+    }
+    let containers = output(buildah().args([
+        "containers",
+        "--notruncate",
+        "--format",
+        "{{.ContainerID}} {{.ImageID}}",
+    ]))
+    .unwrap_or_default();
+    for line in containers.lines() {
+        if let Some((container, image)) = line.split_once(' ')
+            && ids.contains(image.trim())
+        {
+            quietly(buildah().args(["rm", container]));
+        }
+    }
+    for id in ids {
+        quietly(buildah().args(["rmi", id]));
+    }
+}
+
+/// Runs a clean-up command whose failure changes nothing for the caller.
+fn quietly(command: &mut Command) {
+    let _ = command.stdout(Stdio::null()).stderr(Stdio::null()).status();
 }
 
 /// Runs the image checks and returns the image size in bytes.
@@ -485,11 +504,7 @@ struct WorkingContainer {
 impl WorkingContainer {
     fn create(tag: &str, name: &str) -> Result<Self> {
         // A container left by an interrupted run would hold the name.
-        let _ = buildah()
-            .args(["rm", name])
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .status();
+        quietly(buildah().args(["rm", name]));
         output(buildah().args(["from", "--name", name, tag]))?;
         Ok(Self {
             name: name.to_owned(),
@@ -517,11 +532,7 @@ impl WorkingContainer {
 
 impl Drop for WorkingContainer {
     fn drop(&mut self) {
-        let _ = buildah()
-            .args(["rm", &self.name])
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .status();
+        quietly(buildah().args(["rm", &self.name]));
     }
 }
 
@@ -529,10 +540,7 @@ fn check_filesystem(container: &WorkingContainer, image: &Image, from_scratch: b
     let mount = output(buildah().args(["mount", &container.name]))?;
     let rootfs = PathBuf::from(mount.trim());
     let verdict = filesystem_verdict(&rootfs, image, from_scratch);
-    let _ = buildah()
-        .args(["umount", &container.name])
-        .stdout(Stdio::null())
-        .status();
+    quietly(buildah().args(["umount", &container.name]));
     verdict
 }
 
