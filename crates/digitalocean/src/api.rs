@@ -6,7 +6,7 @@
 use std::time::Duration;
 
 use provider_core::retry::{Backoff, Verdict, classify_status, hint_from_headers};
-use provider_core::telemetry::Telemetry;
+use provider_core::telemetry::{Telemetry, status_class};
 use reqwest::{Method, StatusCode, Url};
 use serde::de::DeserializeOwned;
 use serde::{Deserialize, Serialize};
@@ -365,7 +365,8 @@ impl ApiClient {
         let status = response.status();
         let hint = hint_from_headers(response.headers());
         let bytes = response.bytes().await.map_err(transport)?;
-        self.telemetry.api_http(endpoint, status_class(status));
+        self.telemetry
+            .api_http(endpoint, status_class(status.as_u16()));
         if status.is_success() {
             return Ok((status, bytes.to_vec()));
         }
@@ -605,15 +606,6 @@ impl ApiClient {
         self.call(endpoint, method, url, Some(&body), deadline)
             .await?;
         Ok(())
-    }
-}
-
-fn status_class(status: StatusCode) -> &'static str {
-    match status.as_u16() {
-        200..=299 => "2xx",
-        300..=399 => "3xx",
-        400..=499 => "4xx",
-        _ => "5xx",
     }
 }
 

@@ -2,10 +2,12 @@
 //! (digitalocean.md §3), loads the bootstrap channel's TLS material, and builds the channel and
 //! the [`DigitalOceanCloud`] before any port is bound.
 
+use std::path::Path;
 use std::sync::Arc;
 
 use provider_core::retry::Backoff;
 use provider_core::telemetry::Telemetry;
+use provider_core::tls;
 use rustls::ServerConfig;
 use rustls_pki_types::pem::PemObject;
 use rustls_pki_types::{CertificateDer, PrivateKeyDer};
@@ -79,7 +81,7 @@ pub fn build_real(flags: &RealFlags, telemetry: Telemetry) -> Result<RealBackend
         &flags.bootstrap_ca
     };
     let ca_pem = std::fs::read(ca_path)
-        .map_err(|e| format!("read bootstrap CA: open {ca_path}: {e}"))
+        .map_err(|e| format!("read bootstrap CA: {ca_path}: {e}"))
         .map(|b| String::from_utf8_lossy(&b).into_owned())?;
     let token = ApiToken::new(&flags.token)
         .ok_or("digitalocean: token is required for the digitalocean backend")?;
@@ -143,33 +145,37 @@ pub fn build_real(flags: &RealFlags, telemetry: Telemetry) -> Result<RealBackend
     })
 }
 
-/// Loads a certificate chain and key from PEM files into a TLS 1.3-only server config.
+/// ALPN protocols of the channel: agents may speak HTTP/2 or HTTP/1.1.
+const CHANNEL_ALPN: &[&[u8]] = &[b"h2", b"http/1.1"];
+
+/// Loads the channel's certificate chain and key from PEM files into a TLS 1.3-only server
+/// config (ring provider, no client certificates).
 pub fn load_channel_tls(cert_path: &str, key_path: &str) -> Result<Arc<ServerConfig>, String> {
-    let cert_pem = std::fs::read(cert_path).map_err(|e| format!("open {cert_path}: {e}"))?;
-    let key_pem = std::fs::read(key_path).map_err(|e| format!("open {key_path}: {e}"))?;
-    channel_tls(&cert_pem, &key_pem)
+    let certs = tls::read_certificates(Path::new(cert_path))?;
+    let key = tls::read_private_key(Path::new(key_path))?;
+    build_channel_tls(certs, key)
 }
 
-/// A TLS 1.3-only server config (ring provider, no client certificates, ALPN h2 and
-/// http/1.1) from PEM bytes.
+/// The same from PEM bytes.
 pub fn channel_tls(cert_pem: &[u8], key_pem: &[u8]) -> Result<Arc<ServerConfig>, String> {
     let certs: Vec<CertificateDer<'static>> = CertificateDer::pem_slice_iter(cert_pem)
         .collect::<Result<_, _>>()
         .map_err(|e| format!("parse certificate: {e}"))?;
     if certs.is_empty() {
-        return Err("no certificate found in the certificate file".into());
+        return Err("no certificates found".into());
     }
     let key =
         PrivateKeyDer::from_pem_slice(key_pem).map_err(|e| format!("parse private key: {e}"))?;
-    let provider = Arc::new(rustls::crypto::ring::default_provider());
-    let mut config = ServerConfig::builder_with_provider(provider)
-        .with_protocol_versions(&[&rustls::version::TLS13])
-        .map_err(|e| e.to_string())?
-        .with_no_client_auth()
-        .with_single_cert(certs, key)
-        .map_err(|e| format!("certificate and key do not match: {e}"))?;
-    config.alpn_protocols = vec![b"h2".to_vec(), b"http/1.1".to_vec()];
-    Ok(Arc::new(config))
+    build_channel_tls(certs, key)
+}
+
+fn build_channel_tls(
+    certs: Vec<CertificateDer<'static>>,
+    key: PrivateKeyDer<'static>,
+) -> Result<Arc<ServerConfig>, String> {
+    tls::server_config(certs, key, None, CHANNEL_ALPN)
+        .map(Arc::new)
+        .map_err(|e| format!("certificate and key do not match: {e}"))
 }
 
 #[cfg(test)]
@@ -231,21 +237,26 @@ mod tests {
         let mut f = ok.clone();
         f.bootstrap_tls_cert = dir.path().join("missing.pem").display().to_string();
         assert!(
-            error(&f).starts_with("load bootstrap TLS keypair: open "),
+            error(&f).starts_with("load bootstrap TLS keypair: /"),
+            "{}",
+            error(&f)
+        );
+        assert!(
+            error(&f).contains("missing.pem: No such file"),
             "{}",
             error(&f)
         );
         let mut f = ok.clone();
         f.bootstrap_tls_key = write(dir.path(), "garbage.pem", "not pem");
         assert!(
-            error(&f).starts_with("load bootstrap TLS keypair: parse private key"),
+            error(&f).ends_with("garbage.pem: no usable private key (no items found)"),
             "{}",
             error(&f)
         );
         let mut f = ok.clone();
         f.bootstrap_ca = dir.path().join("no-ca.pem").display().to_string();
         assert!(
-            error(&f).starts_with("read bootstrap CA: open "),
+            error(&f).starts_with("read bootstrap CA: /"),
             "{}",
             error(&f)
         );

@@ -1,0 +1,16 @@
+//! provider-core integration tests: the real gRPC server over loopback, in every security mode
+//! with the committed test PKI (`testdata/pki`), checked through a real tonic client.
+
+// Helpers outside `#[test]` functions may unwrap too: a panic is the failure report.
+#![allow(clippy::unwrap_used)]
+
+#[path = "../../../../xtask/src/e2e/wire.rs"]
+mod wire;
+
+mod errors;
+mod fencing;
+mod harness;
+mod lifecycle;
+mod list;
+mod reported_bugs;
+mod transport;
