@@ -1,8 +1,8 @@
 //! A local, stateful emulator of the Hetzner Cloud API (the subset a capacity provider uses),
 //! for tests and `cargo xtask e2e`: servers with labels and label selectors, server types with
-//! per-location prices, images per architecture, locations, actions, pagination, Hetzner-style
-//! error bodies and bearer-token auth. Every response is built from `hcloud::models` types, so
-//! the real client parses it exactly as it parses Hetzner's.
+//! per-location prices, images per architecture, locations, private networks, actions,
+//! pagination, Hetzner-style error bodies and bearer-token auth. Every response is built from
+//! `hcloud::models` types, so the real client parses it exactly as it parses Hetzner's.
 //!
 //! Test knobs ([`Emulator`] methods): 429 storms with `Retry-After` or `RateLimit-Reset`,
 //! injected 5xx, a Create that takes effect but whose response is lost (502) or hangs, servers
@@ -81,10 +81,12 @@ struct World {
     server_types: Vec<models::ServerType>,
     images: Vec<models::Image>,
     locations: Vec<models::Location>,
+    networks: Vec<models::Network>,
     faults: VecDeque<Fault>,
     create_faults: VecDeque<CreateFault>,
     polls_to_running: u32,
     new_server_ipv4: Option<String>,
+    new_server_private_ip: Option<String>,
     max_per_page: i64,
     /// Reads of a `deleting` server left before it disappears.
     deleting_reads: u32,
@@ -191,10 +193,18 @@ impl World {
                 image(161_547_270, models::Architecture::Arm),
             ],
             locations,
+            networks: vec![models::Network {
+                id: 9001,
+                name: "bigfleet-mgmt".into(),
+                ip_range: "10.0.0.0/16".into(),
+                created: "2024-01-01T00:00:00+00:00".into(),
+                ..Default::default()
+            }],
             faults: VecDeque::new(),
             create_faults: VecDeque::new(),
             polls_to_running: 0,
             new_server_ipv4: None,
+            new_server_private_ip: None,
             max_per_page: 50,
             deleting_reads: 0,
             seen: Vec::new(),
@@ -610,7 +620,38 @@ async fn create_server(State(world): State<Shared>, headers: HeaderMap, body: St
                 "location not found",
             );
         };
+        let networks = request.networks.clone().unwrap_or_default();
+        if let Some(missing) = networks
+            .iter()
+            .find(|n| !w.networks.iter().any(|k| k.id == **n))
+        {
+            let missing = *missing;
+            drop(w);
+            return reject(
+                StatusCode::UNPROCESSABLE_ENTITY,
+                "invalid_input",
+                &format!("network {missing} not found"),
+            );
+        }
         let id = w.next_id();
+        let private_net: Vec<models::ServerPrivateNet> = networks
+            .iter()
+            .map(|network| models::ServerPrivateNet {
+                network: Some(*network),
+                ip: Some(
+                    w.new_server_private_ip
+                        .clone()
+                        .unwrap_or_else(|| format!("10.0.{}.{}", id % 200, id % 250 + 2)),
+                ),
+                alias_ips: Some(Vec::new()),
+                mac_address: Some("86:00:00:00:00:01".into()),
+            })
+            .collect();
+        for network in &networks {
+            if let Some(n) = w.networks.iter_mut().find(|k| k.id == *network) {
+                n.servers.push(id);
+            }
+        }
         let ip = w
             .new_server_ipv4
             .clone()
@@ -625,6 +666,7 @@ async fn create_server(State(world): State<Shared>, headers: HeaderMap, body: St
             image: Some(Box::new(image)),
             location: Box::new(location),
             primary_disk_size: 40,
+            private_net,
             public_net: Box::new(models::ServerPublicNet {
                 ipv4: Some(Box::new(models::Ipv4 {
                     ip,
@@ -862,6 +904,55 @@ async fn list_locations(
     }
 }
 
+async fn list_networks(
+    State(world): State<Shared>,
+    headers: HeaderMap,
+    Query(q): Query<HashMap<String, String>>,
+) -> Response {
+    if let Err(r) = gate(&world, &headers, "GET", "/networks", &query_string(&q)) {
+        return r;
+    }
+    let w = lock(&world);
+    let networks: Vec<models::Network> = w
+        .networks
+        .iter()
+        .filter(|n| q.get("name").is_none_or(|v| *v == n.name))
+        .cloned()
+        .collect();
+    let max = w.max_per_page;
+    drop(w);
+    match paginate(&networks, &q, max) {
+        Ok((networks, meta)) => Json(models::ListNetworksResponse {
+            networks,
+            meta: Box::new(meta),
+        })
+        .into_response(),
+        Err(r) => r,
+    }
+}
+
+async fn get_network(
+    State(world): State<Shared>,
+    headers: HeaderMap,
+    Path(id): Path<i64>,
+) -> Response {
+    if let Err(r) = gate(&world, &headers, "GET", &format!("/networks/{id}"), "") {
+        return r;
+    }
+    let w = lock(&world);
+    match w.networks.iter().find(|n| n.id == id).cloned() {
+        Some(network) => Json(models::GetNetworkResponse {
+            network: Some(Box::new(network)),
+        })
+        .into_response(),
+        None => {
+            drop(w);
+            record_status(&world, StatusCode::NOT_FOUND);
+            error(StatusCode::NOT_FOUND, "not_found", "network not found")
+        }
+    }
+}
+
 async fn fallback(State(world): State<Shared>, headers: HeaderMap) -> Response {
     if let Err(r) = gate(&world, &headers, "?", "?", "") {
         return r;
@@ -885,6 +976,8 @@ fn router(world: Shared) -> Router {
         .route("/v1/images", get(list_images))
         .route("/v1/images/{id}", get(get_image))
         .route("/v1/locations", get(list_locations))
+        .route("/v1/networks", get(list_networks))
+        .route("/v1/networks/{id}", get(get_network))
         .fallback(fallback)
         .with_state(world)
 }
@@ -941,6 +1034,12 @@ impl Emulator {
     /// The public IPv4 of servers created from now on (e.g. `127.0.0.1`).
     pub fn set_new_server_ipv4(&self, ip: &str) {
         self.world().new_server_ipv4 = Some(ip.to_owned());
+    }
+
+    /// The address new servers get on the private networks they are attached to (e.g.
+    /// `127.0.0.1` to reach a local SSH server over the "private" path).
+    pub fn set_new_server_private_ip(&self, ip: &str) {
+        self.world().new_server_private_ip = Some(ip.to_owned());
     }
 
     /// Caps `per_page`, to exercise pagination with few servers.

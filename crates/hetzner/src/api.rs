@@ -552,6 +552,50 @@ impl HcloudApi {
             .find(|i| i.name.as_deref() == Some(name_or_id) && i.architecture == architecture))
     }
 
+    /// A private network by numeric id or by name.
+    pub async fn network(
+        &self,
+        name_or_id: &str,
+        deadline: Option<Instant>,
+    ) -> Result<Option<models::Network>, ApiError> {
+        if let Ok(id) = name_or_id.parse::<i64>() {
+            let path = format!("/networks/{id}");
+            let result: Result<models::GetNetworkResponse, _> = self
+                .call(
+                    "GET /networks/{id}",
+                    Method::GET,
+                    &path,
+                    &[],
+                    None,
+                    deadline,
+                    Repeat::Idempotent,
+                )
+                .await;
+            match result {
+                Ok(response) => {
+                    if let Some(network) = response.network {
+                        return Ok(Some(*network));
+                    }
+                }
+                Err(e) if e.status() == Some(404) => {}
+                Err(e) => return Err(e),
+            }
+        }
+        let query = [("name", name_or_id.to_owned())];
+        let response: models::ListNetworksResponse = self
+            .call(
+                "GET /networks",
+                Method::GET,
+                "/networks",
+                &query,
+                None,
+                deadline,
+                Repeat::Idempotent,
+            )
+            .await?;
+        Ok(response.networks.into_iter().find(|n| n.name == name_or_id))
+    }
+
     /// A location by name.
     pub async fn location(
         &self,

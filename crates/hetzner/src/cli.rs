@@ -3,7 +3,7 @@
 
 use clap::{ArgAction, Parser};
 use provider_core::cli::Command;
-use provider_core::config::{go_bool, CommonArgs, Secret};
+use provider_core::config::{CommonArgs, Secret, go_bool};
 
 /// BigFleet capacity provider for Hetzner Cloud servers.
 #[derive(Parser, Debug, Clone)]
@@ -29,11 +29,24 @@ pub struct Cli {
     pub use_fake_backend: bool,
 
     /// Hetzner Cloud API token (Read & Write).
-    #[arg(long, env = "HCLOUD_TOKEN", hide_env_values = true, default_value = "", hide_default_value = true, value_name = "TOKEN")]
+    #[arg(
+        long,
+        env = "HCLOUD_TOKEN",
+        hide_env_values = true,
+        default_value = "",
+        hide_default_value = true,
+        value_name = "TOKEN"
+    )]
     pub token: Secret,
 
     /// Hetzner Cloud API base URL (plain http only for loopback addresses).
-    #[arg(long = "hcloud-endpoint", env = "HCLOUD_ENDPOINT", hide_env_values = true, default_value = "https://api.hetzner.cloud/v1", value_name = "URL")]
+    #[arg(
+        long = "hcloud-endpoint",
+        env = "HCLOUD_ENDPOINT",
+        hide_env_values = true,
+        default_value = "https://api.hetzner.cloud/v1",
+        value_name = "URL"
+    )]
     pub hcloud_endpoint: String,
 
     /// First location of the default offering mix.
@@ -45,7 +58,12 @@ pub struct Cli {
     pub location_b: String,
 
     /// EUR to USD rate for prices (values <= 0 mean 1.08).
-    #[arg(long = "eur-usd", default_value_t = 1.08, allow_negative_numbers = true, value_name = "RATE")]
+    #[arg(
+        long = "eur-usd",
+        default_value_t = 1.08,
+        allow_negative_numbers = true,
+        value_name = "RATE"
+    )]
     pub eur_usd: f64,
 
     /// SSH private key (unencrypted OpenSSH or PEM) for Configure and Drain.
@@ -56,12 +74,28 @@ pub struct Cli {
     #[arg(long = "ssh-user", default_value = "root", value_name = "USER")]
     pub ssh_user: String,
 
-    /// SSH port on the server's public IPv4.
+    /// SSH port on the server (its public IPv4, or its --network address with --ssh-address private).
     #[arg(long = "ssh-port", default_value_t = 22, value_name = "PORT")]
     pub ssh_port: u16,
 
+    /// Hetzner private network (name or id) every new server is attached to; empty for none.
+    #[arg(long = "network", default_value = "", value_name = "NETWORK")]
+    pub network: String,
+
+    /// Server address SSH connects to: public (its public IPv4) or private (its address on --network).
+    #[arg(
+        long = "ssh-address",
+        default_value = "public",
+        value_name = "public|private"
+    )]
+    pub ssh_address: String,
+
     /// On-host executable that consumes the bootstrap blob (<hook>.blob) as `<hook> <cluster-id>`.
-    #[arg(long = "bootstrap-hook", default_value = "/opt/bigfleet/bootstrap", value_name = "PATH")]
+    #[arg(
+        long = "bootstrap-hook",
+        default_value = "/opt/bigfleet/bootstrap",
+        value_name = "PATH"
+    )]
     pub bootstrap_hook: String,
 
     /// Command run over SSH after the hook until it exits 0: the node-readiness gate.
@@ -72,7 +106,11 @@ pub struct Cli {
 impl Cli {
     /// The EUR to USD rate in force (the reference turns values <= 0 into 1.08).
     pub fn eur_usd(&self) -> f64 {
-        if self.eur_usd > 0.0 && self.eur_usd.is_finite() { self.eur_usd } else { 1.08 }
+        if self.eur_usd > 0.0 && self.eur_usd.is_finite() {
+            self.eur_usd
+        } else {
+            1.08
+        }
     }
 }
 
@@ -96,10 +134,21 @@ impl Mode {
 pub fn resolve_mode(cli: &Cli) -> Result<Mode, String> {
     let requested = cli.hetzner_backend.to_ascii_lowercase();
     let resolved = match requested.as_str() {
-        "" | "auto" => if cli.token.is_empty() { Mode::Fake } else { Mode::Real },
+        "" | "auto" => {
+            if cli.token.is_empty() {
+                Mode::Fake
+            } else {
+                Mode::Real
+            }
+        }
         "hetzner" => Mode::Real,
         "fake" => Mode::Fake,
-        _ => return Err(format!("--hetzner-backend must be hetzner, fake, or auto (got {:?})", cli.hetzner_backend)),
+        _ => {
+            return Err(format!(
+                "--hetzner-backend must be hetzner, fake, or auto (got {:?})",
+                cli.hetzner_backend
+            ));
+        }
     };
     if cli.use_fake_backend {
         return Ok(Mode::Fake);
@@ -141,7 +190,14 @@ mod tests {
 
     #[test]
     fn go_style_flags() {
-        let cli = parse(&["--reflection=false", "--use-fake-backend", "--seed-count", "8", "--price-refresh=1h30m", "--eur-usd=-1"]);
+        let cli = parse(&[
+            "--reflection=false",
+            "--use-fake-backend",
+            "--seed-count",
+            "8",
+            "--price-refresh=1h30m",
+            "--eur-usd=-1",
+        ]);
         assert!(!cli.common.reflection);
         assert!(cli.use_fake_backend);
         assert_eq!(cli.common.seed_count, 8);
@@ -154,11 +210,22 @@ mod tests {
     fn backend_selection() {
         let no_token = parse(&["--token="]);
         let err = resolve_mode(&no_token).unwrap_err();
-        assert!(err.starts_with("refusing to start the hetzner provider on the in-memory fake backend"));
-        assert_eq!(resolve_mode(&parse(&["--token=", "--use-fake-backend"])), Ok(Mode::Fake));
-        assert_eq!(resolve_mode(&parse(&["--token=", "--hetzner-backend=FAKE"])), Ok(Mode::Fake));
+        assert!(
+            err.starts_with("refusing to start the hetzner provider on the in-memory fake backend")
+        );
+        assert_eq!(
+            resolve_mode(&parse(&["--token=", "--use-fake-backend"])),
+            Ok(Mode::Fake)
+        );
+        assert_eq!(
+            resolve_mode(&parse(&["--token=", "--hetzner-backend=FAKE"])),
+            Ok(Mode::Fake)
+        );
         assert_eq!(resolve_mode(&parse(&["--token=t"])), Ok(Mode::Real));
-        assert_eq!(resolve_mode(&parse(&["--token=t", "--use-fake-backend=true"])), Ok(Mode::Fake));
+        assert_eq!(
+            resolve_mode(&parse(&["--token=t", "--use-fake-backend=true"])),
+            Ok(Mode::Fake)
+        );
         assert_eq!(
             resolve_mode(&parse(&["--hetzner-backend=aws"])).unwrap_err(),
             "--hetzner-backend must be hetzner, fake, or auto (got \"aws\")"

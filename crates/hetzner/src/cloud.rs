@@ -61,6 +61,10 @@ pub struct HetznerConfig {
     pub locations: Vec<String>,
     /// `--ssh-key` / `--ssh-user` / `--ssh-port`; `None` disables Configure and Drain.
     pub ssh: Option<SshConfig>,
+    /// `--network`: a Hetzner private network (name or id) every new server is attached to.
+    pub network: Option<String>,
+    /// `--ssh-address`: which server address SSH connects to.
+    pub ssh_address: SshAddress,
     /// `--bootstrap-hook`.
     pub bootstrap_hook: String,
     /// The contents of `--base-user-data`.
@@ -71,6 +75,30 @@ pub struct HetznerConfig {
     pub eur_usd: f64,
     pub telemetry: Telemetry,
     pub timing: Timing,
+}
+
+/// Which address of a server the provider's SSH connection goes to.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum SshAddress {
+    /// The public IPv4, exactly as the API reports it (the reference's behaviour).
+    #[default]
+    Public,
+    /// The server's address on `--network`, for a management network the control plane
+    /// trusts; the public address is then never used for SSH.
+    Private,
+}
+
+impl SshAddress {
+    /// Parses `--ssh-address`.
+    pub fn parse(value: &str) -> Result<SshAddress, String> {
+        match value.trim().to_ascii_lowercase().as_str() {
+            "" | "public" => Ok(SshAddress::Public),
+            "private" => Ok(SshAddress::Private),
+            other => Err(format!(
+                "--ssh-address must be public or private (got {other:?})"
+            )),
+        }
+    }
 }
 
 /// Pacing of polls and retries; the defaults suit the real API, tests shorten them.
@@ -111,6 +139,10 @@ pub struct HetznerCloud {
     image: String,
     locations: HashSet<String>,
     ssh: Option<SshIdentity>,
+    network: Option<String>,
+    ssh_address: SshAddress,
+    /// The numeric id of `network`, once resolved.
+    network_id: tokio::sync::OnceCell<i64>,
     hook: String,
     base_user_data: Option<String>,
     readiness_command: Option<String>,
@@ -198,6 +230,16 @@ impl HetznerCloud {
             DEFAULT_EUR_USD
         };
         let ssh = config.ssh.as_ref().map(SshIdentity::parse).transpose()?;
+        let network = config
+            .network
+            .map(|n| n.trim().to_owned())
+            .filter(|n| !n.is_empty());
+        if config.ssh_address == SshAddress::Private && network.is_none() {
+            return Err(
+                "--ssh-address private needs --network (the private network to reach servers on)"
+                    .into(),
+            );
+        }
         let api = HcloudApi::new(
             &config.endpoint,
             config.token,
@@ -210,6 +252,9 @@ impl HetznerCloud {
             image: config.image.trim().to_owned(),
             locations,
             ssh,
+            network,
+            ssh_address: config.ssh_address,
+            network_id: tokio::sync::OnceCell::new(),
             hook: config.bootstrap_hook,
             base_user_data: config.base_user_data,
             readiness_command: config.readiness_command.filter(|c| !c.trim().is_empty()),
@@ -299,6 +344,25 @@ impl HetznerCloud {
             tracing::warn!(machine = machine_id, servers = ?ids, "several servers carry one machine id; using the oldest");
         }
         Ok(found.into_iter().next())
+    }
+
+    /// The id of `--network`, resolved once (by id or by name).
+    async fn network_id(&self, deadline: Instant) -> Result<Option<i64>, String> {
+        let Some(network) = &self.network else {
+            return Ok(None);
+        };
+        let id = self
+            .network_id
+            .get_or_try_init(|| async {
+                self.api
+                    .network(network, Some(deadline))
+                    .await
+                    .map_err(|e| format!("resolve network {network}: {e}"))?
+                    .map(|n| n.id)
+                    .ok_or_else(|| format!("unknown network {network:?}"))
+            })
+            .await?;
+        Ok(Some(*id))
     }
 
     /// The per-server lock that serialises this process's label writes on one server.
@@ -443,6 +507,7 @@ impl HetznerCloud {
             .await
             .map_err(|e| err(format!("resolve location {}: {e}", machine.zone)))?
             .ok_or_else(|| err(format!("unknown location {:?}", machine.zone)))?;
+        let network = self.network_id(deadline).await.map_err(err)?;
         let host_key = HostKey::generate().map_err(err)?;
         let user_data = provider_core::userdata::assemble(
             self.base_user_data.as_deref(),
@@ -464,6 +529,7 @@ impl HetznerCloud {
             location: Some(location.name.clone()),
             user_data: Some(user_data),
             labels: Some(server_labels),
+            networks: network.map(|id| vec![id]),
             ..Default::default()
         };
         let mut attempt = 0u32;
@@ -513,7 +579,8 @@ impl HetznerCloud {
         owned(&server)
     }
 
-    /// The server behind `host_id`, checked to belong to `machine`, and its public IPv4.
+    /// The server behind `host_id`, checked to belong to `machine`, and the address SSH goes
+    /// to (`--ssh-address`).
     async fn resolve_host(
         &self,
         what: &str,
@@ -534,11 +601,31 @@ impl HetznerCloud {
                 machine.id, self.provider
             )));
         }
-        let ip = ipv4_of(&server).ok_or_else(|| {
-            err(format!(
-                "{what}: server {id} has no public IPv4 for SSH delivery"
-            ))
-        })?;
+        let ip = match self.ssh_address {
+            SshAddress::Public => ipv4_of(&server).ok_or_else(|| {
+                err(format!(
+                    "{what}: server {id} has no public IPv4 for SSH delivery"
+                ))
+            })?,
+            SshAddress::Private => {
+                let network = self
+                    .network_id(deadline)
+                    .await
+                    .map_err(|e| err(format!("{what}: {e}")))?;
+                server
+                    .private_net
+                    .iter()
+                    .find(|p| p.network == network)
+                    .and_then(|p| p.ip.clone())
+                    .filter(|ip| !ip.is_empty())
+                    .ok_or_else(|| {
+                        err(format!(
+                            "{what}: server {id} has no address on network {} for SSH delivery",
+                            self.network.as_deref().unwrap_or_default()
+                        ))
+                    })?
+            }
+        };
         Ok((server, ip))
     }
 
@@ -913,5 +1000,98 @@ impl Cloud for HetznerCloud {
     ) -> Result<HashMap<String, Capacity>, BackendError> {
         self.timed("ServerType", self.lookup_capacities(instance_types))
             .await
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn config(endpoint: String) -> HetznerConfig {
+        HetznerConfig {
+            token: Token::new("unit-token"),
+            endpoint,
+            provider_instance: "unit".into(),
+            image: "ubuntu-24.04".into(),
+            locations: vec!["nbg1".into()],
+            ssh: None,
+            network: None,
+            ssh_address: SshAddress::Public,
+            bootstrap_hook: "/opt/bigfleet/bootstrap".into(),
+            base_user_data: None,
+            readiness_command: None,
+            eur_usd: 1.08,
+            telemetry: Telemetry::new("bigfleet_hetzner_unit"),
+            timing: Timing::default(),
+        }
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+    async fn concurrent_label_updates_on_one_server_are_all_kept() {
+        let emulator = hcloud_emulator::Emulator::start("unit-token")
+            .await
+            .unwrap();
+        let id = emulator.insert_server("s", "cx22", "nbg1", HashMap::new(), "127.0.0.1");
+        let cloud = Arc::new(HetznerCloud::new(config(emulator.endpoint())).unwrap());
+        let deadline = Instant::now() + Duration::from_secs(20);
+        let tasks: Vec<_> = (0..16)
+            .map(|i| {
+                let cloud = cloud.clone();
+                tokio::spawn(async move {
+                    cloud
+                        .update_labels(id, deadline, |l| {
+                            l.insert(format!("k{i}"), format!("v{i}"));
+                        })
+                        .await
+                })
+            })
+            .collect();
+        for task in tasks {
+            task.await.unwrap().unwrap();
+        }
+        let labels = emulator.server(id).unwrap().labels;
+        assert_eq!(labels.len(), 16, "{labels:?}");
+        assert!((0..16).all(|i| labels[&format!("k{i}")] == format!("v{i}")));
+        assert!(
+            cloud.label_locks.lock().unwrap().len() <= 1,
+            "locks do not pile up"
+        );
+    }
+
+    #[test]
+    fn config_validation() {
+        let ok = HetznerCloud::new(config("http://127.0.0.1:1/v1".into()));
+        assert!(ok.is_ok());
+        type Breaker = Box<dyn Fn(&mut HetznerConfig)>;
+        let cases: Vec<(Breaker, &str)> = vec![
+            (
+                Box::new(|c| c.token = Token::new("")),
+                "hcloud: token is required for the hetzner backend",
+            ),
+            (
+                Box::new(|c| c.image = " ".into()),
+                "hcloud: --image is required for the hetzner backend",
+            ),
+            (
+                Box::new(|c| c.locations.clear()),
+                "hcloud: no locations configured (every offering names one)",
+            ),
+            (
+                Box::new(|c| c.bootstrap_hook.clear()),
+                "hcloud: --bootstrap-hook must not be empty",
+            ),
+            (
+                Box::new(|c| c.ssh_address = SshAddress::Private),
+                "--ssh-address private needs --network (the private network to reach servers on)",
+            ),
+        ];
+        for (breaker, message) in cases {
+            let mut c = config("http://127.0.0.1:1/v1".into());
+            breaker(&mut c);
+            assert_eq!(HetznerCloud::new(c).unwrap_err(), message);
+        }
+        let mut c = config("http://127.0.0.1:1/v1".into());
+        c.eur_usd = -3.0;
+        assert_eq!(HetznerCloud::new(c).unwrap().eur_usd, DEFAULT_EUR_USD);
     }
 }

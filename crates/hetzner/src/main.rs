@@ -29,7 +29,11 @@ pub const RULES: OfferingRules = OfferingRules {
 
 fn load_offerings(cli: &Cli) -> Result<Vec<Offering>, String> {
     let offerings = if cli.common.offerings.is_empty() {
-        offerings::default_mix(cli.common.seed_count, ["cx22", "cpx41"], [&cli.location_a, &cli.location_b])
+        offerings::default_mix(
+            cli.common.seed_count,
+            ["cx22", "cpx41"],
+            [&cli.location_a, &cli.location_b],
+        )
     } else {
         offerings::load(Path::new(&cli.common.offerings), &RULES)?
     };
@@ -49,7 +53,9 @@ async fn launch(cli: Cli) -> Result<(), String> {
     let capacities = Arc::new(CapacityBook::new(catalog::pinned_capacity));
     let cloud: Arc<dyn provider_core::cloud::Cloud> = match mode {
         Mode::Fake => {
-            tracing::warn!("using the IN-MEMORY fake Hetzner backend (dev / conformance only) — no real servers will be created");
+            tracing::warn!(
+                "using the IN-MEMORY fake Hetzner backend (dev / conformance only) — no real servers will be created"
+            );
             Arc::new(FakeCloud::new(FakeCloudProfile {
                 name: "hcloudfake",
                 host_noun: "server",
@@ -62,8 +68,19 @@ async fn launch(cli: Cli) -> Result<(), String> {
         }
         Mode::Real => real_cloud(&cli, &offerings, telemetry)?,
     };
-    let fleet = Arc::new(Fleet::new(cloud, cli.provider.clone(), offerings, prices, capacities, catalog::extra_labels));
-    let (addr, provider, metrics_addr) = (cli.common.addr.clone(), cli.provider.clone(), cli.common.metrics_addr.clone());
+    let fleet = Arc::new(Fleet::new(
+        cloud,
+        cli.provider.clone(),
+        offerings,
+        prices,
+        capacities,
+        catalog::extra_labels,
+    ));
+    let (addr, provider, metrics_addr) = (
+        cli.common.addr.clone(),
+        cli.provider.clone(),
+        cli.common.metrics_addr.clone(),
+    );
     let announce = Box::new(move |security: provider_core::tls::SecurityMode| {
         tracing::info!(
             version = env!("CARGO_PKG_VERSION"),
@@ -106,6 +123,8 @@ fn cli_to_real(cli: &Cli) -> hetzner::real::RealArgs {
         ssh_key: cli.ssh_key.clone(),
         ssh_user: cli.ssh_user.clone(),
         ssh_port: cli.ssh_port,
+        network: cli.network.clone(),
+        ssh_address: cli.ssh_address.clone(),
         bootstrap_hook: cli.bootstrap_hook.clone(),
         readiness_command: cli.readiness_command.clone(),
         base_user_data: cli.common.base_user_data.clone(),
@@ -116,7 +135,10 @@ fn cli_to_real(cli: &Cli) -> hetzner::real::RealArgs {
 fn main() -> ExitCode {
     let cli = Cli::parse();
     init_logging(cli.common.log_format, &cli.common.log_level);
-    let runtime = match tokio::runtime::Builder::new_multi_thread().enable_all().build() {
+    let runtime = match tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+    {
         Ok(rt) => rt,
         Err(e) => {
             eprintln!("hetzner: cannot start the async runtime: {e}");

@@ -10,7 +10,7 @@ use provider_core::offerings::Offering;
 use provider_core::telemetry::Telemetry;
 
 use crate::api::Token;
-use crate::cloud::{HetznerCloud, HetznerConfig, Timing};
+use crate::cloud::{HetznerCloud, HetznerConfig, SshAddress, Timing};
 use crate::ssh::{SshConfig, SshIdentity};
 
 /// The flags the real backend needs, as given on the command line.
@@ -24,6 +24,10 @@ pub struct RealArgs {
     pub ssh_key: String,
     pub ssh_user: String,
     pub ssh_port: u16,
+    /// `--network`: private network (name or id) new servers are attached to; empty for none.
+    pub network: String,
+    /// `--ssh-address`: `public` (default) or `private` (the address on `--network`).
+    pub ssh_address: String,
     pub bootstrap_hook: String,
     /// Empty: the hook's success is taken as readiness.
     pub readiness_command: String,
@@ -100,6 +104,8 @@ pub fn build_cloud(
         image: args.image,
         locations,
         ssh,
+        network: Some(args.network).filter(|n| !n.trim().is_empty()),
+        ssh_address: SshAddress::parse(&args.ssh_address)?,
         bootstrap_hook: args.bootstrap_hook,
         base_user_data,
         readiness_command,

@@ -257,6 +257,8 @@ async fn the_token_never_shows_in_errors_or_debug_output() {
         image: "ubuntu-24.04".into(),
         locations: vec!["nbg1".into()],
         ssh: None,
+        network: None,
+        ssh_address: hetzner::cloud::SshAddress::Public,
         bootstrap_hook: "/opt/bigfleet/bootstrap".into(),
         base_user_data: None,
         readiness_command: None,

@@ -62,6 +62,8 @@ pub struct Options {
     pub base_user_data: Option<String>,
     pub request_timeout: Duration,
     pub telemetry_prefix: &'static str,
+    pub network: Option<String>,
+    pub ssh_address: hetzner::cloud::SshAddress,
 }
 
 impl Default for Options {
@@ -73,6 +75,8 @@ impl Default for Options {
             base_user_data: None,
             request_timeout: Duration::from_secs(5),
             telemetry_prefix: "bigfleet_hetzner_it",
+            network: None,
+            ssh_address: hetzner::cloud::SshAddress::Public,
         }
     }
 }
@@ -176,6 +180,8 @@ impl Env {
             image: "ubuntu-24.04".into(),
             locations: vec!["nbg1".into(), "fsn1".into()],
             ssh,
+            network: options.network,
+            ssh_address: options.ssh_address,
             bootstrap_hook: hook.to_str().unwrap().to_owned(),
             base_user_data: options.base_user_data,
             readiness_command: options.readiness_command,

@@ -17,6 +17,8 @@ fn args() -> RealArgs {
         ssh_key: String::new(),
         ssh_user: "root".into(),
         ssh_port: 22,
+        network: String::new(),
+        ssh_address: "public".into(),
         bootstrap_hook: "/opt/bigfleet/bootstrap".into(),
         readiness_command: String::new(),
         base_user_data: String::new(),
@@ -114,6 +116,36 @@ fn ssh_key_errors_name_the_file() {
     let ok = build(
         RealArgs {
             ssh_key: good.path().to_str().unwrap().into(),
+            ..args()
+        },
+        &offerings(),
+        Telemetry::new("bigfleet_hetzner_it"),
+    );
+    assert!(ok.is_ok());
+}
+
+#[test]
+fn private_ssh_needs_a_network() {
+    let err = error(RealArgs {
+        ssh_address: "private".into(),
+        ..args()
+    });
+    assert_eq!(
+        err,
+        "--ssh-address private needs --network (the private network to reach servers on)"
+    );
+    let err = error(RealArgs {
+        ssh_address: "bastion".into(),
+        ..args()
+    });
+    assert_eq!(
+        err,
+        "--ssh-address must be public or private (got \"bastion\")"
+    );
+    let ok = build(
+        RealArgs {
+            ssh_address: "private".into(),
+            network: "mgmt".into(),
             ..args()
         },
         &offerings(),

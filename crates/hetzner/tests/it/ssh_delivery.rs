@@ -358,3 +358,47 @@ async fn a_cluster_id_outside_label_syntax_is_encoded_and_read_back() {
     let hosts = env.cloud.list_hosts().await.unwrap();
     assert_eq!(hosts[0].cluster.as_deref(), Some(cluster));
 }
+
+#[tokio::test]
+async fn ssh_can_go_over_the_private_network_only() {
+    let mut env = Env::new(Options {
+        network: Some("bigfleet-mgmt".into()),
+        ssh_address: hetzner::cloud::SshAddress::Private,
+        ..Options::default()
+    })
+    .await;
+    // The public address refuses connections; only the private one reaches the SSH server.
+    env.emulator.set_new_server_ipv4("127.0.0.2");
+    env.emulator.set_new_server_private_ip("127.0.0.1");
+    let (machine, server) = created(&env, 0).await;
+    let stored = env.emulator.server(server).unwrap();
+    assert_eq!(stored.private_net.len(), 1);
+    assert_eq!(
+        stored.private_net[0].network,
+        Some(9001),
+        "attached to --network at create"
+    );
+    let key = env.injected_host_key(server);
+    let _sshd = env.start_sshd(key, 0);
+    env.cloud
+        .configure_host(&machine, &server.to_string(), &order("c10"), &ctx(10))
+        .await
+        .unwrap();
+    assert_eq!(env.hook_args().as_deref(), Some("c10\n"));
+}
+
+#[tokio::test]
+async fn an_unknown_network_fails_create_before_any_server_exists() {
+    let env = Env::new(Options {
+        network: Some("nope".into()),
+        ..Options::default()
+    })
+    .await;
+    let err = env
+        .cloud
+        .create_host(&env.machine("cx22", "nbg1", 0), &ctx(10))
+        .await
+        .unwrap_err();
+    assert_eq!(err.0, "create server cx22: unknown network \"nope\"");
+    assert!(env.emulator.servers().is_empty());
+}
