@@ -43,22 +43,22 @@ fn load_offerings(cli: &Cli, mode: Mode) -> Result<Vec<Offering>, String> {
                 "default offering mix placed in --region only (one process serves one region)"
             );
         }
-        offerings::default_mix(
+        offerings::merge_same_placement(offerings::default_mix(
             cli.common.seed_count,
             ["s-2vcpu-4gb", "s-4vcpu-8gb"],
             [a, b],
-        )
+        ))
     } else {
         offerings::load(Path::new(&cli.common.offerings), &RULES)?
     };
     offerings::validate(&offerings, &RULES)?;
-    if mode == Mode::Real {
-        if let Some(o) = offerings.iter().find(|o| o.zone != cli.region) {
-            return Err(format!(
-                "digitalocean backend: offering {}/{}: region {:?} is not this provider's --region {:?} (one process serves one region; run another provider for that region)",
-                o.instance_type, o.zone, o.zone, cli.region
-            ));
-        }
+    if mode == Mode::Real
+        && let Some(o) = offerings.iter().find(|o| o.zone != cli.region)
+    {
+        return Err(format!(
+            "digitalocean backend: offering {}/{}: region {:?} is not this provider's --region {:?} (one process serves one region; run another provider for that region)",
+            o.instance_type, o.zone, o.zone, cli.region
+        ));
     }
     for o in &offerings {
         if catalog::pinned_price_usd(&o.instance_type).is_none() && mode == Mode::Fake {

@@ -198,7 +198,8 @@ mod tests {
     #[test]
     fn validation_reports_the_first_broken_rule() {
         assert_eq!(validate(&good(), true), Ok(()));
-        let cases: Vec<(Box<dyn Fn(&mut Machine)>, &str)> = vec![
+        type Breaker = Box<dyn Fn(&mut Machine)>;
+        let cases: Vec<(Breaker, &str)> = vec![
             (
                 Box::new(|m| m.instance_type.clear()),
                 "m-1: instance_type is required (never labels-only)",

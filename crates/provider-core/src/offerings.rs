@@ -179,6 +179,22 @@ pub fn default_mix(seed_count: i64, types: [&str; 2], zones: [&str; 2]) -> Vec<O
         .collect()
 }
 
+/// Folds offerings of the same (type, zone) into one by adding their counts, in first-seen
+/// order (the default mix collapses to two buckets when both of its zones are the same).
+pub fn merge_same_placement(offerings: Vec<Offering>) -> Vec<Offering> {
+    let mut out: Vec<Offering> = Vec::with_capacity(offerings.len());
+    for o in offerings {
+        match out
+            .iter_mut()
+            .find(|m| m.instance_type == o.instance_type && m.zone == o.zone)
+        {
+            Some(m) => m.count += o.count.max(0),
+            None => out.push(o),
+        }
+    }
+    out
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -239,6 +255,16 @@ mod tests {
             "hetzner backend: offering cx22 with empty location"
         );
         assert!(validate(&[base("OnDemand", "cx22", "nbg1")], &RULES).is_ok());
+    }
+
+    #[test]
+    fn same_placement_merges() {
+        let merged = merge_same_placement(default_mix(10, ["a", "b"], ["z", "z"]));
+        let got: Vec<(&str, i64)> = merged
+            .iter()
+            .map(|o| (o.instance_type.as_str(), o.count))
+            .collect();
+        assert_eq!(got, vec![("a", 5), ("b", 5)]);
     }
 
     #[test]
