@@ -101,16 +101,20 @@ pub async fn warm_up(fleet: &Fleet, telemetry: Telemetry) -> Result<(), String> 
     Ok(())
 }
 
-async fn shutdown_signal() {
+/// Waits for SIGTERM or SIGINT. The handlers are installed when this is called (at the top of
+/// [`run`]), so a signal that arrives during startup is not lost.
+fn shutdown_signal() -> Result<impl std::future::Future<Output = ()>, String> {
     use tokio::signal::unix::{SignalKind, signal};
-    let mut term = match signal(SignalKind::terminate()) {
-        Ok(s) => s,
-        Err(_) => return std::future::pending().await,
-    };
-    tokio::select! {
-        _ = term.recv() => {}
-        _ = tokio::signal::ctrl_c() => {}
-    }
+    let mut term =
+        signal(SignalKind::terminate()).map_err(|e| format!("install SIGTERM handler: {e}"))?;
+    let mut int =
+        signal(SignalKind::interrupt()).map_err(|e| format!("install SIGINT handler: {e}"))?;
+    Ok(async move {
+        tokio::select! {
+            _ = term.recv() => {}
+            _ = int.recv() => {}
+        }
+    })
 }
 
 /// Runs a provider until SIGTERM/SIGINT.
@@ -124,6 +128,7 @@ pub async fn run(launch: Launch) -> Result<(), String> {
         side_servers,
         require_zone,
     } = launch;
+    let shutdown = shutdown_signal()?;
     common.validate()?;
     // TLS is settled before anything else binds or loads.
     let (security, tls_config) = tls::grpc_tls(&common.tls_flags())?;
@@ -189,16 +194,15 @@ pub async fn run(launch: Launch) -> Result<(), String> {
     }
     spawn_loops(&common, &engine, fleet.clone(), telemetry, &stop);
 
-    let (health, health_service) = serve::grpc_health().await;
+    let (health, health_service) = serve::grpc_health(telemetry).await;
     let grpc_stop = CancellationToken::new();
     let grpc = {
-        let (engine, health, grpc_stop) = (engine.clone(), health.clone(), grpc_stop.clone());
+        let (engine, grpc_stop) = (engine.clone(), grpc_stop.clone());
         tokio::spawn(serve::serve_grpc(
             grpc_listener,
             tls_config,
             engine,
             common.reflection,
-            health,
             health_service,
             async move { grpc_stop.cancelled().await },
         ))
@@ -210,7 +214,7 @@ pub async fn run(launch: Launch) -> Result<(), String> {
 
     let mut grpc = grpc;
     tokio::select! {
-        _ = shutdown_signal() => {}
+        _ = shutdown => {}
         result = &mut grpc => {
             stop.cancel();
             return match result {

@@ -15,6 +15,7 @@ use fleet_proto::v1alpha1::capacity_provider_server::CapacityProviderServer;
 use tokio::net::TcpListener;
 use tonic::transport::Server;
 use tonic_health::ServingStatus;
+use tonic_health::pb::health_server::{Health, HealthServer};
 use tonic_health::server::HealthReporter;
 
 use crate::engine::Engine;
@@ -59,25 +60,23 @@ impl GrpcHealth {
     }
 }
 
-/// Serves gRPC on `listener` until `shutdown` completes. Returns the health handle through
-/// `health_out` before serving.
+/// Serves gRPC on `listener` until `shutdown` completes.
 pub async fn serve_grpc(
     listener: TcpListener,
     tls: Option<Arc<rustls::ServerConfig>>,
     engine: Arc<Engine>,
     reflection: bool,
-    health: GrpcHealth,
-    health_service: tonic_health::pb::health_server::HealthServer<
-        impl tonic_health::pb::health_server::Health,
-    >,
+    health_service: HealthServer<ObservedHealth>,
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) -> Result<(), String> {
     let service = CapacityProviderServer::new(Service::new(engine));
     let mut builder = Server::builder()
+        .layer(tower::util::MapResponseLayer::new(
+            oversize_is_resource_exhausted,
+        ))
         .http2_keepalive_interval(Some(Duration::from_secs(2 * 3600)))
         .http2_keepalive_timeout(Some(Duration::from_secs(20)))
         .tcp_nodelay(true);
-    let _ = &health;
     let reflection_v1 = if reflection {
         Some(
             tonic_reflection::server::Builder::configure()
@@ -123,15 +122,57 @@ pub async fn serve_grpc(
     result.map_err(|e| format!("gRPC server: {e}"))
 }
 
+/// The health service, with `Check` logged and counted like every other unary RPC (the
+/// reference's `<prefix>_grpc_requests_total{method="Check"}`).
+pub struct ObservedHealth {
+    inner: tonic_health::server::HealthService,
+    telemetry: Telemetry,
+}
+
+#[tonic::async_trait]
+impl Health for ObservedHealth {
+    async fn check(
+        &self,
+        request: tonic::Request<tonic_health::pb::HealthCheckRequest>,
+    ) -> Result<tonic::Response<tonic_health::pb::HealthCheckResponse>, tonic::Status> {
+        crate::server::observe(self.telemetry, "Check", "", self.inner.check(request)).await
+    }
+
+    type WatchStream = <tonic_health::server::HealthService as Health>::WatchStream;
+
+    async fn watch(
+        &self,
+        request: tonic::Request<tonic_health::pb::HealthCheckRequest>,
+    ) -> Result<tonic::Response<Self::WatchStream>, tonic::Status> {
+        self.inner.watch(request).await
+    }
+}
+
 /// A fresh health reporter and service, initially NOT_SERVING.
-pub async fn grpc_health() -> (
-    GrpcHealth,
-    tonic_health::pb::health_server::HealthServer<impl tonic_health::pb::health_server::Health>,
-) {
-    let (reporter, service) = tonic_health::server::health_reporter();
+pub async fn grpc_health(telemetry: Telemetry) -> (GrpcHealth, HealthServer<ObservedHealth>) {
+    let (reporter, _) = tonic_health::server::health_reporter();
+    let inner = tonic_health::server::HealthService::from_health_reporter(reporter.clone());
     let health = GrpcHealth(reporter);
     health.set(false).await;
-    (health, service)
+    (
+        health,
+        HealthServer::new(ObservedHealth { inner, telemetry }),
+    )
+}
+
+/// tonic refuses a request over the receive limit with OUT_OF_RANGE; gRPC (and BigFleet's
+/// client) expect RESOURCE_EXHAUSTED for it, as the reference answers.
+fn oversize_is_resource_exhausted<B>(mut response: http::Response<B>) -> http::Response<B> {
+    let headers = response.headers_mut();
+    let out_of_range = headers.get("grpc-status").is_some_and(|v| v == "11");
+    let too_large = headers
+        .get("grpc-message")
+        .and_then(|v| v.to_str().ok())
+        .is_some_and(|m| m.starts_with("Error,%20decoded%20message%20length%20too%20large"));
+    if out_of_range && too_large {
+        headers.insert("grpc-status", http::HeaderValue::from_static("8"));
+    }
+    response
 }
 
 #[derive(Clone)]
@@ -267,7 +308,13 @@ mod tests {
             |_| crate::StringMap::new(),
         );
         let options = EngineOptions::new(Telemetry::new("bigfleet_servetest"));
-        Engine::start(Arc::new(fleet), Arc::new(crate::store::MemoryStore), options).await.unwrap()
+        Engine::start(
+            Arc::new(fleet),
+            Arc::new(crate::store::MemoryStore),
+            options,
+        )
+        .await
+        .unwrap()
     }
 
     #[tokio::test]
@@ -279,7 +326,12 @@ mod tests {
         let stop = tokio_util::sync::CancellationToken::new();
         let server = {
             let stop = stop.clone();
-            tokio::spawn(serve_http(listener, ready.clone(), engine.clone(), async move { stop.cancelled().await }))
+            tokio::spawn(serve_http(
+                listener,
+                ready.clone(),
+                engine.clone(),
+                async move { stop.cancelled().await },
+            ))
         };
         let client = reqwest::Client::new();
         let get = |path: &str| {
@@ -294,15 +346,35 @@ mod tests {
         assert_eq!(get("/readyz").await, (503, "not ready\n".into()));
         ready.set(true);
         assert_eq!(get("/readyz").await, (200, "ready\n".into()));
-        engine.create("p/OnDemand/a/z1/000", crate::FenceToken { shard_id: String::new(), epoch: 0, sequence: 0 }).await.unwrap();
+        engine
+            .create(
+                "p/OnDemand/a/z1/000",
+                crate::FenceToken {
+                    shard_id: String::new(),
+                    epoch: 0,
+                    sequence: 0,
+                },
+            )
+            .await
+            .unwrap();
         let (status, body) = get("/metrics").await;
         assert_eq!(status, 200);
-        assert!(body.contains("bigfleet_servetest_machines{state=\"Speculative\"} 7"), "{body}");
-        assert!(body.contains("bigfleet_servetest_failed_machines_with_host 0"), "{body}");
+        assert!(
+            body.contains("bigfleet_servetest_machines{state=\"Speculative\"} 7"),
+            "{body}"
+        );
+        assert!(
+            body.contains("bigfleet_servetest_failed_machines_with_host 0"),
+            "{body}"
+        );
         assert!(body.contains("process_resident_memory_bytes"), "{body}");
         assert_eq!(get("/nope").await.0, 404);
         ready.set(false);
-        assert_eq!(get("/readyz").await.0, 503, "readiness goes false on shutdown");
+        assert_eq!(
+            get("/readyz").await.0,
+            503,
+            "readiness goes false on shutdown"
+        );
         stop.cancel();
         server.await.unwrap().unwrap();
     }

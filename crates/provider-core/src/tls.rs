@@ -144,7 +144,12 @@ pub fn incoming(
     let acceptor = TlsAcceptor::from(config);
     tokio::spawn(async move {
         loop {
-            let (tcp, peer) = match listener.accept().await {
+            let accepted = tokio::select! {
+                accepted = listener.accept() => accepted,
+                // The server stopped: release the port at once.
+                _ = tx.closed() => return,
+            };
+            let (tcp, peer) = match accepted {
                 Ok(conn) => conn,
                 Err(e) => {
                     tracing::warn!(error = %e, "accept failed");
@@ -152,9 +157,6 @@ pub fn incoming(
                     continue;
                 }
             };
-            if tx.is_closed() {
-                return;
-            }
             let _ = tcp.set_nodelay(true);
             let acceptor = acceptor.clone();
             let tx = tx.clone();

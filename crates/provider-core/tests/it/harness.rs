@@ -259,14 +259,13 @@ pub async fn start_with(
         .await
         .expect("bind loopback");
     let addr = listener.local_addr().expect("local addr");
-    let (health, health_service) = serve::grpc_health().await;
+    let (health, health_service) = serve::grpc_health(engine.options().telemetry).await;
     let stop = CancellationToken::new();
     let task = tokio::spawn(serve::serve_grpc(
         listener,
         tls_config,
         engine.clone(),
         reflection,
-        health.clone(),
         health_service,
         stop.clone().cancelled_owned(),
     ));

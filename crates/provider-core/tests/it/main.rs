@@ -12,5 +12,5 @@ mod fencing;
 mod harness;
 mod lifecycle;
 mod list;
-mod reported_bugs;
+mod reference_parity;
 mod transport;
