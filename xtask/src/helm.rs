@@ -79,6 +79,8 @@ const CHARTS: [Chart; 2] = [
             "ssh-key",
             "ssh-user",
             "ssh-port",
+            "ssh-address",
+            "network",
             "bootstrap-hook",
             "hcloud-endpoint",
             "readiness-command",
