@@ -8,16 +8,18 @@
 //! same requests (paths, query names, JSON bodies from `hcloud::models`) and parses responses
 //! with the same `hcloud::models` types, so the wire format is still the crate's.
 //!
-//! The API token lives in a [`Token`] whose `Debug`/`Display` print `[redacted]`; it is sent
+//! The API token lives in a `provider_core::config::Secret` (its `Debug`/`Display` print
+//! `[redacted]`); it is sent
 //! as a header value marked sensitive and appears in no error text.
 
 use std::collections::HashMap;
 use std::time::Duration;
 
 use hcloud::models;
+use provider_core::config::Secret;
 use provider_core::retry::{Backoff, Verdict, classify_status, hint_from_headers};
-use provider_core::telemetry::Telemetry;
-use reqwest::{Method, StatusCode, Url};
+use provider_core::telemetry::{Telemetry, status_class};
+use reqwest::{Method, Url};
 use serde::Serialize;
 use serde::de::DeserializeOwned;
 use tokio::time::Instant;
@@ -28,41 +30,16 @@ pub const DEFAULT_ENDPOINT: &str = "https://api.hetzner.cloud/v1";
 /// The largest page Hetzner serves.
 const PER_PAGE: i64 = 50;
 
-/// The Hetzner API token. Never printed.
-#[derive(Clone)]
-pub struct Token(String);
-
-impl Token {
-    pub fn new(token: impl Into<String>) -> Token {
-        Token(token.into())
-    }
-
-    pub fn is_empty(&self) -> bool {
-        self.0.trim().is_empty()
-    }
-
-    fn header(&self) -> Result<http::HeaderValue, ApiError> {
-        let mut value =
-            http::HeaderValue::from_str(&format!("Bearer {}", self.0.trim())).map_err(|_| {
-                ApiError::Config(
-                    "the API token contains characters not allowed in an HTTP header".into(),
-                )
-            })?;
-        value.set_sensitive(true);
-        Ok(value)
-    }
-}
-
-impl std::fmt::Debug for Token {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str("Token([redacted])")
-    }
-}
-
-impl std::fmt::Display for Token {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str("[redacted]")
-    }
+/// The `Authorization` header for `token`, marked sensitive so no `Debug` output shows it.
+fn bearer(token: &Secret) -> Result<http::HeaderValue, ApiError> {
+    let mut value = http::HeaderValue::from_str(&format!("Bearer {}", token.expose().trim()))
+        .map_err(|_| {
+            ApiError::Config(
+                "the API token contains characters not allowed in an HTTP header".into(),
+            )
+        })?;
+    value.set_sensitive(true);
+    Ok(value)
 }
 
 /// A failed API call.
@@ -175,7 +152,7 @@ impl Default for ClientTiming {
 pub struct HcloudApi {
     http: reqwest::Client,
     base: Url,
-    token: Token,
+    token: Secret,
     telemetry: Telemetry,
     timing: ClientTiming,
 }
@@ -215,14 +192,14 @@ pub fn parse_endpoint(endpoint: &str) -> Result<Url, String> {
 impl HcloudApi {
     pub fn new(
         endpoint: &str,
-        token: Token,
+        token: Secret,
         telemetry: Telemetry,
         timing: ClientTiming,
     ) -> Result<HcloudApi, String> {
-        if token.is_empty() {
+        if token.expose().trim().is_empty() {
             return Err("hcloud: token is required for the hetzner backend".into());
         }
-        token.header().map_err(|e| e.to_string())?;
+        bearer(&token).map_err(|e| e.to_string())?;
         let base = parse_endpoint(endpoint)?;
         let http = reqwest::Client::builder()
             .user_agent(concat!("bigfleet-hetzner/", env!("CARGO_PKG_VERSION")))
@@ -270,7 +247,7 @@ impl HcloudApi {
         let mut request = self
             .http
             .request(method.clone(), self.url(path))
-            .header(http::header::AUTHORIZATION, self.token.header()?)
+            .header(http::header::AUTHORIZATION, bearer(&self.token)?)
             .timeout(timeout);
         if !query.is_empty() {
             request = request.query(query);
@@ -286,7 +263,8 @@ impl HcloudApi {
             }
         };
         let status = response.status();
-        self.telemetry.api_http(endpoint, status_class(status));
+        self.telemetry
+            .api_http(endpoint, status_class(status.as_u16()));
         let hint = hint_from_headers(response.headers());
         let text = response
             .text()
@@ -622,16 +600,6 @@ fn to_json(value: &impl Serialize) -> Result<serde_json::Value, ApiError> {
     serde_json::to_value(value).map_err(|e| ApiError::Decode(e.to_string()))
 }
 
-fn status_class(status: StatusCode) -> &'static str {
-    match status.as_u16() {
-        429 => "429",
-        200..=299 => "2xx",
-        300..=399 => "3xx",
-        400..=499 => "4xx",
-        _ => "5xx",
-    }
-}
-
 /// A transport error's text, with the URL's query string dropped (it may carry selectors but
 /// never the token; the token travels only in a header).
 fn transport_text(e: reqwest::Error) -> String {
@@ -674,10 +642,8 @@ mod tests {
 
     #[test]
     fn token_is_never_printed() {
-        let token = Token::new("s3cr3t-token");
-        assert_eq!(format!("{token:?}"), "Token([redacted])");
-        assert_eq!(token.to_string(), "[redacted]");
-        let header = token.header().unwrap();
+        let token = Secret::new("s3cr3t-token");
+        let header = bearer(&token).unwrap();
         assert!(header.is_sensitive());
         assert!(!format!("{header:?}").contains("s3cr3t"));
         let api = HcloudApi::new(
@@ -690,7 +656,7 @@ mod tests {
         assert!(!format!("{api:?}").contains("s3cr3t"));
         let err = HcloudApi::new(
             "https://api.hetzner.cloud/v1",
-            Token::new(" "),
+            Secret::new(" "),
             Telemetry::new("bigfleet_hetzner_test"),
             ClientTiming::default(),
         )
@@ -702,7 +668,7 @@ mod tests {
     fn urls_keep_the_base_path() {
         let api = HcloudApi::new(
             "http://127.0.0.1:9/prefix/v1/",
-            Token::new("t"),
+            Secret::new("t"),
             Telemetry::new("bigfleet_hetzner_test"),
             ClientTiming::default(),
         )

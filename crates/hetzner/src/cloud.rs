@@ -39,10 +39,11 @@ use provider_core::machine::Machine;
 use provider_core::telemetry::Telemetry;
 use tokio::time::Instant;
 
-use crate::api::{ApiError, ClientTiming, HcloudApi, Token};
+use crate::api::{ApiError, ClientTiming, HcloudApi};
 use crate::hostkey::HostKey;
 use crate::labels;
 use crate::ssh::{self, PinnedSession, SshConfig, SshIdentity, SshTiming};
+use provider_core::config::Secret;
 
 /// The reference's default `--eur-usd`.
 pub const DEFAULT_EUR_USD: f64 = 1.08;
@@ -50,7 +51,7 @@ pub const DEFAULT_EUR_USD: f64 = 1.08;
 /// Everything the real backend needs, as parsed from the command line.
 #[derive(Clone, Debug)]
 pub struct HetznerConfig {
-    pub token: Token,
+    pub token: Secret,
     /// `--hcloud-endpoint` (default [`crate::api::DEFAULT_ENDPOINT`]).
     pub endpoint: String,
     /// `--provider`: the instance whose servers this process owns.
@@ -198,7 +199,7 @@ impl HetznerCloud {
     /// Validates the configuration (token, image, endpoint, SSH key) and builds the backend.
     /// Makes no network call.
     pub fn new(config: HetznerConfig) -> Result<HetznerCloud, String> {
-        if config.token.is_empty() {
+        if config.token.expose().trim().is_empty() {
             return Err("hcloud: token is required for the hetzner backend".into());
         }
         if config.image.trim().is_empty() {
@@ -1009,7 +1010,7 @@ mod tests {
 
     fn config(endpoint: String) -> HetznerConfig {
         HetznerConfig {
-            token: Token::new("unit-token"),
+            token: Secret::new("unit-token"),
             endpoint,
             provider_instance: "unit".into(),
             image: "ubuntu-24.04".into(),
@@ -1065,7 +1066,7 @@ mod tests {
         type Breaker = Box<dyn Fn(&mut HetznerConfig)>;
         let cases: Vec<(Breaker, &str)> = vec![
             (
-                Box::new(|c| c.token = Token::new("")),
+                Box::new(|c| c.token = Secret::new("")),
                 "hcloud: token is required for the hetzner backend",
             ),
             (

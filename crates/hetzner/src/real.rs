@@ -9,7 +9,6 @@ use provider_core::config::Secret;
 use provider_core::offerings::Offering;
 use provider_core::telemetry::Telemetry;
 
-use crate::api::Token;
 use crate::cloud::{HetznerCloud, HetznerConfig, SshAddress, Timing};
 use crate::ssh::{SshConfig, SshIdentity};
 
@@ -98,7 +97,7 @@ pub fn build_cloud(
     locations.sort();
     locations.dedup();
     HetznerCloud::new(HetznerConfig {
-        token: Token::new(args.token.expose()),
+        token: args.token,
         endpoint: args.endpoint,
         provider_instance: args.provider,
         image: args.image,

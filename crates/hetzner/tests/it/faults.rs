@@ -251,7 +251,7 @@ async fn the_token_never_shows_in_errors_or_debug_output() {
     let env = Env::new(Options::default()).await;
     assert!(!format!("{:?}", env.cloud).contains(TOKEN));
     let cloud = hetzner::cloud::HetznerCloud::new(hetzner::cloud::HetznerConfig {
-        token: hetzner::api::Token::new("wrong-token-value-123"),
+        token: provider_core::config::Secret::new("wrong-token-value-123"),
         endpoint: env.emulator.endpoint(),
         provider_instance: PROVIDER.into(),
         image: "ubuntu-24.04".into(),

@@ -9,10 +9,11 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use hcloud_emulator::Emulator;
-use hetzner::api::{ClientTiming, Token};
+use hetzner::api::ClientTiming;
 use hetzner::cloud::{HetznerCloud, HetznerConfig, Timing};
 use hetzner::ssh::{SshConfig, SshTiming};
 use provider_core::backend::TransitionContext;
+use provider_core::config::Secret;
 use provider_core::machine::Machine;
 use provider_core::retry::Backoff;
 use provider_core::telemetry::Telemetry;
@@ -174,7 +175,7 @@ impl Env {
             port: ssh_port,
         });
         let cloud = HetznerCloud::new(HetznerConfig {
-            token: Token::new(TOKEN),
+            token: Secret::new(TOKEN),
             endpoint: emulator.endpoint(),
             provider_instance: PROVIDER.into(),
             image: "ubuntu-24.04".into(),
