@@ -16,8 +16,8 @@
 //! Any deviation ends the run with a non-zero exit and a message naming the provider and the
 //! check. [`real_backend_runs`] is where the runs against the cloud API emulators go.
 
-mod provider_process;
-mod wire;
+pub(crate) mod provider_process;
+pub(crate) mod wire;
 
 use std::collections::{BTreeSet, HashMap};
 use std::io::{Read, Write};

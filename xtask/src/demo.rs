@@ -1,0 +1,158 @@
+//! `cargo xtask demo [hetzner|digitalocean]`: builds a provider, runs it on its fake backend on
+//! loopback with mTLS, and drives one machine through its whole lifecycle over gRPC, printing
+//! each state it passes through, then the error answers a shard would see.
+
+use std::collections::HashMap;
+use std::process::Command;
+use std::time::Duration;
+
+use anyhow::{Context, Result, bail};
+use fleet_proto::v1alpha1 as pb;
+
+use crate::e2e::provider_process::{self, Spec};
+use crate::e2e::wire::{self, Caller, ClientSecurity, Shard};
+use crate::repo;
+
+fn show(step: &str, machine: &pb::Machine) {
+    let state = wire::state_of(machine)
+        .as_str_name()
+        .trim_start_matches("MACHINE_STATE_");
+    let host = machine
+        .host
+        .as_ref()
+        .map(|h| format!("{}/{}", h.provider, h.r#ref))
+        .unwrap_or_else(|| "-".into());
+    let cluster = if machine.cluster.is_empty() {
+        "-"
+    } else {
+        &machine.cluster
+    };
+    println!("  {step:<28} {state:<12} host={host:<24} cluster={cluster}");
+}
+
+pub fn run(args: &[String]) -> Result<()> {
+    let binary = args.first().map(String::as_str).unwrap_or("hetzner");
+    if !["hetzner", "digitalocean"].contains(&binary) {
+        bail!("usage: cargo xtask demo [hetzner|digitalocean]");
+    }
+    let root = repo::root();
+    let status = Command::new(env!("CARGO"))
+        .current_dir(&root)
+        .args(["build", "--quiet", "-p", binary])
+        .status()?;
+    if !status.success() {
+        bail!("cargo build -p {binary} failed");
+    }
+    let pki = wire::pki_dir(&root);
+    let pem = |name: &str| pki.join(name).display().to_string();
+    let spec = Spec {
+        name: binary.to_owned(),
+        binary: provider_process::target_binary(&root, "debug", binary),
+        args: vec![
+            "--use-fake-backend".into(),
+            "--seed-count=8".into(),
+            "--fake-latency=300ms".into(),
+            format!("--tls-cert={}", pem("server.pem")),
+            format!("--tls-key={}", pem("server-key.pem")),
+            format!("--tls-ca={}", pem("ca.pem")),
+        ],
+        metrics: true,
+        security: ClientSecurity::Mtls,
+        pki: pki.clone(),
+    };
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()?;
+    runtime.block_on(async move {
+        let provider = provider_process::start(spec).await?;
+        println!(
+            "{binary} is serving CapacityProvider on {} (mTLS), metrics on {:?}",
+            provider.grpc, provider.metrics
+        );
+        let channel = wire::channel(&pki, provider.grpc, ClientSecurity::Mtls).await?;
+        let mut caller = Caller::new(channel, Shard::new("demo-shard", 1));
+        let machines = caller.list_all().await?;
+        println!("inventory: {} machines, e.g.", machines.len());
+        for m in machines.iter().take(3) {
+            println!(
+                "  {}  {}  {}  ${:.4}/h  allocatable={:?}",
+                m.id,
+                m.instance_type,
+                m.zone,
+                m.price_per_hour,
+                m.allocatable.as_ref().map(|a| &a.resources)
+            );
+        }
+        let id = machines
+            .first()
+            .context("the fake backend seeded no machine")?
+            .id
+            .clone();
+        println!("lifecycle of {id}:");
+        let settle = Duration::from_secs(10);
+        show("Get", &caller.get(&id).await?);
+        show("Create (ack)", wire::acked(&caller.create(&id).await?));
+        show(
+            "settled",
+            &caller
+                .wait_for_state(&id, pb::MachineState::Idle, settle)
+                .await?,
+        );
+        let metadata = HashMap::from([("team".to_owned(), "demo".to_owned())]);
+        show(
+            "Configure (ack)",
+            wire::acked(&caller.configure(&id, "cluster-a", metadata).await?),
+        );
+        show(
+            "settled",
+            &caller
+                .wait_for_state(&id, pb::MachineState::Configured, settle)
+                .await?,
+        );
+        show("Drain (ack)", wire::acked(&caller.drain(&id).await?));
+        show(
+            "settled",
+            &caller
+                .wait_for_state(&id, pb::MachineState::Idle, settle)
+                .await?,
+        );
+        show("Delete (ack)", wire::acked(&caller.delete(&id).await?));
+        show(
+            "settled",
+            &caller
+                .wait_for_state(&id, pb::MachineState::Speculative, settle)
+                .await?,
+        );
+        println!("what a shard sees when it gets things wrong:");
+        let stale = caller
+            .client
+            .create(wire::create_request(&id, ("demo-shard".into(), 1, 1)))
+            .await;
+        if let Err(status) = stale {
+            println!(
+                "  stale fence token  -> {:?}: {}",
+                status.code(),
+                status.message()
+            );
+        }
+        let wrong = caller.drain(&id).await;
+        if let Err(status) = wrong {
+            println!(
+                "  drain a Speculative -> {:?}: {}",
+                status.code(),
+                status.message()
+            );
+        }
+        let unknown = caller.get("no-such-machine").await;
+        if let Err(status) = unknown {
+            println!(
+                "  unknown machine    -> {:?}: {}",
+                status.code(),
+                status.message()
+            );
+        }
+        provider.terminate()?;
+        println!("stopped {binary} with SIGTERM");
+        Ok(())
+    })
+}
