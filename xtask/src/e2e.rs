@@ -16,6 +16,7 @@
 //! Any deviation ends the run with a non-zero exit and a message naming the provider and the
 //! check. [`real_backend_runs`] is where the runs against the cloud API emulators go.
 
+mod hetzner_real;
 pub(crate) mod provider_process;
 pub(crate) mod wire;
 
@@ -101,6 +102,8 @@ fn build(root: &Path) -> Result<()> {
             "digitalocean",
             "-p",
             "faultprovider",
+            "-p",
+            "hcloud-emulator",
         ])
         .status()
         .context("run cargo build")?;
@@ -115,7 +118,14 @@ fn build(root: &Path) -> Result<()> {
 /// (`crates/hcloud-emulator`, `crates/do-emulator`): the engineers who own them extend this.
 /// It runs after the fake-backend runs and must fail the same loud way.
 async fn real_backend_runs(root: &Path) -> Result<()> {
-    let _ = root;
+    let step = Instant::now();
+    hetzner_real::run(root)
+        .await
+        .context("e2e FAILED for hetzner (real backend against hcloud-emulator)")?;
+    println!(
+        "e2e: hetzner on its real backend against hcloud-emulator: ok ({:.1?})",
+        step.elapsed()
+    );
     Ok(())
 }
 
