@@ -2,7 +2,10 @@
 //! over the Hetzner API ([`crate::api`]) and SSH ([`crate::ssh`]).
 //!
 //! Ownership: every server carries `bigfleet-managed=true`, its machine id and the provider
-//! instance (`--provider`) in labels ([`crate::labels`]). Inventory reads select on the
+//! instance (`--provider`) in labels ([`crate::labels`]). Servers made by the reference
+//! provider have no provider label; one of those is ours when its machine id is one of our
+//! slot ids (`<provider>/…`) in one of our locations, and it gets the provider label the first
+//! time we act on it, so swapping the reference binary for this one keeps every server. Inventory reads select on the
 //! instance, keep only the configured locations and drop servers being deleted; a server is
 //! only ever adopted, configured, drained or deleted after its labels prove it is ours. A Create
 //! first looks for the server a previous attempt made, and a create error (name taken, lost
@@ -287,8 +290,38 @@ impl HetznerCloud {
     /// Whether `server`'s labels prove that this provider instance owns it.
     fn is_ours(&self, server: &models::Server) -> bool {
         server.labels.get(labels::MANAGED).map(String::as_str) == Some("true")
-            && labels::text_of(&server.labels, labels::PROVIDER).as_deref()
-                == Some(self.provider.as_str())
+            && match labels::text_of(&server.labels, labels::PROVIDER) {
+                Some(provider) => provider == self.provider,
+                None => self.is_legacy_ours(server),
+            }
+    }
+
+    /// A server made by the reference provider (or an older version) has no provider label.
+    /// It is ours when its machine id is one of this instance's slot ids (`<provider>/…`) and
+    /// it runs in one of our locations; it is claimed (labelled) on first use.
+    fn is_legacy_ours(&self, server: &models::Server) -> bool {
+        !server.labels.contains_key(labels::PROVIDER)
+            && self.locations.contains(&server.location.name)
+            && labels::machine_id_of(&server.labels)
+                .is_some_and(|id| id.starts_with(&format!("{}/", self.provider)))
+    }
+
+    /// Stamps this instance's provider label on a server adopted from an earlier version, so
+    /// every later read selects it directly.
+    async fn claim_if_legacy(
+        &self,
+        server: &models::Server,
+        deadline: Instant,
+    ) -> Result<(), String> {
+        if server.labels.contains_key(labels::PROVIDER) {
+            return Ok(());
+        }
+        tracing::info!(server = server.id, provider = %self.provider, "claiming a server created without a provider label (earlier provider version)");
+        let pairs = labels::text_labels(labels::PROVIDER, &self.provider);
+        self.update_labels(server.id, deadline, |l| {
+            labels::set_chunked(l, labels::PROVIDER, pairs.clone())
+        })
+        .await
     }
 
     /// Whether `server` is ours and carries `machine_id` (or, for an adopted orphan without a
@@ -326,9 +359,10 @@ impl HetznerCloud {
         machine_id: &str,
         deadline: Instant,
     ) -> Result<Option<models::Server>, ApiError> {
+        // No provider label in the selector: servers of earlier versions lack it, and
+        // `is_ours` decides ownership either way.
         let mut pairs = vec![(labels::MANAGED.to_owned(), "true".to_owned())];
         pairs.extend(labels::machine_id_labels(machine_id));
-        pairs.extend(labels::text_labels(labels::PROVIDER, &self.provider));
         let mut found: Vec<models::Server> = self
             .api
             .list_servers(&labels::selector(&pairs), Some(deadline))
@@ -473,6 +507,9 @@ impl HetznerCloud {
             .map_err(|e| err(format!("look up existing servers: {e}")))?
         {
             tracing::info!(machine = %machine.id, server = existing.id, "adopting the server a previous Create made");
+            self.claim_if_legacy(&existing, deadline)
+                .await
+                .map_err(|e| err(format!("claim server {}: {e}", existing.id)))?;
             let server = self.wait_running(existing.id, ctx).await?;
             return owned(&server);
         }
@@ -602,6 +639,9 @@ impl HetznerCloud {
                 machine.id, self.provider
             )));
         }
+        self.claim_if_legacy(&server, deadline)
+            .await
+            .map_err(|e| err(format!("{what}: claim server {id}: {e}")))?;
         let ip = match self.ssh_address {
             SshAddress::Public => ipv4_of(&server).ok_or_else(|| {
                 err(format!(
@@ -927,11 +967,17 @@ impl Cloud for HetznerCloud {
     async fn list_hosts(&self) -> Result<Vec<OwnedHost>, BackendError> {
         self.timed("DescribeManaged", async {
             let deadline = Instant::now() + self.timing.list_budget;
-            let servers = self
+            let mut servers = self
                 .api
                 .list_servers(&labels::instance_selector(&self.provider), Some(deadline))
                 .await
                 .map_err(|e| err(format!("describe managed servers: {e}")))?;
+            let legacy = self
+                .api
+                .list_servers(&labels::legacy_selector(), Some(deadline))
+                .await
+                .map_err(|e| err(format!("describe managed servers: {e}")))?;
+            servers.extend(legacy.into_iter().filter(|s| self.is_legacy_ours(s)));
             Ok(servers
                 .iter()
                 .filter(|s| s.status != models::server::Status::Deleting)

@@ -197,6 +197,12 @@ pub fn instance_selector(provider: &str) -> String {
     selector(&pairs)
 }
 
+/// The selector for managed servers without a provider label (made by the reference provider
+/// or an earlier version); ownership is then decided by machine id and location.
+pub fn legacy_selector() -> String {
+    format!("{MANAGED}=true,!{PROVIDER}")
+}
+
 /// The server name for a machine: `bigfleet-` + 32 base32 characters of the SHA-256 of the
 /// machine id. Stable across restarts and processes, a valid hostname, 41 characters.
 pub fn server_name(machine_id: &str) -> String {

@@ -283,3 +283,63 @@ async fn the_token_never_shows_in_errors_or_debug_output() {
     assert!(!logs.contains("wrong-token-value-123"));
     env.assert_token_not_logged();
 }
+
+#[tokio::test]
+async fn servers_of_the_reference_provider_are_adopted_and_claimed() {
+    let env = Env::new(Options::default()).await;
+    // Labels as the reference writes them: no provider label, raw cluster id.
+    let reference = |machine_id: &str| {
+        let mut l: HashMap<String, String> =
+            HashMap::from([(labels::MANAGED.into(), "true".into())]);
+        l.extend(labels::machine_id_labels(machine_id));
+        l
+    };
+    let mine_id = format!("{PROVIDER}/OnDemand/cx22/nbg1/004");
+    let mut mine_labels = reference(&mine_id);
+    mine_labels.insert(labels::CLUSTER.into(), "prod".into());
+    let mine =
+        env.emulator
+            .insert_server("bigfleet-n5yc2mi", "cx22", "nbg1", mine_labels, "127.0.0.1");
+    // Another instance's slot, and one of ours in a location this process does not serve.
+    env.emulator.insert_server(
+        "a",
+        "cx22",
+        "nbg1",
+        reference("other/OnDemand/cx22/nbg1/000"),
+        "10.0.0.1",
+    );
+    env.emulator.insert_server(
+        "b",
+        "cx22",
+        "hel1",
+        reference(&format!("{PROVIDER}/OnDemand/cx22/hel1/000")),
+        "10.0.0.2",
+    );
+
+    let hosts = env.cloud.list_hosts().await.unwrap();
+    assert_eq!(hosts.len(), 1, "{hosts:?}");
+    assert_eq!(hosts[0].id, mine.to_string());
+    assert_eq!(hosts[0].machine_id, mine_id);
+    assert_eq!(hosts[0].cluster.as_deref(), Some("prod"));
+
+    // A Create for that machine adopts it (and stamps our provider label) instead of making
+    // a second server.
+    let mut machine = env.machine("cx22", "nbg1", 4);
+    assert_eq!(machine.id, mine_id);
+    let host = env.cloud.create_host(&machine, &ctx(10)).await.unwrap();
+    assert_eq!(host.id, mine.to_string());
+    assert_eq!(env.emulator.servers().len(), 3);
+    assert_eq!(
+        labels::text_of(&env.labels(mine), labels::PROVIDER).as_deref(),
+        Some(PROVIDER)
+    );
+    assert_eq!(env.cloud.list_hosts().await.unwrap().len(), 1);
+
+    // Delete works on it; the foreign ones stay.
+    machine.host = None;
+    env.cloud
+        .delete_host(&mine.to_string(), &ctx(10))
+        .await
+        .unwrap();
+    assert_eq!(env.emulator.servers().len(), 2);
+}
