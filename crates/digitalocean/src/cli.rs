@@ -1,9 +1,9 @@
 //! The `digitalocean` command line: every flag of the reference provider with its default and
 //! environment variable, plus this provider's additions (see docs/digitalocean/configuration.md).
 
-use clap::{ArgAction, Parser};
+use clap::Parser;
 use provider_core::cli::Command;
-use provider_core::config::{CommonArgs, Secret, go_bool};
+use provider_core::config::{BackendChoice, CommonArgs, Secret, choose_backend};
 
 /// BigFleet capacity provider for DigitalOcean Droplets.
 #[derive(Parser, Debug, Clone)]
@@ -23,10 +23,6 @@ pub struct Cli {
     /// Backend: digitalocean, fake, or auto (digitalocean when a token and --region are set).
     #[arg(long = "do-backend", default_value = "auto", value_name = "MODE")]
     pub do_backend: String,
-
-    /// Force the in-memory fake backend (testing and conformance only).
-    #[arg(long = "use-fake-backend", default_value = "false", value_parser = go_bool, num_args = 0..=1, require_equals = true, default_missing_value = "true", action = ArgAction::Set)]
-    pub use_fake_backend: bool,
 
     /// DigitalOcean Personal Access Token.
     #[arg(
@@ -93,56 +89,22 @@ pub struct Cli {
     pub bootstrap_secret: Secret,
 }
 
-/// The resolved backend.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Mode {
-    Real,
-    Fake,
-}
-
-impl Mode {
-    pub fn name(self) -> &'static str {
-        match self {
-            Mode::Real => "digitalocean",
-            Mode::Fake => "fake",
-        }
-    }
-}
-
-/// Backend selection with the reference's refusal and error messages.
-pub fn resolve_mode(cli: &Cli) -> Result<Mode, String> {
-    let requested = cli.do_backend.to_ascii_lowercase();
-    let resolved = match requested.as_str() {
-        "" | "auto" => {
-            if !cli.token.is_empty() && !cli.region.is_empty() {
-                Mode::Real
-            } else {
-                Mode::Fake
-            }
-        }
-        "digitalocean" => Mode::Real,
-        "fake" => Mode::Fake,
-        _ => {
-            return Err(format!(
-                "--do-backend must be digitalocean, fake, or auto (got {:?})",
-                cli.do_backend
-            ));
-        }
+/// Backend selection: `auto` picks DigitalOcean only when a token and `--region` are set.
+pub fn resolve_mode(cli: &Cli) -> Result<BackendChoice, String> {
+    let missing = match (cli.token.is_empty(), cli.region.is_empty()) {
+        (false, false) => None,
+        (true, true) => Some("no token (--token or DIGITALOCEAN_TOKEN) and no --region"),
+        (true, false) => Some("no token (--token or DIGITALOCEAN_TOKEN)"),
+        (false, true) => Some("no --region"),
     };
-    if cli.use_fake_backend {
-        return Ok(Mode::Fake);
-    }
-    if resolved == Mode::Fake && requested != "fake" {
-        let missing = match (cli.token.is_empty(), cli.region.is_empty()) {
-            (true, true) => "no token (--token or DIGITALOCEAN_TOKEN) and no --region",
-            (true, false) => "no token (--token or DIGITALOCEAN_TOKEN)",
-            _ => "no --region",
-        };
-        return Err(format!(
-            "refusing to start the digitalocean provider on the in-memory fake backend: no credentials were detected ({missing}). Configure the real backend, or pass --use-fake-backend to run the credential-free fake (testing/conformance only — it never creates real resources)"
-        ));
-    }
-    Ok(resolved)
+    choose_backend(
+        "digitalocean",
+        "--do-backend",
+        "digitalocean",
+        &cli.do_backend,
+        missing,
+        cli.common.use_fake_backend,
+    )
 }
 
 #[cfg(test)]
@@ -175,11 +137,11 @@ mod tests {
         assert!(err.contains("(no --region)"), "{err}");
         assert_eq!(
             resolve_mode(&parse(&["--token=t", "--region=nyc3"])),
-            Ok(Mode::Real)
+            Ok(BackendChoice::Real)
         );
         assert_eq!(
             resolve_mode(&parse(&["--token=", "--do-backend=fake"])),
-            Ok(Mode::Fake)
+            Ok(BackendChoice::Fake)
         );
         assert_eq!(
             resolve_mode(&parse(&[
@@ -187,7 +149,7 @@ mod tests {
                 "--region=nyc3",
                 "--use-fake-backend"
             ])),
-            Ok(Mode::Fake)
+            Ok(BackendChoice::Fake)
         );
         assert_eq!(
             resolve_mode(&parse(&["--do-backend=gcp"])).unwrap_err(),

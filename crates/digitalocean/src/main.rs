@@ -12,13 +12,14 @@ use digitalocean::catalog;
 use provider_core::StringMap;
 use provider_core::app::{self, Launch, SideServer};
 use provider_core::cloud::Cloud;
-use provider_core::config::{init_logging, listen_addr};
+use provider_core::config::listen_addr;
 use provider_core::fake::{FakeCloud, FakeCloudProfile};
 use provider_core::fleet::{CapacityBook, Fleet, PriceBook};
 use provider_core::offerings::{self, Offering, OfferingRules};
 use provider_core::telemetry::Telemetry;
 
-use crate::cli::{Cli, Mode};
+use crate::cli::Cli;
+use provider_core::config::BackendChoice as Mode;
 
 /// Offering words and messages of the DigitalOcean provider.
 pub const RULES: OfferingRules = OfferingRules {
@@ -156,7 +157,10 @@ async fn launch(cli: Cli) -> Result<(), String> {
             version = env!("CARGO_PKG_VERSION"),
             addr,
             provider,
-            do_backend = mode.name(),
+            do_backend = match mode {
+                Mode::Real => "digitalocean",
+                Mode::Fake => "fake",
+            },
             region,
             security = security.name(),
             offerings = offering_count,
@@ -178,34 +182,6 @@ async fn launch(cli: Cli) -> Result<(), String> {
 
 fn main() -> ExitCode {
     let cli = Cli::parse();
-    init_logging(cli.common.log_format, &cli.common.log_level);
-    let runtime = match tokio::runtime::Builder::new_multi_thread()
-        .enable_all()
-        .build()
-    {
-        Ok(rt) => rt,
-        Err(e) => {
-            eprintln!("digitalocean: cannot start the async runtime: {e}");
-            return ExitCode::FAILURE;
-        }
-    };
-    if let Some(command) = cli.command.clone() {
-        return match runtime.block_on(provider_core::cli::run(command)) {
-            Ok(out) => {
-                println!("{out}");
-                ExitCode::SUCCESS
-            }
-            Err(e) => {
-                eprintln!("digitalocean: {e}");
-                ExitCode::FAILURE
-            }
-        };
-    }
-    match runtime.block_on(launch(cli)) {
-        Ok(()) => ExitCode::SUCCESS,
-        Err(e) => {
-            tracing::error!(err = %e, "provider exited with error");
-            ExitCode::FAILURE
-        }
-    }
+    let (common, command) = (cli.common.clone(), cli.command.clone());
+    app::main_entry("digitalocean", &common, command, || launch(cli))
 }

@@ -16,11 +16,14 @@ use std::time::Duration;
 use async_trait::async_trait;
 use clap::Parser;
 use provider_core::app::{self, Launch};
-use provider_core::config::{init_logging, CommonArgs, LogFormat};
+use provider_core::config::{CommonArgs, LogFormat, init_logging};
 use provider_core::duration;
 use provider_core::inventory::Effect;
 use provider_core::telemetry::Telemetry;
-use provider_core::{Backend, BackendError, CapacityType, ConfigureOrder, HostRef, Machine, StringMap, TransitionContext};
+use provider_core::{
+    Backend, BackendError, CapacityType, ConfigureOrder, HostRef, Machine, StringMap,
+    TransitionContext,
+};
 
 const CREATE_FAULT_LABEL: &str = "conformance.fault/create";
 const CREATE_FAULT_VALUE: &str = "error";
@@ -59,7 +62,10 @@ fn seeds(provider: &str, count: usize) -> Vec<Machine> {
         let mut m = Machine::speculative(id, "fault-standard-4");
         m.zone = "fault-zone-a".into();
         m.price_per_hour = 0.40;
-        let cap = StringMap::from([("cpu".to_owned(), "4".to_owned()), ("memory".to_owned(), "16Gi".to_owned())]);
+        let cap = StringMap::from([
+            ("cpu".to_owned(), "4".to_owned()),
+            ("memory".to_owned(), "16Gi".to_owned()),
+        ]);
         m.resources = cap.clone();
         m.allocatable = cap;
         m
@@ -72,13 +78,15 @@ fn seeds(provider: &str, count: usize) -> Vec<Machine> {
                 m.interruption_probability = 0.05;
                 m.price_per_hour = 0.12;
             }
-            m.labels.insert("fault.conformance/pool".into(), "default".into());
+            m.labels
+                .insert("fault.conformance/pool".into(), "default".into());
             m
         })
         .collect();
     out.extend((0..8).map(|i| {
         let mut m = shape(format!("faultcreate-{i}"));
-        m.labels.insert(CREATE_FAULT_LABEL.into(), CREATE_FAULT_VALUE.into());
+        m.labels
+            .insert(CREATE_FAULT_LABEL.into(), CREATE_FAULT_VALUE.into());
         m
     }));
     out
@@ -96,19 +104,37 @@ impl Backend for FaultBackend {
         Ok(self.seeds.clone())
     }
 
-    async fn create(&self, machine: &Machine, _ctx: &TransitionContext) -> Result<Effect, BackendError> {
+    async fn create(
+        &self,
+        machine: &Machine,
+        _ctx: &TransitionContext,
+    ) -> Result<Effect, BackendError> {
         if machine.labels.get(CREATE_FAULT_LABEL).map(String::as_str) == Some(CREATE_FAULT_VALUE) {
-            return Err(BackendError(format!("fault: create injected error for {}", machine.id)));
+            return Err(BackendError(format!(
+                "fault: create injected error for {}",
+                machine.id
+            )));
         }
         Ok(Effect {
-            host: Some(HostRef { provider: self.provider.clone(), id: format!("host-{}", machine.id) }),
+            host: Some(HostRef {
+                provider: self.provider.clone(),
+                id: format!("host-{}", machine.id),
+            }),
             ..Effect::default()
         })
     }
 
-    async fn configure(&self, machine: &Machine, order: &ConfigureOrder, ctx: &TransitionContext) -> Result<(), BackendError> {
+    async fn configure(
+        &self,
+        machine: &Machine,
+        order: &ConfigureOrder,
+        ctx: &TransitionContext,
+    ) -> Result<(), BackendError> {
         match order.cluster_id.as_str() {
-            "fault-error" => Err(BackendError(format!("fault: configure injected error for {}", machine.id))),
+            "fault-error" => Err(BackendError(format!(
+                "fault: configure injected error for {}",
+                machine.id
+            ))),
             "fault-timeout" => {
                 ctx.cancel.cancelled().await;
                 Err(BackendError::new("context deadline exceeded"))
@@ -116,7 +142,8 @@ impl Backend for FaultBackend {
             "fault-slow-ok" => {
                 // Deliberately ignores the deadline and succeeds late.
                 tokio::time::sleep(self.timeout + Duration::from_secs(1)).await;
-                self.bound().insert(machine.id.clone(), order.cluster_id.clone());
+                self.bound()
+                    .insert(machine.id.clone(), order.cluster_id.clone());
                 Ok(())
             }
             cluster => {
@@ -130,7 +157,12 @@ impl Backend for FaultBackend {
         true
     }
 
-    async fn confirm_ready(&self, _machine: &Machine, cluster_id: &str, ctx: &TransitionContext) -> Result<(), BackendError> {
+    async fn confirm_ready(
+        &self,
+        _machine: &Machine,
+        cluster_id: &str,
+        ctx: &TransitionContext,
+    ) -> Result<(), BackendError> {
         if cluster_id == "fault-readiness-block" {
             ctx.cancel.cancelled().await;
             return Err(BackendError::new("node never became Ready"));
@@ -138,16 +170,28 @@ impl Backend for FaultBackend {
         Ok(())
     }
 
-    async fn drain(&self, machine: &Machine, _grace: i64, _ctx: &TransitionContext) -> Result<(), BackendError> {
+    async fn drain(
+        &self,
+        machine: &Machine,
+        _grace: i64,
+        _ctx: &TransitionContext,
+    ) -> Result<(), BackendError> {
         let cluster = self.bound().get(&machine.id).cloned().unwrap_or_default();
         if cluster == "fault-drain-error" {
-            return Err(BackendError(format!("fault: drain injected error for {} (cluster {cluster})", machine.id)));
+            return Err(BackendError(format!(
+                "fault: drain injected error for {} (cluster {cluster})",
+                machine.id
+            )));
         }
         self.bound().remove(&machine.id);
         Ok(())
     }
 
-    async fn delete(&self, machine: &Machine, _ctx: &TransitionContext) -> Result<(), BackendError> {
+    async fn delete(
+        &self,
+        machine: &Machine,
+        _ctx: &TransitionContext,
+    ) -> Result<(), BackendError> {
         self.bound().remove(&machine.id);
         Ok(())
     }
@@ -158,6 +202,7 @@ fn common(cli: &Cli) -> CommonArgs {
         addr: cli.addr.clone(),
         metrics_addr: String::new(),
         reflection: true,
+        use_fake_backend: false,
         offerings: String::new(),
         seed_count: cli.seed_count as i64,
         state: cli.state.clone(),
@@ -189,20 +234,36 @@ fn main() -> ExitCode {
         seeds: seeds(&cli.provider, cli.seed_count),
         bound: Mutex::default(),
     });
-    let (addr, provider, seeded, timeout, state) =
-        (cli.addr.clone(), cli.provider.clone(), cli.seed_count, duration::format(cli.transition_timeout), cli.state.clone());
+    let (addr, provider, seeded, timeout, state) = (
+        cli.addr.clone(),
+        cli.provider.clone(),
+        cli.seed_count,
+        duration::format(cli.transition_timeout),
+        cli.state.clone(),
+    );
     let launch = Launch {
         common: common(&cli),
         backend,
         fleet: None,
         telemetry: Telemetry::new("bigfleet_faultprovider"),
         announce: Box::new(move |security| {
-            tracing::info!(addr, provider, seeded, transition_timeout = timeout, state, security = security.name(), "serving fault CapacityProvider");
+            tracing::info!(
+                addr,
+                provider,
+                seeded,
+                transition_timeout = timeout,
+                state,
+                security = security.name(),
+                "serving fault CapacityProvider"
+            );
         }),
         side_servers: Vec::new(),
         require_zone: false,
     };
-    let runtime = match tokio::runtime::Builder::new_multi_thread().enable_all().build() {
+    let runtime = match tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+    {
         Ok(rt) => rt,
         Err(e) => {
             eprintln!("faultprovider: {e}");

@@ -1,9 +1,9 @@
 //! The `hetzner` command line: every flag of the reference provider with its default and
 //! environment variable, plus this provider's additions (see docs/hetzner/configuration.md).
 
-use clap::{ArgAction, Parser};
+use clap::Parser;
 use provider_core::cli::Command;
-use provider_core::config::{CommonArgs, Secret, go_bool};
+use provider_core::config::{BackendChoice, CommonArgs, Secret, choose_backend};
 
 /// BigFleet capacity provider for Hetzner Cloud servers.
 #[derive(Parser, Debug, Clone)]
@@ -23,10 +23,6 @@ pub struct Cli {
     /// Backend: hetzner, fake, or auto (hetzner when a token is set).
     #[arg(long = "hetzner-backend", default_value = "auto", value_name = "MODE")]
     pub hetzner_backend: String,
-
-    /// Force the in-memory fake backend (testing and conformance only).
-    #[arg(long = "use-fake-backend", default_value = "false", value_parser = go_bool, num_args = 0..=1, require_equals = true, default_missing_value = "true", action = ArgAction::Set)]
-    pub use_fake_backend: bool,
 
     /// Hetzner Cloud API token (Read & Write).
     #[arg(
@@ -114,49 +110,17 @@ impl Cli {
     }
 }
 
-/// The resolved backend.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Mode {
-    Real,
-    Fake,
-}
-
-impl Mode {
-    pub fn name(self) -> &'static str {
-        match self {
-            Mode::Real => "hetzner",
-            Mode::Fake => "fake",
-        }
-    }
-}
-
-/// Backend selection with the reference's refusal and error messages.
-pub fn resolve_mode(cli: &Cli) -> Result<Mode, String> {
-    let requested = cli.hetzner_backend.to_ascii_lowercase();
-    let resolved = match requested.as_str() {
-        "" | "auto" => {
-            if cli.token.is_empty() {
-                Mode::Fake
-            } else {
-                Mode::Real
-            }
-        }
-        "hetzner" => Mode::Real,
-        "fake" => Mode::Fake,
-        _ => {
-            return Err(format!(
-                "--hetzner-backend must be hetzner, fake, or auto (got {:?})",
-                cli.hetzner_backend
-            ));
-        }
-    };
-    if cli.use_fake_backend {
-        return Ok(Mode::Fake);
-    }
-    if resolved == Mode::Fake && requested != "fake" {
-        return Err("refusing to start the hetzner provider on the in-memory fake backend: no credentials were detected. Configure the real backend, or pass --use-fake-backend to run the credential-free fake (testing/conformance only — it never creates real resources)".into());
-    }
-    Ok(resolved)
+/// Backend selection: `auto` picks Hetzner Cloud when a token is set.
+pub fn resolve_mode(cli: &Cli) -> Result<BackendChoice, String> {
+    let missing = cli.token.is_empty().then_some("");
+    choose_backend(
+        "hetzner",
+        "--hetzner-backend",
+        "hetzner",
+        &cli.hetzner_backend,
+        missing,
+        cli.common.use_fake_backend,
+    )
 }
 
 #[cfg(test)]
@@ -184,7 +148,7 @@ mod tests {
         assert_eq!(cli.common.reconcile_interval.as_secs(), 120);
         assert_eq!(cli.common.configure_timeout.as_secs(), 480);
         assert!(cli.common.reflection);
-        assert!(!cli.use_fake_backend);
+        assert!(!cli.common.use_fake_backend);
         assert_eq!(cli.eur_usd(), 1.08);
     }
 
@@ -199,7 +163,7 @@ mod tests {
             "--eur-usd=-1",
         ]);
         assert!(!cli.common.reflection);
-        assert!(cli.use_fake_backend);
+        assert!(cli.common.use_fake_backend);
         assert_eq!(cli.common.seed_count, 8);
         assert_eq!(cli.common.price_refresh.as_secs(), 5400);
         assert_eq!(cli.eur_usd(), 1.08);
@@ -215,16 +179,19 @@ mod tests {
         );
         assert_eq!(
             resolve_mode(&parse(&["--token=", "--use-fake-backend"])),
-            Ok(Mode::Fake)
+            Ok(BackendChoice::Fake)
         );
         assert_eq!(
             resolve_mode(&parse(&["--token=", "--hetzner-backend=FAKE"])),
-            Ok(Mode::Fake)
+            Ok(BackendChoice::Fake)
         );
-        assert_eq!(resolve_mode(&parse(&["--token=t"])), Ok(Mode::Real));
+        assert_eq!(
+            resolve_mode(&parse(&["--token=t"])),
+            Ok(BackendChoice::Real)
+        );
         assert_eq!(
             resolve_mode(&parse(&["--token=t", "--use-fake-backend=true"])),
-            Ok(Mode::Fake)
+            Ok(BackendChoice::Fake)
         );
         assert_eq!(
             resolve_mode(&parse(&["--hetzner-backend=aws"])).unwrap_err(),

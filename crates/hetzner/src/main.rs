@@ -10,13 +10,13 @@ use std::sync::Arc;
 use clap::Parser;
 use hetzner::catalog;
 use provider_core::app::{self, Launch};
-use provider_core::config::init_logging;
 use provider_core::fake::{FakeCloud, FakeCloudProfile};
 use provider_core::fleet::{CapacityBook, Fleet, PriceBook};
 use provider_core::offerings::{self, Offering, OfferingRules};
 use provider_core::telemetry::Telemetry;
 
-use crate::cli::{Cli, Mode};
+use crate::cli::Cli;
+use provider_core::config::BackendChoice as Mode;
 
 /// Offering words and messages of the Hetzner provider.
 pub const RULES: OfferingRules = OfferingRules {
@@ -86,7 +86,10 @@ async fn launch(cli: Cli) -> Result<(), String> {
             version = env!("CARGO_PKG_VERSION"),
             addr,
             provider,
-            hetzner_backend = mode.name(),
+            hetzner_backend = match mode {
+                Mode::Real => "hetzner",
+                Mode::Fake => "fake",
+            },
             security = security.name(),
             offerings = offering_count,
             metrics_addr,
@@ -134,34 +137,6 @@ fn cli_to_real(cli: &Cli) -> hetzner::real::RealArgs {
 
 fn main() -> ExitCode {
     let cli = Cli::parse();
-    init_logging(cli.common.log_format, &cli.common.log_level);
-    let runtime = match tokio::runtime::Builder::new_multi_thread()
-        .enable_all()
-        .build()
-    {
-        Ok(rt) => rt,
-        Err(e) => {
-            eprintln!("hetzner: cannot start the async runtime: {e}");
-            return ExitCode::FAILURE;
-        }
-    };
-    if let Some(command) = cli.command.clone() {
-        return match runtime.block_on(provider_core::cli::run(command)) {
-            Ok(out) => {
-                println!("{out}");
-                ExitCode::SUCCESS
-            }
-            Err(e) => {
-                eprintln!("hetzner: {e}");
-                ExitCode::FAILURE
-            }
-        };
-    }
-    match runtime.block_on(launch(cli)) {
-        Ok(()) => ExitCode::SUCCESS,
-        Err(e) => {
-            tracing::error!(err = %e, "provider exited with error");
-            ExitCode::FAILURE
-        }
-    }
+    let (common, command) = (cli.common.clone(), cli.command.clone());
+    app::main_entry("hetzner", &common, command, || launch(cli))
 }

@@ -309,3 +309,47 @@ fn spawn_loops(
         });
     }
 }
+
+/// The `main` of a provider binary: logging, the runtime, then either a subcommand (printing
+/// its output) or the server returned by `launch`. Exit code 1 on any error.
+pub fn main_entry<F>(
+    binary: &str,
+    common: &CommonArgs,
+    command: Option<crate::cli::Command>,
+    launch: impl FnOnce() -> F,
+) -> std::process::ExitCode
+where
+    F: std::future::Future<Output = Result<(), String>>,
+{
+    use std::process::ExitCode;
+    crate::config::init_logging(common.log_format, &common.log_level);
+    let runtime = match tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+    {
+        Ok(rt) => rt,
+        Err(e) => {
+            eprintln!("{binary}: cannot start the async runtime: {e}");
+            return ExitCode::FAILURE;
+        }
+    };
+    if let Some(command) = command {
+        return match runtime.block_on(crate::cli::run(command)) {
+            Ok(out) => {
+                println!("{out}");
+                ExitCode::SUCCESS
+            }
+            Err(e) => {
+                eprintln!("{binary}: {e}");
+                ExitCode::FAILURE
+            }
+        };
+    }
+    match runtime.block_on(launch()) {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            tracing::error!(err = %e, "provider exited with error");
+            ExitCode::FAILURE
+        }
+    }
+}

@@ -75,6 +75,11 @@ pub struct CommonArgs {
     #[arg(long = "metrics-addr", default_value = ":9090", value_name = "ADDR")]
     pub metrics_addr: String,
 
+    /// Force the in-memory fake backend (testing and conformance only; it never creates real
+    /// resources).
+    #[arg(long = "use-fake-backend", default_value = "false", value_parser = go_bool, num_args = 0..=1, require_equals = true, default_missing_value = "true", action = ArgAction::Set)]
+    pub use_fake_backend: bool,
+
     /// Register the gRPC reflection service.
     #[arg(long, default_value = "true", value_parser = go_bool, num_args = 0..=1, require_equals = true, default_missing_value = "true", action = ArgAction::Set)]
     pub reflection: bool,
@@ -235,4 +240,49 @@ pub fn init_logging(format: LogFormat, level: &str) {
         LogFormat::Text => builder.try_init(),
         LogFormat::Json => builder.json().flatten_event(true).try_init(),
     };
+}
+
+/// Which backend a provider runs on.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum BackendChoice {
+    Real,
+    Fake,
+}
+
+/// Backend selection shared by the providers (the reference's rules and messages):
+/// `auto` (or empty) picks the real backend when credentials are present; `--use-fake-backend`
+/// forces the fake; an `auto` without credentials refuses to start; an explicit `fake` is
+/// accepted. `missing` says which credentials are absent (`None` when all are present).
+pub fn choose_backend(
+    binary: &str,
+    flag: &str,
+    real: &str,
+    requested: &str,
+    missing: Option<&str>,
+    use_fake_backend: bool,
+) -> Result<BackendChoice, String> {
+    let lowered = requested.to_ascii_lowercase();
+    let resolved = match lowered.as_str() {
+        "" | "auto" if missing.is_none() => BackendChoice::Real,
+        "" | "auto" | "fake" => BackendChoice::Fake,
+        r if r == real => BackendChoice::Real,
+        _ => {
+            return Err(format!(
+                "{flag} must be {real}, fake, or auto (got {requested:?})"
+            ));
+        }
+    };
+    if use_fake_backend {
+        return Ok(BackendChoice::Fake);
+    }
+    if resolved == BackendChoice::Fake && lowered != "fake" {
+        let detail = match missing {
+            Some(d) if !d.is_empty() => format!(" ({d})"),
+            _ => String::new(),
+        };
+        return Err(format!(
+            "refusing to start the {binary} provider on the in-memory fake backend: no credentials were detected{detail}. Configure the real backend, or pass --use-fake-backend to run the credential-free fake (testing/conformance only — it never creates real resources)"
+        ));
+    }
+    Ok(resolved)
 }

@@ -162,7 +162,11 @@ impl StringMap {
     }
 
     pub fn remove(&mut self, key: &str) -> Option<String> {
-        if self.0.contains_key(key) { self.map_mut().remove(key) } else { None }
+        if self.0.contains_key(key) {
+            self.map_mut().remove(key)
+        } else {
+            None
+        }
     }
 
     pub fn clear(&mut self) {

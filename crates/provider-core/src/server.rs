@@ -307,7 +307,10 @@ mod tests {
         assert!(wire.host.is_none());
         assert!(wire.resources.is_none() && wire.allocatable.is_none());
         let mut m = m;
-        m.host = Some(crate::HostRef { provider: "hetzner".into(), id: "42".into() });
+        m.host = Some(crate::HostRef {
+            provider: "hetzner".into(),
+            id: "42".into(),
+        });
         m.resources.insert("cpu".into(), "1".into());
         let wire = machine_to_wire(&m);
         assert_eq!(wire.host.unwrap().r#ref, "42");

@@ -13,14 +13,9 @@ const PARITY: &str = "differs from the reference provider";
 
 /// contract.md §3.1 / §15: a request over the default 4 MiB receive limit is refused at the
 /// transport with RESOURCE_EXHAUSTED (grpc-go's code, which BigFleet's client and the
-/// conformance suite's B213 expect); tonic's codec answers OUT_OF_RANGE instead.
+/// conformance suite's B213 expect); tonic's codec would answer OUT_OF_RANGE.
 ///
-/// Fix (serve.rs, `serve_grpc`): add a response layer to the server builder that rewrites the
-/// codec's refusal, e.g. `Server::builder().layer(tower::util::MapResponseLayer::new(oversize_is_resource_exhausted))`
-/// with a function that, when the response headers carry `grpc-status: 11` and a
-/// `grpc-message` beginning `Error, decoded message length too large` (percent-encoded as
-/// `Error,%20decoded%20message%20length%20too%20large`), sets `grpc-status` to `8`
-/// (`tower` with feature `util` as a provider-core dependency; it is already in the graph).
+/// `serve::serve_grpc` rewrites tonic's refusal to RESOURCE_EXHAUSTED.
 #[tokio::test]
 async fn oversized_requests_are_resource_exhausted() {
     let server = harness::start(TestBackend::instant(1), ServerSecurity::Insecure).await;
@@ -53,15 +48,9 @@ async fn oversized_requests_are_resource_exhausted() {
 
 /// hetzner.md §14: `<prefix>_grpc_requests_total` counts health checks too, as
 /// `method="Check"` (the reference's interceptor sees every unary RPC), so probes can be
-/// alerted on; ours counts only the CapacityProvider RPCs.
+/// alerted on.
 ///
-/// Fix (serve.rs): serve the health service through a wrapper that observes `check`:
-/// `struct ObservedHealth { inner: tonic_health::server::HealthService, telemetry: Telemetry }`
-/// implementing `tonic_health::pb::health_server::Health` with
-/// `check` = `crate::server::observe(self.telemetry, "Check", "", self.inner.check(request)).await`
-/// and `watch` delegating; `grpc_health(telemetry)` builds it from
-/// `HealthService::from_health_reporter(reporter.clone())` (callers: app.rs and this test
-/// harness pass the binary's `Telemetry`).
+/// `serve::ObservedHealth` counts `Check` through `server::observe`.
 #[tokio::test]
 async fn health_checks_are_counted_like_the_reference() {
     let metrics = provider_core::telemetry::recorder();
