@@ -52,6 +52,8 @@ pub enum CreateFault {
     LoseResponse,
     /// The server is created, but the response is held back for this long.
     Hang(Duration),
+    /// Nothing is created; the client gets this 5xx status (an upstream hiccup).
+    Refuse(u16),
 }
 
 /// One request as the emulator saw it.
@@ -568,6 +570,16 @@ async fn create_server(State(world): State<Shared>, headers: HeaderMap, body: St
     }
     let (response, fault) = {
         let mut w = lock(&world);
+        if let Some(CreateFault::Refuse(status)) = w.create_faults.front().cloned() {
+            w.create_faults.pop_front();
+            drop(w);
+            let status = StatusCode::from_u16(status).unwrap_or(StatusCode::SERVICE_UNAVAILABLE);
+            return reject(
+                status,
+                "unavailable",
+                "injected failure before the server was created",
+            );
+        }
         if w.servers.values().any(|s| s.server.name == request.name) {
             drop(w);
             return reject(
@@ -708,6 +720,8 @@ async fn create_server(State(world): State<Shared>, headers: HeaderMap, body: St
             record_status(&world, StatusCode::CREATED);
             (StatusCode::CREATED, Json(response)).into_response()
         }
+        // Consumed before anything was created, above.
+        Some(CreateFault::Refuse(_)) => unreachable_refuse(&world),
         Some(CreateFault::LoseResponse) => reject(
             StatusCode::BAD_GATEWAY,
             "bad_gateway",
@@ -719,6 +733,15 @@ async fn create_server(State(world): State<Shared>, headers: HeaderMap, body: St
             (StatusCode::CREATED, Json(response)).into_response()
         }
     }
+}
+
+fn unreachable_refuse(world: &Shared) -> Response {
+    record_status(world, StatusCode::INTERNAL_SERVER_ERROR);
+    error(
+        StatusCode::INTERNAL_SERVER_ERROR,
+        "emulator_bug",
+        "a Refuse fault reached the create path",
+    )
 }
 
 async fn replace_server(

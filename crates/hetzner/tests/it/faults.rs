@@ -343,3 +343,27 @@ async fn servers_of_the_reference_provider_are_adopted_and_claimed() {
         .unwrap();
     assert_eq!(env.emulator.servers().len(), 2);
 }
+
+#[tokio::test]
+async fn a_create_refused_without_effect_is_retried_into_exactly_one_server() {
+    let env = Env::new(Options::default()).await;
+    env.emulator
+        .inject_create([CreateFault::Refuse(503), CreateFault::Refuse(500)]);
+    let machine = env.machine("cx22", "nbg1", 2);
+    let host = env.cloud.create_host(&machine, &ctx(30)).await.unwrap();
+    assert_eq!(
+        env.emulator.count("POST", "/servers"),
+        3,
+        "two refusals, then the create"
+    );
+    let servers = env.emulator.servers();
+    assert_eq!(servers.len(), 1);
+    assert_eq!(host.id, servers[0].id.to_string());
+    let logs = env.logs.text();
+    assert_eq!(
+        logs.matches("create failed without a server; retrying")
+            .count(),
+        2,
+        "{logs}"
+    );
+}
