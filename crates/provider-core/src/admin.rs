@@ -164,3 +164,131 @@ pub async fn call(path: &Path, request: &AdminRequest) -> Result<AdminResponse, 
         .ok_or_else(|| "admin socket closed without an answer".to_owned())?;
     serde_json::from_str(&reply).map_err(|e| format!("bad admin answer: {e}"))
 }
+
+#[cfg(test)]
+mod tests {
+    use std::time::Duration;
+
+    use super::*;
+    use crate::engine::EngineOptions;
+    use crate::fake::{FakeCloud, FakeCloudProfile};
+    use crate::fleet::{CapacityBook, Fleet, PriceBook};
+    use crate::offerings::default_mix;
+    use crate::telemetry::Telemetry;
+    use crate::{FenceToken, MachineState, StringMap};
+
+    const ID: &str = "p/OnDemand/a/z1/000";
+
+    async fn wait_for(engine: &Engine, state: MachineState) {
+        for _ in 0..500 {
+            if engine.get(ID).unwrap().state == state {
+                return;
+            }
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+        panic!("never reached {state}");
+    }
+
+    #[tokio::test]
+    async fn list_and_release_over_the_socket() {
+        let cloud = Arc::new(FakeCloud::new(FakeCloudProfile {
+            name: "fake",
+            host_noun: "server",
+            id_base: 0,
+            ip_prefix: "192.0.2",
+            price_usd: 0.01,
+            latency: Duration::ZERO,
+            capacity: |_| None,
+        }));
+        let fleet = Fleet::new(
+            cloud.clone(),
+            "p",
+            default_mix(4, ["a", "b"], ["z1", "z2"]),
+            Arc::new(PriceBook::new(|_, _| Some(0.01))),
+            Arc::new(CapacityBook::new(|_| None)),
+            |_| StringMap::new(),
+        );
+        let options = EngineOptions::new(Telemetry::new("bigfleet_admintest"));
+        let engine = Engine::start(
+            Arc::new(fleet),
+            Arc::new(crate::store::MemoryStore),
+            options,
+        )
+        .await
+        .unwrap();
+        let zero = || FenceToken {
+            shard_id: String::new(),
+            epoch: 0,
+            sequence: 0,
+        };
+        engine.create(ID, zero()).await.unwrap();
+        wait_for(&engine, MachineState::Idle).await;
+        // The host vanishes behind the provider's back, so Configure fails: FAILED with a host.
+        let host = engine.get(ID).unwrap().host.clone().unwrap();
+        assert!(cloud.remove_out_of_band(&host.id));
+        engine
+            .configure(ID, "c".into(), b"blob".to_vec(), StringMap::new(), zero())
+            .await
+            .unwrap();
+        wait_for(&engine, MachineState::Failed).await;
+
+        let dir = tempfile::tempdir().unwrap();
+        let socket = dir.path().join("admin.sock");
+        let stop = CancellationToken::new();
+        let server = serve(&socket, engine.clone(), stop.clone()).unwrap();
+        use std::os::unix::fs::PermissionsExt;
+        assert_eq!(
+            std::fs::metadata(&socket).unwrap().permissions().mode() & 0o777,
+            0o600
+        );
+
+        let listed = call(&socket, &AdminRequest::FailedList).await.unwrap();
+        assert!(listed.ok);
+        assert_eq!(listed.failed.len(), 1);
+        assert_eq!(listed.failed[0].id, ID);
+        assert_eq!(listed.failed[0].host.as_deref(), Some(host.id.as_str()));
+        assert!(
+            listed.failed[0]
+                .last_error
+                .contains("configure unknown server"),
+            "{:?}",
+            listed.failed[0]
+        );
+
+        let refused = call(
+            &socket,
+            &AdminRequest::Release {
+                machine_id: "p/OnDemand/b/z1/000".into(),
+            },
+        )
+        .await
+        .unwrap();
+        assert!(!refused.ok);
+        assert!(refused.error.contains("not Failed"), "{}", refused.error);
+
+        let released = call(
+            &socket,
+            &AdminRequest::Release {
+                machine_id: ID.into(),
+            },
+        )
+        .await
+        .unwrap();
+        assert!(released.ok, "{}", released.error);
+        let m = engine.get(ID).unwrap();
+        assert_eq!(m.state, MachineState::Speculative);
+        assert!(m.host.is_none() && m.last_error.is_empty());
+        assert!(
+            call(&socket, &AdminRequest::FailedList)
+                .await
+                .unwrap()
+                .failed
+                .is_empty()
+        );
+
+        stop.cancel();
+        server.await.unwrap();
+        assert!(!socket.exists(), "the socket file is removed at shutdown");
+        assert!(call(&socket, &AdminRequest::FailedList).await.is_err());
+    }
+}
