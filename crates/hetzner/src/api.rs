@@ -359,6 +359,27 @@ impl HcloudApi {
         Ok(servers)
     }
 
+    /// The server named `name`, if any (names are unique in a project).
+    pub async fn server_by_name(
+        &self,
+        name: &str,
+        deadline: Option<Instant>,
+    ) -> Result<Option<models::Server>, ApiError> {
+        let query = [("name", name.to_owned())];
+        let response: models::ListServersResponse = self
+            .call(
+                "GET /servers",
+                Method::GET,
+                "/servers",
+                &query,
+                None,
+                deadline,
+                Repeat::Idempotent,
+            )
+            .await?;
+        Ok(response.servers.into_iter().find(|s| s.name == name))
+    }
+
     /// One server; `None` when it does not exist.
     pub async fn get_server(
         &self,

@@ -353,12 +353,12 @@ impl HetznerCloud {
         })
     }
 
-    /// The live server a previous Create made for `machine_id`, if any.
-    async fn find_machine_server(
+    /// Every server of ours labelled as `machine_id`, oldest first, whatever its status.
+    async fn machine_servers(
         &self,
         machine_id: &str,
         deadline: Instant,
-    ) -> Result<Option<models::Server>, ApiError> {
+    ) -> Result<Vec<models::Server>, ApiError> {
         // No provider label in the selector: servers of earlier versions lack it, and
         // `is_ours` decides ownership either way.
         let mut pairs = vec![(labels::MANAGED.to_owned(), "true".to_owned())];
@@ -368,17 +368,31 @@ impl HetznerCloud {
             .list_servers(&labels::selector(&pairs), Some(deadline))
             .await?
             .into_iter()
-            .filter(|s| s.status != models::server::Status::Deleting)
             .filter(|s| {
                 self.is_ours(s) && labels::machine_id_of(&s.labels).as_deref() == Some(machine_id)
             })
             .collect();
         found.sort_by_key(|s| s.id);
-        if found.len() > 1 {
-            let ids: Vec<i64> = found.iter().map(|s| s.id).collect();
+        Ok(found)
+    }
+
+    /// The live server a previous Create made for `machine_id`, if any.
+    async fn find_machine_server(
+        &self,
+        machine_id: &str,
+        deadline: Instant,
+    ) -> Result<Option<models::Server>, ApiError> {
+        let live: Vec<models::Server> = self
+            .machine_servers(machine_id, deadline)
+            .await?
+            .into_iter()
+            .filter(|s| s.status != models::server::Status::Deleting)
+            .collect();
+        if live.len() > 1 {
+            let ids: Vec<i64> = live.iter().map(|s| s.id).collect();
             tracing::warn!(machine = machine_id, servers = ?ids, "several servers carry one machine id; using the oldest");
         }
-        Ok(found.into_iter().next())
+        Ok(live.into_iter().next())
     }
 
     /// The id of `--network`, resolved once (by id or by name).
@@ -578,24 +592,36 @@ impl HetznerCloud {
                 Err(e) if e.code() == Some("uniqueness_error") || e.is_ambiguous() => {
                     // The name is taken or the response was lost: the server may exist. Adopt
                     // it only if its labels say it is this machine's.
-                    let found = self
-                        .find_machine_server(&machine.id, deadline)
-                        .await
-                        .map_err(|le| {
+                    let found = self.machine_servers(&machine.id, deadline).await.map_err(
+                        |le| {
                             err(format!(
                                 "create server {server_type}: {e}; look up after the failure: {le}"
                             ))
-                        })?;
-                    if let Some(server) = found {
+                        },
+                    )?;
+                    if let Some(server) = found
+                        .into_iter()
+                        .find(|s| s.status != models::server::Status::Deleting)
+                    {
                         tracing::info!(machine = %machine.id, server = server.id, err = %e, "create failed but the server exists; adopting it");
                         break server;
                     }
+                    // Who holds the name? Only this machine's previous server, still being
+                    // deleted, is worth waiting for (as is a name freed in the meantime).
                     if e.code() == Some("uniqueness_error") {
-                        return Err(err(format!(
-                            "create server {server_type}: the name {name} is taken by a server \
-                             that is not labelled as machine {:?} of provider {:?}; refusing to adopt it",
-                            machine.id, self.provider
-                        )));
+                        let holder = self.api.server_by_name(&name, Some(deadline)).await.map_err(|le| {
+                            err(format!("create server {server_type}: {e}; look up the name's holder: {le}"))
+                        })?;
+                        if let Some(holder) = holder
+                            && !(self.is_machines(&holder, &machine.id)
+                                && holder.status == models::server::Status::Deleting)
+                        {
+                            return Err(err(format!(
+                                "create server {server_type}: the name {name} is taken by server {} \
+                                 that is not labelled as machine {:?} of provider {:?}; refusing to adopt it",
+                                holder.id, machine.id, self.provider
+                            )));
+                        }
                     }
                     let wait = self.timing.client.backoff.delay(attempt, None);
                     if Instant::now() + wait >= deadline

@@ -70,6 +70,7 @@ async fn a_name_taken_by_someone_else_is_never_adopted() {
         "127.0.0.1",
     );
     let err = env.cloud.create_host(&machine, &ctx(10)).await.unwrap_err();
+    assert!(err.0.contains(&format!("is taken by server {foreign} that is not labelled")), "{}", err.0);
     assert!(err.0.contains("refusing to adopt it"), "{}", err.0);
     assert_eq!(env.emulator.servers().len(), 1);
     // And it is not reported, configured or deleted by us.
@@ -365,5 +366,23 @@ async fn a_create_refused_without_effect_is_retried_into_exactly_one_server() {
             .count(),
         2,
         "{logs}"
+    );
+}
+
+#[tokio::test]
+async fn a_create_waits_for_the_machines_previous_server_to_finish_deleting() {
+    let env = Env::new(Options::default()).await;
+    let machine = env.machine("cx22", "nbg1", 3);
+    let first = env.cloud.create_host(&machine, &ctx(30)).await.unwrap();
+    env.emulator.set_deleting_reads(3);
+    env.cloud.delete_host(&first.id, &ctx(10)).await.unwrap();
+    // The old server still holds the name while it is being deleted.
+    let second = env.cloud.create_host(&machine, &ctx(30)).await.unwrap();
+    assert_ne!(second.id, first.id);
+    assert!(env.emulator.server(first.id.parse().unwrap()).is_none());
+    assert_eq!(env.emulator.servers().len(), 1);
+    assert!(
+        env.emulator.count_status(409) >= 1,
+        "the name was taken at first"
     );
 }
