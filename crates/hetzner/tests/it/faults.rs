@@ -70,7 +70,13 @@ async fn a_name_taken_by_someone_else_is_never_adopted() {
         "127.0.0.1",
     );
     let err = env.cloud.create_host(&machine, &ctx(10)).await.unwrap_err();
-    assert!(err.0.contains(&format!("is taken by server {foreign} that is not labelled")), "{}", err.0);
+    assert!(
+        err.0.contains(&format!(
+            "is taken by server {foreign} that is not labelled"
+        )),
+        "{}",
+        err.0
+    );
     assert!(err.0.contains("refusing to adopt it"), "{}", err.0);
     assert_eq!(env.emulator.servers().len(), 1);
     // And it is not reported, configured or deleted by us.

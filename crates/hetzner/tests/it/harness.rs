@@ -213,12 +213,23 @@ impl Env {
 
     /// Starts the SSH server on the reserved port with `host_key`.
     pub fn start_sshd(&mut self, host_key: PrivateKey, drop_first: usize) -> TestSshd {
+        let authorized = self.client_key.public_key().clone();
+        self.start_sshd_authorizing(host_key, authorized, drop_first)
+    }
+
+    /// Starts the SSH server, accepting only `authorized` as the client key.
+    pub fn start_sshd_authorizing(
+        &mut self,
+        host_key: PrivateKey,
+        authorized: russh::keys::PublicKey,
+        drop_first: usize,
+    ) -> TestSshd {
         let listener = self.ssh_listener.take().expect("one SSH server per test");
         TestSshd::start(
             listener,
             SshdSetup {
                 host_key,
-                authorized: self.client_key.public_key().clone(),
+                authorized,
                 user: "root".into(),
                 workdir: self.dir.path().to_owned(),
                 path_prefix: self.dir.path().join("bin"),

@@ -402,3 +402,54 @@ async fn an_unknown_network_fails_create_before_any_server_exists() {
     assert_eq!(err.0, "create server cx22: unknown network \"nope\"");
     assert!(env.emulator.servers().is_empty());
 }
+
+#[tokio::test]
+async fn a_login_the_server_refuses_fails_after_a_few_tries() {
+    let mut env = Env::new(Options::default()).await;
+    let (machine, server) = created(&env, 0).await;
+    let key = env.injected_host_key(server);
+    let stranger = new_key().public_key().clone();
+    let sshd = env.start_sshd_authorizing(key, stranger, 0);
+    let err = env
+        .cloud
+        .configure_host(&machine, &server.to_string(), &order("c11"), &ctx(10))
+        .await
+        .unwrap_err();
+    assert_eq!(
+        err.0,
+        "ssh handshake 127.0.0.1: the server rejected public-key authentication as \"root\" (is the \
+         --ssh-key public key authorised for --ssh-user on the image?)"
+    );
+    assert_eq!(
+        sshd.observed.connections.load(Ordering::SeqCst),
+        2,
+        "one retry (auth_retries = 1 in tests)"
+    );
+    assert!(sshd.observed.commands().is_empty());
+}
+
+#[tokio::test]
+async fn another_machines_server_is_never_configured() {
+    let mut env = Env::new(Options::default()).await;
+    let (_, server) = created(&env, 0).await;
+    let mut other = env.machine("cx22", "nbg1", 1);
+    other.host = Some(HostRef {
+        provider: PROVIDER.into(),
+        id: server.to_string(),
+    });
+    let key = env.injected_host_key(server);
+    let sshd = env.start_sshd(key, 0);
+    let err = env
+        .cloud
+        .configure_host(&other, &server.to_string(), &order("c12"), &ctx(10))
+        .await
+        .unwrap_err();
+    assert_eq!(
+        err.0,
+        format!(
+            "configure: server {server} is not labelled as machine \"{}\" of provider \"{PROVIDER}\"; refusing to touch it",
+            other.id
+        )
+    );
+    assert_eq!(sshd.observed.connections.load(Ordering::SeqCst), 0);
+}
