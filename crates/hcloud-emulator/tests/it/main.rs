@@ -1,0 +1,296 @@
+//! The emulator against the `hcloud` crate's own generated API functions: every response must
+//! parse exactly as the crate parses Hetzner's, and the emulator must behave like the API
+//! where the provider depends on it (selectors, pagination, uniqueness, errors, auth).
+
+// Test code: a panic is the failure report we want.
+#![allow(clippy::unwrap_used)]
+
+use std::collections::HashMap;
+
+use hcloud::apis::configuration::Configuration;
+use hcloud::apis::{Error, images_api, locations_api, networks_api, server_types_api, servers_api};
+use hcloud::models;
+use hcloud_emulator::{Emulator, Fault};
+
+const TOKEN: &str = "emulator-it-token";
+
+fn config(emulator: &Emulator, token: &str) -> Configuration {
+    let mut config = Configuration::new();
+    config
+        .base_path_mapping
+        .insert("https://api.hetzner.cloud/v1".into(), emulator.endpoint());
+    config.bearer_access_token = Some(token.into());
+    config
+}
+
+fn create_request(
+    name: &str,
+    server_type: &str,
+    labels: &[(&str, &str)],
+) -> servers_api::CreateServerParams {
+    servers_api::CreateServerParams {
+        create_server_request: models::CreateServerRequest {
+            name: name.into(),
+            server_type: server_type.into(),
+            image: "ubuntu-24.04".into(),
+            location: Some("nbg1".into()),
+            labels: Some(
+                labels
+                    .iter()
+                    .map(|(k, v)| ((*k).into(), (*v).into()))
+                    .collect(),
+            ),
+            user_data: Some("#cloud-config\n".into()),
+            ..Default::default()
+        },
+    }
+}
+
+#[tokio::test]
+async fn servers_round_trip_through_the_generated_client() {
+    let emulator = Emulator::start(TOKEN).await.unwrap();
+    let c = config(&emulator, TOKEN);
+    let created = servers_api::create_server(
+        &c,
+        create_request("web-1", "cx22", &[("role", "web"), ("env", "prod")]),
+    )
+    .await
+    .unwrap();
+    assert_eq!(created.server.name, "web-1");
+    assert_eq!(created.server.status, models::server::Status::Initializing);
+    assert_eq!(created.server.server_type.name, "cx22");
+    assert_eq!(created.server.location.name, "nbg1");
+    assert!(created.server.public_net.ipv4.is_some());
+    servers_api::create_server(
+        &c,
+        create_request("db-1", "cax11", &[("role", "db"), ("env", "prod")]),
+    )
+    .await
+    .unwrap();
+    servers_api::create_server(
+        &c,
+        create_request("web-2", "cx22", &[("role", "web"), ("env", "dev")]),
+    )
+    .await
+    .unwrap();
+
+    let select = |selector: &str| servers_api::ListServersParams {
+        label_selector: Some(selector.into()),
+        ..Default::default()
+    };
+    let names = |r: models::ListServersResponse| {
+        let mut n: Vec<String> = r.servers.into_iter().map(|s| s.name).collect();
+        n.sort();
+        n
+    };
+    assert_eq!(
+        names(
+            servers_api::list_servers(&c, select("role=web"))
+                .await
+                .unwrap()
+        ),
+        ["web-1", "web-2"]
+    );
+    assert_eq!(
+        names(
+            servers_api::list_servers(&c, select("role=web,env!=dev"))
+                .await
+                .unwrap()
+        ),
+        ["web-1"]
+    );
+    assert_eq!(
+        names(
+            servers_api::list_servers(&c, select("env in (dev,test)"))
+                .await
+                .unwrap()
+        ),
+        ["web-2"]
+    );
+    assert_eq!(
+        names(
+            servers_api::list_servers(&c, select("!role"))
+                .await
+                .unwrap()
+        ),
+        Vec::<String>::new()
+    );
+
+    // The server reaches running on the next read, then its labels can be replaced.
+    let id = created.server.id;
+    let got = servers_api::get_server(&c, servers_api::GetServerParams { id })
+        .await
+        .unwrap();
+    assert_eq!(got.server.unwrap().status, models::server::Status::Running);
+    let replaced = servers_api::replace_server(
+        &c,
+        servers_api::ReplaceServerParams {
+            id,
+            replace_server_request: models::ReplaceServerRequest {
+                labels: Some(HashMap::from([("role".into(), "api".into())])),
+                name: None,
+            },
+        },
+    )
+    .await
+    .unwrap();
+    assert_eq!(replaced.server.unwrap().labels["role"], "api");
+
+    let deleted = servers_api::delete_server(&c, servers_api::DeleteServerParams { id })
+        .await
+        .unwrap();
+    assert_eq!(deleted.action.unwrap().command, "delete_server");
+    let gone = servers_api::get_server(&c, servers_api::GetServerParams { id })
+        .await
+        .unwrap_err();
+    let Error::ResponseError(content) = gone else {
+        panic!("expected an HTTP error")
+    };
+    assert_eq!(content.status.as_u16(), 404);
+    assert!(content.content.contains("\"code\":\"not_found\""));
+}
+
+#[tokio::test]
+async fn pagination_metadata_matches_the_api() {
+    let emulator = Emulator::start(TOKEN).await.unwrap();
+    emulator.set_max_per_page(2);
+    let c = config(&emulator, TOKEN);
+    for i in 0..5 {
+        servers_api::create_server(&c, create_request(&format!("s-{i}"), "cx22", &[]))
+            .await
+            .unwrap();
+    }
+    let mut seen = Vec::new();
+    let mut page = Some(1);
+    while let Some(p) = page {
+        let r = servers_api::list_servers(
+            &c,
+            servers_api::ListServersParams {
+                page: Some(p),
+                per_page: Some(50),
+                ..Default::default()
+            },
+        )
+        .await
+        .unwrap();
+        assert_eq!(r.meta.pagination.per_page, 2, "per_page is capped");
+        assert_eq!(r.meta.pagination.total_entries, Some(5));
+        assert_eq!(r.meta.pagination.last_page, Some(3));
+        seen.extend(r.servers.into_iter().map(|s| s.name));
+        page = r.meta.pagination.next_page;
+    }
+    assert_eq!(seen, ["s-0", "s-1", "s-2", "s-3", "s-4"]);
+}
+
+#[tokio::test]
+async fn catalogue_endpoints_parse() {
+    let emulator = Emulator::start(TOKEN).await.unwrap();
+    let c = config(&emulator, TOKEN);
+    let types = server_types_api::list_server_types(
+        &c,
+        server_types_api::ListServerTypesParams {
+            name: Some("cax11".into()),
+            ..Default::default()
+        },
+    )
+    .await
+    .unwrap();
+    assert_eq!(types.server_types.len(), 1);
+    let cax = &types.server_types[0];
+    assert_eq!(cax.architecture, models::Architecture::Arm);
+    let nbg = cax.prices.iter().find(|p| p.location == "nbg1").unwrap();
+    assert_eq!(nbg.price_hourly.net.parse::<f64>().unwrap(), 0.0059);
+    assert!(
+        nbg.price_hourly.gross.parse::<f64>().unwrap() > 0.0059,
+        "gross includes VAT"
+    );
+
+    let images = images_api::list_images(
+        &c,
+        images_api::ListImagesParams {
+            name: Some("ubuntu-24.04".into()),
+            architecture: Some("arm".into()),
+            ..Default::default()
+        },
+    )
+    .await
+    .unwrap();
+    assert_eq!(images.images.len(), 1);
+    assert_eq!(images.images[0].architecture, models::Architecture::Arm);
+
+    let locations =
+        locations_api::list_locations(&c, locations_api::ListLocationsParams::default())
+            .await
+            .unwrap();
+    let mut names: Vec<String> = locations.locations.into_iter().map(|l| l.name).collect();
+    names.sort();
+    assert_eq!(names, ["fsn1", "hel1", "nbg1"]);
+
+    let networks = networks_api::list_networks(
+        &c,
+        networks_api::ListNetworksParams {
+            name: Some("bigfleet-mgmt".into()),
+            ..Default::default()
+        },
+    )
+    .await
+    .unwrap();
+    assert_eq!(networks.networks[0].id, 9001);
+}
+
+#[tokio::test]
+async fn errors_come_in_hetzners_format() {
+    let emulator = Emulator::start(TOKEN).await.unwrap();
+    let c = config(&emulator, TOKEN);
+    let entity = |e: Error<servers_api::CreateServerError>| match e {
+        Error::ResponseError(content) => match content.entity {
+            Some(servers_api::CreateServerError::DefaultResponse(body)) => {
+                (content.status.as_u16(), body.error.code)
+            }
+            other => panic!("unparsed error body: {other:?} / {}", content.content),
+        },
+        other => panic!("expected an HTTP error, got {other}"),
+    };
+
+    let wrong = config(&emulator, "not-the-token");
+    let e = servers_api::create_server(&wrong, create_request("x", "cx22", &[]))
+        .await
+        .unwrap_err();
+    assert_eq!(entity(e), (401, "unauthorized".into()));
+
+    servers_api::create_server(&c, create_request("dup", "cx22", &[]))
+        .await
+        .unwrap();
+    let e = servers_api::create_server(&c, create_request("dup", "cx22", &[]))
+        .await
+        .unwrap_err();
+    assert_eq!(entity(e), (409, "uniqueness_error".into()));
+
+    let e = servers_api::create_server(&c, create_request("bad-label", "cx22", &[("k", "-bad-")]))
+        .await
+        .unwrap_err();
+    assert_eq!(entity(e), (422, "invalid_input".into()));
+
+    let e = servers_api::create_server(&c, create_request("nope", "cx99", &[]))
+        .await
+        .unwrap_err();
+    assert_eq!(entity(e), (422, "invalid_input".into()));
+
+    emulator.inject([Fault::RateLimited {
+        retry_after: Some(3),
+        reset_in: None,
+    }]);
+    let e = servers_api::create_server(&c, create_request("later", "cx22", &[]))
+        .await
+        .unwrap_err();
+    assert_eq!(entity(e), (429, "rate_limit_exceeded".into()));
+    assert_eq!(emulator.count_status(429), 1);
+    assert!(
+        emulator
+            .seen()
+            .iter()
+            .filter(|s| s.path == "/servers")
+            .all(|s| s.method == "POST")
+    );
+    assert!(!emulator.seen()[0].authorized && emulator.seen()[1].authorized);
+}
