@@ -171,12 +171,7 @@ pub fn parse_endpoint(endpoint: &str) -> Result<Url, String> {
     let url = Url::parse(trimmed)
         .map_err(|e| format!("--hcloud-endpoint {endpoint:?} is not a valid URL: {e}"))?;
     let host = url.host_str().unwrap_or("");
-    let loopback = host.eq_ignore_ascii_case("localhost")
-        || host
-            .trim_start_matches('[')
-            .trim_end_matches(']')
-            .parse::<std::net::IpAddr>()
-            .is_ok_and(|ip| ip.is_loopback());
+    let loopback = is_loopback(&url);
     match url.scheme() {
         "https" if !host.is_empty() => Ok(url),
         "http" if loopback => Ok(url),
@@ -187,6 +182,16 @@ pub fn parse_endpoint(endpoint: &str) -> Result<Url, String> {
             "--hcloud-endpoint {endpoint:?} must be an https:// URL"
         )),
     }
+}
+
+fn is_loopback(url: &Url) -> bool {
+    let host = url.host_str().unwrap_or("");
+    host.eq_ignore_ascii_case("localhost")
+        || host
+            .trim_start_matches('[')
+            .trim_end_matches(']')
+            .parse::<std::net::IpAddr>()
+            .is_ok_and(|ip| ip.is_loopback())
 }
 
 impl HcloudApi {
@@ -201,9 +206,15 @@ impl HcloudApi {
         }
         bearer(&token).map_err(|e| e.to_string())?;
         let base = parse_endpoint(endpoint)?;
-        let http = reqwest::Client::builder()
+        let mut builder = reqwest::Client::builder()
             .user_agent(concat!("bigfleet-hetzner/", env!("CARGO_PKG_VERSION")))
-            .connect_timeout(Duration::from_secs(10))
+            .connect_timeout(Duration::from_secs(10));
+        // HTTPS_PROXY / HTTP_PROXY / NO_PROXY apply to the real API; a loopback endpoint (an
+        // emulator or a local mirror) is always reached directly.
+        if is_loopback(&base) {
+            builder = builder.no_proxy();
+        }
+        let http = builder
             .build()
             .map_err(|e| format!("build the HTTP client: {e}"))?;
         Ok(HcloudApi {
