@@ -2,7 +2,7 @@
 //! the logs that follow it into an [`Image`], and telling a torn final record (a write that was
 //! cut short and never acknowledged) from corruption.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, HashMap};
 use std::fs;
 use std::path::{Path, PathBuf};
 
@@ -52,28 +52,67 @@ impl<S> Default for Image<S> {
     }
 }
 
-impl<S: SlotForm> Image<S> {
-    fn apply(&mut self, entry: Entry<'_>) -> Result<(), String> {
+/// What the logs say on top of the snapshot. Slots stay encoded until every log is read, so a
+/// slot written many times is decoded once.
+#[derive(Default)]
+pub(crate) struct Overlay {
+    slots: HashMap<String, LastWrite>,
+}
+
+/// The last write of a slot in the logs: its bytes (`None`: removed), and the log generation
+/// and offset it was read at (for error messages).
+struct LastWrite(Option<Box<[u8]>>, u64, usize);
+
+impl Overlay {
+    fn apply<S>(
+        &mut self,
+        image: &mut Image<S>,
+        entry: Entry<'_>,
+        generation: u64,
+        offset: usize,
+    ) -> Result<(), String> {
         match entry {
             Entry::PutSlot { id, encoded } => {
-                self.slots.insert(id, S::from_encoded(encoded)?);
+                self.slots
+                    .insert(id, LastWrite(Some(encoded.into()), generation, offset));
             }
             Entry::RemoveSlot(id) => {
-                self.slots.remove(&id);
+                self.slots.insert(id, LastWrite(None, generation, offset));
             }
             Entry::PutFence {
                 shard_id,
                 machine_id,
                 mark,
             } => {
-                self.fences.insert((shard_id, machine_id), mark);
+                image.fences.insert((shard_id, machine_id), mark);
             }
             Entry::Counters { revision, next_op } => {
-                self.revision = revision;
-                self.next_op = next_op;
+                image.revision = revision;
+                image.next_op = next_op;
             }
             Entry::SnapshotEnd { .. } => {
                 return Err("a snapshot end marker inside a log".into());
+            }
+        }
+        Ok(())
+    }
+
+    /// Applies the final write of each slot to `image`.
+    fn merge_into<S: SlotForm>(self, dir: &Path, image: &mut Image<S>) -> Result<(), String> {
+        for (id, LastWrite(bytes, generation, offset)) in self.slots {
+            match bytes {
+                Some(bytes) => {
+                    let slot = S::from_encoded(&bytes).map_err(|e| {
+                        format!(
+                            "log file {}: record at offset {offset}: {e}; {FIX}",
+                            layout::file_path(dir, FileKind::Log, generation).display()
+                        )
+                    })?;
+                    image.slots.insert(id, slot);
+                }
+                None => {
+                    image.slots.remove(&id);
+                }
             }
         }
         Ok(())
@@ -204,12 +243,13 @@ const FIX: &str = "restore the state directory from a backup; moving it aside st
                    provider fresh, which re-seeds from the cloud and loses bindings, fence \
                    marks and operation ids";
 
-/// Replays one log into `image`. Only the newest log may end with a torn record.
-pub(crate) fn replay_log<S: SlotForm>(
+/// Replays one log into `image` and `overlay`. Only the newest log may end with a torn record.
+pub(crate) fn replay_log<S>(
     dir: &Path,
     generation: u64,
     newest: bool,
     image: &mut Image<S>,
+    overlay: &mut Overlay,
 ) -> Result<LogEnd, String> {
     let path = layout::file_path(dir, FileKind::Log, generation);
     let bytes = read_whole(&path, FileKind::Log)?;
@@ -219,8 +259,10 @@ pub(crate) fn replay_log<S: SlotForm>(
     while pos < bytes.len() {
         match locate(&bytes, pos) {
             Ok((start, end)) => {
-                decode_record(&bytes[start..end], |entry| image.apply(entry))
-                    .map_err(|e| fail(format!("record at offset {pos}: {e}")))?;
+                decode_record(&bytes[start..end], |entry| {
+                    overlay.apply(image, entry, generation, pos)
+                })
+                .map_err(|e| fail(format!("record at offset {pos}: {e}")))?;
                 pos = end;
             }
             Err(Bad::Torn(reason)) if newest => {
@@ -251,8 +293,8 @@ pub(crate) fn replay_log<S: SlotForm>(
     })
 }
 
-/// One decoded snapshot entry, owned, so records can be decoded on several threads.
-enum Owned<S> {
+/// One decoded snapshot entry.
+enum SnapshotEntry<S> {
     Slot(String, S),
     Fence((String, String), HighWaterMark),
     Counters(i64, u64),
@@ -265,18 +307,18 @@ type Framed = (usize, usize, usize);
 fn decode_snapshot_record<S: SlotForm>(
     bytes: &[u8],
     &(pos, start, end): &Framed,
-) -> Result<Vec<Owned<S>>, (usize, String)> {
+) -> Result<Vec<SnapshotEntry<S>>, (usize, String)> {
     let mut out = Vec::new();
     decode_record(&bytes[start..end], |entry| {
         out.push(match entry {
-            Entry::PutSlot { id, encoded } => Owned::Slot(id, S::from_encoded(encoded)?),
+            Entry::PutSlot { id, encoded } => SnapshotEntry::Slot(id, S::from_encoded(encoded)?),
             Entry::PutFence {
                 shard_id,
                 machine_id,
                 mark,
-            } => Owned::Fence((shard_id, machine_id), mark),
-            Entry::Counters { revision, next_op } => Owned::Counters(revision, next_op),
-            Entry::SnapshotEnd { slots, fences } => Owned::End(slots, fences),
+            } => SnapshotEntry::Fence((shard_id, machine_id), mark),
+            Entry::Counters { revision, next_op } => SnapshotEntry::Counters(revision, next_op),
+            Entry::SnapshotEnd { slots, fences } => SnapshotEntry::End(slots, fences),
             Entry::RemoveSlot(_) => return Err("a slot removal inside a snapshot".into()),
         });
         Ok(())
@@ -285,49 +327,9 @@ fn decode_snapshot_record<S: SlotForm>(
     Ok(out)
 }
 
-/// Decodes the records of a snapshot, in order, on up to four threads: decoding slots is most
-/// of the time a restart takes.
-fn decode_snapshot_records<S: SlotForm + Send>(
-    bytes: &[u8],
-    records: &[Framed],
-) -> Result<Vec<Vec<Owned<S>>>, (usize, String)> {
-    let decode_part = |part: &[Framed]| {
-        part.iter()
-            .map(|r| decode_snapshot_record(bytes, r))
-            .collect::<Result<Vec<_>, _>>()
-    };
-    let threads = std::thread::available_parallelism().map_or(1, |n| n.get().min(4));
-    if threads < 2 || records.len() < 16 {
-        return decode_part(records);
-    }
-    std::thread::scope(|scope| {
-        let parts: Vec<_> = records
-            .chunks(records.len().div_ceil(threads))
-            .map(|part| {
-                std::thread::Builder::new()
-                    .name("state-load".into())
-                    .spawn_scoped(scope, move || decode_part(part))
-                    .map_err(|_| part)
-            })
-            .collect();
-        let mut decoded = Vec::with_capacity(records.len());
-        for part in parts {
-            let result = match part {
-                Ok(handle) => handle
-                    .join()
-                    .unwrap_or_else(|_| Err((0, "a decoding thread panicked".into()))),
-                // No thread to be had: decode it here.
-                Err(part) => decode_part(part),
-            };
-            decoded.extend(result?);
-        }
-        Ok(decoded)
-    })
-}
-
 /// Replays one snapshot into an empty `image`; returns the file's length. Snapshots are written
 /// whole (temp file, fsync, rename), so anything short of a complete one is corruption.
-pub(crate) fn replay_snapshot<S: SlotForm + Send>(
+pub(crate) fn replay_snapshot<S: SlotForm>(
     dir: &Path,
     generation: u64,
     image: &mut Image<S>,
@@ -336,7 +338,7 @@ pub(crate) fn replay_snapshot<S: SlotForm + Send>(
     let bytes = read_whole(&path, FileKind::Snapshot)?;
     let fail = |what: String| format!("snapshot file {}: {what}; {FIX}", path.display());
     codec::check_header(&bytes, FileKind::Snapshot, generation).map_err(fail)?;
-    // Check the framing and every checksum first, then decode.
+    // Check the framing and every checksum before decoding anything.
     let mut records = Vec::new();
     let mut pos = HEADER_LEN;
     while pos < bytes.len() {
@@ -348,25 +350,26 @@ pub(crate) fn replay_snapshot<S: SlotForm + Send>(
         records.push((pos, start, end));
         pos = end;
     }
-    let decoded = decode_snapshot_records::<S>(&bytes, &records)
-        .map_err(|(pos, e)| fail(format!("record at offset {pos}: {e}")))?;
     let mut slots = Vec::new();
     let mut end_marker = None;
-    for (entries, (pos, _, _)) in decoded.into_iter().zip(&records) {
+    for record in &records {
+        let pos = record.0;
+        let entries = decode_snapshot_record::<S>(&bytes, record)
+            .map_err(|(pos, e)| fail(format!("record at offset {pos}: {e}")))?;
         for entry in entries {
             if end_marker.is_some() {
                 return Err(fail(format!("data after the end marker at offset {pos}")));
             }
             match entry {
-                Owned::Slot(id, slot) => slots.push((id, slot)),
-                Owned::Fence(key, mark) => {
+                SnapshotEntry::Slot(id, slot) => slots.push((id, slot)),
+                SnapshotEntry::Fence(key, mark) => {
                     image.fences.insert(key, mark);
                 }
-                Owned::Counters(revision, next_op) => {
+                SnapshotEntry::Counters(revision, next_op) => {
                     image.revision = revision;
                     image.next_op = next_op;
                 }
-                Owned::End(slots, fences) => end_marker = Some((slots, fences)),
+                SnapshotEntry::End(slots, fences) => end_marker = Some((slots, fences)),
             }
         }
     }
@@ -475,7 +478,7 @@ pub(crate) struct Loaded<S> {
 
 /// Replays the files a plan names. With `tolerate_torn_tail`, the newest log may end with a
 /// torn record (reported in `newest_end`); otherwise every log must end cleanly.
-pub(crate) fn replay<S: SlotForm + Send>(
+pub(crate) fn replay<S: SlotForm>(
     dir: &Path,
     plan: Plan,
     tolerate_torn_tail: bool,
@@ -486,13 +489,16 @@ pub(crate) fn replay<S: SlotForm + Send>(
         None => 0,
     };
     let mut newest = None;
+    let mut overlay = Overlay::default();
     for (i, g) in plan.logs.iter().enumerate() {
         let is_newest = i + 1 == plan.logs.len();
-        let end = replay_log(dir, *g, is_newest && tolerate_torn_tail, &mut image)?;
+        let tolerate = is_newest && tolerate_torn_tail;
+        let end = replay_log(dir, *g, tolerate, &mut image, &mut overlay)?;
         if is_newest {
             newest = Some((*g, end));
         }
     }
+    overlay.merge_into(dir, &mut image)?;
     let (newest_log, newest_end) = newest
         .ok_or_else(|| format!("state directory {}: no log to replay; {FIX}", dir.display()))?;
     Ok(Loaded {

@@ -12,7 +12,7 @@ use super::replay::Image;
 
 /// Records of a snapshot hold about this many bytes each.
 const RECORD_TARGET: usize = 64 * 1024;
-/// The writer hands bytes to the file in pieces of about this size.
+/// The writer hands bytes to the file, and flushes them, in pieces of about this size.
 const WRITE_CHUNK: usize = 1 << 20;
 
 /// Writes `image` as snapshot `generation` in `dir`; returns the file's length.
@@ -66,6 +66,9 @@ impl RecordStream<'_> {
             self.close_record();
             if self.out.len() >= WRITE_CHUNK {
                 self.file.write_all(&self.out)?;
+                // Flush as we go, so the final fsync is short and a large snapshot never holds
+                // up the log's fsyncs behind one big flush (ext4 orders them in one journal).
+                self.file.sync_data()?;
                 self.written += self.out.len() as u64;
                 self.out.clear();
             }

@@ -1288,7 +1288,7 @@ fn kill_9_loses_no_acknowledged_mutation() {
 }
 
 #[test]
-fn a_large_snapshot_decodes_in_parallel_to_the_same_state() {
+fn a_large_snapshot_of_many_records_round_trips() {
     let (_tmp, dir) = state_dir();
     let store = open(&dir);
     let mut batch: Vec<Change> = (0..6000)
