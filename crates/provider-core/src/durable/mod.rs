@@ -39,7 +39,7 @@
 //! # The reference provider's JSON file
 //!
 //! If `PATH` is a regular file, it is the reference provider's state (contract.md §11). On
-//! first start it is imported ([`reference`]): the new state is built in `<PATH>.importing`,
+//! first start it is imported (see `reference.rs`): the new state is built in `<PATH>.importing`,
 //! the file is renamed to `<PATH>.reference-import.json` (kept for the operator), and the
 //! directory renamed to `PATH`. A crash between the two renames is finished on the next start.
 
