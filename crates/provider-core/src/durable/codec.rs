@@ -445,6 +445,14 @@ pub(crate) fn decode_slot(encoded: &[u8]) -> Result<Slot, String> {
 }
 
 /// A bounds-checked cursor over a payload.
+/// How many distinct encoded maps the decoder remembers for sharing.
+const MAP_CACHE_LIMIT: usize = 4096;
+
+thread_local! {
+    static MAP_CACHE: std::cell::RefCell<std::collections::HashMap<Vec<u8>, StringMap>> =
+        std::cell::RefCell::new(std::collections::HashMap::new());
+}
+
 struct Reader<'a> {
     buf: &'a [u8],
     pos: usize,
@@ -494,13 +502,37 @@ impl<'a> Reader<'a> {
     }
 
     fn map(&mut self) -> Result<StringMap, String> {
+        // Identical maps (the resources, allocatable and labels of every slot of an offering)
+        // are decoded once and shared, as they were in memory before the restart.
+        let start = self.pos;
         let count = self.u32()?;
-        let mut map = StringMap::new();
+        for _ in 0..count.saturating_mul(2) {
+            let len = self.u32()? as usize;
+            self.bytes(len)?;
+        }
+        let encoded = &self.buf[start..self.pos];
+        if count == 0 {
+            return Ok(StringMap::new());
+        }
+        if let Some(shared) = MAP_CACHE.with(|c| c.borrow().get(encoded).cloned()) {
+            return Ok(shared);
+        }
+        let mut entries = Reader::new(encoded);
+        entries.u32()?;
+        let mut map = std::collections::BTreeMap::new();
         for _ in 0..count {
-            let k = self.string()?;
-            let v = self.string()?;
+            let k = entries.string()?;
+            let v = entries.string()?;
             map.insert(k, v);
         }
+        let map = StringMap::from(map);
+        MAP_CACHE.with(|c| {
+            let mut cache = c.borrow_mut();
+            if cache.len() >= MAP_CACHE_LIMIT {
+                cache.clear();
+            }
+            cache.insert(encoded.to_vec(), map.clone());
+        });
         Ok(map)
     }
 }
