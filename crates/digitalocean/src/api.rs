@@ -40,36 +40,7 @@ impl std::fmt::Debug for ApiToken {
 
 /// Parses `--do-api-url`: `https://` anywhere, `http://` only for loopback hosts.
 pub fn parse_base_url(raw: &str) -> Result<Url, String> {
-    let url = Url::parse(raw.trim()).map_err(|e| format!("--do-api-url {raw:?}: {e}"))?;
-    match url.scheme() {
-        "https" => {}
-        "http" if is_loopback(&url) => {}
-        "http" => {
-            return Err(format!(
-                "--do-api-url {raw:?}: plain http is only allowed for loopback addresses; use https"
-            ));
-        }
-        other => {
-            return Err(format!(
-                "--do-api-url {raw:?}: unsupported scheme {other:?}"
-            ));
-        }
-    }
-    if url.host_str().is_none_or(str::is_empty) {
-        return Err(format!("--do-api-url {raw:?}: no host"));
-    }
-    Ok(url)
-}
-
-fn is_loopback(url: &Url) -> bool {
-    let Some(host) = url.host_str() else {
-        return false;
-    };
-    let host = host.trim_start_matches('[').trim_end_matches(']');
-    host.eq_ignore_ascii_case("localhost")
-        || host
-            .parse::<std::net::IpAddr>()
-            .is_ok_and(|ip| ip.is_loopback())
+    provider_core::encoding::parse_api_url("--do-api-url", raw)
 }
 
 /// A failed API exchange. The text never contains the token.
@@ -310,7 +281,7 @@ impl ApiClient {
             .use_rustls_tls()
             .connect_timeout(Duration::from_secs(10))
             .user_agent(concat!("bigfleet-digitalocean/", env!("CARGO_PKG_VERSION")));
-        if is_loopback(&base) {
+        if provider_core::encoding::is_loopback(&base) {
             // A local emulator or mirror: a configured HTTP(S)_PROXY must not intercept it.
             builder = builder.no_proxy();
         }

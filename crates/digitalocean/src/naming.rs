@@ -14,49 +14,12 @@ pub const CLUSTER_TAG_PREFIX: &str = "bfcluster:";
 /// Prefix of the provider-instance tag (`--provider`).
 pub const PROVIDER_TAG_PREFIX: &str = "bfprov:";
 
-const ALPHABET: &[u8; 32] = b"abcdefghijklmnopqrstuvwxyz234567";
-
-/// RFC 4648 base32, lower case, without padding.
-pub fn base32_lower(bytes: &[u8]) -> String {
-    let mut out = String::with_capacity(bytes.len().div_ceil(5) * 8);
-    let mut buffer: u32 = 0;
-    let mut bits = 0;
-    for &b in bytes {
-        buffer = (buffer << 8) | u32::from(b);
-        bits += 8;
-        while bits >= 5 {
-            bits -= 5;
-            out.push(char::from(ALPHABET[((buffer >> bits) & 31) as usize]));
-        }
-        buffer &= (1 << bits) - 1;
-    }
-    if bits > 0 {
-        out.push(char::from(ALPHABET[((buffer << (5 - bits)) & 31) as usize]));
-    }
-    out
-}
+pub use provider_core::encoding::base32_lower;
 
 /// Decodes [`base32_lower`] output (either case accepted); `None` when it is not valid base32
 /// or not UTF-8.
 pub fn base32_decode(text: &str) -> Option<String> {
-    let mut out = Vec::with_capacity(text.len() * 5 / 8);
-    let mut buffer: u32 = 0;
-    let mut bits = 0;
-    for c in text.bytes() {
-        let value = ALPHABET.iter().position(|&a| a == c.to_ascii_lowercase())? as u32;
-        buffer = (buffer << 5) | value;
-        bits += 5;
-        if bits >= 8 {
-            bits -= 8;
-            out.push((buffer >> bits) as u8);
-            buffer &= (1 << bits) - 1;
-        }
-    }
-    // Leftover bits must be zero padding of the last byte, as an encoder writes them.
-    if buffer != 0 || bits >= 5 {
-        return None;
-    }
-    String::from_utf8(out).ok()
+    String::from_utf8(provider_core::encoding::base32_decode(text)?).ok()
 }
 
 pub fn machine_tag(machine_id: &str) -> String {

@@ -167,31 +167,7 @@ impl std::fmt::Debug for HcloudApi {
 
 /// Validates `--hcloud-endpoint`: `https://` anywhere, plain `http://` only on loopback.
 pub fn parse_endpoint(endpoint: &str) -> Result<Url, String> {
-    let trimmed = endpoint.trim().trim_end_matches('/');
-    let url = Url::parse(trimmed)
-        .map_err(|e| format!("--hcloud-endpoint {endpoint:?} is not a valid URL: {e}"))?;
-    let host = url.host_str().unwrap_or("");
-    let loopback = is_loopback(&url);
-    match url.scheme() {
-        "https" if !host.is_empty() => Ok(url),
-        "http" if loopback => Ok(url),
-        "http" => Err(format!(
-            "--hcloud-endpoint {endpoint:?}: plain http is only allowed for loopback addresses; use https"
-        )),
-        _ => Err(format!(
-            "--hcloud-endpoint {endpoint:?} must be an https:// URL"
-        )),
-    }
-}
-
-fn is_loopback(url: &Url) -> bool {
-    let host = url.host_str().unwrap_or("");
-    host.eq_ignore_ascii_case("localhost")
-        || host
-            .trim_start_matches('[')
-            .trim_end_matches(']')
-            .parse::<std::net::IpAddr>()
-            .is_ok_and(|ip| ip.is_loopback())
+    provider_core::encoding::parse_api_url("--hcloud-endpoint", endpoint)
 }
 
 impl HcloudApi {
@@ -211,7 +187,7 @@ impl HcloudApi {
             .connect_timeout(Duration::from_secs(10));
         // HTTPS_PROXY / HTTP_PROXY / NO_PROXY apply to the real API; a loopback endpoint (an
         // emulator or a local mirror) is always reached directly.
-        if is_loopback(&base) {
+        if provider_core::encoding::is_loopback(&base) {
             builder = builder.no_proxy();
         }
         let http = builder

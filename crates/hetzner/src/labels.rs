@@ -34,47 +34,8 @@ pub const CLUSTER: &str = "bigfleet-cluster";
 /// Hetzner's limit on a label value (and on a key's name part).
 pub const MAX_VALUE_LEN: usize = 63;
 const ESCAPE: &str = "b32.";
-const ALPHABET: &[u8; 32] = b"abcdefghijklmnopqrstuvwxyz234567";
 
-/// Lower-case RFC 4648 base32 without padding.
-pub fn base32(bytes: &[u8]) -> String {
-    let mut out = String::with_capacity(bytes.len().div_ceil(5) * 8);
-    for chunk in bytes.chunks(5) {
-        let mut block = [0u8; 5];
-        block[..chunk.len()].copy_from_slice(chunk);
-        let bits = block.iter().fold(0u64, |acc, b| (acc << 8) | u64::from(*b));
-        let symbols = (chunk.len() * 8).div_ceil(5);
-        for i in 0..symbols {
-            let index = (bits >> (35 - 5 * i)) & 31;
-            out.push(char::from(ALPHABET[index as usize]));
-        }
-    }
-    out
-}
-
-/// Decodes unpadded RFC 4648 base32 in either case; `None` for anything else.
-pub fn base32_decode(text: &str) -> Option<Vec<u8>> {
-    let text = text.trim_end_matches('=');
-    // Valid unpadded lengths modulo 8 are 0, 2, 4, 5 and 7.
-    if matches!(text.len() % 8, 1 | 3 | 6) {
-        return None;
-    }
-    let mut out = Vec::with_capacity(text.len() * 5 / 8);
-    let mut acc: u64 = 0;
-    let mut nbits = 0u32;
-    for c in text.bytes() {
-        let value = ALPHABET.iter().position(|a| *a == c.to_ascii_lowercase())?;
-        acc = (acc << 5) | value as u64;
-        nbits += 5;
-        if nbits >= 8 {
-            nbits -= 8;
-            out.push((acc >> nbits) as u8);
-            acc &= (1 << nbits) - 1;
-        }
-    }
-    // Leftover bits must be zero padding, or the text was not produced by an encoder.
-    (acc == 0).then_some(out)
-}
+pub use provider_core::encoding::{base32_decode, base32_lower as base32};
 
 /// Whether `value` is a valid Hetzner label value.
 pub fn is_label_value(value: &str) -> bool {
@@ -219,34 +180,6 @@ mod tests {
 
     fn map(pairs: Vec<(String, String)>) -> HashMap<String, String> {
         pairs.into_iter().collect()
-    }
-
-    #[test]
-    fn base32_matches_rfc4648_vectors() {
-        let vectors = [
-            ("", ""),
-            ("f", "my"),
-            ("fo", "mzxq"),
-            ("foo", "mzxw6"),
-            ("foob", "mzxw6yq"),
-            ("fooba", "mzxw6ytb"),
-            ("foobar", "mzxw6ytboi"),
-        ];
-        for (plain, encoded) in vectors {
-            assert_eq!(base32(plain.as_bytes()), encoded);
-            assert_eq!(base32_decode(encoded).unwrap(), plain.as_bytes());
-            assert_eq!(
-                base32_decode(&encoded.to_uppercase()).unwrap(),
-                plain.as_bytes()
-            );
-        }
-        assert_eq!(base32_decode("a"), None);
-        assert_eq!(base32_decode("m1"), None);
-        assert_eq!(
-            base32_decode("mzxw6yr"),
-            None,
-            "non-zero trailing bits are rejected"
-        );
     }
 
     #[test]

@@ -9,6 +9,7 @@ pub mod cloud;
 pub mod config;
 pub mod durable;
 pub mod duration;
+pub mod encoding;
 pub mod engine;
 pub mod error;
 pub mod fake;
