@@ -13,7 +13,11 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     let out = PathBuf::from(std::env::var("OUT_DIR")?);
     tonic_prost_build::configure()
         .file_descriptor_set_path(out.join("bigfleet_v1alpha1_descriptor.bin"))
-        .compile_with_config(config, &["proto/bigfleet/v1alpha1/provider.proto"], &["proto"])?;
+        .compile_with_config(
+            config,
+            &["proto/bigfleet/v1alpha1/provider.proto"],
+            &["proto"],
+        )?;
     println!("cargo:rerun-if-changed=proto");
     Ok(())
 }

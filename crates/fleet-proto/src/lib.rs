@@ -10,8 +10,10 @@ pub mod v1alpha1 {
 }
 
 /// The encoded `FileDescriptorSet` of the contract, for the reflection service.
-pub const FILE_DESCRIPTOR_SET: &[u8] =
-    include_bytes!(concat!(env!("OUT_DIR"), "/bigfleet_v1alpha1_descriptor.bin"));
+pub const FILE_DESCRIPTOR_SET: &[u8] = include_bytes!(concat!(
+    env!("OUT_DIR"),
+    "/bigfleet_v1alpha1_descriptor.bin"
+));
 
 /// The full gRPC service name.
 pub const SERVICE_NAME: &str = "bigfleet.v1alpha1.CapacityProvider";
