@@ -4,9 +4,16 @@
 // Helpers here are test code too: a panic is the failure report we want.
 #![allow(clippy::unwrap_used)]
 
+mod binary;
 mod faults;
 mod harness;
 mod lifecycle;
 mod real_build;
 mod ssh_delivery;
 mod sshd;
+
+#[path = "../../../../xtask/src/e2e/wire.rs"]
+mod wire;
+
+#[path = "../../../../xtask/src/e2e/provider_process.rs"]
+mod provider_process;
