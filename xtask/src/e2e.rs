@@ -16,6 +16,7 @@
 //! Any deviation ends the run with a non-zero exit and a message naming the provider and the
 //! check. [`real_backend_runs`] is where the runs against the cloud API emulators go.
 
+mod digitalocean_real;
 mod hetzner_real;
 pub(crate) mod provider_process;
 pub(crate) mod wire;
@@ -104,6 +105,8 @@ fn build(root: &Path) -> Result<()> {
             "faultprovider",
             "-p",
             "hcloud-emulator",
+            "-p",
+            "do-emulator",
         ])
         .status()
         .context("run cargo build")?;
@@ -124,6 +127,14 @@ async fn real_backend_runs(root: &Path) -> Result<()> {
         .context("e2e FAILED for hetzner (real backend against hcloud-emulator)")?;
     println!(
         "e2e: hetzner on its real backend against hcloud-emulator: ok ({:.1?})",
+        step.elapsed()
+    );
+    let step = Instant::now();
+    digitalocean_real::run(root)
+        .await
+        .context("e2e FAILED for digitalocean (real backend against do-emulator)")?;
+    println!(
+        "e2e: digitalocean on its real backend against do-emulator: ok ({:.1?})",
         step.elapsed()
     );
     Ok(())
