@@ -9,6 +9,9 @@
 //! that take N polls to reach `running`, out-of-band deletion, servers inserted behind the
 //! provider's back, and per-server public IPv4 addresses (point them at 127.0.0.1 to reach an
 //! in-process SSH server).
+//!
+//! [`sshd`] is a real SSH server (russh) that plays the servers' sshd: it presents the host key
+//! the provider injected via user-data and runs commands for real in a per-server root.
 
 // Handlers short-circuit with a ready HTTP response as their error; boxing it would only add
 // noise to a test server.
@@ -29,6 +32,9 @@ use hcloud::models;
 use tokio::net::TcpListener;
 
 mod selector;
+pub mod sshd;
+
+pub use sshd::{HostKeySource, Observed, Root, Sshd, SshdSetup};
 
 pub use selector::{LabelSelector, SelectorError};
 

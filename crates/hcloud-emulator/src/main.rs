@@ -1,7 +1,9 @@
 //! `hcloud-emulator`: serves the local Hetzner Cloud API emulator until interrupted, for
 //! end-to-end runs of the `hetzner` binary (`--hcloud-endpoint http://ADDR/v1`).
 
+use anyhow::Context;
 use clap::Parser;
+use hcloud_emulator::Sshd;
 
 /// A local, stateful emulator of the Hetzner Cloud API.
 #[derive(Debug, Parser)]
@@ -24,6 +26,20 @@ struct Args {
     /// Reads before a new server reports `running`.
     #[arg(long, default_value_t = 1)]
     polls_to_running: u32,
+    /// Also play the servers' sshd on this address (loopback only): a connection is for the
+    /// newest live server at the address it arrived on, which presents the host key the
+    /// provider injected via user-data and runs commands in `<ssh-root>/<server id>`.
+    #[arg(long, value_name = "ADDR")]
+    ssh_listen: Option<std::net::SocketAddr>,
+    /// The client public key the sshd accepts (an OpenSSH `ssh-ed25519 AAAA...` line).
+    #[arg(long, value_name = "PATH", requires = "ssh_listen")]
+    ssh_authorized_key: Option<std::path::PathBuf>,
+    /// The login user the sshd accepts.
+    #[arg(long, default_value = "root", requires = "ssh_listen")]
+    ssh_user: String,
+    /// Where the servers' roots live (default: a temp dir removed at exit).
+    #[arg(long, value_name = "DIR", requires = "ssh_listen")]
+    ssh_root: Option<std::path::PathBuf>,
 }
 
 #[tokio::main]
@@ -38,8 +54,48 @@ async fn main() -> anyhow::Result<()> {
     if let Some(ip) = &args.server_ipv4 {
         emulator.set_new_server_ipv4(ip);
     }
-    // The one line xtask reads to find the endpoint.
+    // The line xtask reads to find the endpoint.
     println!("listening on {}", emulator.endpoint());
+    let _ssh = match args.ssh_listen {
+        None => None,
+        Some(addr) => Some(ssh(&args, addr, &emulator).await?),
+    };
     tokio::signal::ctrl_c().await?;
     Ok(())
+}
+
+/// Starts the servers' sshd; prints `ssh listening on ADDR`.
+async fn ssh(
+    args: &Args,
+    addr: std::net::SocketAddr,
+    emulator: &hcloud_emulator::Emulator,
+) -> anyhow::Result<(Sshd, Option<tempfile::TempDir>)> {
+    if !addr.ip().is_loopback() {
+        anyhow::bail!("--ssh-listen must be a loopback address, got {addr}");
+    }
+    let path = args
+        .ssh_authorized_key
+        .as_ref()
+        .context("--ssh-listen needs --ssh-authorized-key")?;
+    let text = std::fs::read_to_string(path)
+        .with_context(|| format!("read --ssh-authorized-key {}", path.display()))?;
+    let authorized = russh::keys::PublicKey::from_openssh(text.trim())
+        .with_context(|| format!("parse --ssh-authorized-key {}", path.display()))?;
+    let (base, temp) = match &args.ssh_root {
+        Some(dir) => {
+            std::fs::create_dir_all(dir)
+                .with_context(|| format!("create --ssh-root {}", dir.display()))?;
+            (dir.clone(), None)
+        }
+        None => {
+            let temp = tempfile::tempdir().context("create the servers' root")?;
+            (temp.path().to_owned(), Some(temp))
+        }
+    };
+    let listener = tokio::net::TcpListener::bind(addr)
+        .await
+        .with_context(|| format!("bind --ssh-listen {addr}"))?;
+    let sshd = Sshd::for_emulator(listener, emulator.clone(), base, authorized, &args.ssh_user)?;
+    println!("ssh listening on {}", sshd.addr());
+    Ok((sshd, temp))
 }

@@ -1,15 +1,23 @@
 //! The `hetzner` binary on its **real** backend, pointed at the local Hetzner Cloud API emulator
-//! (`hcloud-emulator`), over mTLS like the fake-backend runs:
+//! (`hcloud-emulator`), over mTLS like the fake-backend runs, with real SSH delivery:
 //!
+//! - the emulator also plays the servers' sshd (`--ssh-listen`): servers report 127.0.0.1 as
+//!   their public IPv4, a connection presents the host key the provider injected via user-data
+//!   and runs commands with `sh -c` in the server's root `<dir>/servers/<id>`, whose `bin/` holds
+//!   a stand-in `kubectl` that records its calls;
+//! - the provider gets an ed25519 `--ssh-key` (made with `ssh-keygen`), `--ssh-port` of that
+//!   sshd and a relative `--bootstrap-hook` (so it resolves inside each server's root);
 //! - the first-boot inventory has one SPECULATIVE slot per offered server, priced from the
 //!   emulator's live (net) prices;
 //! - Create makes a server in the emulator and settles IDLE with its host; Delete removes it;
-//! - Configure without `--ssh-key` fails honestly (FAILED, `last_error` says why);
+//! - Configure delivers the blob over SSH (`<hook>.blob` holds it byte for byte) and runs the hook
+//!   with the cluster id: CONFIGURED; Drain cordons and drains through `kubectl`: IDLE;
 //! - after a restart with no state file, the inventory is rebuilt from the servers' labels: the
-//!   created machine is IDLE on the same server, the deleted one SPECULATIVE, no duplicates.
+//!   drained machine is IDLE on the same server, the deleted one SPECULATIVE, no duplicates;
+//!   Delete then returns it to SPECULATIVE.
 //!
-//! SSH delivery itself (pinned host keys, the hook, readiness) is covered by the hetzner crate's
-//! integration tests against a real SSH server.
+//! Host-key mismatches, retries, failing hooks and readiness are covered by the hetzner crate's
+//! integration tests against the same SSH server.
 
 use std::collections::HashMap;
 use std::io::{BufRead, BufReader};
@@ -29,10 +37,16 @@ const OFFERINGS: &str = r#"[
   {"server_type": "cax11", "location": "fsn1", "count": 1}
 ]"#;
 
+/// Where the provider finds the hook, relative to the SSH command's working directory (the
+/// server's root).
+const HOOK: &str = "opt/bigfleet/bootstrap";
+const CLUSTER: &str = "e2e-cluster";
+
 /// The emulator process; killed when dropped.
 struct Emulator {
     child: Child,
     endpoint: String,
+    ssh_port: u16,
 }
 
 impl Drop for Emulator {
@@ -43,8 +57,9 @@ impl Drop for Emulator {
 }
 
 impl Emulator {
-    fn start(root: &Path) -> Result<Emulator> {
+    fn start(root: &Path, dir: &Path, authorized: &Path) -> Result<Emulator> {
         let binary = provider_process::target_binary(root, "debug", "hcloud-emulator");
+        let servers = dir.join("servers");
         let mut child = Command::new(&binary)
             .args([
                 "--listen",
@@ -53,28 +68,98 @@ impl Emulator {
                 TOKEN,
                 "--polls-to-running",
                 "0",
+                "--server-ipv4",
+                "127.0.0.1",
+                "--ssh-listen",
+                "127.0.0.1:0",
             ])
+            .arg("--ssh-authorized-key")
+            .arg(authorized)
+            .arg("--ssh-root")
+            .arg(&servers)
             .stdout(Stdio::piped())
             .stderr(Stdio::inherit())
             .spawn()
             .with_context(|| format!("start {}", binary.display()))?;
         let stdout = child.stdout.take().context("emulator stdout")?;
-        let mut line = String::new();
-        BufReader::new(stdout)
-            .read_line(&mut line)
-            .context("read the emulator's address")?;
-        let Some(endpoint) = line.trim().strip_prefix("listening on ") else {
-            let _ = child.kill();
-            bail!("hcloud-emulator printed {line:?} instead of its address");
+        let mut reader = BufReader::new(stdout);
+        let mut read = |prefix: &str| -> Result<String> {
+            let mut line = String::new();
+            reader
+                .read_line(&mut line)
+                .context("read the emulator's addresses")?;
+            match line.trim().strip_prefix(prefix) {
+                Some(rest) => Ok(rest.to_owned()),
+                None => bail!("hcloud-emulator printed {line:?} instead of {prefix:?}ADDR"),
+            }
         };
+        let addresses = read("listening on ").and_then(|endpoint| {
+            let ssh: std::net::SocketAddr = read("ssh listening on ")?
+                .parse()
+                .context("the emulator's SSH address")?;
+            Ok((endpoint, ssh))
+        });
+        let (endpoint, ssh) = match addresses {
+            Ok(a) => a,
+            Err(e) => {
+                let _ = child.kill();
+                let _ = child.wait();
+                return Err(e);
+            }
+        };
+        ensure!(
+            ssh.ip().is_loopback(),
+            "the emulator's sshd is not on loopback: {ssh}"
+        );
         Ok(Emulator {
-            endpoint: endpoint.to_owned(),
+            endpoint,
+            ssh_port: ssh.port(),
             child,
         })
     }
 }
 
-fn spec(root: &Path, endpoint: &str, offerings: &Path) -> Spec {
+/// A fresh ed25519 client key (`<dir>/id_ed25519`, public half `.pub`), via `ssh-keygen`.
+fn client_key(dir: &Path) -> Result<PathBuf> {
+    let key = dir.join("id_ed25519");
+    let out = Command::new("ssh-keygen")
+        .args(["-q", "-t", "ed25519", "-N", "", "-C", "bigfleet-e2e", "-f"])
+        .arg(&key)
+        .stdin(Stdio::null())
+        .output()
+        .context("run ssh-keygen (install openssh-client) to make the e2e SSH key")?;
+    ensure!(
+        out.status.success(),
+        "ssh-keygen failed ({}): {}",
+        out.status,
+        String::from_utf8_lossy(&out.stderr)
+    );
+    Ok(key)
+}
+
+/// Server `host`'s root, where the emulator's sshd runs its commands.
+fn server_root(dir: &Path, host: &str) -> PathBuf {
+    dir.join("servers").join(host)
+}
+
+/// Installs the stand-in bootstrap hook in `host`'s root: it records its arguments.
+fn install_hook(dir: &Path, host: &str) -> Result<()> {
+    use std::os::unix::fs::PermissionsExt;
+    let hook = server_root(dir, host).join(HOOK);
+    let parent = hook.parent().context("hook parent")?;
+    std::fs::create_dir_all(parent).with_context(|| format!("create {}", parent.display()))?;
+    std::fs::write(&hook, "#!/bin/sh\nprintf '%s\\n' \"$@\" > hook.args\n")
+        .with_context(|| format!("write {}", hook.display()))?;
+    std::fs::set_permissions(&hook, std::fs::Permissions::from_mode(0o755))
+        .with_context(|| format!("chmod {}", hook.display()))
+}
+
+fn read_text(path: &Path) -> Result<String> {
+    std::fs::read_to_string(path).with_context(|| format!("read {}", path.display()))
+}
+
+fn spec(root: &Path, emulator: &Emulator, offerings: &Path, key: &Path) -> Spec {
+    let endpoint = &emulator.endpoint;
     let pki = wire::pki_dir(root);
     let pem = |name: &str| pki.join(name).display().to_string();
     Spec {
@@ -86,6 +171,9 @@ fn spec(root: &Path, endpoint: &str, offerings: &Path) -> Spec {
             format!("--hcloud-endpoint={endpoint}"),
             "--image=ubuntu-24.04".into(),
             format!("--offerings={}", offerings.display()),
+            format!("--ssh-key={}", key.display()),
+            format!("--ssh-port={}", emulator.ssh_port),
+            format!("--bootstrap-hook={HOOK}"),
             format!("--tls-cert={}", pem("server.pem")),
             format!("--tls-key={}", pem("server-key.pem")),
             format!("--tls-ca={}", pem("ca.pem")),
@@ -108,20 +196,24 @@ fn host_of(machine: &pb::Machine) -> String {
 
 /// Runs the whole check; `Err` names what deviated.
 pub(crate) async fn run(root: &Path) -> Result<()> {
-    let emulator = Emulator::start(root)?;
     let dir: PathBuf =
         std::env::temp_dir().join(format!("bigfleet-e2e-hetzner-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
     std::fs::create_dir_all(&dir).with_context(|| format!("create {}", dir.display()))?;
-    let offerings = dir.join("offerings.json");
-    std::fs::write(&offerings, OFFERINGS).context("write the offerings")?;
-    let result = exercise(root, &emulator.endpoint, &offerings).await;
+    let result = async {
+        let key = client_key(&dir)?;
+        let emulator = Emulator::start(root, &dir, &key.with_extension("pub"))?;
+        let offerings = dir.join("offerings.json");
+        std::fs::write(&offerings, OFFERINGS).context("write the offerings")?;
+        exercise(&dir, &spec(root, &emulator, &offerings, &key)).await
+    }
+    .await;
     let _ = std::fs::remove_dir_all(&dir);
     result
 }
 
-async fn exercise(root: &Path, endpoint: &str, offerings: &Path) -> Result<()> {
+async fn exercise(dir: &Path, spec: &Spec) -> Result<()> {
     use pb::MachineState::*;
-    let spec = spec(root, endpoint, offerings);
     let mut provider = provider_process::start(spec.clone()).await?;
     let checks = async {
         let mut caller = Caller::new(
@@ -167,19 +259,51 @@ async fn exercise(root: &Path, endpoint: &str, offerings: &Path) -> Result<()> {
             "SPECULATIVE with a host after Delete: {gone:?}"
         );
 
-        caller
-            .configure(&kept, "e2e-cluster", HashMap::new())
-            .await?;
-        let failed = caller
-            .wait_for_state(&kept, Failed, SETTLE)
+        install_hook(dir, &host)?;
+        caller.configure(&kept, CLUSTER, HashMap::new()).await?;
+        let configured = caller
+            .wait_for_state(&kept, Configured, SETTLE)
             .await
-            .context("Configure")?;
+            .context("Configure over SSH")?;
         ensure!(
-            failed
-                .last_error
-                .starts_with("configure: SSH delivery disabled (set --ssh-key)"),
-            "unexpected last_error without --ssh-key: {:?}",
-            failed.last_error
+            host_of(&configured) == host,
+            "CONFIGURED on another host: {configured:?}"
+        );
+        let server = server_root(dir, &host);
+        let sent = wire::configure_request(&kept, CLUSTER, HashMap::new(), (String::new(), 0, 0))
+            .bootstrap_blob;
+        let blob = server.join(format!("{HOOK}.blob"));
+        let delivered = std::fs::read(&blob).with_context(|| format!("read {}", blob.display()))?;
+        ensure!(
+            delivered == sent,
+            "{} holds {:?}, want the blob {:?}",
+            blob.display(),
+            String::from_utf8_lossy(&delivered),
+            String::from_utf8_lossy(&sent)
+        );
+        let args = read_text(&server.join("hook.args")).context("the hook did not run")?;
+        ensure!(
+            args == format!("{CLUSTER}\n"),
+            "the hook ran with {args:?}, want the cluster id {CLUSTER:?}"
+        );
+
+        caller.drain(&kept).await?;
+        let drained = caller
+            .wait_for_state(&kept, Idle, SETTLE)
+            .await
+            .context("Drain over SSH")?;
+        ensure!(
+            host_of(&drained) == host,
+            "IDLE on another host after Drain: {drained:?}"
+        );
+        let node = format!("server-{host}");
+        let calls = read_text(&server.join("kubectl.calls")).context("kubectl never ran")?;
+        ensure!(
+            calls.lines().next() == Some(&format!("cordon {node}")[..])
+                && calls
+                    .lines()
+                    .any(|l| l.starts_with(&format!("drain {node} --ignore-daemonsets"))),
+            "Drain ran kubectl as {calls:?}"
         );
         Ok::<_, anyhow::Error>(host)
     };
@@ -193,7 +317,9 @@ async fn exercise(root: &Path, endpoint: &str, offerings: &Path) -> Result<()> {
         .context("SIGTERM must exit 0")?;
 
     // No --state: the second incarnation rebuilds its inventory from the servers' labels.
-    let mut provider = provider_process::start(spec).await.context("restart")?;
+    let mut provider = provider_process::start(spec.clone())
+        .await
+        .context("restart")?;
     let checks = async {
         let mut caller = Caller::new(
             provider.default_channel().await?,
@@ -208,6 +334,16 @@ async fn exercise(root: &Path, endpoint: &str, offerings: &Path) -> Result<()> {
         ensure!(
             idle.len() == 1 && host_of(idle[0]) == host,
             "after the restart exactly the created machine must be IDLE on server {host}: {after:#?}"
+        );
+        let kept = idle[0].id.clone();
+        caller.delete(&kept).await?;
+        let gone = caller
+            .wait_for_state(&kept, Speculative, SETTLE)
+            .await
+            .context("Delete after the restart")?;
+        ensure!(
+            gone.host.is_none(),
+            "SPECULATIVE with a host after Delete: {gone:?}"
         );
         Ok(())
     };

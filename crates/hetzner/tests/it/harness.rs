@@ -8,7 +8,7 @@ use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use hcloud_emulator::Emulator;
+use hcloud_emulator::{Emulator, HostKeySource, Root, Sshd, SshdSetup};
 use hetzner::api::ClientTiming;
 use hetzner::cloud::{HetznerCloud, HetznerConfig, Timing};
 use hetzner::ssh::{SshConfig, SshTiming};
@@ -20,8 +20,6 @@ use provider_core::telemetry::Telemetry;
 use russh::keys::ssh_key::LineEnding;
 use russh::keys::{Algorithm, PrivateKey};
 use tokio::net::TcpListener;
-
-use crate::sshd::{SshdSetup, TestSshd};
 
 pub const TOKEN: &str = "it-token-5be0c7d1a9f2";
 pub const PROVIDER: &str = "hetzner-it";
@@ -212,7 +210,7 @@ impl Env {
     }
 
     /// Starts the SSH server on the reserved port with `host_key`.
-    pub fn start_sshd(&mut self, host_key: PrivateKey, drop_first: usize) -> TestSshd {
+    pub fn start_sshd(&mut self, host_key: PrivateKey, drop_first: usize) -> Sshd {
         let authorized = self.client_key.public_key().clone();
         self.start_sshd_authorizing(host_key, authorized, drop_first)
     }
@@ -223,19 +221,37 @@ impl Env {
         host_key: PrivateKey,
         authorized: russh::keys::PublicKey,
         drop_first: usize,
-    ) -> TestSshd {
+    ) -> Sshd {
         let listener = self.ssh_listener.take().expect("one SSH server per test");
-        TestSshd::start(
+        Sshd::start(
             listener,
             SshdSetup {
-                host_key,
+                host_key: HostKeySource::Given(Box::new(host_key)),
                 authorized,
                 user: "root".into(),
-                workdir: self.dir.path().to_owned(),
-                path_prefix: self.dir.path().join("bin"),
+                root: Root::Given {
+                    workdir: self.dir.path().to_owned(),
+                    path_prefix: self.dir.path().join("bin"),
+                },
                 drop_first,
+                emulator: None,
             },
         )
+        .unwrap()
+    }
+
+    /// Starts the emulator's own sshd on the reserved port: each server presents its injected
+    /// host key and runs commands in `<dir>/servers/<id>`.
+    pub fn start_emulator_sshd(&mut self) -> Sshd {
+        let listener = self.ssh_listener.take().expect("one SSH server per test");
+        Sshd::for_emulator(
+            listener,
+            self.emulator.clone(),
+            self.dir.path().join("servers"),
+            self.client_key.public_key().clone(),
+            "root",
+        )
+        .unwrap()
     }
 
     /// Closes the reserved SSH port: connections are refused from now on.
@@ -246,20 +262,9 @@ impl Env {
     /// The host key the provider injected into `server`'s user-data, as cloud-init would
     /// install it.
     pub fn injected_host_key(&self, server: i64) -> PrivateKey {
-        let user_data = self
-            .emulator
-            .user_data(server)
-            .expect("server has user-data");
-        let start = user_data
-            .find("ed25519_private: |\n")
-            .expect("host key in user-data");
-        let pem: String = user_data[start..]
-            .lines()
-            .skip(1)
-            .take_while(|l| l.starts_with("    "))
-            .map(|l| format!("{}\n", &l[4..]))
-            .collect();
-        PrivateKey::from_openssh(pem).unwrap()
+        self.emulator
+            .injected_host_key(server)
+            .expect("host key in the server's user-data")
     }
 
     pub fn hook_args(&self) -> Option<String> {

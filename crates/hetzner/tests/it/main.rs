@@ -10,7 +10,6 @@ mod harness;
 mod lifecycle;
 mod real_build;
 mod ssh_delivery;
-mod sshd;
 
 #[path = "../../../../xtask/src/e2e/wire.rs"]
 mod wire;

@@ -453,3 +453,36 @@ async fn another_machines_server_is_never_configured() {
     );
     assert_eq!(sshd.observed.connections.load(Ordering::SeqCst), 0);
 }
+
+#[tokio::test]
+async fn the_emulators_sshd_plays_each_server_with_its_injected_key_and_own_root() {
+    let mut env = Env::new(Options::default()).await;
+    let (machine, server) = created(&env, 0).await;
+    let sshd = env.start_emulator_sshd();
+    env.cloud
+        .configure_host(&machine, &server.to_string(), &order("c13"), &ctx(10))
+        .await
+        .unwrap();
+    assert_eq!(env.hook_args().as_deref(), Some("c13\n"));
+    assert_eq!(
+        env.blob_copy().as_deref(),
+        Some(&b"join-secret-material"[..])
+    );
+    env.cloud
+        .drain_host(&machine, &server.to_string(), 5, &ctx(10))
+        .await
+        .unwrap();
+    let root = env.dir.path().join("servers").join(server.to_string());
+    let calls = std::fs::read_to_string(root.join("kubectl.calls")).unwrap();
+    assert_eq!(
+        calls,
+        format!(
+            "cordon server-{server}\ndrain server-{server} --ignore-daemonsets --delete-emptydir-data --grace-period=5 --timeout=5s\n"
+        )
+    );
+    assert!(
+        env.kubectl_calls().is_empty(),
+        "the per-server root's kubectl ran"
+    );
+    assert_eq!(sshd.observed.authenticated.load(Ordering::SeqCst), 2);
+}
