@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# Installs what `cargo xtask dist --test` and `cargo xtask helm` need on a Debian machine:
-# buildah and Debian's CA bundle (apt), and a Python venv with Helm's engine and the
+# Installs what `cargo xtask dist --test`, `cargo xtask helm` and `cargo xtask e2e` need on a
+# Debian machine: buildah, ssh-keygen and Debian's CA bundle (apt), and a Python venv with Helm's engine and the
 # Kubernetes schemas (pip, pinned in deploy/ci/requirements.txt).
 #
 # Idempotent and quiet: it installs only what is missing and prints one line per install.
@@ -21,6 +21,7 @@ trap 'die "failed at line $LINENO: $BASH_COMMAND"' ERR
 # --- Debian packages ------------------------------------------------------------------
 missing=()
 command -v buildah >/dev/null 2>&1 || missing+=(buildah)
+command -v ssh-keygen >/dev/null 2>&1 || missing+=(openssh-client)
 [ -s /etc/ssl/certs/ca-certificates.crt ] || missing+=(ca-certificates)
 if [ "${#missing[@]}" -gt 0 ]; then
   say "installing ${missing[*]} (apt)"
