@@ -10,6 +10,9 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     };
     let mut config = prost_build::Config::new();
     config.protoc_executable(protoc);
+    // MachineList is written by hand (src/list.rs) so a server can emit machines it already
+    // encoded; its wire form is exactly the generated one.
+    config.extern_path(".bigfleet.v1alpha1.MachineList", "crate::list::MachineList");
     let out = PathBuf::from(std::env::var("OUT_DIR")?);
     tonic_prost_build::configure()
         .file_descriptor_set_path(out.join("bigfleet_v1alpha1_descriptor.bin"))

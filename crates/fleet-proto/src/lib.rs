@@ -3,10 +3,13 @@
 
 #![allow(clippy::all, missing_docs)]
 
+pub mod list;
+
 /// Messages and services of package `bigfleet.v1alpha1`, generated from
 /// `proto/bigfleet/v1alpha1/provider.proto`.
 pub mod v1alpha1 {
     tonic::include_proto!("bigfleet.v1alpha1");
+    pub use crate::list::MachineList;
 }
 
 /// The encoded `FileDescriptorSet` of the contract, for the reflection service.

@@ -260,7 +260,7 @@ impl Inventory {
         let operation_id = self.mint_operation();
         let slot = self.slots.get_mut(machine_id).expect("slot checked above");
         slot.operations[kind.index()] = Some(operation_id.clone());
-        let machine = Arc::make_mut(&mut slot.machine);
+        let machine = crate::machine::edit(&mut slot.machine);
         machine.state = kind.transitional();
         if let Some(binding) = binding {
             machine.cluster = binding.cluster;
@@ -292,7 +292,7 @@ impl Inventory {
         if slot.machine.state != kind.transitional() || slot.operation(kind) != Some(operation_id) {
             return false;
         }
-        let machine = Arc::make_mut(&mut slot.machine);
+        let machine = crate::machine::edit(&mut slot.machine);
         match outcome {
             Ok(effect) => {
                 machine.state = kind.target();
@@ -382,7 +382,7 @@ impl Inventory {
         }
         for (id, kind) in failed {
             let slot = self.slots.get_mut(&id).expect("collected above");
-            let machine = Arc::make_mut(&mut slot.machine);
+            let machine = crate::machine::edit(&mut slot.machine);
             machine.state = MachineState::Failed;
             machine.last_error = if kind == OperationKind::Configure {
                 "configure transition interrupted by a provider restart; the bootstrap blob is never \
@@ -481,14 +481,18 @@ impl Inventory {
             let (state, host) = (slot.machine.state, slot.machine.host.clone());
             match (state, host) {
                 (MachineState::Idle, Some(_)) => {
-                    let m = Arc::make_mut(&mut self.slots.get_mut(&id).expect("present").machine);
+                    let m = crate::machine::edit(
+                        &mut self.slots.get_mut(&id).expect("present").machine,
+                    );
                     m.state = MachineState::Speculative;
                     m.host = None;
                     report.vanished += 1;
                     self.touch(&id, changes);
                 }
                 (MachineState::Configured, Some(host)) => {
-                    let m = Arc::make_mut(&mut self.slots.get_mut(&id).expect("present").machine);
+                    let m = crate::machine::edit(
+                        &mut self.slots.get_mut(&id).expect("present").machine,
+                    );
                     m.state = MachineState::Failed;
                     m.last_error = host_vanished_message(&host);
                     report.vanished += 1;
@@ -561,7 +565,7 @@ impl Inventory {
                 slot.machine.state
             )));
         }
-        let m = Arc::make_mut(&mut slot.machine);
+        let m = crate::machine::edit(&mut slot.machine);
         m.state = MachineState::Speculative;
         m.host = None;
         m.last_error.clear();

@@ -272,6 +272,51 @@ pub struct Machine {
     pub last_error: String,
     pub cluster: String,
     pub shard_metadata: StringMap,
+    /// The machine's encoded wire form, filled by the first List that needs it.
+    pub wire: WireCache,
+}
+
+/// A lazily filled copy of a machine's encoded wire form. It never travels with a changed
+/// machine: clones start empty, and [`edit`] empties it before any change in place.
+#[derive(Default)]
+pub struct WireCache(std::sync::OnceLock<prost::bytes::Bytes>);
+
+impl WireCache {
+    /// The cached encoding, computed by `encode` on first use.
+    pub fn get_or_init(&self, encode: impl FnOnce() -> prost::bytes::Bytes) -> prost::bytes::Bytes {
+        self.0.get_or_init(encode).clone()
+    }
+}
+
+impl Clone for WireCache {
+    fn clone(&self) -> WireCache {
+        WireCache::default()
+    }
+}
+
+impl PartialEq for WireCache {
+    /// A cache never makes two machines different.
+    fn eq(&self, _: &WireCache) -> bool {
+        true
+    }
+}
+
+impl fmt::Debug for WireCache {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(if self.0.get().is_some() {
+            "cached"
+        } else {
+            "empty"
+        })
+    }
+}
+
+/// Mutable access to a shared machine for a change: copies it if it is shared and drops its
+/// cached encoding.
+pub fn edit(machine: &mut Arc<Machine>) -> &mut Machine {
+    let m = Arc::make_mut(machine);
+    m.wire = WireCache::default();
+    m
 }
 
 impl Machine {
@@ -292,6 +337,41 @@ impl Machine {
             last_error: String::new(),
             cluster: String::new(),
             shard_metadata: StringMap::new(),
+            wire: WireCache::default(),
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_change_drops_the_cached_encoding() {
+        let mut shared = Arc::new(Machine::speculative("m", "t"));
+        let first = shared
+            .wire
+            .get_or_init(|| prost::bytes::Bytes::from_static(b"old"));
+        assert_eq!(&first[..], b"old");
+        // Unique Arc: changed in place, the cache must still be dropped.
+        edit(&mut shared).state = MachineState::Creating;
+        let second = shared
+            .wire
+            .get_or_init(|| prost::bytes::Bytes::from_static(b"new"));
+        assert_eq!(&second[..], b"new");
+        // Shared Arc: copied on change; the copy starts empty, the original keeps its cache.
+        let reader = shared.clone();
+        edit(&mut shared).state = MachineState::Idle;
+        assert_eq!(&reader.wire.get_or_init(|| unreachable!())[..], b"new");
+        assert_eq!(
+            &shared
+                .wire
+                .get_or_init(|| prost::bytes::Bytes::from_static(b"idle"))[..],
+            b"idle"
+        );
+        assert!(
+            *reader != *shared,
+            "the cache never decides equality, the fields do"
+        );
     }
 }

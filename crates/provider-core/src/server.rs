@@ -271,13 +271,19 @@ impl CapacityProvider for Service {
                 since_revision: r.since_revision,
             };
             let listing = engine.list(&query);
+            // Each machine is encoded once per change and reused by every later List.
+            let encoded = listing
+                .machines
+                .iter()
+                .map(|m| {
+                    m.wire
+                        .get_or_init(|| pb::MachineList::encode_machine(&machine_to_wire(m)))
+                })
+                .collect();
             Ok(Response::new(pb::MachineList {
-                machines: listing
-                    .machines
-                    .iter()
-                    .map(|m| machine_to_wire(m))
-                    .collect(),
+                machines: Vec::new(),
                 revision: listing.revision.to_string().into_bytes(),
+                encoded,
             }))
         })
         .await

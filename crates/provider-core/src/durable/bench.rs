@@ -77,6 +77,7 @@ pub(crate) fn sample_slot(i: usize) -> Slot {
             last_error: String::new(),
             cluster: String::new(),
             shard_metadata: StringMap::new(),
+            wire: Default::default(),
         }),
         last_change: i as i64 + 1,
         operations: Default::default(),

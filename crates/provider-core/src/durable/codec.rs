@@ -438,6 +438,7 @@ pub(crate) fn decode_slot(encoded: &[u8]) -> Result<Slot, String> {
             last_error,
             cluster,
             shard_metadata,
+            wire: Default::default(),
         }),
         last_change,
         operations,

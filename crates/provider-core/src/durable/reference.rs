@@ -119,6 +119,7 @@ fn convert(state: RefState) -> Imported {
             last_error: m.last_error,
             cluster: m.cluster,
             shard_metadata: m.shard_metadata,
+            wire: Default::default(),
         };
         let slot = Slot {
             machine: Arc::new(machine),

@@ -113,6 +113,7 @@ fn rich_slot(id: &str) -> Slot {
             last_error: "quoted \"error\"\nwith a newline".into(),
             cluster: "cluster-a".into(),
             shard_metadata: map(&[("bigfleet.io/pool", "general"), ("", "")]),
+            wire: Default::default(),
         }),
         last_change: i64::MAX,
         operations: [
