@@ -1,5 +1,6 @@
 //! `cargo xtask`: the project's automation entry point.
 
+mod bench;
 mod certs;
 mod demo;
 mod dist;
@@ -13,6 +14,7 @@ mod suite;
 fn main() -> anyhow::Result<()> {
     let args: Vec<String> = std::env::args().skip(1).collect();
     match args.first().map(String::as_str) {
+        Some("bench") => bench::run(&args[1..]),
         Some("certs") => certs::run(&args[1..]),
         Some("demo") => demo::run(&args[1..]),
         Some("dist") => dist::run(&args[1..]),

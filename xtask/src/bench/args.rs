@@ -1,0 +1,695 @@
+//! The `cargo xtask bench` command line, parsed into [`Options`] before anything starts.
+//! Pure: no I/O, so every rule here has a unit test.
+
+use std::net::{IpAddr, Ipv4Addr, SocketAddr};
+use std::path::PathBuf;
+use std::time::Duration;
+
+use anyhow::{Context, Result, bail, ensure};
+
+pub(crate) const USAGE: &str = "\
+usage: cargo xtask bench (--spawn 'CMD ...' | --target HOST:PORT) [options]
+
+A load generator for any bigfleet.v1alpha1.CapacityProvider endpoint on loopback.
+
+Endpoint (exactly one):
+  --spawn 'CMD ...'       start the provider: the tool appends `--addr 127.0.0.1:<free port>`
+                          and `--seed-count <N>` unless the command has them, `--state <tmp>`
+                          for the durable, mixed and restart runs, and waits for health SERVING.
+                          Pass `--metrics-addr=` (or a loopback address) to keep the provider's
+                          metrics port off other interfaces.
+  --target HOST:PORT      an already running provider (loopback addresses only)
+  --target-pid PID        with --target: the provider's pid, for CPU and RSS from /proc
+  --tls-ca PEM            connect with TLS trusting this CA (also for --spawn)
+  --tls-cert PEM --tls-key PEM
+                          present this client certificate (mTLS)
+  --tls-domain NAME       the server name to verify (default localhost)
+  --compare 'OTHER CMD'   with --spawn: run every scenario against this command too,
+                          alternating runs, and print ratios ours/theirs
+
+Scenarios and sizes:
+  --scenario NAME[,NAME]  get, list, list-filtered, lifecycle, durable, startup, mixed, or all
+                          (default all; durable and startup need --spawn)
+  --repeats N             runs per figure, reported as median and min-max (default 3)
+  --seeds N,N,...         inventories for list, list-filtered, lifecycle, durable and startup
+                          (default 1000,10000,100000)
+  --inventory N           inventory for get and mixed (default 10000)
+  --concurrency N,N       Get concurrencies of the get scenario (default 1,32)
+  --machines K            machines walked by lifecycle and durable (default 256)
+  --in-flight N           machines in flight during walks (default 32)
+  --duration D            measured window of the timed loops (default 5s)
+  --warmup D              warm-up before every measured window (default 1s)
+  --timeout D             upper bound for any one walk or list series (default 120s)
+  --client-threads N      client runtime threads; 1 is a current-thread runtime (default 1)
+  --quick                 a few seconds in all: repeats 1, seeds 1000, inventory 1000,
+                          machines 64, warm-up 200ms, window 1s (later flags still apply)
+  --json                  print the results as JSON instead of tables
+  --json-out PATH         also write the JSON to PATH
+  -h, --help              this text
+
+Durations take 500ms, 5s, 2m or plain seconds.";
+
+/// A scenario of the benchmark (beyond.md section 10).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
+pub(crate) enum Scenario {
+    Get,
+    List,
+    ListFiltered,
+    Lifecycle,
+    Durable,
+    Startup,
+    Mixed,
+}
+
+impl Scenario {
+    pub(crate) const ALL: [Scenario; 7] = [
+        Scenario::Get,
+        Scenario::List,
+        Scenario::ListFiltered,
+        Scenario::Lifecycle,
+        Scenario::Durable,
+        Scenario::Startup,
+        Scenario::Mixed,
+    ];
+
+    pub(crate) fn name(self) -> &'static str {
+        match self {
+            Scenario::Get => "get",
+            Scenario::List => "list",
+            Scenario::ListFiltered => "list-filtered",
+            Scenario::Lifecycle => "lifecycle",
+            Scenario::Durable => "durable",
+            Scenario::Startup => "startup",
+            Scenario::Mixed => "mixed",
+        }
+    }
+
+    fn parse(text: &str) -> Result<Scenario> {
+        Scenario::ALL
+            .into_iter()
+            .find(|s| s.name() == text)
+            .with_context(|| format!("unknown scenario {text:?}"))
+    }
+
+    /// Whether the scenario needs to start the provider itself.
+    pub(crate) fn needs_spawn(self) -> bool {
+        matches!(self, Scenario::Durable | Scenario::Startup)
+    }
+
+    /// Whether its inventory is `--inventory` (one size) rather than every `--seeds` size.
+    pub(crate) fn uses_inventory(self) -> bool {
+        matches!(self, Scenario::Get | Scenario::Mixed)
+    }
+
+    /// Whether its spawned provider runs with `--state`.
+    pub(crate) fn durable(self) -> bool {
+        matches!(self, Scenario::Durable | Scenario::Mixed)
+    }
+}
+
+/// Client-side TLS material.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub(crate) struct Tls {
+    pub ca: PathBuf,
+    pub identity: Option<(PathBuf, PathBuf)>,
+    pub domain: String,
+}
+
+/// Which provider the load goes to.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub(crate) enum Endpoint {
+    /// A running provider; `pid` enables /proc figures.
+    Target { addr: SocketAddr, pid: Option<u32> },
+    /// A command line to start (program first), and optionally a second one to compare with.
+    Spawn {
+        ours: Vec<String>,
+        theirs: Option<Vec<String>>,
+    },
+}
+
+#[derive(Clone, Debug, PartialEq)]
+pub(crate) struct Options {
+    pub endpoint: Endpoint,
+    pub tls: Option<Tls>,
+    pub scenarios: Vec<Scenario>,
+    pub repeats: usize,
+    pub seeds: Vec<usize>,
+    pub inventory: usize,
+    pub concurrency: Vec<usize>,
+    pub machines: usize,
+    pub in_flight: usize,
+    pub duration: Duration,
+    pub warmup: Duration,
+    pub timeout: Duration,
+    pub client_threads: usize,
+    pub quick: bool,
+    pub json: bool,
+    pub json_out: Option<PathBuf>,
+}
+
+/// What the command line asked for: options, or the usage text.
+#[derive(Debug, PartialEq)]
+pub(crate) enum Parsed {
+    Run(Box<Options>),
+    Help,
+}
+
+/// Hard upper bounds, so a typo cannot start a run that never ends.
+const MAX_REPEATS: usize = 50;
+const MAX_SEEDS: usize = 10_000_000;
+const MAX_MACHINES: usize = 1_000_000;
+const MAX_IN_FLIGHT: usize = 4096;
+const MAX_WINDOW: Duration = Duration::from_secs(3600);
+
+pub(crate) fn parse(args: &[String]) -> Result<Parsed> {
+    let mut target = None;
+    let mut target_pid = None;
+    let mut spawn = None;
+    let mut compare = None;
+    let mut tls_ca = None;
+    let mut tls_cert = None;
+    let mut tls_key = None;
+    let mut tls_domain = None;
+    let mut scenarios = None;
+    let mut named_spawn_only = None;
+    let mut repeats = None;
+    let mut seeds = None;
+    let mut inventory = None;
+    let mut concurrency = None;
+    let mut machines = None;
+    let mut in_flight = None;
+    let mut duration = None;
+    let mut warmup = None;
+    let mut timeout = None;
+    let mut client_threads = None;
+    let mut quick = false;
+    let mut json = false;
+    let mut json_out = None;
+
+    let mut rest = args.iter();
+    while let Some(arg) = rest.next() {
+        let (name, inline) = match arg.split_once('=') {
+            Some((name, value)) if name.starts_with("--") => (name, Some(value.to_owned())),
+            _ => (arg.as_str(), None),
+        };
+        let mut value = || -> Result<String> {
+            match &inline {
+                Some(value) => Ok(value.clone()),
+                None => rest
+                    .next()
+                    .cloned()
+                    .with_context(|| format!("{name} needs a value")),
+            }
+        };
+        match name {
+            "-h" | "--help" => return Ok(Parsed::Help),
+            "--quick" | "--json" => {
+                ensure!(inline.is_none(), "{name} takes no value");
+                if name == "--quick" {
+                    quick = true;
+                } else {
+                    json = true;
+                }
+            }
+            "--target" => target = Some(loopback_addr(&value()?)?),
+            "--target-pid" => {
+                target_pid = Some(u32::try_from(number(
+                    name,
+                    &value()?,
+                    1,
+                    u32::MAX as usize,
+                )?)?)
+            }
+            "--spawn" => spawn = Some(command_line(name, &value()?)?),
+            "--compare" => compare = Some(command_line(name, &value()?)?),
+            "--tls-ca" => tls_ca = Some(PathBuf::from(value()?)),
+            "--tls-cert" => tls_cert = Some(PathBuf::from(value()?)),
+            "--tls-key" => tls_key = Some(PathBuf::from(value()?)),
+            "--tls-domain" => tls_domain = Some(value()?),
+            "--json-out" => json_out = Some(PathBuf::from(value()?)),
+            "--scenario" => {
+                let text = value()?;
+                named_spawn_only = text
+                    .split(',')
+                    .map(str::trim)
+                    .find(|part| Scenario::parse(part).is_ok_and(Scenario::needs_spawn))
+                    .map(str::to_owned);
+                scenarios = Some(scenario_list(&text)?);
+            }
+            "--repeats" => repeats = Some(number(name, &value()?, 1, MAX_REPEATS)?),
+            "--seeds" => seeds = Some(size_list(name, &value()?)?),
+            "--inventory" => inventory = Some(number(name, &value()?, 1, MAX_SEEDS)?),
+            "--concurrency" => {
+                let list = value()?
+                    .split(',')
+                    .map(|part| number(name, part, 1, MAX_IN_FLIGHT))
+                    .collect::<Result<Vec<_>>>()?;
+                concurrency = Some(list);
+            }
+            "--machines" => machines = Some(number(name, &value()?, 1, MAX_MACHINES)?),
+            "--in-flight" => in_flight = Some(number(name, &value()?, 1, MAX_IN_FLIGHT)?),
+            "--duration" => duration = Some(window(name, &value()?)?),
+            "--warmup" => warmup = Some(window(name, &value()?)?),
+            "--timeout" => timeout = Some(window(name, &value()?)?),
+            "--client-threads" => client_threads = Some(number(name, &value()?, 1, 64)?),
+            _ => bail!("unknown argument {arg:?}\n\n{USAGE}"),
+        }
+    }
+
+    let endpoint = match (target, spawn) {
+        (Some(_), Some(_)) => bail!("give either --target or --spawn, not both"),
+        (None, None) => bail!("give --target HOST:PORT or --spawn 'CMD ...'\n\n{USAGE}"),
+        (Some(addr), None) => {
+            ensure!(
+                compare.is_none(),
+                "--compare needs --spawn (it starts both providers)"
+            );
+            Endpoint::Target {
+                addr,
+                pid: target_pid,
+            }
+        }
+        (None, Some(ours)) => {
+            ensure!(target_pid.is_none(), "--target-pid goes with --target");
+            Endpoint::Spawn {
+                ours,
+                theirs: compare,
+            }
+        }
+    };
+    let tls = match (tls_ca, tls_cert, tls_key) {
+        (None, None, None) => {
+            ensure!(tls_domain.is_none(), "--tls-domain needs --tls-ca");
+            None
+        }
+        (Some(ca), cert, key) => {
+            let identity = match (cert, key) {
+                (Some(cert), Some(key)) => Some((cert, key)),
+                (None, None) => None,
+                _ => bail!("--tls-cert and --tls-key go together"),
+            };
+            Some(Tls {
+                ca,
+                identity,
+                domain: tls_domain.unwrap_or_else(|| "localhost".to_owned()),
+            })
+        }
+        (None, _, _) => bail!("--tls-cert and --tls-key need --tls-ca"),
+    };
+    let scenarios = scenarios.unwrap_or_else(|| Scenario::ALL.to_vec());
+    // `all` silently leaves out what needs --spawn; naming one of those with --target is an error.
+    if let (Endpoint::Target { .. }, Some(name)) = (&endpoint, named_spawn_only) {
+        bail!("scenario {name} needs --spawn (it starts the provider itself)");
+    }
+    let scenarios = match endpoint {
+        Endpoint::Target { .. } => scenarios.into_iter().filter(|s| !s.needs_spawn()).collect(),
+        Endpoint::Spawn { .. } => scenarios,
+    };
+
+    let (d_repeats, d_seeds, d_inventory, d_machines, d_warmup, d_duration) = if quick {
+        (
+            1,
+            vec![1000],
+            1000,
+            64,
+            Duration::from_millis(200),
+            Duration::from_secs(1),
+        )
+    } else {
+        (
+            3,
+            vec![1000, 10_000, 100_000],
+            10_000,
+            256,
+            Duration::from_secs(1),
+            Duration::from_secs(5),
+        )
+    };
+    Ok(Parsed::Run(Box::new(Options {
+        endpoint,
+        tls,
+        scenarios,
+        repeats: repeats.unwrap_or(d_repeats),
+        seeds: seeds.unwrap_or(d_seeds),
+        inventory: inventory.unwrap_or(d_inventory),
+        concurrency: concurrency.unwrap_or_else(|| vec![1, 32]),
+        machines: machines.unwrap_or(d_machines),
+        in_flight: in_flight.unwrap_or(32),
+        duration: duration.unwrap_or(d_duration),
+        warmup: warmup.unwrap_or(d_warmup),
+        timeout: timeout.unwrap_or(Duration::from_secs(120)),
+        client_threads: client_threads.unwrap_or(1),
+        quick,
+        json,
+        json_out,
+    })))
+}
+
+fn number(name: &str, text: &str, min: usize, max: usize) -> Result<usize> {
+    let n: usize = text
+        .trim()
+        .replace('_', "")
+        .parse()
+        .with_context(|| format!("{name}: {text:?} is not a whole number"))?;
+    ensure!(
+        (min..=max).contains(&n),
+        "{name}: {n} is outside {min}..={max}"
+    );
+    Ok(n)
+}
+
+fn size_list(name: &str, text: &str) -> Result<Vec<usize>> {
+    let sizes = text
+        .split(',')
+        .map(|part| number(name, part, 1, MAX_SEEDS))
+        .collect::<Result<Vec<_>>>()?;
+    ensure!(!sizes.is_empty(), "{name} needs at least one size");
+    Ok(sizes)
+}
+
+fn scenario_list(text: &str) -> Result<Vec<Scenario>> {
+    let mut scenarios = Vec::new();
+    for part in text.split(',').map(str::trim) {
+        if part == "all" {
+            scenarios.extend(Scenario::ALL);
+        } else {
+            scenarios.push(Scenario::parse(part)?);
+        }
+    }
+    scenarios.sort();
+    scenarios.dedup();
+    ensure!(!scenarios.is_empty(), "--scenario needs a name");
+    Ok(scenarios)
+}
+
+/// `500ms`, `5s`, `2m`, or plain seconds (fractions allowed).
+pub(crate) fn parse_duration(text: &str) -> Result<Duration> {
+    let text = text.trim();
+    let (number, unit) = if let Some(n) = text.strip_suffix("ms") {
+        (n, 0.001)
+    } else if let Some(n) = text.strip_suffix('s') {
+        (n, 1.0)
+    } else if let Some(n) = text.strip_suffix('m') {
+        (n, 60.0)
+    } else {
+        (text, 1.0)
+    };
+    let value: f64 = number
+        .parse()
+        .with_context(|| format!("{text:?} is not a duration (500ms, 5s, 2m)"))?;
+    ensure!(
+        value.is_finite() && value >= 0.0,
+        "{text:?} is not a duration"
+    );
+    Ok(Duration::from_secs_f64(value * unit))
+}
+
+fn window(name: &str, text: &str) -> Result<Duration> {
+    let d = parse_duration(text).with_context(|| name.to_owned())?;
+    ensure!(
+        d <= MAX_WINDOW,
+        "{name}: {d:?} is longer than {MAX_WINDOW:?}"
+    );
+    Ok(d)
+}
+
+/// `HOST:PORT` where HOST is a loopback address or `localhost`: the tool never sends load
+/// anywhere else.
+pub(crate) fn loopback_addr(text: &str) -> Result<SocketAddr> {
+    let (host, port) = text
+        .rsplit_once(':')
+        .with_context(|| format!("{text:?} is not HOST:PORT"))?;
+    let port: u16 = port
+        .parse()
+        .with_context(|| format!("{text:?}: bad port"))?;
+    let host = host.trim_start_matches('[').trim_end_matches(']');
+    let ip: IpAddr = if host == "localhost" {
+        IpAddr::V4(Ipv4Addr::LOCALHOST)
+    } else {
+        host.parse()
+            .with_context(|| format!("{text:?}: the host must be a loopback IP or localhost"))?
+    };
+    ensure!(
+        ip.is_loopback(),
+        "{text:?} is not a loopback address; the bench stays on this host"
+    );
+    ensure!(port != 0, "{text:?}: port 0");
+    Ok(SocketAddr::new(ip, port))
+}
+
+fn command_line(name: &str, text: &str) -> Result<Vec<String>> {
+    let words = split_words(text).with_context(|| name.to_owned())?;
+    ensure!(!words.is_empty(), "{name} needs a command");
+    Ok(words)
+}
+
+/// Splits a command line the way a POSIX shell splits words, for the subset a command line
+/// needs here: blanks separate, single quotes keep everything, double quotes keep everything
+/// but `\"` and `\\`, a backslash outside quotes escapes the next character. `--x=` stays one
+/// word with an empty value.
+pub(crate) fn split_words(text: &str) -> Result<Vec<String>> {
+    let mut words = Vec::new();
+    let mut word = String::new();
+    let mut in_word = false;
+    let mut chars = text.chars();
+    while let Some(c) = chars.next() {
+        match c {
+            c if c.is_whitespace() => {
+                if in_word {
+                    words.push(std::mem::take(&mut word));
+                    in_word = false;
+                }
+            }
+            '\'' => {
+                in_word = true;
+                loop {
+                    match chars.next() {
+                        Some('\'') => break,
+                        Some(c) => word.push(c),
+                        None => bail!("unclosed ' in {text:?}"),
+                    }
+                }
+            }
+            '"' => {
+                in_word = true;
+                loop {
+                    match chars.next() {
+                        Some('"') => break,
+                        Some('\\') => match chars.next() {
+                            Some(c @ ('"' | '\\')) => word.push(c),
+                            Some(c) => {
+                                word.push('\\');
+                                word.push(c);
+                            }
+                            None => bail!("unclosed \" in {text:?}"),
+                        },
+                        Some(c) => word.push(c),
+                        None => bail!("unclosed \" in {text:?}"),
+                    }
+                }
+            }
+            '\\' => {
+                in_word = true;
+                match chars.next() {
+                    Some(c) => word.push(c),
+                    None => bail!("trailing backslash in {text:?}"),
+                }
+            }
+            c => {
+                in_word = true;
+                word.push(c);
+            }
+        }
+    }
+    if in_word {
+        words.push(word);
+    }
+    Ok(words)
+}
+
+/// The value of `--flag VALUE` or `--flag=VALUE` in a command line, if present.
+pub(crate) fn flag_value<'a>(command: &'a [String], flag: &str) -> Option<&'a str> {
+    let mut words = command.iter();
+    while let Some(word) = words.next() {
+        if word == flag {
+            return words.next().map(String::as_str);
+        }
+        if let Some(value) = word.strip_prefix(flag).and_then(|v| v.strip_prefix('=')) {
+            return Some(value);
+        }
+    }
+    None
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn args(text: &str) -> Vec<String> {
+        split_words(text).unwrap()
+    }
+
+    fn options(text: &str) -> Options {
+        match parse(&args(text)).unwrap() {
+            Parsed::Run(options) => *options,
+            Parsed::Help => panic!("unexpected help"),
+        }
+    }
+
+    #[test]
+    fn splits_words_like_a_shell() {
+        assert_eq!(
+            split_words(
+                "target/release/hetzner --use-fake-backend --fake-latency 0s --metrics-addr="
+            )
+            .unwrap(),
+            [
+                "target/release/hetzner",
+                "--use-fake-backend",
+                "--fake-latency",
+                "0s",
+                "--metrics-addr="
+            ]
+        );
+        assert_eq!(
+            split_words("  a  'b c' \"d \\\"e\\\"\" f\\ g ''").unwrap(),
+            ["a", "b c", "d \"e\"", "f g", ""]
+        );
+        assert!(split_words("a 'b").is_err());
+        assert!(split_words("a \"b").is_err());
+        assert!(split_words("a\\").is_err());
+        assert!(split_words("   ").unwrap().is_empty());
+    }
+
+    #[test]
+    fn spawn_defaults() {
+        let o = options("--spawn 'bin --use-fake-backend'");
+        assert_eq!(
+            o.endpoint,
+            Endpoint::Spawn {
+                ours: vec!["bin".into(), "--use-fake-backend".into()],
+                theirs: None
+            }
+        );
+        assert_eq!(o.scenarios, Scenario::ALL);
+        assert_eq!(o.repeats, 3);
+        assert_eq!(o.seeds, [1000, 10_000, 100_000]);
+        assert_eq!(o.inventory, 10_000);
+        assert_eq!(o.concurrency, [1, 32]);
+        assert_eq!(o.machines, 256);
+        assert_eq!(o.in_flight, 32);
+        assert_eq!(o.duration, Duration::from_secs(5));
+        assert_eq!(o.warmup, Duration::from_secs(1));
+        assert_eq!(o.client_threads, 1);
+        assert!(!o.json && !o.quick && o.tls.is_none() && o.json_out.is_none());
+    }
+
+    #[test]
+    fn quick_then_explicit_flags() {
+        let o = options("--spawn=bin --quick --repeats=2 --scenario get,list --json");
+        assert_eq!(o.repeats, 2);
+        assert_eq!(o.seeds, [1000]);
+        assert_eq!(o.machines, 64);
+        assert_eq!(o.duration, Duration::from_secs(1));
+        assert_eq!(o.scenarios, [Scenario::Get, Scenario::List]);
+        assert!(o.json && o.quick);
+    }
+
+    #[test]
+    fn both_flag_forms_and_lists() {
+        let o = options(
+            "--spawn bin --compare 'go-bin -x' --seeds 1_000,5000 --machines=10 --duration 500ms \
+             --warmup 0 --timeout 2m --scenario all,get --inventory 42 --in-flight 4 \
+             --json-out=r.json",
+        );
+        assert_eq!(o.seeds, [1000, 5000]);
+        assert_eq!(o.machines, 10);
+        assert_eq!(o.in_flight, 4);
+        assert_eq!(o.inventory, 42);
+        assert_eq!(options("--spawn bin --concurrency 8").concurrency, [8]);
+        assert_eq!(o.json_out, Some(PathBuf::from("r.json")));
+        assert_eq!(o.duration, Duration::from_millis(500));
+        assert_eq!(o.warmup, Duration::ZERO);
+        assert_eq!(o.timeout, Duration::from_secs(120));
+        assert_eq!(o.scenarios, Scenario::ALL);
+        let Endpoint::Spawn { theirs, .. } = o.endpoint else {
+            panic!()
+        };
+        assert_eq!(theirs.unwrap(), ["go-bin", "-x"]);
+    }
+
+    #[test]
+    fn target_with_tls_leaves_out_spawn_scenarios() {
+        let o = options(
+            "--target localhost:9000 --target-pid 42 --tls-ca ca.pem --tls-cert c.pem --tls-key k.pem",
+        );
+        assert_eq!(
+            o.endpoint,
+            Endpoint::Target {
+                addr: "127.0.0.1:9000".parse().unwrap(),
+                pid: Some(42)
+            }
+        );
+        let tls = o.tls.unwrap();
+        assert_eq!(tls.domain, "localhost");
+        assert_eq!(tls.identity, Some(("c.pem".into(), "k.pem".into())));
+        assert!(!o.scenarios.iter().any(|s| s.needs_spawn()));
+        assert_eq!(
+            options("--target [::1]:1").endpoint,
+            Endpoint::Target {
+                addr: "[::1]:1".parse().unwrap(),
+                pid: None
+            }
+        );
+    }
+
+    #[test]
+    fn refusals() {
+        for bad in [
+            "",
+            "--target 127.0.0.1:9000 --spawn bin",
+            "--target 10.0.0.1:9000",
+            "--target example.com:443",
+            "--target 127.0.0.1:0",
+            "--target 127.0.0.1:9000 --compare bin",
+            "--target 127.0.0.1:9000 --scenario durable",
+            "--spawn bin --target-pid 1",
+            "--spawn bin --repeats 0",
+            "--spawn bin --repeats x",
+            "--spawn bin --seeds 10,",
+            "--spawn bin --concurrency 0",
+            "--spawn bin --scenario nope",
+            "--spawn bin --duration 5h",
+            "--spawn bin --duration -1s",
+            "--spawn bin --tls-cert c.pem",
+            "--spawn bin --tls-ca ca.pem --tls-key k.pem",
+            "--spawn bin --tls-domain x",
+            "--spawn ''",
+            "--spawn bin --json=1",
+            "--spawn bin --bogus",
+            "--spawn",
+        ] {
+            assert!(parse(&args(bad)).is_err(), "accepted {bad:?}");
+        }
+        assert_eq!(parse(&args("--spawn bin -h")).unwrap(), Parsed::Help);
+    }
+
+    #[test]
+    fn durations() {
+        assert_eq!(parse_duration("250ms").unwrap(), Duration::from_millis(250));
+        assert_eq!(parse_duration("1.5s").unwrap(), Duration::from_millis(1500));
+        assert_eq!(parse_duration("2m").unwrap(), Duration::from_secs(120));
+        assert_eq!(parse_duration("3").unwrap(), Duration::from_secs(3));
+        assert!(parse_duration("soon").is_err());
+    }
+
+    #[test]
+    fn flag_values_in_a_command_line() {
+        let cmd = args("bin --addr 127.0.0.1:5 --seed-count=7 --metrics-addr=");
+        assert_eq!(flag_value(&cmd, "--addr"), Some("127.0.0.1:5"));
+        assert_eq!(flag_value(&cmd, "--seed-count"), Some("7"));
+        assert_eq!(flag_value(&cmd, "--metrics-addr"), Some(""));
+        assert_eq!(flag_value(&cmd, "--state"), None);
+        assert_eq!(flag_value(&args("bin --addr"), "--addr"), None);
+    }
+}
