@@ -22,6 +22,8 @@ fn main() -> anyhow::Result<()> {
         Some("e2e") => e2e::run(&args[1..]),
         Some("helm") => helm::run(&args[1..]),
         Some("test") => suite::run(&args[1..]),
-        _ => anyhow::bail!("usage: cargo xtask <test|demo|bench|certs|dist|docs|e2e|helm> [options]"),
+        _ => {
+            anyhow::bail!("usage: cargo xtask <test|demo|bench|certs|dist|docs|e2e|helm> [options]")
+        }
     }
 }
