@@ -40,14 +40,38 @@ pub fn crypto_provider() -> Arc<rustls::crypto::CryptoProvider> {
     Arc::new(rustls::crypto::ring::default_provider())
 }
 
-/// Reads every certificate of a PEM file.
+/// Reads every certificate of a PEM file, strictly (see [`parse_certificates`]).
 pub fn read_certificates(path: &Path) -> Result<Vec<CertificateDer<'static>>, String> {
     let pem = std::fs::read(path).map_err(|e| format!("{}: {e}", path.display()))?;
-    let certs: Vec<_> = CertificateDer::pem_slice_iter(&pem)
-        .collect::<Result<_, _>>()
-        .map_err(|e| format!("{}: {e}", path.display()))?;
+    parse_certificates(&pem).map_err(|e| format!("{}: {e}", path.display()))
+}
+
+/// Parses a PEM certificate bundle strictly: a block that does not decode, or a CERTIFICATE
+/// block that is not a well-formed X.509 certificate, fails the whole bundle (an operator who
+/// pasted a broken bundle learns it at startup, not at the first handshake). Blocks of other
+/// kinds (a private key in a combined file) are skipped; a bundle with no certificate fails.
+pub fn parse_certificates(pem: &[u8]) -> Result<Vec<CertificateDer<'static>>, String> {
+    let mut reader = pem;
+    let mut certs = Vec::new();
+    loop {
+        let block = rustls_pki_types::pem::from_buf(&mut reader)
+            .map_err(|e| format!("PEM block {} does not decode: {e}", certs.len() + 1))?;
+        let Some((kind, der)) = block else { break };
+        if kind != rustls_pki_types::pem::SectionKind::Certificate {
+            continue;
+        }
+        let cert = CertificateDer::from(der);
+        // Parsing as a trust anchor checks the X.509 structure without judging its use.
+        RootCertStore::empty().add(cert.clone()).map_err(|e| {
+            format!(
+                "certificate {} is not a valid X.509 certificate: {e}",
+                certs.len() + 1
+            )
+        })?;
+        certs.push(cert);
+    }
     if certs.is_empty() {
-        return Err(format!("{}: no certificates found", path.display()));
+        return Err("no certificates found".into());
     }
     Ok(certs)
 }
@@ -110,19 +134,12 @@ pub fn grpc_tls(
     let (mode, roots) = match &flags.ca {
         None => (SecurityMode::Tls, None),
         Some(ca) => {
-            let pem =
-                std::fs::read(ca).map_err(|e| format!("read client CA {}: {e}", ca.display()))?;
+            let certs = read_certificates(ca).map_err(|e| format!("read client CA {e}"))?;
             let mut roots = RootCertStore::empty();
-            for cert in CertificateDer::pem_slice_iter(&pem).flatten() {
+            for cert in certs {
                 roots
                     .add(cert)
                     .map_err(|e| format!("read client CA {}: {e}", ca.display()))?;
-            }
-            if roots.is_empty() {
-                return Err(format!(
-                    "no certificates parsed from client CA {}",
-                    ca.display()
-                ));
             }
             (SecurityMode::MutualTls, Some(roots))
         }
@@ -172,4 +189,80 @@ pub fn incoming(
         }
     });
     ReceiverStream::new(rx)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn ca_pem() -> Vec<u8> {
+        std::fs::read(concat!(
+            env!("CARGO_MANIFEST_DIR"),
+            "/../../testdata/pki/ca.pem"
+        ))
+        .expect("the committed test CA")
+    }
+
+    #[test]
+    fn a_good_bundle_parses() {
+        let certs = parse_certificates(&ca_pem()).expect("parses");
+        assert_eq!(certs.len(), 1);
+    }
+
+    #[test]
+    fn a_block_that_does_not_decode_fails_the_bundle() {
+        let mut pem = ca_pem();
+        pem.extend_from_slice(
+            b"-----BEGIN CERTIFICATE-----\nnot*base64!\n-----END CERTIFICATE-----\n",
+        );
+        let err = parse_certificates(&pem).expect_err("garbage block refused");
+        assert!(err.contains("PEM block 2 does not decode"), "{err}");
+    }
+
+    #[test]
+    fn a_certificate_block_that_is_not_x509_fails_the_bundle() {
+        let mut pem = ca_pem();
+        // Valid base64 ("hello world, not a certificate"), but no DER certificate inside.
+        pem.extend_from_slice(
+            b"-----BEGIN CERTIFICATE-----\naGVsbG8gd29ybGQsIG5vdCBhIGNlcnRpZmljYXRl\n-----END CERTIFICATE-----\n",
+        );
+        let err = parse_certificates(&pem).expect_err("non-certificate refused");
+        assert!(
+            err.contains("certificate 2 is not a valid X.509 certificate"),
+            "{err}"
+        );
+    }
+
+    #[test]
+    fn an_unterminated_block_fails_the_bundle() {
+        let mut pem = ca_pem();
+        pem.extend_from_slice(b"-----BEGIN CERTIFICATE-----\nMIIB\n");
+        assert!(parse_certificates(&pem).is_err());
+    }
+
+    #[test]
+    fn a_bundle_without_certificates_fails() {
+        let err = parse_certificates(b"just text\n").expect_err("empty bundle refused");
+        assert_eq!(err, "no certificates found");
+    }
+
+    #[test]
+    fn the_client_ca_flag_names_the_file_of_a_broken_bundle() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let ca = dir.path().join("ca.pem");
+        let mut pem = ca_pem();
+        pem.extend_from_slice(b"-----BEGIN CERTIFICATE-----\n@@@@\n-----END CERTIFICATE-----\n");
+        std::fs::write(&ca, pem).expect("write");
+        let pki = concat!(env!("CARGO_MANIFEST_DIR"), "/../../testdata/pki");
+        let flags = TlsFlags {
+            cert: Some(Path::new(pki).join("server.pem")),
+            key: Some(Path::new(pki).join("server-key.pem")),
+            ca: Some(ca.clone()),
+        };
+        let err = grpc_tls(&flags).expect_err("broken client CA refused");
+        assert!(
+            err.contains("read client CA") && err.contains(&ca.display().to_string()),
+            "{err}"
+        );
+    }
 }
