@@ -1,49 +1,33 @@
 //! Encodings both clouds use for labels, tags and names: lower-case RFC 4648 base32 without
 //! padding (label- and tag-safe, reversible), and the validation of a cloud API base URL.
 
+use std::sync::LazyLock;
+
+use data_encoding::{Encoding, Specification};
 use reqwest::Url;
 
-const ALPHABET: &[u8; 32] = b"abcdefghijklmnopqrstuvwxyz234567";
+/// The lower-case, unpadded RFC 4648 base32 alphabet; decoding also accepts upper case and
+/// refuses non-zero trailing bits, so only what an encoder could produce decodes.
+static BASE32_LOWER: LazyLock<Encoding> = LazyLock::new(|| {
+    let mut spec = Specification::new();
+    spec.symbols.push_str("abcdefghijklmnopqrstuvwxyz234567");
+    spec.translate.from.push_str("ABCDEFGHIJKLMNOPQRSTUVWXYZ");
+    spec.translate.to.push_str("abcdefghijklmnopqrstuvwxyz");
+    spec.check_trailing_bits = true;
+    spec.encoding().expect("a valid base32 specification")
+});
 
 /// Lower-case RFC 4648 base32 without padding.
 pub fn base32_lower(bytes: &[u8]) -> String {
-    let mut out = String::with_capacity(bytes.len().div_ceil(5) * 8);
-    let mut buffer: u32 = 0;
-    let mut bits = 0;
-    for &b in bytes {
-        buffer = (buffer << 8) | u32::from(b);
-        bits += 8;
-        while bits >= 5 {
-            bits -= 5;
-            out.push(char::from(ALPHABET[((buffer >> bits) & 31) as usize]));
-        }
-        buffer &= (1 << bits) - 1;
-    }
-    if bits > 0 {
-        out.push(char::from(ALPHABET[((buffer << (5 - bits)) & 31) as usize]));
-    }
-    out
+    BASE32_LOWER.encode(bytes)
 }
 
 /// Decodes unpadded base32 in either case (trailing `=` tolerated); `None` for anything an
 /// encoder could not have produced.
 pub fn base32_decode(text: &str) -> Option<Vec<u8>> {
-    let text = text.trim_end_matches('=');
-    let mut out = Vec::with_capacity(text.len() * 5 / 8);
-    let mut buffer: u32 = 0;
-    let mut bits = 0;
-    for c in text.bytes() {
-        let value = ALPHABET.iter().position(|&a| a == c.to_ascii_lowercase())? as u32;
-        buffer = (buffer << 5) | value;
-        bits += 5;
-        if bits >= 8 {
-            bits -= 8;
-            out.push((buffer >> bits) as u8);
-            buffer &= (1 << bits) - 1;
-        }
-    }
-    // Leftover bits must be the zero padding of the last byte.
-    (buffer == 0 && bits < 5).then_some(out)
+    BASE32_LOWER
+        .decode(text.trim_end_matches('=').as_bytes())
+        .ok()
 }
 
 /// Whether the URL's host is `localhost` or a loopback address.
@@ -100,6 +84,8 @@ mod tests {
         }
         assert_eq!(base32_decode("m"), None, "a lone symbol is not a byte");
         assert_eq!(base32_decode("mz!"), None);
+        assert_eq!(base32_decode("mz"), None, "non-zero padding bits");
+        assert_eq!(base32_decode("m1"), None);
     }
 
     #[test]
