@@ -440,12 +440,18 @@ impl Engine {
         let inventory = self.read();
         let head = inventory.revision();
         let since = cursor.filter(|c| *c <= head);
-        let mut machines = Vec::with_capacity(if cap == usize::MAX {
-            inventory.len()
+        let capped = cap < inventory.len();
+        let mut machines = Vec::with_capacity(cap.min(inventory.len()));
+        // A capped List is an arbitrary subset (contract.md §8), and callers rely on that: the
+        // conformance program and a shard's worker pool pick "different" machines with
+        // consecutive `max_results = 1` calls. Start at a random slot and wrap around, so the
+        // cost stays O(slots visited) and every slot is visited at most once.
+        let start = if capped {
+            rand::random_range(0..inventory.len())
         } else {
-            cap.min(inventory.len())
-        });
-        for slot in inventory.slots() {
+            0
+        };
+        for slot in inventory.slots_from(start) {
             if machines.len() >= cap {
                 break;
             }
@@ -720,3 +726,6 @@ async fn run_backend(
 
 #[cfg(test)]
 mod tests;
+
+#[cfg(test)]
+mod list_tests;

@@ -3,7 +3,7 @@
 //! restart recovery and admin release. Synchronous and free of I/O: each change is also
 //! emitted as a [`Change`] for the store, so memory and disk cannot drift apart.
 
-use std::collections::{BTreeMap, HashMap, HashSet};
+use std::collections::{HashMap, HashSet};
 use std::sync::Arc;
 
 use crate::error::CoreError;
@@ -11,6 +11,10 @@ use crate::fence::{self, FenceDecision, FenceToken, HighWaterMark};
 use crate::lifecycle::OperationKind;
 use crate::machine::{HostRef, Machine, MachineState, StringMap};
 use crate::store::{Change, FenceRecord, Snapshot};
+
+mod slot_table;
+
+use slot_table::SlotTable;
 
 /// Operation ids are `<prefix>-<n>`; the reference uses the prefix `op`.
 pub const OPERATION_PREFIX: &str = "op";
@@ -92,7 +96,7 @@ impl ReconcileReport {
 /// The whole mutable state of a provider.
 #[derive(Debug, Default)]
 pub struct Inventory {
-    slots: BTreeMap<String, Slot>,
+    slots: SlotTable,
     fences: HashMap<String, HashMap<String, HighWaterMark>>,
     revision: i64,
     next_op: u64,
@@ -122,7 +126,13 @@ impl Inventory {
     /// The whole state, for export and compaction.
     pub fn snapshot(&self) -> Snapshot {
         Snapshot {
-            slots: self.slots.values().cloned().collect(),
+            slots: {
+                // Sorted by id: exports and compacted snapshots do not depend on the table's
+                // internal order.
+                let mut slots: Vec<Slot> = self.slots.values().cloned().collect();
+                slots.sort_unstable_by(|a, b| a.machine.id.cmp(&b.machine.id));
+                slots
+            },
             fences: self
                 .fences
                 .iter()
@@ -157,6 +167,12 @@ impl Inventory {
 
     pub fn slots(&self) -> impl Iterator<Item = &Slot> {
         self.slots.values()
+    }
+
+    /// Every slot once, starting at position `start` (modulo the number of slots) and
+    /// wrapping around; the start costs O(1).
+    pub fn slots_from(&self, start: usize) -> impl Iterator<Item = &Slot> {
+        self.slots.rotated(start)
     }
 
     pub fn fence_mark(&self, shard_id: &str, machine_id: &str) -> Option<HighWaterMark> {
