@@ -17,6 +17,7 @@ pub mod fence;
 pub mod fleet;
 pub mod inventory;
 pub mod lifecycle;
+pub mod limits;
 pub mod machine;
 pub mod offerings;
 pub mod retry;
