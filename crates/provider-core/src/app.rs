@@ -204,6 +204,7 @@ pub async fn run(launch: Launch) -> Result<(), String> {
             engine,
             common.reflection,
             health_service,
+            common.grpc_limits(),
             async move { grpc_stop.cancelled().await },
         ))
     };

@@ -18,6 +18,7 @@ pub mod fleet;
 pub mod inventory;
 pub mod lifecycle;
 pub mod limits;
+pub mod listener;
 pub mod machine;
 pub mod offerings;
 pub mod retry;

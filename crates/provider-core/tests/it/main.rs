@@ -11,6 +11,7 @@ mod errors;
 mod fencing;
 mod harness;
 mod lifecycle;
+mod limits;
 mod list;
 mod reference_parity;
 mod transport;
