@@ -264,6 +264,7 @@ fn main() -> ExitCode {
         }),
         side_servers: Vec::new(),
         require_zone: false,
+        real_backend: false,
     };
     let runtime = match tokio::runtime::Builder::new_multi_thread()
         .enable_all()

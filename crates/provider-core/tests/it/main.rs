@@ -14,4 +14,5 @@ mod lifecycle;
 mod limits;
 mod list;
 mod reference_parity;
+mod startup;
 mod transport;
