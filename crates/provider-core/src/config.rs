@@ -10,9 +10,24 @@ use crate::duration;
 use crate::engine::Timeouts;
 use crate::tls::TlsFlags;
 
-/// A secret string (API token, HMAC key). Debug and Display print `[redacted]`.
+/// A secret string (API token, HMAC key). Debug and Display print `[redacted]`; the buffer is
+/// zeroed when the value is dropped.
 #[derive(Clone, Default, PartialEq, Eq)]
 pub struct Secret(String);
+
+impl zeroize::Zeroize for Secret {
+    fn zeroize(&mut self) {
+        self.0.zeroize();
+    }
+}
+
+impl Drop for Secret {
+    fn drop(&mut self) {
+        zeroize::Zeroize::zeroize(self);
+    }
+}
+
+impl zeroize::ZeroizeOnDrop for Secret {}
 
 impl Secret {
     pub fn new(value: impl Into<String>) -> Secret {
@@ -331,4 +346,25 @@ pub fn choose_backend(
         ));
     }
     Ok(resolved)
+}
+
+#[cfg(test)]
+mod secret_tests {
+    use zeroize::{Zeroize, ZeroizeOnDrop};
+
+    use super::*;
+
+    fn zeroed_on_drop<T: ZeroizeOnDrop>() {}
+
+    #[test]
+    fn a_secret_never_prints_and_is_zeroed() {
+        zeroed_on_drop::<Secret>();
+        let mut secret: Secret = "hcloud-token-123".parse().expect("infallible");
+        assert_eq!(format!("{secret:?}"), "[redacted]");
+        assert_eq!(format!("{secret}"), "[redacted]");
+        assert_eq!(format!("{:?}", Some(secret.clone())), "Some([redacted])");
+        assert_eq!(secret.expose(), "hcloud-token-123");
+        secret.zeroize();
+        assert!(secret.is_empty());
+    }
 }
