@@ -21,7 +21,7 @@ use tokio_util::sync::CancellationToken;
 use tonic::Code;
 use tonic::transport::{Channel, Endpoint};
 
-use crate::harness::{TestBackend, machine_id};
+use crate::harness::{TestBackend, machine_id, pki};
 
 /// How long a test waits for something the server must do by itself.
 const BOUND: Duration = Duration::from_secs(10);
@@ -73,6 +73,10 @@ struct Served {
 }
 
 async fn serve(limits: GrpcLimits) -> Served {
+    serve_with(limits, None).await
+}
+
+async fn serve_with(limits: GrpcLimits, tls: Option<Arc<rustls::ServerConfig>>) -> Served {
     let store = Arc::new(GatedStore::default());
     let engine = Engine::start(
         TestBackend::instant(8),
@@ -88,7 +92,7 @@ async fn serve(limits: GrpcLimits) -> Served {
     let stop = CancellationToken::new();
     tokio::spawn(serve::serve_grpc(
         listener,
-        None,
+        tls,
         engine,
         false,
         health_service,
@@ -292,4 +296,31 @@ async fn an_old_connection_is_sent_away_and_then_closed() {
         started.elapsed() >= Duration::from_millis(300),
         "closed before its age: {frames:?}"
     );
+}
+
+#[tokio::test]
+async fn tls_handshakes_in_progress_count_against_the_cap() {
+    let pki = pki();
+    let (_, tls) = provider_core::tls::grpc_tls(&provider_core::tls::TlsFlags {
+        cert: Some(pki.join("server.pem")),
+        key: Some(pki.join("server-key.pem")),
+        ca: None,
+    })
+    .expect("the test PKI loads");
+    let server = serve_with(
+        GrpcLimits {
+            max_connections: 1,
+            // Far beyond BOUND: only the cap can close the second connection in time.
+            handshake_timeout: Duration::from_secs(60),
+            ..GrpcLimits::default()
+        },
+        tls,
+    )
+    .await;
+    // A client that connects and never starts its TLS handshake holds the only slot...
+    let stalled = TcpStream::connect(server.addr).await.expect("connect");
+    // ...so another connection is closed at once, before any handshake.
+    let mut refused = TcpStream::connect(server.addr).await.expect("connect");
+    assert_eq!(until_closed(&mut refused).await, Vec::<u8>::new());
+    drop(stalled);
 }
