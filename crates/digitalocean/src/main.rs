@@ -176,6 +176,7 @@ async fn launch(cli: Cli) -> Result<(), String> {
         announce,
         side_servers,
         require_zone: true,
+        real_backend: mode == Mode::Real,
     })
     .await
 }

@@ -19,6 +19,7 @@ use provider_core::app::{self, Launch};
 use provider_core::config::{CommonArgs, LogFormat, init_logging};
 use provider_core::duration;
 use provider_core::inventory::Effect;
+use provider_core::serve::GrpcLimits;
 use provider_core::telemetry::Telemetry;
 use provider_core::{
     Backend, BackendError, CapacityType, ConfigureOrder, HostRef, Machine, StringMap,
@@ -222,6 +223,10 @@ fn common(cli: &Cli) -> CommonArgs {
         log_format: LogFormat::Text,
         log_level: "info".into(),
         fake_latency: Duration::ZERO,
+        grpc_max_connections: GrpcLimits::default().max_connections,
+        grpc_max_concurrent_streams: GrpcLimits::default().max_concurrent_streams,
+        grpc_request_timeout: GrpcLimits::default().request_timeout,
+        grpc_max_connection_age: GrpcLimits::default().max_connection_age,
     }
 }
 
@@ -259,6 +264,7 @@ fn main() -> ExitCode {
         }),
         side_servers: Vec::new(),
         require_zone: false,
+        real_backend: false,
     };
     let runtime = match tokio::runtime::Builder::new_multi_thread()
         .enable_all()

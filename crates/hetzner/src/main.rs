@@ -104,6 +104,7 @@ async fn launch(cli: Cli) -> Result<(), String> {
         announce,
         side_servers: Vec::new(),
         require_zone: true,
+        real_backend: mode == Mode::Real,
     })
     .await
 }

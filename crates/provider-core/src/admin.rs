@@ -91,11 +91,36 @@ async fn handle(engine: &Engine, request: AdminRequest) -> AdminResponse {
     }
 }
 
+/// The longest request line accepted (requests are a few hundred bytes); a longer one is
+/// answered with an error and the connection is closed, so a client cannot make the provider
+/// buffer without bound.
+pub const MAX_REQUEST_LINE: usize = 64 * 1024;
+
 async fn session(engine: Arc<Engine>, stream: UnixStream) -> std::io::Result<()> {
+    use tokio::io::AsyncReadExt;
     let (read, mut write) = stream.into_split();
-    let mut lines = BufReader::new(read).lines();
-    while let Some(line) = lines.next_line().await? {
-        let response = match serde_json::from_str::<AdminRequest>(&line) {
+    let mut reader = BufReader::new(read);
+    loop {
+        let mut line = Vec::new();
+        let n = (&mut reader)
+            .take(MAX_REQUEST_LINE as u64 + 1)
+            .read_until(b'\n', &mut line)
+            .await?;
+        if n == 0 {
+            return Ok(());
+        }
+        if line.last() == Some(&b'\n') {
+            line.pop();
+        } else if line.len() > MAX_REQUEST_LINE {
+            let response = AdminResponse {
+                ok: false,
+                error: format!("admin request line longer than {MAX_REQUEST_LINE} bytes"),
+                failed: Vec::new(),
+            };
+            reply(&mut write, &response).await?;
+            return Ok(());
+        }
+        let response = match serde_json::from_slice::<AdminRequest>(&line) {
             Ok(request) => handle(&engine, request).await,
             Err(e) => AdminResponse {
                 ok: false,
@@ -103,28 +128,100 @@ async fn session(engine: Arc<Engine>, stream: UnixStream) -> std::io::Result<()>
                 failed: Vec::new(),
             },
         };
-        let mut out = serde_json::to_string(&response).unwrap_or_else(|_| "{\"ok\":false}".into());
-        out.push('\n');
-        write.write_all(out.as_bytes()).await?;
+        reply(&mut write, &response).await?;
     }
-    Ok(())
 }
 
-/// Binds the admin socket (replacing a stale socket file) and serves it until `stop`.
+async fn reply(
+    write: &mut tokio::net::unix::OwnedWriteHalf,
+    response: &AdminResponse,
+) -> std::io::Result<()> {
+    let mut out = serde_json::to_string(response).unwrap_or_else(|_| "{\"ok\":false}".into());
+    out.push('\n');
+    write.write_all(out.as_bytes()).await
+}
+
+/// Whether `path` is a Unix socket (not following a symlink).
+fn is_socket(path: &Path) -> bool {
+    use std::os::unix::fs::FileTypeExt;
+    std::fs::symlink_metadata(path).is_ok_and(|m| m.file_type().is_socket())
+}
+
+/// Removes what is at `path` only if it is a socket nobody listens on any more (left by a
+/// provider that did not exit cleanly). Anything else there is the operator's: refuse.
+fn clear_stale_socket(path: &Path) -> std::io::Result<()> {
+    use std::io::{Error, ErrorKind};
+    let Ok(meta) = std::fs::symlink_metadata(path) else {
+        return Ok(());
+    };
+    if !is_socket(path) {
+        return Err(Error::new(
+            ErrorKind::AlreadyExists,
+            format!(
+                "{} exists and is not a socket ({}); refusing to replace it: choose another \
+                 --admin-socket path or remove the file",
+                path.display(),
+                if meta.is_dir() {
+                    "a directory"
+                } else if meta.file_type().is_symlink() {
+                    "a symbolic link"
+                } else {
+                    "a file"
+                }
+            ),
+        ));
+    }
+    if std::os::unix::net::UnixStream::connect(path).is_ok() {
+        return Err(Error::new(
+            ErrorKind::AddrInUse,
+            format!(
+                "{} is in use by a running process (another provider?)",
+                path.display()
+            ),
+        ));
+    }
+    std::fs::remove_file(path)
+}
+
+/// Binds a Unix socket at `path` with mode 0600 and no instant at which it is more open: it is
+/// bound inside a fresh private (0700) directory next to `path`, restricted to 0600 there, and
+/// then hard-linked into place (which, unlike a rename, never replaces an existing file).
+fn bind_private(path: &Path) -> std::io::Result<UnixListener> {
+    use std::os::unix::fs::{DirBuilderExt, PermissionsExt};
+    let parent = match path.parent().filter(|p| !p.as_os_str().is_empty()) {
+        Some(parent) => parent.to_owned(),
+        None => std::path::PathBuf::from("."),
+    };
+    let private = parent.join(format!(
+        ".admin-socket-{}-{:016x}.tmp",
+        std::process::id(),
+        rand::random::<u64>()
+    ));
+    std::fs::DirBuilder::new().mode(0o700).create(&private)?;
+    let staged = private.join("socket");
+    let bound = (|| {
+        let listener = UnixListener::bind(&staged)?;
+        std::fs::set_permissions(&staged, std::fs::Permissions::from_mode(0o600))?;
+        std::fs::hard_link(&staged, path)?;
+        Ok(listener)
+    })();
+    let _ = std::fs::remove_file(&staged);
+    let _ = std::fs::remove_dir(&private);
+    bound
+}
+
+/// Binds the admin socket and serves it until `stop`. A stale socket left by an earlier run is
+/// replaced; a live one, or anything at `path` that is not a socket, fails startup.
 pub fn serve(
     path: &Path,
     engine: Arc<Engine>,
     stop: CancellationToken,
 ) -> std::io::Result<tokio::task::JoinHandle<()>> {
-    use std::os::unix::fs::PermissionsExt;
     if let Some(parent) = path.parent().filter(|p| !p.as_os_str().is_empty()) {
         std::fs::create_dir_all(parent)?;
     }
-    if path.exists() {
-        std::fs::remove_file(path)?;
-    }
-    let listener = UnixListener::bind(path)?;
-    std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o600))?;
+    clear_stale_socket(path)?;
+    let listener = bind_private(path)?;
     let path = path.to_owned();
     tracing::info!(path = %path.display(), "admin socket listening");
     Ok(tokio::spawn(async move {
@@ -137,7 +234,9 @@ pub fn serve(
                 _ = stop.cancelled() => break,
             }
         }
-        let _ = std::fs::remove_file(&path);
+        if is_socket(&path) {
+            let _ = std::fs::remove_file(&path);
+        }
     }))
 }
 
@@ -164,6 +263,9 @@ pub async fn call(path: &Path, request: &AdminRequest) -> Result<AdminResponse, 
         .ok_or_else(|| "admin socket closed without an answer".to_owned())?;
     serde_json::from_str(&reply).map_err(|e| format!("bad admin answer: {e}"))
 }
+
+#[cfg(test)]
+mod socket_tests;
 
 #[cfg(test)]
 mod tests {

@@ -43,6 +43,20 @@ pub struct Launch {
     pub side_servers: Vec<SideServer>,
     /// Whether reported records must carry a zone.
     pub require_zone: bool,
+    /// Whether the backend acts on a real cloud (not the in-memory fake or a test backend).
+    pub real_backend: bool,
+}
+
+/// The warning logged when gRPC is served in plain text in front of a real cloud: anyone on the
+/// network path can read bootstrap blobs and send lifecycle RPCs that create and delete
+/// billable hosts. `None` when TLS is on or the backend is a fake.
+pub fn plaintext_warning(security: SecurityMode, real_backend: bool) -> Option<&'static str> {
+    (real_backend && security == SecurityMode::Insecure).then_some(
+        "gRPC is served in PLAIN TEXT with the real cloud backend: bootstrap blobs travel \
+         unencrypted and any client that reaches the port can create and delete hosts. Plain \
+         text is only for traffic that never leaves a trusted cluster network or for the fake \
+         backend; set --tls-cert, --tls-key and --tls-ca (mTLS)",
+    )
 }
 
 /// Opens the store behind `--state` (in memory when empty).
@@ -127,11 +141,15 @@ pub async fn run(launch: Launch) -> Result<(), String> {
         announce,
         side_servers,
         require_zone,
+        real_backend,
     } = launch;
     let shutdown = shutdown_signal()?;
     common.validate()?;
     // TLS is settled before anything else binds or loads.
     let (security, tls_config) = tls::grpc_tls(&common.tls_flags())?;
+    if let Some(warning) = plaintext_warning(security, real_backend) {
+        tracing::warn!(security = security.name(), "{warning}");
+    }
     if let Some(fleet) = &fleet {
         warm_up(fleet, telemetry).await?;
     }
@@ -204,6 +222,7 @@ pub async fn run(launch: Launch) -> Result<(), String> {
             engine,
             common.reflection,
             health_service,
+            common.grpc_limits(),
             async move { grpc_stop.cancelled().await },
         ))
     };

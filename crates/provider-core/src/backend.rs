@@ -38,9 +38,24 @@ impl TransitionContext {
     }
 }
 
-/// The opaque cluster-join blob. Never printed: Debug shows only its length.
+/// The opaque cluster-join blob. Never printed: Debug shows only its length. The buffer is
+/// zeroed when the value is dropped (copies a backend makes are its own to zero).
 #[derive(Clone, Default)]
 pub struct BootstrapBlob(pub Vec<u8>);
+
+impl zeroize::Zeroize for BootstrapBlob {
+    fn zeroize(&mut self) {
+        self.0.zeroize();
+    }
+}
+
+impl Drop for BootstrapBlob {
+    fn drop(&mut self) {
+        zeroize::Zeroize::zeroize(self);
+    }
+}
+
+impl zeroize::ZeroizeOnDrop for BootstrapBlob {}
 
 impl std::fmt::Debug for BootstrapBlob {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -264,5 +279,28 @@ mod tests {
         assert_eq!(allocatable_of(2, 4096)["memory"], "4Gi");
         assert_eq!(allocatable_of(2, 1500)["memory"], "1500Mi");
         assert_eq!(allocatable_of(3, 1024)["cpu"], "3");
+    }
+}
+
+#[cfg(test)]
+mod secret_tests {
+    use zeroize::{Zeroize, ZeroizeOnDrop};
+
+    use super::*;
+
+    fn zeroed_on_drop<T: ZeroizeOnDrop>() {}
+
+    #[test]
+    fn the_blob_never_prints_and_is_zeroed() {
+        zeroed_on_drop::<BootstrapBlob>();
+        let mut order = ConfigureOrder {
+            cluster_id: "c1".into(),
+            blob: BootstrapBlob(b"kubeadm join --token abcdef.0123456789abcdef".to_vec()),
+        };
+        let printed = format!("{order:?} {order:#?} {:?}", order.blob);
+        assert!(!printed.contains("abcdef"), "{printed}");
+        assert!(printed.contains("[redacted; 44 bytes]"), "{printed}");
+        order.blob.zeroize();
+        assert!(order.blob.0.is_empty());
     }
 }

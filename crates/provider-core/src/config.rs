@@ -10,9 +10,24 @@ use crate::duration;
 use crate::engine::Timeouts;
 use crate::tls::TlsFlags;
 
-/// A secret string (API token, HMAC key). Debug and Display print `[redacted]`.
+/// A secret string (API token, HMAC key). Debug and Display print `[redacted]`; the buffer is
+/// zeroed when the value is dropped.
 #[derive(Clone, Default, PartialEq, Eq)]
 pub struct Secret(String);
+
+impl zeroize::Zeroize for Secret {
+    fn zeroize(&mut self) {
+        self.0.zeroize();
+    }
+}
+
+impl Drop for Secret {
+    fn drop(&mut self) {
+        zeroize::Zeroize::zeroize(self);
+    }
+}
+
+impl zeroize::ZeroizeOnDrop for Secret {}
 
 impl Secret {
     pub fn new(value: impl Into<String>) -> Secret {
@@ -161,6 +176,32 @@ pub struct CommonArgs {
     #[arg(long = "log-level", default_value = "info", value_name = "FILTER")]
     pub log_level: String,
 
+    /// Open gRPC connections at most (TLS handshakes in progress included); more are closed at
+    /// once.
+    #[arg(
+        long = "grpc-max-connections",
+        default_value_t = 1024,
+        value_name = "N"
+    )]
+    pub grpc_max_connections: usize,
+
+    /// Concurrent RPCs (HTTP/2 streams) per gRPC connection at most.
+    #[arg(
+        long = "grpc-max-concurrent-streams",
+        default_value_t = 256,
+        value_name = "N"
+    )]
+    pub grpc_max_concurrent_streams: u32,
+
+    /// How long one gRPC request may take, reading it included; then CANCELLED.
+    #[arg(long = "grpc-request-timeout", default_value = "60s", value_parser = duration::flag, value_name = "DURATION")]
+    pub grpc_request_timeout: Duration,
+
+    /// Age after which a gRPC connection is asked to reconnect (GOAWAY), then closed once its
+    /// RPCs had their request timeout to finish; 0 disables.
+    #[arg(long = "grpc-max-connection-age", default_value = "1h", value_parser = duration::flag, value_name = "DURATION")]
+    pub grpc_max_connection_age: Duration,
+
     /// How long each fake-backend transition takes.
     #[arg(long = "fake-latency", default_value = "100ms", value_parser = duration::flag, value_name = "DURATION")]
     pub fake_latency: Duration,
@@ -200,7 +241,27 @@ impl CommonArgs {
                 return Err(format!("{flag} must be a positive duration"));
             }
         }
+        if self.grpc_request_timeout.is_zero() {
+            return Err("--grpc-request-timeout must be a positive duration".into());
+        }
+        if self.grpc_max_connections == 0 {
+            return Err("--grpc-max-connections must be at least 1".into());
+        }
+        if self.grpc_max_concurrent_streams == 0 {
+            return Err("--grpc-max-concurrent-streams must be at least 1".into());
+        }
         Ok(())
+    }
+
+    /// The gRPC listener limits from the `--grpc-*` flags.
+    pub fn grpc_limits(&self) -> crate::serve::GrpcLimits {
+        crate::serve::GrpcLimits {
+            max_connections: self.grpc_max_connections,
+            max_concurrent_streams: self.grpc_max_concurrent_streams,
+            request_timeout: self.grpc_request_timeout,
+            max_connection_age: self.grpc_max_connection_age,
+            ..crate::serve::GrpcLimits::default()
+        }
     }
 
     /// Reads `--base-user-data` (`read --base-user-data: ...`).
@@ -285,4 +346,25 @@ pub fn choose_backend(
         ));
     }
     Ok(resolved)
+}
+
+#[cfg(test)]
+mod secret_tests {
+    use zeroize::{Zeroize, ZeroizeOnDrop};
+
+    use super::*;
+
+    fn zeroed_on_drop<T: ZeroizeOnDrop>() {}
+
+    #[test]
+    fn a_secret_never_prints_and_is_zeroed() {
+        zeroed_on_drop::<Secret>();
+        let mut secret: Secret = "hcloud-token-123".parse().expect("infallible");
+        assert_eq!(format!("{secret:?}"), "[redacted]");
+        assert_eq!(format!("{secret}"), "[redacted]");
+        assert_eq!(format!("{:?}", Some(secret.clone())), "Some([redacted])");
+        assert_eq!(secret.expose(), "hcloud-token-123");
+        secret.zeroize();
+        assert!(secret.is_empty());
+    }
 }

@@ -19,6 +19,7 @@ use crate::error::CoreError;
 use crate::fence::FenceToken;
 use crate::inventory::{Admission, Binding, Effect, Interrupted, Inventory, ReconcileReport};
 use crate::lifecycle::OperationKind;
+use crate::limits;
 use crate::machine::{Machine, MachineState, StringMap};
 use crate::store::{Change, Commit, SharedStore, Snapshot};
 use crate::telemetry::Telemetry;
@@ -63,6 +64,8 @@ pub struct EngineOptions {
     pub require_zone: bool,
     /// Budget of the first-boot Describe and of each reconcile pass.
     pub describe_timeout: Duration,
+    /// Capacity of the table of fence marks for machine ids that do not exist.
+    pub max_unknown_id_marks: usize,
     pub telemetry: Telemetry,
 }
 
@@ -72,6 +75,7 @@ impl EngineOptions {
             timeouts: Timeouts::default(),
             require_zone: true,
             describe_timeout: Duration::from_secs(30),
+            max_unknown_id_marks: crate::fence::unknown_ids::DEFAULT_CAPACITY,
             telemetry,
         }
     }
@@ -184,6 +188,14 @@ impl Engine {
         let fresh = snapshot.is_fresh();
         let mut inventory = Inventory::from_snapshot(snapshot);
         let mut changes = Vec::new();
+        let evicted = inventory.limit_unknown_id_marks(options.max_unknown_id_marks, &mut changes);
+        if evicted > 0 {
+            tracing::info!(
+                evicted,
+                capacity = options.max_unknown_id_marks,
+                "dropped the oldest stored fence marks of unknown machine ids beyond the table's capacity"
+            );
+        }
         let mut resume = Vec::new();
         if fresh {
             let described = tokio::time::timeout(options.describe_timeout, backend.describe())
@@ -317,6 +329,12 @@ impl Engine {
         if machine_id.is_empty() {
             return Err(CoreError::MissingId("machine_id"));
         }
+        limits::check_id("machine_id", machine_id)?;
+        limits::check_id("shard_id", &token.shard_id)?;
+        if let Some(binding) = &binding {
+            limits::check_id("cluster_id", &binding.cluster)?;
+            limits::check_metadata(&binding.shard_metadata)?;
+        }
         if matches!(work, Work::Delete) && !self.backend.supports_delete() {
             return Err(CoreError::DeleteUnsupported);
         }
@@ -329,8 +347,15 @@ impl Engine {
             ));
         }
         let kind = work.kind();
-        let (admission, commit) =
-            self.apply(|inv, changes| inv.admit(kind, machine_id, &token, binding, changes));
+        let ((admission, unknown_marks), commit) = self.apply(|inv, changes| {
+            let (_, evicted_before) = inv.unknown_id_marks();
+            let admission = inv.admit(kind, machine_id, &token, binding, changes);
+            let (held, evicted_after) = inv.unknown_id_marks();
+            (admission, (held, evicted_after - evicted_before))
+        });
+        self.options
+            .telemetry
+            .unknown_id_marks(unknown_marks.0, unknown_marks.1);
         // A passing token advanced the mark even when the request then fails: make it durable.
         if let Some(commit) = commit {
             self.commit(commit).await?;
@@ -415,6 +440,7 @@ impl Engine {
         if id.is_empty() {
             return Err(CoreError::MissingId("id"));
         }
+        limits::check_id("id", id)?;
         self.read()
             .get(id)
             .map(|slot| slot.machine.clone())
@@ -440,12 +466,18 @@ impl Engine {
         let inventory = self.read();
         let head = inventory.revision();
         let since = cursor.filter(|c| *c <= head);
-        let mut machines = Vec::with_capacity(if cap == usize::MAX {
-            inventory.len()
+        let capped = cap < inventory.len();
+        let mut machines = Vec::with_capacity(cap.min(inventory.len()));
+        // A capped List is an arbitrary subset (contract.md §8), and callers rely on that: the
+        // conformance program and a shard's worker pool pick "different" machines with
+        // consecutive `max_results = 1` calls. Start at a random slot and wrap around, so the
+        // cost stays O(slots visited) and every slot is visited at most once.
+        let start = if capped {
+            rand::random_range(0..inventory.len())
         } else {
-            cap.min(inventory.len())
-        });
-        for slot in inventory.slots() {
+            0
+        };
+        for slot in inventory.slots_from(start) {
             if machines.len() >= cap {
                 break;
             }
@@ -720,3 +752,9 @@ async fn run_backend(
 
 #[cfg(test)]
 mod tests;
+
+#[cfg(test)]
+mod list_tests;
+
+#[cfg(test)]
+mod limits_tests;

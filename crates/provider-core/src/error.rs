@@ -13,6 +13,9 @@ pub enum CoreError {
     /// An empty `machine_id` (mutations) or `id` (Get).
     #[error("{0} required")]
     MissingId(&'static str),
+    /// A request field over its size limit (docs/limits.md).
+    #[error("{field} too large: {detail}")]
+    FieldTooLarge { field: &'static str, detail: String },
     /// A mutation on an unknown machine.
     #[error("providerkit: machine not found: {0}")]
     UnknownMachine(String),
@@ -56,7 +59,7 @@ impl CoreError {
     /// The gRPC code of this error. Exhaustive on purpose: a new variant must choose its code.
     pub fn code(&self) -> Code {
         match self {
-            CoreError::MissingId(_) => Code::InvalidArgument,
+            CoreError::MissingId(_) | CoreError::FieldTooLarge { .. } => Code::InvalidArgument,
             CoreError::UnknownMachine(_) | CoreError::GetNotFound(_) => Code::NotFound,
             CoreError::Fenced { .. } => Code::FailedPrecondition,
             CoreError::InvalidTransition { .. } => Code::Internal,
@@ -95,6 +98,14 @@ mod tests {
                 CoreError::MissingId("id"),
                 Code::InvalidArgument,
                 "id required",
+            ),
+            (
+                CoreError::FieldTooLarge {
+                    field: "cluster_id",
+                    detail: "300 bytes, the limit is 256".into(),
+                },
+                Code::InvalidArgument,
+                "cluster_id too large: 300 bytes, the limit is 256",
             ),
             (
                 CoreError::UnknownMachine("m".into()),
@@ -159,6 +170,10 @@ mod tests {
     fn only_fencing_is_failed_precondition() {
         let others = [
             CoreError::MissingId("id"),
+            CoreError::FieldTooLarge {
+                field: "shard_id",
+                detail: String::new(),
+            },
             CoreError::UnknownMachine("m".into()),
             CoreError::GetNotFound("m".into()),
             CoreError::InvalidTransition {

@@ -3,6 +3,8 @@
 
 use std::fmt;
 
+pub mod unknown_ids;
+
 /// The token a shard stamps on every mutating request.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct FenceToken {

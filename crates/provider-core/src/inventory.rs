@@ -3,14 +3,19 @@
 //! restart recovery and admin release. Synchronous and free of I/O: each change is also
 //! emitted as a [`Change`] for the store, so memory and disk cannot drift apart.
 
-use std::collections::{BTreeMap, HashMap, HashSet};
+use std::collections::{HashMap, HashSet};
 use std::sync::Arc;
 
 use crate::error::CoreError;
+use crate::fence::unknown_ids::{self, UnknownIdMarks};
 use crate::fence::{self, FenceDecision, FenceToken, HighWaterMark};
 use crate::lifecycle::OperationKind;
 use crate::machine::{HostRef, Machine, MachineState, StringMap};
 use crate::store::{Change, FenceRecord, Snapshot};
+
+mod slot_table;
+
+use slot_table::SlotTable;
 
 /// Operation ids are `<prefix>-<n>`; the reference uses the prefix `op`.
 pub const OPERATION_PREFIX: &str = "op";
@@ -92,8 +97,14 @@ impl ReconcileReport {
 /// The whole mutable state of a provider.
 #[derive(Debug, Default)]
 pub struct Inventory {
-    slots: BTreeMap<String, Slot>,
+    slots: SlotTable,
+    /// Marks of machines that exist (or existed): never evicted, bounded by the slots ever
+    /// offered.
     fences: HashMap<String, HashMap<String, HighWaterMark>>,
+    /// Marks of ids no slot has: a bounded table (docs/limits.md).
+    unknown_marks: UnknownIdMarks,
+    /// How many marks of unknown ids were evicted since start (a metric).
+    unknown_marks_evicted: u64,
     revision: i64,
     next_op: u64,
 }
@@ -109,20 +120,65 @@ impl Inventory {
         for slot in snapshot.slots {
             inventory.slots.insert(slot.machine.id.clone(), slot);
         }
-        for f in snapshot.fences {
+        let (known, unknown): (Vec<FenceRecord>, Vec<FenceRecord>) = snapshot
+            .fences
+            .into_iter()
+            .partition(|f| inventory.slots.contains_key(&f.machine_id));
+        for f in known {
             inventory
                 .fences
                 .entry(f.shard_id)
                 .or_default()
                 .insert(f.machine_id, f.mark);
         }
+        // Everything stored is loaded; [`Inventory::limit_unknown_id_marks`] then applies the
+        // configured capacity and tells the store what it dropped.
+        inventory.unknown_marks =
+            UnknownIdMarks::with_capacity(unknown.len().max(unknown_ids::DEFAULT_CAPACITY));
+        for f in unknown {
+            inventory
+                .unknown_marks
+                .put(&f.shard_id, &f.machine_id, f.mark);
+        }
         inventory
+    }
+
+    /// Bounds the table of marks for unknown ids to `capacity`, evicting the oldest marks
+    /// beyond it (their removal is emitted for the store). Returns how many were evicted.
+    pub fn limit_unknown_id_marks(&mut self, capacity: usize, changes: &mut Vec<Change>) -> usize {
+        let loaded = std::mem::replace(
+            &mut self.unknown_marks,
+            UnknownIdMarks::with_capacity(capacity),
+        );
+        let mut evicted = 0;
+        for (shard_id, machine_id, mark) in loaded.iter() {
+            for gone in self.unknown_marks.put(shard_id, machine_id, mark) {
+                changes.push(Change::RemoveFence {
+                    shard_id: gone.shard_id,
+                    machine_id: gone.machine_id,
+                });
+                evicted += 1;
+            }
+        }
+        self.unknown_marks_evicted += evicted as u64;
+        evicted
+    }
+
+    /// Marks of unknown ids held now, and evicted since start.
+    pub fn unknown_id_marks(&self) -> (usize, u64) {
+        (self.unknown_marks.len(), self.unknown_marks_evicted)
     }
 
     /// The whole state, for export and compaction.
     pub fn snapshot(&self) -> Snapshot {
         Snapshot {
-            slots: self.slots.values().cloned().collect(),
+            slots: {
+                // Sorted by id: exports and compacted snapshots do not depend on the table's
+                // internal order.
+                let mut slots: Vec<Slot> = self.slots.values().cloned().collect();
+                slots.sort_unstable_by(|a, b| a.machine.id.cmp(&b.machine.id));
+                slots
+            },
             fences: self
                 .fences
                 .iter()
@@ -133,6 +189,15 @@ impl Inventory {
                         mark: *mark,
                     })
                 })
+                .chain(
+                    self.unknown_marks
+                        .iter()
+                        .map(|(shard, machine, mark)| FenceRecord {
+                            shard_id: shard.to_owned(),
+                            machine_id: machine.to_owned(),
+                            mark,
+                        }),
+                )
                 .collect(),
             revision: self.revision,
             next_op: self.next_op,
@@ -159,11 +224,18 @@ impl Inventory {
         self.slots.values()
     }
 
+    /// Every slot once, starting at position `start` (modulo the number of slots) and
+    /// wrapping around; the start costs O(1).
+    pub fn slots_from(&self, start: usize) -> impl Iterator<Item = &Slot> {
+        self.slots.rotated(start)
+    }
+
     pub fn fence_mark(&self, shard_id: &str, machine_id: &str) -> Option<HighWaterMark> {
         self.fences
             .get(shard_id)
             .and_then(|m| m.get(machine_id))
             .copied()
+            .or_else(|| self.unknown_marks.get(shard_id, machine_id))
     }
 
     /// Makes the operation counter start no lower than `floor` (ids never repeat, also across
@@ -226,10 +298,22 @@ impl Inventory {
                 });
             }
             FenceDecision::Advance(mark) => {
-                self.fences
-                    .entry(token.shard_id.clone())
-                    .or_default()
-                    .insert(machine_id.to_owned(), mark);
+                if self.slots.contains_key(machine_id) {
+                    self.fences
+                        .entry(token.shard_id.clone())
+                        .or_default()
+                        .insert(machine_id.to_owned(), mark);
+                } else {
+                    // An id no slot has: its mark goes to the bounded table, so random ids
+                    // cannot grow the state without bound.
+                    for gone in self.unknown_marks.put(&token.shard_id, machine_id, mark) {
+                        self.unknown_marks_evicted += 1;
+                        changes.push(Change::RemoveFence {
+                            shard_id: gone.shard_id,
+                            machine_id: gone.machine_id,
+                        });
+                    }
+                }
                 changes.push(Change::PutFence {
                     shard_id: token.shard_id.clone(),
                     machine_id: machine_id.to_owned(),
@@ -348,6 +432,14 @@ impl Inventory {
 
     fn insert_new(&mut self, machine: Machine, changes: &mut Vec<Change>) {
         let id = machine.id.clone();
+        // Marks recorded while the id was unknown now guard a real machine: they move to the
+        // table that is never evicted (the store already holds them under the same key).
+        for (shard, mark) in self.unknown_marks.take_machine(&id) {
+            self.fences
+                .entry(shard)
+                .or_default()
+                .insert(id.clone(), mark);
+        }
         self.slots.insert(
             id.clone(),
             Slot {
@@ -586,3 +678,6 @@ fn host_vanished_message(host: &HostRef) -> String {
 
 #[cfg(test)]
 mod tests;
+
+#[cfg(test)]
+mod unknown_id_tests;

@@ -17,6 +17,8 @@ pub mod fence;
 pub mod fleet;
 pub mod inventory;
 pub mod lifecycle;
+pub mod limits;
+pub mod listener;
 pub mod machine;
 pub mod offerings;
 pub mod retry;

@@ -13,12 +13,14 @@ use axum::http::StatusCode;
 use axum::routing::any;
 use fleet_proto::v1alpha1::capacity_provider_server::CapacityProviderServer;
 use tokio::net::TcpListener;
+use tokio_stream::StreamExt as _;
 use tonic::transport::Server;
 use tonic_health::ServingStatus;
 use tonic_health::pb::health_server::{Health, HealthServer};
 use tonic_health::server::HealthReporter;
 
 use crate::engine::Engine;
+use crate::listener;
 use crate::server::Service;
 use crate::telemetry::{self, Telemetry};
 
@@ -60,6 +62,42 @@ impl GrpcHealth {
     }
 }
 
+/// What one gRPC client can hold, and for how long (docs/limits.md).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct GrpcLimits {
+    /// Open connections, TLS handshakes in progress included; more are closed at accept.
+    pub max_connections: usize,
+    /// HTTP/2 streams (concurrent RPCs) per connection, advertised in SETTINGS.
+    pub max_concurrent_streams: u32,
+    /// How long one RPC may take, reading its request included; then CANCELLED.
+    pub request_timeout: Duration,
+    /// Age after which a connection is asked to go away (GOAWAY); zero: no limit.
+    pub max_connection_age: Duration,
+    /// How long a new connection may take to send its first bytes (plaintext) or to finish
+    /// the TLS handshake and then send its first bytes (TLS).
+    pub handshake_timeout: Duration,
+}
+
+impl Default for GrpcLimits {
+    fn default() -> GrpcLimits {
+        GrpcLimits {
+            max_connections: 1024,
+            max_concurrent_streams: 256,
+            request_timeout: Duration::from_secs(60),
+            max_connection_age: Duration::from_secs(3600),
+            handshake_timeout: Duration::from_secs(10),
+        }
+    }
+}
+
+impl GrpcLimits {
+    /// After GOAWAY, in-flight RPCs may finish within their own timeout; then the connection is
+    /// closed whatever the client does (a client that never reads its answers included).
+    pub fn max_connection_age_grace(&self) -> Duration {
+        self.request_timeout + Duration::from_secs(5)
+    }
+}
+
 /// Serves gRPC on `listener` until `shutdown` completes.
 pub async fn serve_grpc(
     listener: TcpListener,
@@ -67,16 +105,28 @@ pub async fn serve_grpc(
     engine: Arc<Engine>,
     reflection: bool,
     health_service: HealthServer<ObservedHealth>,
+    limits: GrpcLimits,
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) -> Result<(), String> {
+    let telemetry = engine.options().telemetry;
     let service = CapacityProviderServer::new(Service::new(engine));
     let mut builder = Server::builder()
         .layer(tower::util::MapResponseLayer::new(
             oversize_is_resource_exhausted,
         ))
+        // The reference's keepalive: a ping every 2h, a dead peer dropped 20s later. tonic
+        // 0.14 offers no enforcement of the client's ping rate (grpc-go's EnforcementPolicy);
+        // hyper bounds the reset-stream and header abuse instead, with its defaults.
         .http2_keepalive_interval(Some(Duration::from_secs(2 * 3600)))
         .http2_keepalive_timeout(Some(Duration::from_secs(20)))
+        .max_concurrent_streams(limits.max_concurrent_streams)
+        .timeout(limits.request_timeout)
         .tcp_nodelay(true);
+    if !limits.max_connection_age.is_zero() {
+        builder = builder
+            .max_connection_age(limits.max_connection_age)
+            .max_connection_age_grace(limits.max_connection_age_grace());
+    }
     let reflection_v1 = if reflection {
         Some(
             tonic_reflection::server::Builder::configure()
@@ -106,16 +156,25 @@ pub async fn serve_grpc(
         .add_optional_service(reflection_v1alpha);
     let result = match tls {
         Some(config) => {
-            let incoming = crate::tls::incoming(listener, config, Duration::from_secs(10));
+            // The TLS handshake has its own deadline; the connection's first bytes after it
+            // get one too.
+            let accepted = listener::accept(listener, limits.max_connections, None, telemetry);
+            let handshake = limits.handshake_timeout;
+            let incoming = crate::tls::incoming(accepted, config, handshake)
+                .map(move |tls| tls.map(|s| listener::Limited::first_bytes_within(s, handshake)));
             router
                 .serve_with_incoming_shutdown(incoming, shutdown)
                 .await
         }
         None => {
-            let incoming =
-                tonic::transport::server::TcpIncoming::from(listener).with_nodelay(Some(true));
+            let accepted = listener::accept(
+                listener,
+                limits.max_connections,
+                Some(limits.handshake_timeout),
+                telemetry,
+            );
             router
-                .serve_with_incoming_shutdown(incoming, shutdown)
+                .serve_with_incoming_shutdown(listener::plaintext(accepted), shutdown)
                 .await
         }
     };

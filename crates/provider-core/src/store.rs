@@ -22,6 +22,11 @@ pub enum Change {
         machine_id: String,
         mark: HighWaterMark,
     },
+    /// Forget the mark of a (shard, machine) pair (a mark of an unknown id was evicted).
+    RemoveFence {
+        shard_id: String,
+        machine_id: String,
+    },
     /// The revision head and the next operation number.
     Counters { revision: i64, next_op: u64 },
 }

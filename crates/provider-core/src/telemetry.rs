@@ -31,6 +31,11 @@ pub struct Telemetry {
     pub bootstrap_acks: &'static str,
     pub bootstrap_unauthorized: &'static str,
     pub build_info: &'static str,
+    // Listener and input limits (docs/limits.md).
+    pub unknown_id_marks: &'static str,
+    pub unknown_id_marks_evicted: &'static str,
+    pub grpc_connections: &'static str,
+    pub grpc_connections_refused: &'static str,
 }
 
 fn leak(prefix: &str, name: &str) -> &'static str {
@@ -69,6 +74,11 @@ impl Telemetry {
             bootstrap_acks: leak(prefix, "bootstrap_acks_total"),
             bootstrap_unauthorized: leak(prefix, "bootstrap_unauthorized_total"),
             build_info: leak(prefix, "build_info"),
+            // Listener and input limits (docs/limits.md).
+            unknown_id_marks: leak(prefix, "unknown_id_fence_marks"),
+            unknown_id_marks_evicted: leak(prefix, "unknown_id_fence_marks_evicted_total"),
+            grpc_connections: leak(prefix, "grpc_connections"),
+            grpc_connections_refused: leak(prefix, "grpc_connections_refused_total"),
         };
         cache.push((prefix.to_owned(), t));
         t
@@ -131,6 +141,26 @@ impl Telemetry {
     /// Marks the build this process runs (`<prefix>_build_info{version} 1`).
     pub fn build_info(&self) {
         gauge!(self.build_info, "version" => env!("CARGO_PKG_VERSION")).set(1.0);
+    }
+
+    // Listener and input limits (docs/limits.md).
+
+    /// The bounded table of fence marks for unknown machine ids: its size and evictions.
+    pub fn unknown_id_marks(&self, held: usize, evicted: u64) {
+        gauge!(self.unknown_id_marks).set(held as f64);
+        if evicted > 0 {
+            counter!(self.unknown_id_marks_evicted).increment(evicted);
+        }
+    }
+
+    /// Open gRPC connections.
+    pub fn grpc_connections(&self, open: usize) {
+        gauge!(self.grpc_connections).set(open as f64);
+    }
+
+    /// A gRPC connection refused because the connection limit was reached.
+    pub fn grpc_connection_refused(&self) {
+        counter!(self.grpc_connections_refused).increment(1);
     }
 
     pub fn bootstrap_poll(&self, outcome: &'static str) {

@@ -11,7 +11,6 @@ use rustls::RootCertStore;
 use rustls::server::WebPkiClientVerifier;
 use rustls_pki_types::pem::PemObject;
 use rustls_pki_types::{CertificateDer, PrivateKeyDer};
-use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::mpsc;
 use tokio_rustls::TlsAcceptor;
 use tokio_rustls::server::TlsStream;
@@ -149,32 +148,29 @@ pub fn grpc_tls(
     Ok((mode, Some(Arc::new(config))))
 }
 
-/// Accepts TCP connections and yields only those whose TLS handshake succeeded within
+/// Takes accepted connections and yields only those whose TLS handshake succeeded within
 /// `handshake_timeout`; failed handshakes (no client certificate, TLS 1.2, garbage) are dropped
 /// at the TLS layer before any handler runs.
-pub fn incoming(
-    listener: TcpListener,
+pub fn incoming<IO>(
+    mut accepted: mpsc::Receiver<(IO, std::net::SocketAddr)>,
     config: Arc<rustls::ServerConfig>,
     handshake_timeout: Duration,
-) -> ReceiverStream<Result<TlsStream<TcpStream>, io::Error>> {
+) -> ReceiverStream<Result<TlsStream<IO>, io::Error>>
+where
+    IO: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin + Send + 'static,
+{
     let (tx, rx) = mpsc::channel(64);
     let acceptor = TlsAcceptor::from(config);
     tokio::spawn(async move {
         loop {
-            let accepted = tokio::select! {
-                accepted = listener.accept() => accepted,
-                // The server stopped: release the port at once.
+            let (tcp, peer) = tokio::select! {
+                accepted = accepted.recv() => match accepted {
+                    Some(conn) => conn,
+                    None => return,
+                },
+                // The server stopped: stop accepting (dropping `accepted` releases the port).
                 _ = tx.closed() => return,
             };
-            let (tcp, peer) = match accepted {
-                Ok(conn) => conn,
-                Err(e) => {
-                    tracing::warn!(error = %e, "accept failed");
-                    tokio::time::sleep(Duration::from_millis(50)).await;
-                    continue;
-                }
-            };
-            let _ = tcp.set_nodelay(true);
             let acceptor = acceptor.clone();
             let tx = tx.clone();
             tokio::spawn(async move {

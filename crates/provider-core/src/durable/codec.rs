@@ -13,8 +13,9 @@ use crate::store::Change;
 
 /// The first eight bytes of every state file.
 pub(crate) const MAGIC: [u8; 8] = *b"BFSTATE\0";
-/// The format this build writes and the newest it reads.
-pub(crate) const FORMAT_VERSION: u32 = 1;
+/// The format this build writes and the newest it reads. Version 2 added the fence removal
+/// entry; version 1 files read unchanged.
+pub(crate) const FORMAT_VERSION: u32 = 2;
 /// Magic, version, kind, generation, reserved, header checksum.
 pub(crate) const HEADER_LEN: usize = 32;
 /// Payload length, payload checksum, checksum of those two fields.
@@ -27,6 +28,7 @@ const TAG_REMOVE_SLOT: u8 = 2;
 const TAG_PUT_FENCE: u8 = 3;
 const TAG_COUNTERS: u8 = 4;
 const TAG_SNAPSHOT_END: u8 = 5;
+const TAG_REMOVE_FENCE: u8 = 6;
 
 /// What a state file holds.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -199,6 +201,14 @@ fn encode_change(change: &Change, out: &mut Vec<u8>) {
             machine_id,
             mark,
         } => encode_fence(shard_id, machine_id, *mark, out),
+        Change::RemoveFence {
+            shard_id,
+            machine_id,
+        } => {
+            out.push(TAG_REMOVE_FENCE);
+            put_str(out, shard_id);
+            put_str(out, machine_id);
+        }
         Change::Counters { revision, next_op } => encode_counters(*revision, *next_op, out),
     }
 }
@@ -317,6 +327,10 @@ pub(crate) enum Entry<'a> {
         machine_id: String,
         mark: HighWaterMark,
     },
+    RemoveFence {
+        shard_id: String,
+        machine_id: String,
+    },
     Counters {
         revision: i64,
         next_op: u64,
@@ -352,6 +366,10 @@ pub(crate) fn decode_record<'a>(
                     epoch: r.i64()?,
                     sequence: r.i64()?,
                 },
+            },
+            TAG_REMOVE_FENCE => Entry::RemoveFence {
+                shard_id: r.string()?,
+                machine_id: r.string()?,
             },
             TAG_COUNTERS => Entry::Counters {
                 revision: r.i64()?,

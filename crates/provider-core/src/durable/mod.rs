@@ -56,6 +56,9 @@ pub mod bench;
 #[cfg(test)]
 mod tests;
 
+#[cfg(test)]
+mod mode_tests;
+
 use std::ffi::OsString;
 use std::fs::{self, File, OpenOptions, TryLockError};
 use std::io::{self, Read, Seek, SeekFrom, Write};
@@ -107,6 +110,7 @@ impl DurableStore {
         let dir = normalize(path);
         prepare(&dir)?;
         let lock = lock(&dir)?;
+        restrict_permissions(&dir);
         let listing = layout::list(&dir)
             .map_err(|e| format!("read state directory {}: {e}", dir.display()))?;
         if let Err(e) = layout::remove_all(&dir, &listing.temps) {
@@ -385,6 +389,46 @@ fn kept_name(path: &Path) -> PathBuf {
         .map(|n| sibling(path, &format!(".reference-import-{n}.json")))
         .find(|p| !p.exists())
         .unwrap_or(first)
+}
+
+/// The state holds cluster bindings and fence marks: only the provider's user may read it.
+/// The directory and files this build creates are 0700 and 0600 already; a directory created
+/// by someone else (a mounted volume, an older build) or files copied in with wider modes are
+/// tightened. Failing to (a directory owned by another user) is worth a warning, not a refusal
+/// to start.
+fn restrict_permissions(dir: &Path) {
+    use std::os::unix::fs::PermissionsExt;
+    let tighten = |path: &Path, mode: u32| {
+        let Ok(meta) = fs::symlink_metadata(path) else {
+            return;
+        };
+        let current = meta.permissions().mode() & 0o777;
+        if current & 0o077 == 0 {
+            return;
+        }
+        match fs::set_permissions(path, fs::Permissions::from_mode(current & mode)) {
+            Ok(()) => tracing::info!(
+                path = %path.display(),
+                from = format!("{current:o}"),
+                to = format!("{:o}", current & mode),
+                "state: restricted permissions to the provider's user"
+            ),
+            Err(e) => tracing::warn!(
+                path = %path.display(),
+                mode = format!("{current:o}"),
+                error = %e,
+                "state: could not restrict permissions; other users may read the state"
+            ),
+        }
+    };
+    tighten(dir, 0o700);
+    if let Ok(entries) = fs::read_dir(dir) {
+        for entry in entries.flatten() {
+            if entry.file_type().is_ok_and(|t| t.is_file()) {
+                tighten(&entry.path(), 0o600);
+            }
+        }
+    }
 }
 
 /// Takes the directory lock, so two processes never write one state.

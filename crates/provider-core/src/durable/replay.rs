@@ -86,6 +86,12 @@ impl Overlay {
             } => {
                 image.fences.insert((shard_id, machine_id), mark);
             }
+            Entry::RemoveFence {
+                shard_id,
+                machine_id,
+            } => {
+                image.fences.remove(&(shard_id, machine_id));
+            }
             Entry::Counters { revision, next_op } => {
                 image.revision = revision;
                 image.next_op = next_op;
@@ -320,6 +326,9 @@ fn decode_snapshot_record<S: SlotForm>(
             Entry::Counters { revision, next_op } => SnapshotEntry::Counters(revision, next_op),
             Entry::SnapshotEnd { slots, fences } => SnapshotEntry::End(slots, fences),
             Entry::RemoveSlot(_) => return Err("a slot removal inside a snapshot".into()),
+            Entry::RemoveFence { .. } => {
+                return Err("a fence mark removal inside a snapshot".into());
+            }
         });
         Ok(())
     })

@@ -134,6 +134,12 @@ impl Store for KeptStore {
                         mark,
                     });
                 }
+                Change::RemoveFence {
+                    shard_id,
+                    machine_id,
+                } => s
+                    .fences
+                    .retain(|f| !(f.shard_id == shard_id && f.machine_id == machine_id)),
                 Change::Counters { revision, next_op } => {
                     s.revision = revision;
                     s.next_op = next_op;

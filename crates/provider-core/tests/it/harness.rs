@@ -267,6 +267,7 @@ pub async fn start_with(
         engine.clone(),
         reflection,
         health_service,
+        serve::GrpcLimits::default(),
         stop.clone().cancelled_owned(),
     ));
     health.set(true).await;

@@ -11,6 +11,8 @@ mod errors;
 mod fencing;
 mod harness;
 mod lifecycle;
+mod limits;
 mod list;
 mod reference_parity;
+mod startup;
 mod transport;

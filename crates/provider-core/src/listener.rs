@@ -1,0 +1,184 @@
+//! Bounds on what gRPC clients can hold (docs/limits.md): a cap on open connections, counted
+//! from the TCP accept (so TLS handshakes in progress count too), and a deadline for a new
+//! connection's first bytes, so a peer that connects and stays silent cannot keep a slot.
+//! Streams per connection, handling time and connection age are tonic settings (see
+//! [`crate::serve::GrpcLimits`]).
+
+use std::io;
+use std::net::SocketAddr;
+use std::pin::Pin;
+use std::sync::Arc;
+use std::task::{Context, Poll};
+use std::time::Duration;
+
+use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
+use tokio::net::{TcpListener, TcpStream};
+use tokio::sync::{OwnedSemaphorePermit, Semaphore, mpsc};
+use tokio::time::Sleep;
+use tonic::transport::server::Connected;
+
+use crate::telemetry::Telemetry;
+
+/// An accepted connection that holds one slot of the connection cap until it is dropped, and
+/// fails its reads if no byte arrives before the first-bytes deadline.
+pub struct Limited<IO> {
+    io: IO,
+    first_bytes: Option<Pin<Box<Sleep>>>,
+    _slot: Option<Slot>,
+}
+
+/// One slot of the connection cap; dropping it frees the slot and updates the gauge.
+struct Slot {
+    _permit: OwnedSemaphorePermit,
+    semaphore: Arc<Semaphore>,
+    capacity: usize,
+    telemetry: Telemetry,
+}
+
+impl Drop for Slot {
+    fn drop(&mut self) {
+        // The permit is released after this body runs: one more slot is free than counted.
+        let open = self.capacity - self.semaphore.available_permits() - 1;
+        self.telemetry.grpc_connections(open);
+    }
+}
+
+impl<IO> Limited<IO> {
+    /// Wraps `io` with a deadline for its first bytes and no slot (the slot is held by the
+    /// connection underneath, e.g. the TCP stream inside a TLS stream).
+    pub fn first_bytes_within(io: IO, deadline: Duration) -> Limited<IO> {
+        Limited {
+            io,
+            first_bytes: Some(Box::pin(tokio::time::sleep(deadline))),
+            _slot: None,
+        }
+    }
+}
+
+impl<IO: AsyncRead + Unpin> AsyncRead for Limited<IO> {
+    fn poll_read(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &mut ReadBuf<'_>,
+    ) -> Poll<io::Result<()>> {
+        let before = buf.filled().len();
+        let this = &mut *self;
+        let result = Pin::new(&mut this.io).poll_read(cx, buf);
+        if this.first_bytes.is_some() {
+            match &result {
+                Poll::Ready(Ok(())) if buf.filled().len() > before => this.first_bytes = None,
+                Poll::Pending => {
+                    if let Some(deadline) = this.first_bytes.as_mut()
+                        && deadline.as_mut().poll(cx).is_ready()
+                    {
+                        return Poll::Ready(Err(io::Error::new(
+                            io::ErrorKind::TimedOut,
+                            "no bytes from the client before the handshake deadline",
+                        )));
+                    }
+                }
+                _ => {}
+            }
+        }
+        result
+    }
+}
+
+impl<IO: AsyncWrite + Unpin> AsyncWrite for Limited<IO> {
+    fn poll_write(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &[u8],
+    ) -> Poll<io::Result<usize>> {
+        Pin::new(&mut self.io).poll_write(cx, buf)
+    }
+
+    fn poll_flush(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        Pin::new(&mut self.io).poll_flush(cx)
+    }
+
+    fn poll_shutdown(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        Pin::new(&mut self.io).poll_shutdown(cx)
+    }
+
+    fn poll_write_vectored(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        bufs: &[io::IoSlice<'_>],
+    ) -> Poll<io::Result<usize>> {
+        Pin::new(&mut self.io).poll_write_vectored(cx, bufs)
+    }
+
+    fn is_write_vectored(&self) -> bool {
+        self.io.is_write_vectored()
+    }
+}
+
+impl<IO: Connected> Connected for Limited<IO> {
+    type ConnectInfo = IO::ConnectInfo;
+
+    fn connect_info(&self) -> Self::ConnectInfo {
+        self.io.connect_info()
+    }
+}
+
+/// Accepts TCP connections while fewer than `max_connections` are open; beyond that a new
+/// connection is closed at once (and counted), so the peer fails fast instead of waiting in the
+/// backlog. `first_bytes` bounds how long an accepted connection may stay silent (`None` when a
+/// TLS handshake deadline already does). The accept loop stops when the receiver is dropped.
+pub fn accept(
+    listener: TcpListener,
+    max_connections: usize,
+    first_bytes: Option<Duration>,
+    telemetry: Telemetry,
+) -> mpsc::Receiver<(Limited<TcpStream>, SocketAddr)> {
+    let (tx, rx) = mpsc::channel(64);
+    let semaphore = Arc::new(Semaphore::new(max_connections));
+    tokio::spawn(async move {
+        loop {
+            let accepted = tokio::select! {
+                accepted = listener.accept() => accepted,
+                // The server stopped: release the port at once.
+                _ = tx.closed() => return,
+            };
+            let (tcp, peer) = match accepted {
+                Ok(conn) => conn,
+                Err(e) => {
+                    tracing::warn!(error = %e, "accept failed");
+                    tokio::time::sleep(Duration::from_millis(50)).await;
+                    continue;
+                }
+            };
+            let Ok(permit) = semaphore.clone().try_acquire_owned() else {
+                telemetry.grpc_connection_refused();
+                tracing::debug!(%peer, max_connections, "gRPC connection refused: too many open connections");
+                drop(tcp);
+                continue;
+            };
+            let _ = tcp.set_nodelay(true);
+            telemetry.grpc_connections(max_connections - semaphore.available_permits());
+            let conn = Limited {
+                io: tcp,
+                first_bytes: first_bytes.map(|d| Box::pin(tokio::time::sleep(d))),
+                _slot: Some(Slot {
+                    _permit: permit,
+                    semaphore: semaphore.clone(),
+                    capacity: max_connections,
+                    telemetry,
+                }),
+            };
+            if tx.send((conn, peer)).await.is_err() {
+                return;
+            }
+        }
+    });
+    rx
+}
+
+/// The plaintext side: accepted connections as a stream for tonic.
+pub fn plaintext(
+    accepted: mpsc::Receiver<(Limited<TcpStream>, SocketAddr)>,
+) -> impl tokio_stream::Stream<Item = Result<Limited<TcpStream>, io::Error>> {
+    use tokio_stream::StreamExt as _;
+    tokio_stream::wrappers::ReceiverStream::new(accepted).map(|(conn, _)| Ok(conn))
+}

@@ -1,0 +1,109 @@
+//! Startup through `app::run` in-process: plain-text gRPC in front of a real cloud backend is
+//! warned about; with the fake backend, or with TLS, it is not.
+
+use std::io::Write;
+use std::sync::{Arc, Mutex};
+
+use clap::Parser;
+use provider_core::app::{self, Launch};
+use provider_core::config::CommonArgs;
+use provider_core::telemetry::Telemetry;
+use tokio::sync::oneshot;
+
+use crate::harness::{TestBackend, pki};
+
+#[derive(Parser)]
+struct Flags {
+    #[command(flatten)]
+    common: CommonArgs,
+}
+
+#[derive(Clone, Default)]
+struct Captured(Arc<Mutex<Vec<u8>>>);
+
+impl Write for Captured {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        self.0.lock().unwrap().extend_from_slice(buf);
+        Ok(buf.len())
+    }
+    fn flush(&mut self) -> std::io::Result<()> {
+        Ok(())
+    }
+}
+
+/// Runs the provider until it announces itself and returns what it logged meanwhile.
+fn startup_log(extra: &[String], real_backend: bool) -> String {
+    let mut args = vec![
+        "provider".to_owned(),
+        "--addr=127.0.0.1:0".to_owned(),
+        "--metrics-addr=".to_owned(),
+        "--reconcile-interval=0".to_owned(),
+        "--price-refresh=0".to_owned(),
+    ];
+    args.extend_from_slice(extra);
+    let common = Flags::try_parse_from(args).expect("flags").common;
+    let captured = Captured::default();
+    let writer = captured.clone();
+    let subscriber = tracing_subscriber::fmt()
+        .with_writer(move || writer.clone())
+        .with_ansi(false)
+        .finish();
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .expect("runtime");
+    tracing::subscriber::with_default(subscriber, || {
+        runtime.block_on(async {
+            let (announced_tx, announced) = oneshot::channel();
+            let announced_tx = Mutex::new(Some(announced_tx));
+            let launch = Launch {
+                common,
+                backend: TestBackend::instant(2),
+                fleet: None,
+                telemetry: Telemetry::new("bigfleet_startup"),
+                announce: Box::new(move |_| {
+                    if let Some(tx) = announced_tx.lock().unwrap().take() {
+                        let _ = tx.send(());
+                    }
+                }),
+                side_servers: Vec::new(),
+                require_zone: false,
+                real_backend,
+            };
+            tokio::select! {
+                result = app::run(launch) => panic!("the provider stopped: {result:?}"),
+                _ = announced => {}
+            }
+        });
+    });
+    String::from_utf8(captured.0.lock().unwrap().clone()).expect("utf-8 log")
+}
+
+const WARNING: &str = "gRPC is served in PLAIN TEXT with the real cloud backend";
+
+#[test]
+fn plaintext_with_the_real_backend_is_warned_about() {
+    let log = startup_log(&[], true);
+    let line = log
+        .lines()
+        .find(|l| l.contains(WARNING))
+        .unwrap_or_else(|| panic!("no warning in:\n{log}"));
+    assert!(line.contains("WARN"), "{line}");
+    assert!(line.contains("--tls-cert"), "{line}");
+}
+
+#[test]
+fn plaintext_with_the_fake_backend_or_tls_with_the_real_one_is_not() {
+    let log = startup_log(&[], false);
+    // The log was captured (the backend has no readiness gate, which is warned about).
+    assert!(log.contains("no readiness gate configured"), "{log}");
+    assert!(!log.contains(WARNING), "{log}");
+    let pki = pki();
+    let tls = [
+        format!("--tls-cert={}", pki.join("server.pem").display()),
+        format!("--tls-key={}", pki.join("server-key.pem").display()),
+        format!("--tls-ca={}", pki.join("ca.pem").display()),
+    ];
+    let log = startup_log(&tls, true);
+    assert!(!log.contains(WARNING), "{log}");
+}
