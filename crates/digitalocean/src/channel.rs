@@ -4,11 +4,14 @@
 //! A transition hands a command for one machine to [`Channel::deliver`], which waits for the
 //! agent's ack. Agents long-poll `GET /v1/command` (the request is held until a command is
 //! pending or the hold time passes) and answer with `POST /v1/ack`, echoing the command id.
-//! Every request carries the machine's bearer token, re-derived and compared in constant time;
-//! failed authentications are rate limited per source address. Only TLS 1.3 is spoken.
+//! Every request carries the machine's bearer token, re-derived and compared in constant time.
+//! The token is checked first: a valid token is always served, and only failed authentications
+//! are rate limited, per (source address, claimed machine id), so one misbehaving client behind
+//! a shared egress address never locks out the other agents behind it. Only TLS 1.3 is spoken.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, VecDeque};
 use std::future::Future;
+use std::hash::BuildHasher as _;
 use std::net::{IpAddr, SocketAddr};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
@@ -38,14 +41,18 @@ use crate::token::{AgentToken, BootstrapSecret};
 pub const DEFAULT_POLL_HOLD: Duration = Duration::from_secs(25);
 /// Largest accepted ack body.
 const MAX_ACK_BYTES: usize = 64 * 1024;
+/// Most (source address, machine id) pairs whose failures are remembered. The table is full
+/// only under a flood of failing sources; the oldest entry then makes room in O(1).
+pub const FAILURE_TABLE_CAP: usize = 65_536;
 /// Time allowed for the request headers (and the TLS handshake) of one connection.
 const HEADER_TIMEOUT: Duration = Duration::from_secs(10);
 /// How long shutdown waits for open connections.
 const SHUTDOWN_GRACE: Duration = Duration::from_secs(5);
 
-/// Failed-authentication throttling per source address: a token bucket of `burst` failures,
-/// refilled by one every `refill_every`. While a source's bucket is empty every request from it
-/// is answered 429 before its token is even looked at, so guessing stays slow.
+/// Failed-authentication throttling per (source address, claimed machine id): a token bucket of
+/// `burst` failures, refilled by one every `refill_every`. While a bucket is empty, every
+/// request with a wrong token for that pair is answered 429, so guessing one machine's token
+/// stays slow. A request with the right token is never throttled.
 #[derive(Clone, Copy, Debug)]
 pub struct AuthLimit {
     pub burst: u32,
@@ -186,6 +193,87 @@ struct Bucket {
     updated: Instant,
 }
 
+/// The failure buckets, keyed by a keyed hash of (source address, claimed machine id) so every
+/// entry has the same small size whatever the client sent. Insertion order is kept beside the
+/// map: when the table is at its cap, the oldest entry is evicted in O(1). A collision of two
+/// pairs only makes them share a bucket, which can never refuse a valid token.
+struct FailureTable {
+    hasher: std::hash::RandomState,
+    buckets: HashMap<u64, Bucket>,
+    order: VecDeque<u64>,
+    cap: usize,
+}
+
+impl FailureTable {
+    fn new(cap: usize) -> FailureTable {
+        FailureTable {
+            hasher: std::hash::RandomState::new(),
+            buckets: HashMap::new(),
+            order: VecDeque::new(),
+            cap: cap.max(1),
+        }
+    }
+
+    fn key(&self, peer: IpAddr, machine_id: &str) -> u64 {
+        self.hasher.hash_one((peer, machine_id))
+    }
+
+    /// How long until the pair may fail again, if its bucket is empty.
+    fn throttled(&mut self, key: u64, limit: AuthLimit) -> Option<Duration> {
+        let bucket = self.buckets.get_mut(&key)?;
+        refill(bucket, limit);
+        (bucket.tokens < 1.0).then(|| limit.refill_every.mul_f64(1.0 - bucket.tokens))
+    }
+
+    fn record_failure(&mut self, key: u64, limit: AuthLimit) {
+        if !self.buckets.contains_key(&key) {
+            // Every key is in `order` exactly once while it is in `buckets`: entries leave
+            // only here, so the front is always the oldest live entry.
+            while self.buckets.len() >= self.cap {
+                let Some(oldest) = self.order.pop_front() else {
+                    break;
+                };
+                self.buckets.remove(&oldest);
+            }
+            self.buckets.insert(
+                key,
+                Bucket {
+                    tokens: f64::from(limit.burst),
+                    updated: Instant::now(),
+                },
+            );
+            self.order.push_back(key);
+        }
+        if let Some(bucket) = self.buckets.get_mut(&key) {
+            refill(bucket, limit);
+            bucket.tokens = (bucket.tokens - 1.0).max(0.0);
+        }
+    }
+
+    #[cfg(test)]
+    fn len(&self) -> usize {
+        self.buckets.len()
+    }
+
+    #[cfg(test)]
+    /// Heap bytes held by the table (allocated capacity, not just live entries).
+    fn heap_bytes(&self) -> usize {
+        // hashbrown stores one control byte per bucket beside each (key, value) pair.
+        self.buckets.capacity() * (std::mem::size_of::<(u64, Bucket)>() + 1)
+            + self.order.capacity() * std::mem::size_of::<u64>()
+    }
+}
+
+/// What the channel decided about a request's credentials.
+#[derive(Debug, PartialEq)]
+enum Admission {
+    /// The token is right for this machine id.
+    Machine(String),
+    Unauthorized,
+    /// Wrong token, and this (source, machine id) pair has failed too often: retry after this.
+    Throttled(Duration),
+}
+
 struct Inner {
     secret: BootstrapSecret,
     tls: Arc<ServerConfig>,
@@ -196,7 +284,7 @@ struct Inner {
     id_prefix: String,
     counter: AtomicU64,
     machines: Mutex<HashMap<String, MachineSlot>>,
-    failures: Mutex<HashMap<IpAddr, Bucket>>,
+    failures: Mutex<FailureTable>,
 }
 
 /// The bootstrap channel: shared by the HTTPS server and the transitions that deliver commands.
@@ -231,7 +319,7 @@ impl Channel {
                 id_prefix: prefix.iter().map(|b| format!("{b:02x}")).collect(),
                 counter: AtomicU64::new(0),
                 machines: Mutex::new(HashMap::new()),
-                failures: Mutex::new(HashMap::new()),
+                failures: Mutex::new(FailureTable::new(FAILURE_TABLE_CAP)),
             }),
         }
     }
@@ -415,22 +503,28 @@ impl Channel {
         if req.method() != want {
             return text(StatusCode::METHOD_NOT_ALLOWED, "method not allowed");
         }
-        if let Some(wait) = self.throttled(peer) {
-            self.inner.telemetry.bootstrap_poll("throttled");
-            let mut response = text(
-                StatusCode::TOO_MANY_REQUESTS,
-                "too many failed authentications",
-            );
-            if let Ok(v) = http::HeaderValue::from_str(&wait.as_secs().max(1).to_string()) {
-                response.headers_mut().insert(header::RETRY_AFTER, v);
+        let machine_id = match self.admit(
+            peer,
+            machine_id_of(req.uri().query().unwrap_or("")),
+            bearer(&req),
+        ) {
+            Admission::Machine(machine_id) => machine_id,
+            Admission::Throttled(wait) => {
+                self.inner.telemetry.bootstrap_poll("throttled");
+                let mut response = text(
+                    StatusCode::TOO_MANY_REQUESTS,
+                    "too many failed authentications",
+                );
+                if let Ok(v) = http::HeaderValue::from_str(&wait.as_secs().max(1).to_string()) {
+                    response.headers_mut().insert(header::RETRY_AFTER, v);
+                }
+                return response;
             }
-            return response;
-        }
-        let Some(machine_id) = self.authenticate(&req) else {
-            self.record_failure(peer);
-            self.inner.telemetry.bootstrap_unauthorized();
-            tracing::warn!(peer = %peer, path, "bootstrap channel: unauthorized request");
-            return text(StatusCode::UNAUTHORIZED, "unauthorized");
+            Admission::Unauthorized => {
+                self.inner.telemetry.bootstrap_unauthorized();
+                tracing::warn!(peer = %peer, path, "bootstrap channel: unauthorized request");
+                return text(StatusCode::UNAUTHORIZED, "unauthorized");
+            }
         };
         if is_poll {
             self.poll(&machine_id, stop).await
@@ -439,46 +533,29 @@ impl Channel {
         }
     }
 
-    /// The machine id of an authenticated request; `None` for a missing machine id, a missing
-    /// or malformed header, or a wrong token (indistinguishable to the caller).
-    fn authenticate(&self, req: &Request<Incoming>) -> Option<String> {
-        let machine_id = machine_id_of(req.uri().query().unwrap_or(""))?;
-        let presented = req
-            .headers()
-            .get(header::AUTHORIZATION)?
-            .to_str()
-            .ok()?
-            .strip_prefix("Bearer ")?;
-        self.inner
-            .secret
-            .verify(&machine_id, presented)
-            .then_some(machine_id)
-    }
-
-    fn throttled(&self, peer: IpAddr) -> Option<Duration> {
-        let limit = self.inner.auth_limit;
-        let mut failures = lock(&self.inner.failures);
-        let bucket = failures.get_mut(&peer)?;
-        refill(bucket, limit);
-        (bucket.tokens < 1.0).then(|| limit.refill_every.mul_f64(1.0 - bucket.tokens))
-    }
-
-    fn record_failure(&self, peer: IpAddr) {
-        let limit = self.inner.auth_limit;
-        let mut failures = lock(&self.inner.failures);
-        if failures.len() >= 4096 {
-            // Forget sources whose buckets have refilled: they are indistinguishable from new.
-            failures.retain(|_, b| {
-                refill(b, limit);
-                b.tokens < f64::from(limit.burst)
-            });
+    /// Checks the token first: the right token for the claimed machine id is always admitted.
+    /// A missing machine id, a missing or malformed header, or a wrong token (indistinguishable
+    /// to the caller) counts as a failure of the pair (source address, claimed machine id), and
+    /// a pair whose bucket is empty is told to wait instead.
+    fn admit(
+        &self,
+        peer: IpAddr,
+        machine_id: Option<String>,
+        presented: Option<&str>,
+    ) -> Admission {
+        if let (Some(machine_id), Some(presented)) = (&machine_id, presented)
+            && self.inner.secret.verify(machine_id, presented)
+        {
+            return Admission::Machine(machine_id.clone());
         }
-        let bucket = failures.entry(peer).or_insert(Bucket {
-            tokens: f64::from(limit.burst),
-            updated: Instant::now(),
-        });
-        refill(bucket, limit);
-        bucket.tokens = (bucket.tokens - 1.0).max(0.0);
+        let limit = self.inner.auth_limit;
+        let mut failures = lock(&self.inner.failures);
+        let key = failures.key(peer, machine_id.as_deref().unwrap_or(""));
+        if let Some(wait) = failures.throttled(key, limit) {
+            return Admission::Throttled(wait);
+        }
+        failures.record_failure(key, limit);
+        Admission::Unauthorized
     }
 
     async fn poll(&self, machine_id: &str, stop: CancellationToken) -> Response<Full<Bytes>> {
@@ -589,6 +666,15 @@ fn refill(bucket: &mut Bucket, limit: AuthLimit) {
         / limit.refill_every.as_secs_f64().max(f64::MIN_POSITIVE);
     bucket.tokens = (bucket.tokens + earned).min(f64::from(limit.burst));
     bucket.updated = now;
+}
+
+/// The bearer token of a request: `Authorization: Bearer <token>`, prefix case-sensitive.
+fn bearer(req: &Request<Incoming>) -> Option<&str> {
+    req.headers()
+        .get(header::AUTHORIZATION)?
+        .to_str()
+        .ok()?
+        .strip_prefix("Bearer ")
 }
 
 /// The first `machine_id` query parameter, form-decoded; `None` when missing or empty.
@@ -715,6 +801,148 @@ mod tests {
         assert_eq!(machine_id_of("machine_id=a+b").as_deref(), Some("a b"));
         assert_eq!(machine_id_of("machine_id="), None);
         assert_eq!(machine_id_of(""), None);
+    }
+
+    fn test_channel(limit: AuthLimit) -> Channel {
+        let key = rcgen::KeyPair::generate().expect("key");
+        let cert = rcgen::CertificateParams::new(vec!["localhost".to_owned()])
+            .expect("params")
+            .self_signed(&key)
+            .expect("cert");
+        let tls = crate::setup::channel_tls(cert.pem().as_bytes(), key.serialize_pem().as_bytes())
+            .expect("tls");
+        Channel::new(
+            ChannelSettings {
+                secret: BootstrapSecret::new("unit-test-secret").expect("secret"),
+                tls,
+                poll_hold: Duration::from_secs(25),
+                auth_limit: limit,
+            },
+            Telemetry::new("bigfleet_digitalocean_channel_unit"),
+        )
+    }
+
+    fn rss_bytes() -> usize {
+        let status = std::fs::read_to_string("/proc/self/status").expect("proc status");
+        let kib: usize = status
+            .lines()
+            .find_map(|l| l.strip_prefix("VmRSS:"))
+            .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
+            .expect("VmRSS");
+        kib * 1024
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_valid_token_is_admitted_whatever_else_fails_at_its_address() {
+        let limit = AuthLimit {
+            burst: 2,
+            refill_every: Duration::from_secs(60),
+        };
+        let ch = test_channel(limit);
+        let nat: IpAddr = "203.0.113.7".parse().expect("ip");
+        let good = ch.token_for("m-good");
+        for _ in 0..2 {
+            assert_eq!(
+                ch.admit(nat, Some("m-bad".into()), Some("guess")),
+                Admission::Unauthorized
+            );
+        }
+        assert!(matches!(
+            ch.admit(nat, Some("m-bad".into()), Some("guess")),
+            Admission::Throttled(_)
+        ));
+        // Another machine behind the same address, and even the right token of the machine
+        // under attack, are admitted.
+        assert_eq!(
+            ch.admit(nat, Some("m-good".into()), Some(good.expose())),
+            Admission::Machine("m-good".into())
+        );
+        let bad = ch.token_for("m-bad");
+        assert_eq!(
+            ch.admit(nat, Some("m-bad".into()), Some(bad.expose())),
+            Admission::Machine("m-bad".into())
+        );
+        // Failures of one machine id do not spend another's budget at the same address.
+        assert_eq!(
+            ch.admit(nat, Some("m-good".into()), Some("guess")),
+            Admission::Unauthorized
+        );
+        // Nor at another address.
+        let other: IpAddr = "198.51.100.1".parse().expect("ip");
+        assert_eq!(
+            ch.admit(other, Some("m-bad".into()), Some("guess")),
+            Admission::Unauthorized
+        );
+        // The bucket refills.
+        tokio::time::advance(Duration::from_secs(60)).await;
+        assert_eq!(
+            ch.admit(nat, Some("m-bad".into()), Some("guess")),
+            Admission::Unauthorized
+        );
+    }
+
+    #[test]
+    fn the_failure_table_is_capped_and_evicts_the_oldest() {
+        let limit = AuthLimit::default();
+        let mut table = FailureTable::new(3);
+        let keys: Vec<u64> = (0..5)
+            .map(|i| table.key(IpAddr::from([10, 0, 0, i]), "m"))
+            .collect();
+        for &k in &keys {
+            table.record_failure(k, limit);
+        }
+        assert_eq!(table.len(), 3);
+        assert!(!table.buckets.contains_key(&keys[0]) && !table.buckets.contains_key(&keys[1]));
+        assert!(keys[2..].iter().all(|k| table.buckets.contains_key(k)));
+        // A repeated failure does not insert twice.
+        table.record_failure(keys[4], limit);
+        assert_eq!((table.len(), table.order.len()), (3, 3));
+    }
+
+    /// A million distinct failing (address, machine id) pairs through the admission path (with
+    /// no bearer header, so the run does not spend its time on HMACs): the table never holds
+    /// more than its cap, and the process grows by a bounded amount.
+    #[test]
+    fn a_million_failing_sources_leave_memory_bounded() {
+        const SOURCES: u32 = 1_000_000;
+        let ch = test_channel(AuthLimit::default());
+        let before = rss_bytes();
+        let mut machine_id = String::new();
+        for i in 0..SOURCES {
+            machine_id.clear();
+            machine_id.push_str("digitalocean/OnDemand/s-2vcpu-4gb/nyc3/");
+            machine_id.push_str(&i.to_string());
+            let peer = IpAddr::from((0x0a00_0000 | i).to_be_bytes());
+            let admission = ch.admit(peer, Some(machine_id.clone()), None);
+            assert_eq!(admission, Admission::Unauthorized);
+        }
+        let after = rss_bytes();
+        let table = lock(&ch.inner.failures);
+        let heap = table.heap_bytes();
+        eprintln!(
+            "failure table: {} entries, {} KiB allocated; RSS grew {} KiB over {SOURCES} sources",
+            table.len(),
+            heap / 1024,
+            after.saturating_sub(before) / 1024
+        );
+        assert_eq!(table.len(), FAILURE_TABLE_CAP);
+        assert_eq!(table.order.len(), FAILURE_TABLE_CAP);
+        assert!(heap < 16 << 20, "{heap}");
+        assert!(
+            after.saturating_sub(before) < 32 << 20,
+            "{before} -> {after}"
+        );
+        // The newest sources are remembered, the oldest were evicted.
+        let newest = table.key(
+            IpAddr::from((0x0a00_0000 | (SOURCES - 1)).to_be_bytes()),
+            &format!("digitalocean/OnDemand/s-2vcpu-4gb/nyc3/{}", SOURCES - 1),
+        );
+        assert!(table.buckets.contains_key(&newest));
+        let oldest = table.key(
+            IpAddr::from(0x0a00_0000u32.to_be_bytes()),
+            "digitalocean/OnDemand/s-2vcpu-4gb/nyc3/0",
+        );
+        assert!(!table.buckets.contains_key(&oldest));
     }
 
     #[tokio::test(start_paused = true)]

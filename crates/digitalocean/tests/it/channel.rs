@@ -286,7 +286,7 @@ async fn command_ids_differ_across_channel_instances_and_newer_commands_supersed
 }
 
 #[tokio::test]
-async fn failed_authentications_are_throttled_per_source() {
+async fn failed_authentications_are_throttled_per_source_and_machine_never_for_a_valid_token() {
     let pki = pki();
     let ch = RunningChannel::start(
         &pki,
@@ -299,18 +299,12 @@ async fn failed_authentications_are_throttled_per_source() {
     .await;
     let client = channel_client(&pki.ca_pem);
     let endpoint = ch.endpoint();
+    // A misbehaving client behind the same address (127.0.0.1) keeps failing for "m-bad".
     for _ in 0..3 {
-        let r = get_command(&client, &endpoint, Some("m"), Some("Bearer guess")).await;
+        let r = get_command(&client, &endpoint, Some("m-bad"), Some("Bearer guess")).await;
         assert_eq!(r.status(), 401);
     }
-    // Now even the right token is turned away until the bucket refills.
-    let r = get_command(
-        &client,
-        &endpoint,
-        Some("m"),
-        Some(&format!("Bearer {}", token("m"))),
-    )
-    .await;
+    let r = get_command(&client, &endpoint, Some("m-bad"), Some("Bearer guess")).await;
     assert_eq!(r.status(), 429);
     let retry: u64 = r.headers()["retry-after"]
         .to_str()
@@ -318,6 +312,36 @@ async fn failed_authentications_are_throttled_per_source() {
         .parse()
         .unwrap();
     assert!((1..=60).contains(&retry), "{retry}");
+    // Another agent behind that address, with its correct token, gets its command.
+    let channel = ch.channel.clone();
+    let pending = tokio::spawn(async move {
+        channel
+            .deliver("m-good", configure(b"good"), &ctx(Duration::from_secs(10)))
+            .await
+    });
+    let r = get_command(
+        &client,
+        &endpoint,
+        Some("m-good"),
+        Some(&format!("Bearer {}", token("m-good"))),
+    )
+    .await;
+    assert_eq!(r.status(), 200);
+    let command: serde_json::Value = r.json().await.unwrap();
+    assert_eq!(command["blob"], "Z29vZA==");
+    // Even the machine under attack is served with its correct token.
+    let r = get_command(
+        &client,
+        &endpoint,
+        Some("m-bad"),
+        Some(&format!("Bearer {}", token("m-bad"))),
+    )
+    .await;
+    assert_eq!(r.status(), 204);
+    // The attacker stays throttled.
+    let r = get_command(&client, &endpoint, Some("m-bad"), Some("Bearer guess")).await;
+    assert_eq!(r.status(), 429);
+    pending.abort();
 }
 
 #[tokio::test]
