@@ -188,11 +188,10 @@ impl std::fmt::Debug for Agent {
 
 impl Agent {
     pub fn new(config: AgentConfig, options: AgentOptions) -> Result<Agent, String> {
-        let roots = reqwest::Certificate::from_pem_bundle(config.ca_pem.as_bytes())
+        // Every certificate of ca_pem is a trust anchor, and nothing else is: not the system's
+        // roots. A malformed block fails startup rather than being skipped.
+        let roots = provider_core::tls::parse_certificates(config.ca_pem.as_bytes())
             .map_err(|e| format!("config ca_pem: {e}"))?;
-        if roots.is_empty() {
-            return Err("config ca_pem: no certificate found".into());
-        }
         let mut builder = reqwest::Client::builder()
             .use_rustls_tls()
             .tls_built_in_root_certs(false)
@@ -203,6 +202,8 @@ impl Agent {
             .timeout(REQUEST_TIMEOUT)
             .user_agent(concat!("bigfleet-agent/", env!("CARGO_PKG_VERSION")));
         for root in roots {
+            let root =
+                reqwest::Certificate::from_der(&root).map_err(|e| format!("config ca_pem: {e}"))?;
             builder = builder.add_root_certificate(root);
         }
         let http = builder

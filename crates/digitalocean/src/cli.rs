@@ -73,7 +73,8 @@ pub struct Cli {
     #[arg(long = "bootstrap-tls-key", default_value = "", value_name = "PATH")]
     pub bootstrap_tls_key: String,
 
-    /// CA PEM the agent pins; defaults to the contents of --bootstrap-tls-cert.
+    /// CA PEM the agents pin (every certificate in it). Without it, agents pin only the first
+    /// certificate of --bootstrap-tls-cert, which must then be self-signed.
     #[arg(long = "bootstrap-ca", default_value = "", value_name = "PATH")]
     pub bootstrap_ca: String,
 

@@ -75,14 +75,7 @@ pub fn build_real(flags: &RealFlags, telemetry: Telemetry) -> Result<RealBackend
     }
     let tls = load_channel_tls(&flags.bootstrap_tls_cert, &flags.bootstrap_tls_key)
         .map_err(|e| format!("load bootstrap TLS keypair: {e}"))?;
-    let ca_path = if flags.bootstrap_ca.is_empty() {
-        &flags.bootstrap_tls_cert
-    } else {
-        &flags.bootstrap_ca
-    };
-    let ca_pem = std::fs::read(ca_path)
-        .map_err(|e| format!("read bootstrap CA: {ca_path}: {e}"))
-        .map(|b| String::from_utf8_lossy(&b).into_owned())?;
+    let pin = agent_pin(flags)?;
     let token = ApiToken::new(&flags.token)
         .ok_or("digitalocean: token is required for the digitalocean backend")?;
     if flags.region.is_empty() {
@@ -106,6 +99,7 @@ pub fn build_real(flags: &RealFlags, telemetry: Telemetry) -> Result<RealBackend
             flags.bootstrap_endpoint
         ));
     }
+    let pin = pin.verified_for(&flags.bootstrap_endpoint)?;
     let api_url = if flags.api_url.is_empty() {
         crate::api::DEFAULT_API_URL
     } else {
@@ -129,7 +123,7 @@ pub fn build_real(flags: &RealFlags, telemetry: Telemetry) -> Result<RealBackend
         flags.base_user_data.clone(),
         AgentProvisioning {
             endpoint: flags.bootstrap_endpoint.clone(),
-            ca_pem,
+            ca_pem: pin.pem,
         },
     );
     let cloud = Arc::new(DigitalOceanCloud::new(
@@ -143,6 +137,115 @@ pub fn build_real(flags: &RealFlags, telemetry: Telemetry) -> Result<RealBackend
         channel,
         bootstrap_addr: flags.bootstrap_addr.clone(),
     })
+}
+
+/// The certificates every agent pins (written as `ca_pem` into each Droplet's user_data), as
+/// read from their flag but not yet checked against the channel's own certificate.
+pub struct AgentPin {
+    /// The trust anchors, PEM-encoded again from their DER: nothing else of the source file
+    /// (a private key in a combined file, comments) can reach the user_data.
+    pub pem: String,
+    anchors: Vec<CertificateDer<'static>>,
+    /// The channel's chain as served: leaf first.
+    chain: Vec<CertificateDer<'static>>,
+    /// The certificates came from `--bootstrap-ca` (otherwise: the leaf of the server file).
+    explicit: bool,
+    cert_path: String,
+}
+
+/// Decides what the agents pin:
+///
+/// - with `--bootstrap-ca`, every certificate of that file (the operator named them as trust
+///   anchors); the file is parsed strictly, so a malformed block fails startup;
+/// - without it, only the channel's own certificate: the first certificate of
+///   `--bootstrap-tls-cert`. Further certificates in that file (intermediates, a bundle) are
+///   served in the handshake but never pinned, so a public intermediate can never become a
+///   trust anchor of the agents.
+pub fn agent_pin(flags: &RealFlags) -> Result<AgentPin, String> {
+    let chain = tls::read_certificates(Path::new(&flags.bootstrap_tls_cert))
+        .map_err(|e| format!("load bootstrap TLS keypair: {e}"))?;
+    let (anchors, explicit) = if flags.bootstrap_ca.is_empty() {
+        (vec![chain[0].clone()], false)
+    } else {
+        let anchors = tls::read_certificates(Path::new(&flags.bootstrap_ca))
+            .map_err(|e| format!("read bootstrap CA: --bootstrap-ca {e}"))?;
+        (anchors, true)
+    };
+    let pem = anchors.iter().map(|c| certificate_pem(c)).collect();
+    Ok(AgentPin {
+        pem,
+        anchors,
+        chain,
+        explicit,
+        cert_path: flags.bootstrap_tls_cert.clone(),
+    })
+}
+
+impl AgentPin {
+    /// Checks, as every agent will, that the channel's chain verifies against the pinned
+    /// anchors for the host of `endpoint` (validity dates included): a pin that no agent could
+    /// use fails startup instead of every Configure.
+    pub fn verified_for(self, endpoint: &str) -> Result<AgentPin, String> {
+        use rustls::client::danger::ServerCertVerifier as _;
+        let url =
+            reqwest::Url::parse(endpoint).map_err(|e| format!("--bootstrap-endpoint: {e}"))?;
+        // An IPv6 host comes bracketed; the certificate names the bare address.
+        let host = url
+            .host_str()
+            .map(|h| h.trim_start_matches('[').trim_end_matches(']').to_owned())
+            .ok_or_else(|| format!("--bootstrap-endpoint {endpoint:?} has no host"))?;
+        let name = rustls_pki_types::ServerName::try_from(host.clone())
+            .map_err(|e| format!("--bootstrap-endpoint host {host:?}: {e}"))?;
+        let mut roots = rustls::RootCertStore::empty();
+        for anchor in &self.anchors {
+            roots
+                .add(anchor.clone())
+                .map_err(|e| format!("read bootstrap CA: --bootstrap-ca: {e}"))?;
+        }
+        let verifier = rustls::client::WebPkiServerVerifier::builder_with_provider(
+            Arc::new(roots),
+            tls::crypto_provider(),
+        )
+        .build()
+        .map_err(|e| format!("--bootstrap-ca: {e}"))?;
+        let verified = verifier.verify_server_cert(
+            &self.chain[0],
+            &self.chain[1..],
+            &name,
+            &[],
+            rustls_pki_types::UnixTime::now(),
+        );
+        match verified {
+            Ok(_) => Ok(self),
+            Err(e) if self.explicit => Err(format!(
+                "--bootstrap-ca: the channel certificate (--bootstrap-tls-cert {}) does not verify \
+                 against it for the --bootstrap-endpoint host {host:?}, so no agent would accept \
+                 the channel: {e}",
+                self.cert_path
+            )),
+            Err(e) => Err(format!(
+                "--bootstrap-ca is not set, so agents pin only the channel's own certificate (the \
+                 first certificate of --bootstrap-tls-cert {}), and it does not verify on its own \
+                 for the --bootstrap-endpoint host {host:?}: {e}. A certificate issued by a CA \
+                 needs --bootstrap-ca naming that CA; further certificates of the \
+                 --bootstrap-tls-cert file are never pinned",
+                self.cert_path
+            )),
+        }
+    }
+}
+
+/// One certificate as PEM: base64 of the DER in 64-character lines.
+fn certificate_pem(der: &CertificateDer<'_>) -> String {
+    use base64::Engine as _;
+    let b64 = base64::engine::general_purpose::STANDARD.encode(der.as_ref());
+    let mut pem = String::from("-----BEGIN CERTIFICATE-----\n");
+    for line in b64.as_bytes().chunks(64) {
+        pem.push_str(&String::from_utf8_lossy(line));
+        pem.push('\n');
+    }
+    pem.push_str("-----END CERTIFICATE-----\n");
+    pem
 }
 
 /// ALPN protocols of the channel: agents may speak HTTP/2 or HTTP/1.1.
@@ -191,10 +294,13 @@ mod tests {
     /// Flags that pass every check, with a self-signed channel certificate.
     fn valid(dir: &std::path::Path) -> RealFlags {
         let key = rcgen::KeyPair::generate().expect("key");
-        let cert = rcgen::CertificateParams::new(vec!["localhost".to_owned()])
-            .expect("params")
-            .self_signed(&key)
-            .expect("cert");
+        let cert = rcgen::CertificateParams::new(vec![
+            "localhost".to_owned(),
+            "bootstrap.example.com".to_owned(),
+        ])
+        .expect("params")
+        .self_signed(&key)
+        .expect("cert");
         RealFlags {
             provider: "digitalocean".into(),
             token: "dop_v1_x".into(),
@@ -256,7 +362,7 @@ mod tests {
         let mut f = ok.clone();
         f.bootstrap_ca = dir.path().join("no-ca.pem").display().to_string();
         assert!(
-            error(&f).starts_with("read bootstrap CA: /"),
+            error(&f).starts_with("read bootstrap CA: --bootstrap-ca /"),
             "{}",
             error(&f)
         );
@@ -290,6 +396,145 @@ mod tests {
         let mut f = ok;
         f.api_url = "http://203.0.113.9".into();
         assert!(error(&f).contains("plain http is only allowed for loopback addresses"));
+    }
+
+    struct Chain {
+        root: rcgen::CertifiedIssuer<'static, rcgen::KeyPair>,
+        intermediate: rcgen::CertifiedIssuer<'static, rcgen::KeyPair>,
+        leaf_pem: String,
+        leaf_key: String,
+    }
+
+    fn ca_params(name: &str) -> rcgen::CertificateParams {
+        let mut params = rcgen::CertificateParams::new(Vec::<String>::new()).expect("params");
+        params.is_ca = rcgen::IsCa::Ca(rcgen::BasicConstraints::Unconstrained);
+        params
+            .distinguished_name
+            .push(rcgen::DnType::CommonName, name);
+        params
+    }
+
+    /// root -> intermediate -> leaf for bootstrap.example.com.
+    fn chain() -> Chain {
+        let root = rcgen::CertifiedIssuer::self_signed(
+            ca_params("root"),
+            rcgen::KeyPair::generate().expect("key"),
+        )
+        .expect("root");
+        let intermediate = rcgen::CertifiedIssuer::signed_by(
+            ca_params("intermediate"),
+            rcgen::KeyPair::generate().expect("key"),
+            &root,
+        )
+        .expect("intermediate");
+        let key = rcgen::KeyPair::generate().expect("key");
+        let leaf = rcgen::CertificateParams::new(vec!["bootstrap.example.com".to_owned()])
+            .expect("params")
+            .signed_by(&key, &intermediate)
+            .expect("leaf");
+        Chain {
+            root,
+            intermediate,
+            leaf_pem: leaf.pem(),
+            leaf_key: key.serialize_pem(),
+        }
+    }
+
+    fn pin_of(flags: &RealFlags) -> String {
+        build_real(flags, Telemetry::new("bigfleet_digitalocean_setup_test")).expect("valid");
+        agent_pin(flags)
+            .and_then(|p| p.verified_for(&flags.bootstrap_endpoint))
+            .expect("pin")
+            .pem
+    }
+
+    #[test]
+    fn without_bootstrap_ca_only_the_channel_certificate_is_pinned() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let mut flags = valid(dir.path());
+        let leaf = std::fs::read_to_string(&flags.bootstrap_tls_cert).expect("cert");
+        // A self-signed certificate followed by a CA bundle: only the first is pinned.
+        let c = chain();
+        let bundle = format!("{leaf}{}{}", c.intermediate.pem(), c.root.pem());
+        flags.bootstrap_tls_cert = write(dir.path(), "bundle.pem", &bundle);
+        assert_eq!(pin_of(&flags), leaf);
+
+        // A CA-issued leaf cannot be pinned alone: startup fails and says what to do, instead
+        // of trusting the intermediate and root of the file.
+        let mut f = flags.clone();
+        f.bootstrap_tls_cert = write(
+            dir.path(),
+            "chain.pem",
+            &format!("{}{}{}", c.leaf_pem, c.intermediate.pem(), c.root.pem()),
+        );
+        f.bootstrap_tls_key = write(dir.path(), "chain-key.pem", &c.leaf_key);
+        let e = error(&f);
+        assert!(
+            e.starts_with(
+                "--bootstrap-ca is not set, so agents pin only the channel's own certificate"
+            ),
+            "{e}"
+        );
+        assert!(e.contains("never pinned"), "{e}");
+        // Naming the root as --bootstrap-ca pins exactly it.
+        f.bootstrap_ca = write(dir.path(), "root.pem", &c.root.pem());
+        assert_eq!(pin_of(&f), c.root.pem());
+    }
+
+    #[test]
+    fn bootstrap_ca_is_parsed_strictly_and_must_verify_the_channel() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let c = chain();
+        let mut flags = valid(dir.path());
+        flags.bootstrap_tls_cert = write(
+            dir.path(),
+            "chain.pem",
+            &format!("{}{}", c.leaf_pem, c.intermediate.pem()),
+        );
+        flags.bootstrap_tls_key = write(dir.path(), "chain-key.pem", &c.leaf_key);
+        // One good block and one that does not decode.
+        flags.bootstrap_ca = write(
+            dir.path(),
+            "bad-ca.pem",
+            &format!(
+                "{}-----BEGIN CERTIFICATE-----\nnot base64!\n-----END CERTIFICATE-----\n",
+                c.root.pem()
+            ),
+        );
+        let e = error(&flags);
+        assert!(e.starts_with("read bootstrap CA: --bootstrap-ca /"), "{e}");
+        assert!(e.contains("bad-ca.pem: PEM block 2 does not decode"), "{e}");
+        // A CA that did not issue the channel's certificate.
+        let other = rcgen::CertifiedIssuer::self_signed(
+            ca_params("other"),
+            rcgen::KeyPair::generate().expect("key"),
+        )
+        .expect("other");
+        flags.bootstrap_ca = write(dir.path(), "other.pem", &other.pem());
+        let e = error(&flags);
+        assert!(
+            e.starts_with("--bootstrap-ca: the channel certificate (--bootstrap-tls-cert /"),
+            "{e}"
+        );
+        // A name the certificate does not carry.
+        flags.bootstrap_ca = write(dir.path(), "root.pem", &c.root.pem());
+        let mut f = flags.clone();
+        f.bootstrap_endpoint = "https://elsewhere.example.com".into();
+        assert!(
+            error(&f).contains("\"elsewhere.example.com\""),
+            "{}",
+            error(&f)
+        );
+        // A combined file: only certificates reach the user_data, never the key.
+        let key = rcgen::KeyPair::generate().expect("key").serialize_pem();
+        flags.bootstrap_ca = write(
+            dir.path(),
+            "combined.pem",
+            &format!("{key}{}", c.root.pem()),
+        );
+        let pin = pin_of(&flags);
+        assert_eq!(pin, c.root.pem());
+        assert!(!pin.contains("PRIVATE KEY"));
     }
 
     #[test]

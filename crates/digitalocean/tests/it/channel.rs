@@ -474,3 +474,138 @@ async fn a_polling_agent_survives_a_channel_restart() {
         b"after-restart"
     );
 }
+
+/// The provider's default pin (no `--bootstrap-ca`) for a `--bootstrap-tls-cert` file holding
+/// the channel's self-signed certificate followed by a CA bundle: an agent given that pin
+/// refuses a channel whose certificate was issued by one of the bundle's CAs, and accepts the
+/// real channel.
+#[tokio::test]
+async fn an_agent_refuses_a_certificate_from_another_ca_of_the_channel_certificate_file() {
+    use rcgen::{BasicConstraints, CertificateParams, CertifiedIssuer, IsCa, KeyPair};
+    let ca = |name: &str| {
+        let mut p = CertificateParams::new(Vec::<String>::new()).unwrap();
+        p.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
+        p.distinguished_name.push(rcgen::DnType::CommonName, name);
+        p
+    };
+    let root =
+        CertifiedIssuer::self_signed(ca("public root"), KeyPair::generate().unwrap()).unwrap();
+    let intermediate = CertifiedIssuer::signed_by(
+        ca("public intermediate"),
+        KeyPair::generate().unwrap(),
+        &root,
+    )
+    .unwrap();
+    let names = vec!["127.0.0.1".to_owned(), "localhost".to_owned()];
+    let own_key = KeyPair::generate().unwrap();
+    let own = CertificateParams::new(names.clone())
+        .unwrap()
+        .self_signed(&own_key)
+        .unwrap();
+    let impostor_key = KeyPair::generate().unwrap();
+    let impostor = CertificateParams::new(names)
+        .unwrap()
+        .signed_by(&impostor_key, &intermediate)
+        .unwrap();
+
+    let dir = tempfile::tempdir().unwrap();
+    let file = |name: &str, body: &str| {
+        let path = dir.path().join(name);
+        std::fs::write(&path, body).unwrap();
+        path.display().to_string()
+    };
+    let genuine_listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let genuine_addr = genuine_listener.local_addr().unwrap();
+    let flags = digitalocean::RealFlags {
+        bootstrap_tls_cert: file(
+            "tls.crt",
+            &format!("{}{}{}", own.pem(), intermediate.pem(), root.pem()),
+        ),
+        bootstrap_tls_key: file("tls.key", &own_key.serialize_pem()),
+        bootstrap_endpoint: format!("https://127.0.0.1:{}", genuine_addr.port()),
+        ..Default::default()
+    };
+    let pin = digitalocean::setup::agent_pin(&flags)
+        .unwrap()
+        .verified_for(&flags.bootstrap_endpoint)
+        .unwrap()
+        .pem;
+    assert_eq!(pin, own.pem());
+
+    // The impostor serves a certificate of the file's intermediate, with its chain.
+    let impostor_pki = Pki {
+        ca_pem: root.pem(),
+        cert_pem: format!("{}{}", impostor.pem(), intermediate.pem()),
+        key_pem: impostor_key.serialize_pem(),
+    };
+    let fake = RunningChannel::start(
+        &impostor_pki,
+        Duration::from_millis(200),
+        AuthLimit::default(),
+    )
+    .await;
+    let m = "m-chain";
+    let agent_dir = tempfile::tempdir().unwrap();
+    let agent = AgentProcess::spawn(AgentSetup {
+        dir: agent_dir.path(),
+        config_json: serde_json::json!({
+            "endpoint": fake.endpoint(), "ca_pem": pin, "machine_id": m, "token": token(m),
+        })
+        .to_string(),
+        hook: recording_hook(agent_dir.path(), 0),
+        drain_command: "true".into(),
+        readiness_command: None,
+    });
+    let err = fake
+        .channel
+        .deliver(m, configure(b"impostor-blob"), &ctx(Duration::from_secs(2)))
+        .await
+        .unwrap_err();
+    assert_eq!(
+        err.0,
+        format!("agent did not apply configure for {m}: context deadline exceeded")
+    );
+    assert!(
+        !agent_dir.path().join("hook.runs").exists(),
+        "the hook never ran"
+    );
+    assert!(
+        agent
+            .wait_for_output("poll failed", Duration::from_secs(5))
+            .await
+    );
+    drop(agent);
+
+    // The same pin accepts the genuine channel.
+    let genuine_pki = Pki {
+        ca_pem: own.pem(),
+        cert_pem: std::fs::read_to_string(&flags.bootstrap_tls_cert).unwrap(),
+        key_pem: own_key.serialize_pem(),
+    };
+    let genuine = RunningChannel::start_on(
+        genuine_listener,
+        &genuine_pki,
+        Duration::from_secs(5),
+        AuthLimit::default(),
+    );
+    let agent_dir = tempfile::tempdir().unwrap();
+    let _agent = AgentProcess::spawn(AgentSetup {
+        dir: agent_dir.path(),
+        config_json: serde_json::json!({
+            "endpoint": genuine.endpoint(), "ca_pem": pin, "machine_id": m, "token": token(m),
+        })
+        .to_string(),
+        hook: recording_hook(agent_dir.path(), 0),
+        drain_command: "true".into(),
+        readiness_command: None,
+    });
+    genuine
+        .channel
+        .deliver(m, configure(b"genuine-blob"), &ctx(Duration::from_secs(15)))
+        .await
+        .unwrap();
+    assert_eq!(
+        std::fs::read(agent_dir.path().join("hook.blob.copy")).unwrap(),
+        b"genuine-blob"
+    );
+}
