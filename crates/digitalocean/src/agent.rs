@@ -82,6 +82,30 @@ pub struct AgentOptions {
     pub state_path: PathBuf,
     /// Longest wait between attempts when the provider is unreachable.
     pub max_backoff: Duration,
+    /// How long the hook, the readiness command and the drain command may each run before
+    /// their process group is killed and the command is acked as failed.
+    pub timeouts: CommandTimeouts,
+}
+
+/// Per-command time limits of the agent.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct CommandTimeouts {
+    pub hook: Duration,
+    pub readiness: Duration,
+    pub drain: Duration,
+}
+
+impl Default for CommandTimeouts {
+    /// The provider's own default transition timeouts: nobody waits for a configure or a
+    /// readiness check longer than the Configure timeout (8m), or for a drain longer than the
+    /// Drain timeout (15m).
+    fn default() -> CommandTimeouts {
+        CommandTimeouts {
+            hook: Duration::from_secs(8 * 60),
+            readiness: Duration::from_secs(8 * 60),
+            drain: Duration::from_secs(15 * 60),
+        }
+    }
 }
 
 /// A command as the channel serves it.
@@ -350,14 +374,14 @@ impl Agent {
                 Some(script) => {
                     let mut cmd = shell(script);
                     cmd.env("BIGFLEET_CLUSTER_ID", &command.cluster_id);
-                    run(cmd, "readiness command").await
+                    run(cmd, "readiness command", self.options.timeouts.readiness).await
                 }
             },
             "drain" => {
                 let grace = command.grace_seconds.max(1).to_string();
                 let mut cmd = shell(&self.options.drain_command);
                 cmd.arg(&grace).env("BIGFLEET_GRACE_SECONDS", &grace);
-                run(cmd, "drain command").await
+                run(cmd, "drain command", self.options.timeouts.drain).await
             }
             other => Err(format!("unknown command type {other:?}")),
         }
@@ -375,7 +399,7 @@ impl Agent {
             .env("BIGFLEET_CLUSTER_ID", &command.cluster_id)
             .env("BIGFLEET_MACHINE_ID", &self.machine_id)
             .env("BIGFLEET_BLOB_FILE", &blob_path);
-        run(cmd, "bootstrap hook").await
+        run(cmd, "bootstrap hook", self.options.timeouts.hook).await
     }
 
     async fn ack(&self, id: &str, outcome: &Result<(), String>) {
@@ -433,16 +457,58 @@ fn shell(script: &str) -> tokio::process::Command {
     cmd
 }
 
-async fn run(mut cmd: tokio::process::Command, what: &str) -> Result<(), String> {
-    cmd.stdin(std::process::Stdio::null()).kill_on_drop(true);
-    let status = cmd
-        .status()
-        .await
+/// Runs `cmd` as the leader of its own process group, for at most `timeout`. On expiry (or
+/// when the agent stops waiting) the whole group is killed, so children the command started
+/// (a `sleep`, a `kubeadm` under a shell) do not outlive it; a child that moved itself into
+/// another session escapes, as with any process-group kill.
+async fn run(
+    mut cmd: tokio::process::Command,
+    what: &str,
+    timeout: Duration,
+) -> Result<(), String> {
+    cmd.stdin(std::process::Stdio::null())
+        .kill_on_drop(true)
+        .process_group(0);
+    let mut child = cmd
+        .spawn()
         .map_err(|e| format!("{what}: cannot start: {e}"))?;
-    if status.success() {
-        Ok(())
-    } else {
-        Err(format!("{what} failed: {status}"))
+    let mut group = GroupGuard(child.id());
+    let waited = tokio::time::timeout(timeout, child.wait()).await;
+    match waited {
+        Ok(Ok(status)) => {
+            // It ended by itself: whatever it left running in the background is its business.
+            group.0 = None;
+            if status.success() {
+                Ok(())
+            } else {
+                Err(format!("{what} failed: {status}"))
+            }
+        }
+        Ok(Err(e)) => Err(format!("{what}: cannot wait for it: {e}")),
+        Err(_) => {
+            drop(group);
+            // Reap the leader so it leaves no zombie; the kill makes this immediate.
+            let _ = child.wait().await;
+            Err(format!(
+                "{what} timed out after {} and was killed with its process group",
+                provider_core::duration::format(timeout)
+            ))
+        }
+    }
+}
+
+/// Kills a process group with SIGKILL when dropped, unless disarmed (`None`).
+struct GroupGuard(Option<u32>);
+
+impl Drop for GroupGuard {
+    fn drop(&mut self) {
+        if let Some(leader) = self.0.take().and_then(|id| i32::try_from(id).ok()) {
+            // ESRCH (the group is gone already) is the only expected error.
+            let _ = nix::sys::signal::killpg(
+                nix::unistd::Pid::from_raw(leader),
+                nix::sys::signal::Signal::SIGKILL,
+            );
+        }
     }
 }
 
@@ -484,6 +550,60 @@ mod tests {
                 .unwrap()
                 .executed
                 .is_empty()
+        );
+    }
+
+    /// Whether process `pid` is gone (or a zombie nobody reaped yet: it runs nothing).
+    fn gone(pid: &str) -> bool {
+        match std::fs::read_to_string(format!("/proc/{}/stat", pid.trim())) {
+            Err(_) => true,
+            // The state follows the parenthesised command name.
+            Ok(stat) => stat
+                .rsplit(')')
+                .next()
+                .is_some_and(|rest| rest.trim_start().starts_with('Z')),
+        }
+    }
+
+    #[tokio::test]
+    async fn a_command_that_outlives_its_timeout_is_killed_with_its_children() {
+        let dir = tempfile::tempdir().unwrap();
+        let pid_file = dir.path().join("child.pid");
+        let script = format!("sleep 1000 & echo $! > '{}'; wait", pid_file.display());
+        let started = std::time::Instant::now();
+        let err = run(shell(&script), "drain command", Duration::from_millis(300))
+            .await
+            .unwrap_err();
+        assert_eq!(
+            err,
+            "drain command timed out after 300ms and was killed with its process group"
+        );
+        assert!(started.elapsed() < Duration::from_secs(30));
+        let child = std::fs::read_to_string(&pid_file).unwrap();
+        let mut waited = 0;
+        while !gone(&child) && waited < 100 {
+            std::thread::sleep(Duration::from_millis(50));
+            waited += 1;
+        }
+        assert!(gone(&child), "the command's child {child} still runs");
+        // A command that finishes in time is judged by its exit status.
+        run(
+            shell("exit 0"),
+            "readiness command",
+            Duration::from_secs(30),
+        )
+        .await
+        .unwrap();
+        let err = run(
+            shell("exit 3"),
+            "readiness command",
+            Duration::from_secs(30),
+        )
+        .await
+        .unwrap_err();
+        assert!(
+            err.starts_with("readiness command failed: exit status: 3"),
+            "{err}"
         );
     }
 

@@ -609,3 +609,73 @@ async fn an_agent_refuses_a_certificate_from_another_ca_of_the_channel_certifica
         b"genuine-blob"
     );
 }
+
+/// Whether process `pid` is gone (or a zombie nobody reaped yet: it runs nothing).
+fn process_gone(pid: &str) -> bool {
+    match std::fs::read_to_string(format!("/proc/{}/stat", pid.trim())) {
+        Err(_) => true,
+        Ok(stat) => stat
+            .rsplit(')')
+            .next()
+            .is_some_and(|rest| rest.trim_start().starts_with('Z')),
+    }
+}
+
+/// A hook that never ends is killed at --hook-timeout with the processes it started, and the
+/// configure is acked as failed; the agent then serves the next command.
+#[tokio::test]
+async fn a_hook_that_sleeps_forever_is_killed_and_acked_as_failed() {
+    let pki = pki();
+    let ch = RunningChannel::start(&pki, Duration::from_secs(5), AuthLimit::default()).await;
+    let dir = tempfile::tempdir().unwrap();
+    let hook = dir.path().join("bootstrap");
+    write_executable(
+        &hook,
+        &format!(
+            "#!/bin/sh\nsleep 100000 &\necho $! > '{d}/child.pid'\necho $$ > '{d}/hook.pid'\nwait\n",
+            d = dir.path().display()
+        ),
+    );
+    let m = "m-stuck-hook";
+    let agent = AgentProcess::spawn_with_args(
+        AgentSetup {
+            dir: dir.path(),
+            config_json: serde_json::json!({
+                "endpoint": ch.endpoint(), "ca_pem": pki.ca_pem, "machine_id": m, "token": token(m),
+            })
+            .to_string(),
+            hook,
+            drain_command: "true".into(),
+            readiness_command: None,
+        },
+        &["--hook-timeout", "1s"],
+    );
+    let err = ch
+        .channel
+        .deliver(m, configure(b"blob"), &ctx(Duration::from_secs(30)))
+        .await
+        .unwrap_err();
+    assert_eq!(
+        err.0,
+        format!(
+            "agent bootstrap failed for {m}: bootstrap hook timed out after 1s and was killed with its process group"
+        )
+    );
+    for file in ["hook.pid", "child.pid"] {
+        let pid = std::fs::read_to_string(dir.path().join(file)).unwrap();
+        assert!(
+            eventually(Duration::from_secs(5), || process_gone(&pid)).await,
+            "{file} {pid} still runs"
+        );
+    }
+    // The agent is not stuck: the next command runs.
+    ch.channel
+        .deliver(
+            m,
+            Command::Drain { grace_seconds: 1 },
+            &ctx(Duration::from_secs(30)),
+        )
+        .await
+        .unwrap();
+    assert!(agent.output().contains("timed out after 1s"));
+}

@@ -348,6 +348,61 @@ impl AgentProcess {
         AgentProcess { child, output }
     }
 
+    /// Like [`AgentProcess::spawn`], with further command-line arguments for the agent.
+    pub fn spawn_with_args(setup: AgentSetup<'_>, extra: &[&str]) -> AgentProcess {
+        let config = setup.dir.join("config.json");
+        std::fs::write(&config, &setup.config_json).unwrap();
+        let mut cmd = tokio::process::Command::new(env!("CARGO_BIN_EXE_bigfleet-agent"));
+        cmd.arg("--config")
+            .arg(&config)
+            .arg("--hook")
+            .arg(&setup.hook)
+            .arg("--drain-command")
+            .arg(&setup.drain_command)
+            .arg("--state")
+            .arg(setup.dir.join("state/executed.json"))
+            .arg("--max-backoff")
+            .arg("200ms")
+            .args(extra)
+            .env("RUST_LOG", "debug")
+            .stdin(std::process::Stdio::null())
+            .stdout(std::process::Stdio::piped())
+            .stderr(std::process::Stdio::piped())
+            .kill_on_drop(true);
+        if let Some(ready) = setup.readiness_command {
+            cmd.arg("--readiness-command").arg(ready);
+        }
+        let mut child = cmd.spawn().unwrap();
+        let output = Arc::new(Mutex::new(Vec::new()));
+        for stream in [
+            child
+                .stderr
+                .take()
+                .map(|s| Box::new(s) as Box<dyn tokio::io::AsyncRead + Unpin + Send>),
+            child
+                .stdout
+                .take()
+                .map(|s| Box::new(s) as Box<dyn tokio::io::AsyncRead + Unpin + Send>),
+        ]
+        .into_iter()
+        .flatten()
+        {
+            let output = output.clone();
+            tokio::spawn(async move {
+                use tokio::io::AsyncReadExt as _;
+                let mut stream = stream;
+                let mut buf = [0u8; 4096];
+                while let Ok(n) = stream.read(&mut buf).await {
+                    if n == 0 {
+                        break;
+                    }
+                    output.lock().unwrap().extend_from_slice(&buf[..n]);
+                }
+            });
+        }
+        AgentProcess { child, output }
+    }
+
     pub fn output(&self) -> String {
         String::from_utf8_lossy(&self.output.lock().unwrap()).into_owned()
     }
