@@ -39,13 +39,9 @@ use crate::token::{AgentToken, BootstrapSecret};
 
 /// How long `GET /v1/command` is held when nothing is pending.
 pub const DEFAULT_POLL_HOLD: Duration = Duration::from_secs(25);
-/// Largest accepted ack body.
-const MAX_ACK_BYTES: usize = 64 * 1024;
 /// Most (source address, machine id) pairs whose failures are remembered. The table is full
 /// only under a flood of failing sources; the oldest entry then makes room in O(1).
 pub const FAILURE_TABLE_CAP: usize = 65_536;
-/// Time allowed for the request headers (and the TLS handshake) of one connection.
-const HEADER_TIMEOUT: Duration = Duration::from_secs(10);
 /// How long shutdown waits for open connections.
 const SHUTDOWN_GRACE: Duration = Duration::from_secs(5);
 
@@ -66,6 +62,79 @@ impl Default for AuthLimit {
             refill_every: Duration::from_secs(6),
         }
     }
+}
+
+/// Resource limits of the channel's listener. Every agent holds one connection with at most one
+/// request in flight (its poll, or an ack), so the defaults leave ample room for large fleets
+/// behind one NAT address while a single misbehaving source cannot exhaust the process.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct ChannelLimits {
+    /// Open connections in all; a connection over the cap is closed right after accept.
+    pub max_connections: usize,
+    /// Open connections from one source address.
+    pub max_connections_per_address: usize,
+    /// Time for the TLS handshake, and (HTTP/1) for the headers of a request (slowloris).
+    pub header_timeout: Duration,
+    /// A connection with no request in flight for this long is closed.
+    pub idle_timeout: Duration,
+    /// HTTP/2: a PING is sent after this much silence...
+    pub keepalive_interval: Duration,
+    /// ...and the connection closed if it is not answered within this.
+    pub keepalive_timeout: Duration,
+    /// HTTP/2: concurrent streams per connection.
+    pub max_streams: u32,
+    /// Largest accepted request body (an ack); larger ones get 413.
+    pub max_body_bytes: usize,
+    /// Time to receive a request body; slower ones get 408.
+    pub body_timeout: Duration,
+}
+
+impl Default for ChannelLimits {
+    fn default() -> ChannelLimits {
+        ChannelLimits {
+            max_connections: 8192,
+            max_connections_per_address: 1024,
+            header_timeout: Duration::from_secs(10),
+            idle_timeout: Duration::from_secs(120),
+            keepalive_interval: Duration::from_secs(30),
+            keepalive_timeout: Duration::from_secs(20),
+            max_streams: 16,
+            max_body_bytes: 64 * 1024,
+            body_timeout: Duration::from_secs(10),
+        }
+    }
+}
+
+/// Open connections, in all and per source address.
+#[derive(Default)]
+struct Connections {
+    total: usize,
+    per_address: HashMap<IpAddr, usize>,
+}
+
+/// One admitted connection; releases its place when dropped.
+struct ConnectionSlot {
+    channel: Channel,
+    peer: IpAddr,
+}
+
+impl Drop for ConnectionSlot {
+    fn drop(&mut self) {
+        let mut open = lock(&self.channel.inner.connections);
+        open.total = open.total.saturating_sub(1);
+        if let Some(n) = open.per_address.get_mut(&self.peer) {
+            *n = n.saturating_sub(1);
+            if *n == 0 {
+                open.per_address.remove(&self.peer);
+            }
+        }
+    }
+}
+
+/// Requests in flight on one connection and when the last one ended, for the idle timeout.
+struct Activity {
+    in_flight: usize,
+    last: Instant,
 }
 
 /// What the channel needs besides its listener.
@@ -285,6 +354,8 @@ struct Inner {
     counter: AtomicU64,
     machines: Mutex<HashMap<String, MachineSlot>>,
     failures: Mutex<FailureTable>,
+    limits: ChannelLimits,
+    connections: Mutex<Connections>,
 }
 
 /// The bootstrap channel: shared by the HTTPS server and the transitions that deliver commands.
@@ -307,6 +378,15 @@ fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
 
 impl Channel {
     pub fn new(settings: ChannelSettings, telemetry: Telemetry) -> Channel {
+        Channel::with_limits(settings, ChannelLimits::default(), telemetry)
+    }
+
+    /// A channel with the given listener limits.
+    pub fn with_limits(
+        settings: ChannelSettings,
+        limits: ChannelLimits,
+        telemetry: Telemetry,
+    ) -> Channel {
         let mut prefix = [0u8; 6];
         rand::rng().fill_bytes(&mut prefix);
         Channel {
@@ -320,6 +400,8 @@ impl Channel {
                 counter: AtomicU64::new(0),
                 machines: Mutex::new(HashMap::new()),
                 failures: Mutex::new(FailureTable::new(FAILURE_TABLE_CAP)),
+                limits,
+                connections: Mutex::new(Connections::default()),
             }),
         }
     }
@@ -429,10 +511,20 @@ impl Channel {
                     }
                 },
             };
+            let Some(slot) = self.admit_connection(peer.ip()) else {
+                // Closing at once costs nothing and tells the client; a message per refused
+                // connection would let a flood fill the log.
+                tracing::debug!(peer = %peer, "bootstrap channel: connection limit reached; closed");
+                drop(tcp);
+                continue;
+            };
             let channel = self.clone();
             let acceptor = acceptor.clone();
             let stop = stop.clone();
-            tracker.spawn(async move { channel.connection(acceptor, tcp, peer, stop).await });
+            tracker.spawn(async move {
+                channel.connection(acceptor, tcp, peer, stop).await;
+                drop(slot);
+            });
         }
         stop.cancel();
         tracker.close();
@@ -445,6 +537,22 @@ impl Channel {
         Ok(())
     }
 
+    /// Takes a place for a new connection from `peer`, if the caps allow it.
+    fn admit_connection(&self, peer: IpAddr) -> Option<ConnectionSlot> {
+        let limits = &self.inner.limits;
+        let mut open = lock(&self.inner.connections);
+        let from_peer = open.per_address.get(&peer).copied().unwrap_or(0);
+        if open.total >= limits.max_connections || from_peer >= limits.max_connections_per_address {
+            return None;
+        }
+        open.total += 1;
+        open.per_address.insert(peer, from_peer + 1);
+        Some(ConnectionSlot {
+            channel: self.clone(),
+            peer,
+        })
+    }
+
     async fn connection(
         self,
         acceptor: TlsAcceptor,
@@ -452,7 +560,8 @@ impl Channel {
         peer: SocketAddr,
         stop: CancellationToken,
     ) {
-        let tls = match tokio::time::timeout(HEADER_TIMEOUT, acceptor.accept(tcp)).await {
+        let limits = self.inner.limits;
+        let tls = match tokio::time::timeout(limits.header_timeout, acceptor.accept(tcp)).await {
             Ok(Ok(tls)) => tls,
             Ok(Err(e)) => {
                 tracing::debug!(peer = %peer, error = %e, "bootstrap channel TLS handshake failed");
@@ -460,32 +569,68 @@ impl Channel {
             }
             Err(_) => return,
         };
+        let activity = Arc::new(Mutex::new(Activity {
+            in_flight: 0,
+            last: Instant::now(),
+        }));
         let channel = self.clone();
         let conn_stop = stop.clone();
+        let conn_activity = activity.clone();
         let service = hyper::service::service_fn(move |req: Request<Incoming>| {
             let channel = channel.clone();
             let stop = conn_stop.clone();
-            async move { Ok::<_, std::convert::Infallible>(channel.route(req, peer.ip(), stop).await) }
+            let busy = Busy::start(conn_activity.clone());
+            async move {
+                let response = channel.route(req, peer.ip(), stop).await;
+                drop(busy);
+                Ok::<_, std::convert::Infallible>(response)
+            }
         });
         let mut builder = hyper_util::server::conn::auto::Builder::new(TokioExecutor::new());
         builder
             .http1()
             .timer(TokioTimer::new())
-            .header_read_timeout(HEADER_TIMEOUT);
-        builder.http2().timer(TokioTimer::new());
+            .header_read_timeout(limits.header_timeout)
+            .max_buf_size(64 * 1024);
+        builder
+            .http2()
+            .timer(TokioTimer::new())
+            .keep_alive_interval(Some(limits.keepalive_interval))
+            .keep_alive_timeout(limits.keepalive_timeout)
+            .max_concurrent_streams(limits.max_streams)
+            .max_header_list_size(16 * 1024);
         let conn = builder.serve_connection(TokioIo::new(tls), service);
         tokio::pin!(conn);
-        tokio::select! {
-            r = conn.as_mut() => {
-                if let Err(e) = r {
-                    tracing::debug!(peer = %peer, error = %e, "bootstrap channel connection ended");
+        loop {
+            // Idle means no request in flight: a held poll keeps its connection busy.
+            let idle_at = {
+                let a = lock(&activity);
+                if a.in_flight > 0 {
+                    Instant::now() + limits.idle_timeout
+                } else {
+                    a.last + limits.idle_timeout
+                }
+            };
+            tokio::select! {
+                r = conn.as_mut() => {
+                    if let Err(e) = r {
+                        tracing::debug!(peer = %peer, error = %e, "bootstrap channel connection ended");
+                    }
+                    return;
+                }
+                () = stop.cancelled() => break,
+                () = tokio::time::sleep_until(idle_at) => {
+                    let a = lock(&activity);
+                    if a.in_flight == 0 && a.last + limits.idle_timeout <= Instant::now() {
+                        tracing::debug!(peer = %peer, "bootstrap channel: idle connection closed");
+                        break;
+                    }
                 }
             }
-            () = stop.cancelled() => {
-                conn.as_mut().graceful_shutdown();
-                let _ = conn.await;
-            }
         }
+        conn.as_mut().graceful_shutdown();
+        // A peer that does not let the connection close is not waited for long.
+        let _ = tokio::time::timeout(limits.header_timeout, conn).await;
     }
 
     async fn route(
@@ -597,9 +742,29 @@ impl Channel {
     }
 
     async fn ack(&self, machine_id: &str, req: Request<Incoming>) -> Response<Full<Bytes>> {
-        let body = match Limited::new(req.into_body(), MAX_ACK_BYTES).collect().await {
-            Ok(collected) => collected.to_bytes(),
-            Err(_) => return self.bad_ack(),
+        let limits = self.inner.limits;
+        let declared = req
+            .headers()
+            .get(header::CONTENT_LENGTH)
+            .and_then(|v| v.to_str().ok())
+            .and_then(|v| v.parse::<u64>().ok());
+        if declared.is_some_and(|n| n > limits.max_body_bytes as u64) {
+            return self.too_large();
+        }
+        let collect = Limited::new(req.into_body(), limits.max_body_bytes).collect();
+        let body = match tokio::time::timeout(limits.body_timeout, collect).await {
+            Ok(Ok(collected)) => collected.to_bytes(),
+            Ok(Err(e))
+                if e.downcast_ref::<http_body_util::LengthLimitError>()
+                    .is_some() =>
+            {
+                return self.too_large();
+            }
+            Ok(Err(_)) => return self.bad_ack(),
+            Err(_) => {
+                self.inner.telemetry.bootstrap_ack("bad_body");
+                return text(StatusCode::REQUEST_TIMEOUT, "request body too slow");
+            }
         };
         let Some(ack) = parse_ack(&body) else {
             return self.bad_ack();
@@ -633,9 +798,32 @@ impl Channel {
         empty(StatusCode::OK)
     }
 
+    fn too_large(&self) -> Response<Full<Bytes>> {
+        self.inner.telemetry.bootstrap_ack("too_large");
+        text(StatusCode::PAYLOAD_TOO_LARGE, "ack body too large")
+    }
+
     fn bad_ack(&self) -> Response<Full<Bytes>> {
         self.inner.telemetry.bootstrap_ack("bad_body");
         text(StatusCode::BAD_REQUEST, "bad ack body")
+    }
+}
+
+/// Marks one request in flight on its connection until dropped.
+struct Busy(Arc<Mutex<Activity>>);
+
+impl Busy {
+    fn start(activity: Arc<Mutex<Activity>>) -> Busy {
+        lock(&activity).in_flight += 1;
+        Busy(activity)
+    }
+}
+
+impl Drop for Busy {
+    fn drop(&mut self) {
+        let mut a = lock(&self.0);
+        a.in_flight = a.in_flight.saturating_sub(1);
+        a.last = Instant::now();
     }
 }
 

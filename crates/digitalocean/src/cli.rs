@@ -78,6 +78,15 @@ pub struct Cli {
     #[arg(long = "bootstrap-ca", default_value = "", value_name = "PATH")]
     pub bootstrap_ca: String,
 
+    /// Most open connections to the agent channel; further ones are closed at once.
+    #[arg(long = "bootstrap-max-connections", default_value_t = 8192, value_name = "N", value_parser = clap::value_parser!(u32).range(1..))]
+    pub bootstrap_max_connections: u32,
+
+    /// Most open connections to the agent channel from one source address (agents behind one
+    /// NAT share it: one connection per agent).
+    #[arg(long = "bootstrap-max-connections-per-address", default_value_t = 1024, value_name = "N", value_parser = clap::value_parser!(u32).range(1..))]
+    pub bootstrap_max_connections_per_address: u32,
+
     /// HMAC key minting per-machine agent tokens (stable across restarts).
     #[arg(
         long = "bootstrap-secret",

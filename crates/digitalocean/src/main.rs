@@ -115,6 +115,9 @@ async fn launch(cli: Cli) -> Result<(), String> {
                 bootstrap_tls_key: cli.bootstrap_tls_key.clone(),
                 bootstrap_ca: cli.bootstrap_ca.clone(),
                 bootstrap_secret: cli.bootstrap_secret.expose().to_owned(),
+                bootstrap_max_connections: cli.bootstrap_max_connections as usize,
+                bootstrap_max_connections_per_address: cli.bootstrap_max_connections_per_address
+                    as usize,
             };
             let real = digitalocean::build_real(&flags, telemetry)?;
             let channel = real.channel.clone();

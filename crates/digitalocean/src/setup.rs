@@ -13,7 +13,7 @@ use rustls_pki_types::pem::PemObject;
 use rustls_pki_types::{CertificateDer, PrivateKeyDer};
 
 use crate::api::{ApiClient, ApiToken, ImageRef, parse_base_url};
-use crate::channel::{AuthLimit, Channel, ChannelSettings, DEFAULT_POLL_HOLD};
+use crate::channel::{AuthLimit, Channel, ChannelLimits, ChannelSettings, DEFAULT_POLL_HOLD};
 use crate::cloud::{AgentProvisioning, CloudSettings, DigitalOceanCloud};
 use crate::token::BootstrapSecret;
 
@@ -33,6 +33,10 @@ pub struct RealFlags {
     pub bootstrap_tls_key: String,
     pub bootstrap_ca: String,
     pub bootstrap_secret: String,
+    /// `--bootstrap-max-connections`; 0 means the default.
+    pub bootstrap_max_connections: usize,
+    /// `--bootstrap-max-connections-per-address`; 0 means the default.
+    pub bootstrap_max_connections_per_address: usize,
 }
 
 impl std::fmt::Debug for RealFlags {
@@ -107,13 +111,21 @@ pub fn build_real(flags: &RealFlags, telemetry: Telemetry) -> Result<RealBackend
     };
     let base = parse_base_url(api_url)?;
     let api = ApiClient::new(base, token, Backoff::default(), telemetry)?;
-    let channel = Channel::new(
+    let mut limits = ChannelLimits::default();
+    if flags.bootstrap_max_connections > 0 {
+        limits.max_connections = flags.bootstrap_max_connections;
+    }
+    if flags.bootstrap_max_connections_per_address > 0 {
+        limits.max_connections_per_address = flags.bootstrap_max_connections_per_address;
+    }
+    let channel = Channel::with_limits(
         ChannelSettings {
             secret,
             tls,
             poll_hold: DEFAULT_POLL_HOLD,
             auth_limit: AuthLimit::default(),
         },
+        limits,
         telemetry,
     );
     let settings = CloudSettings::new(
@@ -314,6 +326,8 @@ mod tests {
             bootstrap_tls_key: write(dir, "key.pem", &key.serialize_pem()),
             bootstrap_ca: String::new(),
             bootstrap_secret: "s3cret".into(),
+            bootstrap_max_connections: 0,
+            bootstrap_max_connections_per_address: 0,
         }
     }
 

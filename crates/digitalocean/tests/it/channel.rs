@@ -4,7 +4,8 @@
 
 use std::time::Duration;
 
-use digitalocean::channel::{AuthLimit, Command};
+use digitalocean::channel::{AuthLimit, ChannelLimits, Command};
+use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
 use tokio::net::TcpListener;
 
 use crate::support::*;
@@ -678,4 +679,234 @@ async fn a_hook_that_sleeps_forever_is_killed_and_acked_as_failed() {
         .await
         .unwrap();
     assert!(agent.output().contains("timed out after 1s"));
+}
+
+/// A TLS 1.3 connection to the channel trusting `ca_pem`, offering `alpn`, from `source`.
+async fn raw_tls(
+    addr: std::net::SocketAddr,
+    ca_pem: &str,
+    alpn: &[u8],
+    source: std::net::IpAddr,
+) -> std::io::Result<tokio_rustls::client::TlsStream<tokio::net::TcpStream>> {
+    let mut roots = rustls::RootCertStore::empty();
+    for cert in provider_core::tls::parse_certificates(ca_pem.as_bytes()).unwrap() {
+        roots.add(cert).unwrap();
+    }
+    let mut config =
+        rustls::ClientConfig::builder_with_provider(provider_core::tls::crypto_provider())
+            .with_protocol_versions(&[&rustls::version::TLS13])
+            .unwrap()
+            .with_root_certificates(roots)
+            .with_no_client_auth();
+    config.alpn_protocols = vec![alpn.to_vec()];
+    let socket = tokio::net::TcpSocket::new_v4()?;
+    socket.bind(std::net::SocketAddr::new(source, 0))?;
+    let tcp = socket.connect(addr).await?;
+    let connector = tokio_rustls::TlsConnector::from(std::sync::Arc::new(config));
+    let name = rustls_pki_types::ServerName::try_from("127.0.0.1").unwrap();
+    let mut tls = connector.connect(name, tcp).await?;
+    // TLS 1.3: the server may still drop the connection right after its Finished; a read
+    // with a short wait tells a refused connection from an open one.
+    let mut probe = [0u8; 1];
+    match tokio::time::timeout(Duration::from_millis(200), tls.read(&mut probe)).await {
+        Ok(Ok(0)) | Ok(Err(_)) => Err(std::io::Error::other("closed by the server")),
+        _ => Ok(tls),
+    }
+}
+
+const LOCAL: std::net::IpAddr = std::net::IpAddr::V4(std::net::Ipv4Addr::LOCALHOST);
+
+/// Reads until the server closes the connection; whether it did within `within`.
+async fn closed_within<S: tokio::io::AsyncRead + Unpin>(stream: &mut S, within: Duration) -> bool {
+    let mut buf = [0u8; 4096];
+    tokio::time::timeout(within, async {
+        loop {
+            match stream.read(&mut buf).await {
+                Ok(0) | Err(_) => return,
+                Ok(_) => {}
+            }
+        }
+    })
+    .await
+    .is_ok()
+}
+
+fn limits() -> ChannelLimits {
+    ChannelLimits {
+        header_timeout: Duration::from_secs(60),
+        idle_timeout: Duration::from_secs(60),
+        keepalive_interval: Duration::from_secs(60),
+        keepalive_timeout: Duration::from_secs(60),
+        ..ChannelLimits::default()
+    }
+}
+
+#[tokio::test]
+async fn a_slowloris_client_is_cut_off_at_the_header_timeout() {
+    let pki = pki();
+    let ch = RunningChannel::start_with_limits(
+        &pki,
+        Duration::from_secs(5),
+        AuthLimit::default(),
+        ChannelLimits {
+            header_timeout: Duration::from_millis(300),
+            ..limits()
+        },
+    )
+    .await;
+    // Headers that never end.
+    let mut slow = raw_tls(ch.addr, &pki.ca_pem, b"http/1.1", LOCAL)
+        .await
+        .unwrap();
+    slow.write_all(b"GET /v1/command HTTP/1.1\r\nHost: x\r\nX-Slow: 1\r\n")
+        .await
+        .unwrap();
+    assert!(closed_within(&mut slow, Duration::from_secs(20)).await);
+    // A TCP connection that never starts its TLS handshake.
+    let mut silent = tokio::net::TcpStream::connect(ch.addr).await.unwrap();
+    assert!(closed_within(&mut silent, Duration::from_secs(20)).await);
+}
+
+#[tokio::test]
+async fn idle_connections_are_closed() {
+    let pki = pki();
+    let ch = RunningChannel::start_with_limits(
+        &pki,
+        Duration::from_secs(5),
+        AuthLimit::default(),
+        ChannelLimits {
+            idle_timeout: Duration::from_millis(300),
+            ..limits()
+        },
+    )
+    .await;
+    let mut conn = raw_tls(ch.addr, &pki.ca_pem, b"http/1.1", LOCAL)
+        .await
+        .unwrap();
+    conn.write_all(b"GET /v2/nothing HTTP/1.1\r\nHost: x\r\n\r\n")
+        .await
+        .unwrap();
+    let mut head = [0u8; 12];
+    conn.read_exact(&mut head).await.unwrap();
+    assert_eq!(&head, b"HTTP/1.1 404");
+    // Keep-alive: nothing more is sent, and the server ends the idle connection.
+    assert!(closed_within(&mut conn, Duration::from_secs(20)).await);
+}
+
+#[tokio::test]
+async fn http2_keepalive_drops_a_peer_that_never_answers_pings() {
+    let pki = pki();
+    let ch = RunningChannel::start_with_limits(
+        &pki,
+        Duration::from_secs(5),
+        AuthLimit::default(),
+        ChannelLimits {
+            keepalive_interval: Duration::from_millis(200),
+            keepalive_timeout: Duration::from_millis(200),
+            ..limits()
+        },
+    )
+    .await;
+    let mut conn = raw_tls(ch.addr, &pki.ca_pem, b"h2", LOCAL).await.unwrap();
+    // The client preface and an empty SETTINGS frame; PINGs are never acknowledged.
+    conn.write_all(b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n\x00\x00\x00\x04\x00\x00\x00\x00\x00")
+        .await
+        .unwrap();
+    assert!(closed_within(&mut conn, Duration::from_secs(20)).await);
+}
+
+#[tokio::test]
+async fn oversized_ack_bodies_get_413() {
+    let pki = pki();
+    let ch = RunningChannel::start_with_limits(
+        &pki,
+        Duration::from_secs(5),
+        AuthLimit::default(),
+        ChannelLimits {
+            max_body_bytes: 1024,
+            ..limits()
+        },
+    )
+    .await;
+    let client = channel_client(&pki.ca_pem);
+    let m = "m-body";
+    let post = |body: Vec<u8>| {
+        client
+            .post(format!("{}/v1/ack", ch.endpoint()))
+            .query(&[("machine_id", m)])
+            .bearer_auth(token(m))
+            .body(body)
+            .send()
+    };
+    let r = post(vec![b' '; 1025]).await.unwrap();
+    assert_eq!(r.status(), 413);
+    assert_eq!(r.text().await.unwrap(), "ack body too large\n");
+    // At the cap the body is read (and here refused as not JSON).
+    let r = post(vec![b'x'; 1024]).await.unwrap();
+    assert_eq!(r.status(), 400);
+    // A chunked body without a length is cut off at the cap too.
+    let mut conn = raw_tls(ch.addr, &pki.ca_pem, b"http/1.1", LOCAL)
+        .await
+        .unwrap();
+    let head = format!(
+        "POST /v1/ack?machine_id={m} HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {}\r\nTransfer-Encoding: chunked\r\n\r\n",
+        token(m)
+    );
+    conn.write_all(head.as_bytes()).await.unwrap();
+    for _ in 0..3 {
+        conn.write_all(b"200\r\n").await.unwrap();
+        conn.write_all(&[b' '; 0x200]).await.unwrap();
+        conn.write_all(b"\r\n").await.unwrap();
+    }
+    let mut status = [0u8; 12];
+    conn.read_exact(&mut status).await.unwrap();
+    assert_eq!(&status, b"HTTP/1.1 413");
+}
+
+#[tokio::test]
+async fn connections_are_capped_per_address_and_in_all() {
+    let pki = pki();
+    let ch = RunningChannel::start_with_limits(
+        &pki,
+        Duration::from_secs(5),
+        AuthLimit::default(),
+        ChannelLimits {
+            max_connections: 3,
+            max_connections_per_address: 2,
+            ..limits()
+        },
+    )
+    .await;
+    let ip = |last: u8| std::net::IpAddr::V4(std::net::Ipv4Addr::new(127, 0, 0, last));
+    let first = raw_tls(ch.addr, &pki.ca_pem, b"http/1.1", ip(1))
+        .await
+        .unwrap();
+    let _second = raw_tls(ch.addr, &pki.ca_pem, b"http/1.1", ip(1))
+        .await
+        .unwrap();
+    // A third from the same address is refused; another address still gets in.
+    assert!(
+        raw_tls(ch.addr, &pki.ca_pem, b"http/1.1", ip(1))
+            .await
+            .is_err()
+    );
+    let _other = raw_tls(ch.addr, &pki.ca_pem, b"http/1.1", ip(2))
+        .await
+        .unwrap();
+    // Now the channel is full for everyone.
+    assert!(
+        raw_tls(ch.addr, &pki.ca_pem, b"http/1.1", ip(3))
+            .await
+            .is_err()
+    );
+    // A closed connection frees its place.
+    drop(first);
+    let mut reopened = None;
+    for _ in 0..100 {
+        if let Ok(c) = raw_tls(ch.addr, &pki.ca_pem, b"http/1.1", ip(1)).await {
+            reopened = Some(c);
+            break;
+        }
+    }
+    assert!(reopened.is_some());
 }

@@ -9,7 +9,7 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use digitalocean::api::{ApiClient, ApiToken, ImageRef};
-use digitalocean::channel::{AuthLimit, Channel, ChannelSettings};
+use digitalocean::channel::{AuthLimit, Channel, ChannelLimits, ChannelSettings};
 use digitalocean::cloud::{AgentProvisioning, CloudSettings, DigitalOceanCloud};
 use digitalocean::setup::channel_tls;
 use digitalocean::token::BootstrapSecret;
@@ -109,6 +109,39 @@ impl RunningChannel {
                 poll_hold: hold,
                 auth_limit: limit,
             },
+            telemetry(),
+        );
+        let stop = CancellationToken::new();
+        let serving = channel.clone();
+        let signal = stop.clone();
+        let task =
+            tokio::spawn(async move { serving.serve(listener, signal.cancelled_owned()).await });
+        RunningChannel {
+            channel,
+            addr,
+            stop,
+            task,
+        }
+    }
+
+    /// Like [`RunningChannel::start`], with the given listener limits.
+    pub async fn start_with_limits(
+        pki: &Pki,
+        hold: Duration,
+        limit: AuthLimit,
+        limits: ChannelLimits,
+    ) -> RunningChannel {
+        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let tls = channel_tls(pki.cert_pem.as_bytes(), pki.key_pem.as_bytes()).unwrap();
+        let channel = Channel::with_limits(
+            ChannelSettings {
+                secret: BootstrapSecret::new(SECRET).unwrap(),
+                tls,
+                poll_hold: hold,
+                auth_limit: limit,
+            },
+            limits,
             telemetry(),
         );
         let stop = CancellationToken::new();
