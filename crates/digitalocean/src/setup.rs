@@ -61,6 +61,9 @@ pub struct RealBackend {
     pub bootstrap_addr: String,
 }
 
+/// Shorter bootstrap secrets are accepted (the reference accepts any) but warned about.
+const MIN_SECRET_BYTES: usize = 32;
+
 /// Validates the flags in the reference's order and builds the channel and the cloud.
 /// Nothing is bound or contacted.
 pub fn build_real(flags: &RealFlags, telemetry: Telemetry) -> Result<RealBackend, String> {
@@ -69,6 +72,15 @@ pub fn build_real(flags: &RealFlags, telemetry: Telemetry) -> Result<RealBackend
          stable HMAC key minting per-machine agent tokens (a random per-process secret would \
          invalidate already-issued tokens on restart and break Configure for every live Droplet)",
     )?;
+    if flags.bootstrap_secret.len() < MIN_SECRET_BYTES {
+        // Only the length is logged, never the secret.
+        tracing::warn!(
+            bytes = flags.bootstrap_secret.len(),
+            "--bootstrap-secret is shorter than 32 bytes: agent tokens are only as strong as \
+             this key; generate one with `openssl rand -base64 48` (rotating it invalidates \
+             every token already issued)"
+        );
+    }
     if flags.bootstrap_addr.is_empty()
         || flags.bootstrap_tls_cert.is_empty()
         || flags.bootstrap_tls_key.is_empty()
@@ -549,6 +561,59 @@ mod tests {
         let pin = pin_of(&flags);
         assert_eq!(pin, c.root.pem());
         assert!(!pin.contains("PRIVATE KEY"));
+    }
+
+    /// Captures the log lines of the current thread.
+    #[derive(Clone, Default)]
+    struct Logs(Arc<std::sync::Mutex<Vec<u8>>>);
+
+    impl std::io::Write for Logs {
+        fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+            self.0.lock().expect("logs").extend_from_slice(buf);
+            Ok(buf.len())
+        }
+        fn flush(&mut self) -> std::io::Result<()> {
+            Ok(())
+        }
+    }
+
+    impl<'a> tracing_subscriber::fmt::MakeWriter<'a> for Logs {
+        type Writer = Logs;
+        fn make_writer(&'a self) -> Logs {
+            self.clone()
+        }
+    }
+
+    fn logs_of(flags: &RealFlags) -> String {
+        let logs = Logs::default();
+        let subscriber = tracing_subscriber::fmt()
+            .with_writer(logs.clone())
+            .with_ansi(false)
+            .finish();
+        tracing::subscriber::with_default(subscriber, || {
+            build_real(flags, Telemetry::new("bigfleet_digitalocean_setup_test")).expect("valid");
+        });
+        String::from_utf8_lossy(&logs.0.lock().expect("logs")).into_owned()
+    }
+
+    #[test]
+    fn a_short_bootstrap_secret_is_warned_about_without_showing_it() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let mut flags = valid(dir.path());
+        flags.bootstrap_secret = "short-secret-31-bytes-long-xyz!".into();
+        assert_eq!(flags.bootstrap_secret.len(), 31);
+        let text = logs_of(&flags);
+        assert!(text.contains("WARN"), "{text}");
+        assert!(
+            text.contains("--bootstrap-secret is shorter than 32 bytes")
+                && text.contains("bytes=31"),
+            "{text}"
+        );
+        assert!(!text.contains(&flags.bootstrap_secret), "{text}");
+        flags.bootstrap_secret = "a-secret-of-exactly-32-bytes-ok!".into();
+        assert_eq!(flags.bootstrap_secret.len(), 32);
+        let text = logs_of(&flags);
+        assert!(!text.contains("shorter than 32 bytes"), "{text}");
     }
 
     #[test]
