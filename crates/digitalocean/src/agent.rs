@@ -16,6 +16,7 @@ use base64::engine::general_purpose::STANDARD;
 use rand::RngExt as _;
 use reqwest::{StatusCode, Url};
 use serde::{Deserialize, Serialize};
+use zeroize::Zeroizing;
 
 use crate::token::AgentToken;
 
@@ -30,6 +31,10 @@ kubectl drain \"$node\" --ignore-daemonsets --delete-emptydir-data \
 const REMEMBERED: usize = 256;
 /// Per-request timeout: longer than the channel's poll hold.
 const REQUEST_TIMEOUT: Duration = Duration::from_secs(90);
+/// Largest command body the agent reads from the channel (a blob of about 3 MiB, base64).
+/// A larger answer is refused before it is parsed, so a rogue or broken server cannot make the
+/// agent buffer without bound.
+pub const MAX_COMMAND_BYTES: usize = 4 << 20;
 /// Ack delivery attempts before going back to polling (a re-served command is re-acked).
 const ACK_ATTEMPTS: u32 = 6;
 
@@ -39,7 +44,8 @@ pub struct AgentConfig {
     pub endpoint: String,
     pub ca_pem: String,
     pub machine_id: String,
-    pub token: String,
+    /// Zeroed on drop.
+    pub token: Zeroizing<String>,
 }
 
 impl std::fmt::Debug for AgentConfig {
@@ -53,15 +59,16 @@ impl std::fmt::Debug for AgentConfig {
 
 impl AgentConfig {
     pub fn load(path: &Path) -> Result<AgentConfig, String> {
-        let bytes =
-            std::fs::read(path).map_err(|e| format!("read config {}: {e}", path.display()))?;
+        let bytes = Zeroizing::new(
+            std::fs::read(path).map_err(|e| format!("read config {}: {e}", path.display()))?,
+        );
         let config: AgentConfig = serde_json::from_slice(&bytes)
             .map_err(|e| format!("parse config {}: {e}", path.display()))?;
         for (name, value) in [
             ("endpoint", &config.endpoint),
             ("ca_pem", &config.ca_pem),
             ("machine_id", &config.machine_id),
-            ("token", &config.token),
+            ("token", &*config.token),
         ] {
             if value.trim().is_empty() {
                 return Err(format!("config {}: {name} is empty", path.display()));
@@ -108,8 +115,8 @@ impl Default for CommandTimeouts {
     }
 }
 
-/// A command as the channel serves it.
-#[derive(Debug, Deserialize)]
+/// A command as the channel serves it. The blob is zeroed on drop and never printed.
+#[derive(Deserialize)]
 struct WireCommand {
     id: String,
     #[serde(rename = "type")]
@@ -117,9 +124,24 @@ struct WireCommand {
     #[serde(default)]
     cluster_id: String,
     #[serde(default)]
-    blob: String,
+    blob: Zeroizing<String>,
     #[serde(default)]
     grace_seconds: i64,
+}
+
+impl std::fmt::Debug for WireCommand {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("WireCommand")
+            .field("id", &self.id)
+            .field("kind", &self.kind)
+            .field("cluster_id", &self.cluster_id)
+            .field(
+                "blob",
+                &format_args!("[redacted; {} bytes]", self.blob.len()),
+            )
+            .field("grace_seconds", &self.grace_seconds)
+            .finish()
+    }
 }
 
 #[derive(Serialize)]
@@ -307,7 +329,7 @@ impl Agent {
         match response.status() {
             StatusCode::NO_CONTENT => Ok(None),
             StatusCode::OK => {
-                let bytes = response.bytes().await.map_err(|e| describe(&e))?;
+                let bytes = read_capped(response, MAX_COMMAND_BYTES).await?;
                 serde_json::from_slice(&bytes)
                     .map(Some)
                     .map_err(|e| format!("bad command: {e}"))
@@ -388,9 +410,11 @@ impl Agent {
     }
 
     async fn configure(&self, command: &WireCommand) -> Result<(), String> {
-        let blob = STANDARD
-            .decode(command.blob.as_bytes())
-            .map_err(|e| format!("bad blob: {e}"))?;
+        let blob = Zeroizing::new(
+            STANDARD
+                .decode(command.blob.as_bytes())
+                .map_err(|e| format!("bad blob: {e}"))?,
+        );
         let blob_path = blob_path(&self.options.hook);
         write_private(&blob_path, &blob)
             .map_err(|e| format!("write {}: {e}", blob_path.display()))?;
@@ -512,6 +536,30 @@ impl Drop for GroupGuard {
     }
 }
 
+/// Reads a response body of at most `cap` bytes into a buffer zeroed on drop.
+async fn read_capped(
+    mut response: reqwest::Response,
+    cap: usize,
+) -> Result<Zeroizing<Vec<u8>>, String> {
+    let too_large = || format!("command body larger than {cap} bytes refused");
+    let declared = response.content_length();
+    if declared.is_some_and(|n| n > cap as u64) {
+        return Err(too_large());
+    }
+    // Reserving the declared size up front avoids reallocations that would leave unzeroed
+    // copies of the blob behind.
+    let mut body = Zeroizing::new(Vec::with_capacity(
+        declared.map_or(0, |n| usize::try_from(n).unwrap_or(cap)),
+    ));
+    while let Some(chunk) = response.chunk().await.map_err(|e| describe(&e))? {
+        if body.len() + chunk.len() > cap {
+            return Err(too_large());
+        }
+        body.extend_from_slice(&chunk);
+    }
+    Ok(body)
+}
+
 /// A transport error with its causes, without the URL (whose query is harmless but long).
 fn describe(e: &reqwest::Error) -> String {
     let mut text = e.to_string();
@@ -604,6 +652,20 @@ mod tests {
         assert!(
             err.starts_with("readiness command failed: exit status: 3"),
             "{err}"
+        );
+    }
+
+    #[test]
+    fn a_wire_command_never_prints_its_blob() {
+        let command: WireCommand = serde_json::from_str(
+            r#"{"id":"7","type":"configure","cluster_id":"c","blob":"c2VjcmV0LWpvaW4tdG9rZW4="}"#,
+        )
+        .unwrap();
+        let shown = format!("{command:?}");
+        assert!(!shown.contains("c2VjcmV0LWpvaW4tdG9rZW4="), "{shown}");
+        assert!(
+            shown.contains("[redacted; 24 bytes]") && shown.contains("\"7\""),
+            "{shown}"
         );
     }
 

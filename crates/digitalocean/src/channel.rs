@@ -34,6 +34,7 @@ use tokio::time::Instant;
 use tokio_rustls::TlsAcceptor;
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
+use zeroize::{Zeroize as _, Zeroizing};
 
 use crate::token::{AgentToken, BootstrapSecret};
 
@@ -186,6 +187,15 @@ impl std::fmt::Debug for Command {
     }
 }
 
+impl Drop for Command {
+    /// The blob is a join secret: zeroed when the command is dropped.
+    fn drop(&mut self) {
+        if let Command::Configure { blob, .. } = self {
+            blob.zeroize();
+        }
+    }
+}
+
 impl Command {
     pub fn kind(&self) -> &'static str {
         match self {
@@ -197,7 +207,7 @@ impl Command {
 
     /// The wire form: compact JSON with keys `id`, `type`, `cluster_id`, `blob`,
     /// `grace_seconds` in that order, empty ones omitted, and a trailing newline.
-    fn to_wire(&self, id: &str) -> Bytes {
+    fn to_wire(&self, id: &str) -> Zeroizing<Vec<u8>> {
         #[derive(Serialize)]
         struct Wire<'a> {
             id: &'a str,
@@ -205,31 +215,34 @@ impl Command {
             kind: &'a str,
             #[serde(skip_serializing_if = "str::is_empty")]
             cluster_id: &'a str,
-            #[serde(skip_serializing_if = "String::is_empty")]
-            blob: String,
+            #[serde(skip_serializing_if = "str::is_empty")]
+            blob: &'a str,
             #[serde(skip_serializing_if = "is_zero")]
             grace_seconds: i64,
         }
         fn is_zero(n: &i64) -> bool {
             *n == 0
         }
-        let (cluster_id, blob, grace_seconds) = match self {
-            Command::Configure { cluster_id, blob } => {
-                (cluster_id.as_str(), STANDARD.encode(blob), 0)
+        let encoded = Zeroizing::new(match self {
+            Command::Configure { blob, .. } => STANDARD.encode(blob),
+            _ => String::new(),
+        });
+        let (cluster_id, grace_seconds) = match self {
+            Command::Configure { cluster_id, .. } | Command::Ready { cluster_id } => {
+                (cluster_id.as_str(), 0)
             }
-            Command::Ready { cluster_id } => (cluster_id.as_str(), String::new(), 0),
-            Command::Drain { grace_seconds } => ("", String::new(), *grace_seconds),
+            Command::Drain { grace_seconds } => ("", *grace_seconds),
         };
         let wire = Wire {
             id,
             kind: self.kind(),
             cluster_id,
-            blob,
+            blob: &encoded,
             grace_seconds,
         };
-        let mut body = serde_json::to_vec(&wire).unwrap_or_default();
+        let mut body = Zeroizing::new(serde_json::to_vec(&wire).unwrap_or_default());
         body.push(b'\n');
-        Bytes::from(body)
+        body
     }
 }
 
@@ -247,7 +260,9 @@ enum Outcome {
 
 struct Pending {
     id: String,
-    body: Bytes,
+    /// The wire form, blob included: zeroed when the command is acked, superseded or dropped.
+    /// Each response gets its own copy, which leaves with the response.
+    body: Zeroizing<Vec<u8>>,
     waiter: oneshot::Sender<Outcome>,
 }
 
@@ -712,7 +727,8 @@ impl Channel {
                 if let Some(pending) = &slot.pending {
                     self.inner.telemetry.bootstrap_poll("command");
                     tracing::debug!(machine_id, command_id = %pending.id, "bootstrap command fetched");
-                    let mut response = Response::new(Full::new(pending.body.clone()));
+                    let mut response =
+                        Response::new(Full::new(Bytes::copy_from_slice(&pending.body)));
                     response.headers_mut().insert(
                         header::CONTENT_TYPE,
                         http::HeaderValue::from_static("application/json"),
@@ -1131,6 +1147,58 @@ mod tests {
             "digitalocean/OnDemand/s-2vcpu-4gb/nyc3/0",
         );
         assert!(!table.buckets.contains_key(&oldest));
+    }
+
+    /// With a paused clock: a poll is held while nothing is pending, answers the moment a
+    /// command is queued (not a tick later), and with nothing queued answers 204 exactly when
+    /// the hold ends.
+    #[tokio::test(start_paused = true)]
+    async fn a_poll_is_held_until_a_command_arrives_or_the_hold_ends() {
+        let ch = test_channel(AuthLimit::default());
+        let hold = ch.inner.poll_hold;
+        let stop = CancellationToken::new();
+        let poll = |machine_id: &'static str| {
+            let (ch, stop) = (ch.clone(), stop.clone());
+            tokio::spawn(async move {
+                let response = ch.poll(machine_id, stop).await;
+                (response.status(), Instant::now())
+            })
+        };
+        let start = Instant::now();
+        let held = poll("m-1");
+        tokio::time::sleep(Duration::from_secs(10)).await;
+        assert!(
+            !held.is_finished(),
+            "the poll returned before a command was queued"
+        );
+        let queued_at = Instant::now();
+        let delivery = tokio::spawn({
+            let ch = ch.clone();
+            async move {
+                ch.deliver(
+                    "m-1",
+                    Command::Drain { grace_seconds: 5 },
+                    &TransitionContext::with_timeout("op", Duration::from_secs(600)),
+                )
+                .await
+            }
+        });
+        let (status, answered_at) = held.await.expect("poll");
+        assert_eq!(status, StatusCode::OK);
+        assert_eq!(
+            answered_at, queued_at,
+            "answered as soon as the command was queued"
+        );
+        assert_eq!(answered_at - start, Duration::from_secs(10));
+        delivery.abort();
+
+        let start = Instant::now();
+        let empty = poll("m-2");
+        tokio::time::sleep(hold - Duration::from_millis(1)).await;
+        assert!(!empty.is_finished());
+        let (status, answered_at) = empty.await.expect("poll");
+        assert_eq!(status, StatusCode::NO_CONTENT);
+        assert_eq!(answered_at - start, hold);
     }
 
     #[tokio::test(start_paused = true)]
