@@ -16,12 +16,14 @@ use crate::api::{ApiClient, ApiToken, ImageRef, parse_base_url};
 use crate::channel::{AuthLimit, Channel, ChannelLimits, ChannelSettings, DEFAULT_POLL_HOLD};
 use crate::cloud::{AgentProvisioning, CloudSettings, DigitalOceanCloud};
 use crate::token::BootstrapSecret;
+use zeroize::Zeroizing;
 
 /// The flags of the real backend, as parsed (secrets already resolved from their env vars).
 #[derive(Clone, Default)]
 pub struct RealFlags {
     pub provider: String,
-    pub token: String,
+    /// Zeroed on drop.
+    pub token: Zeroizing<String>,
     pub region: String,
     pub image: String,
     pub api_url: String,
@@ -32,7 +34,8 @@ pub struct RealFlags {
     pub bootstrap_tls_cert: String,
     pub bootstrap_tls_key: String,
     pub bootstrap_ca: String,
-    pub bootstrap_secret: String,
+    /// Zeroed on drop.
+    pub bootstrap_secret: Zeroizing<String>,
     /// `--bootstrap-max-connections`; 0 means the default.
     pub bootstrap_max_connections: usize,
     /// `--bootstrap-max-connections-per-address`; 0 means the default.
@@ -67,7 +70,7 @@ const MIN_SECRET_BYTES: usize = 32;
 /// Validates the flags in the reference's order and builds the channel and the cloud.
 /// Nothing is bound or contacted.
 pub fn build_real(flags: &RealFlags, telemetry: Telemetry) -> Result<RealBackend, String> {
-    let secret = BootstrapSecret::new(flags.bootstrap_secret.clone()).ok_or(
+    let secret = BootstrapSecret::new(flags.bootstrap_secret.to_string()).ok_or(
         "the digitalocean backend requires --bootstrap-secret or BIGFLEET_BOOTSTRAP_SECRET: a \
          stable HMAC key minting per-machine agent tokens (a random per-process secret would \
          invalidate already-issued tokens on restart and break Configure for every live Droplet)",
@@ -327,7 +330,7 @@ mod tests {
         .expect("cert");
         RealFlags {
             provider: "digitalocean".into(),
-            token: "dop_v1_x".into(),
+            token: Zeroizing::new("dop_v1_x".into()),
             region: "nyc3".into(),
             image: "ubuntu-24-04-x64".into(),
             api_url: String::new(),
@@ -337,7 +340,7 @@ mod tests {
             bootstrap_tls_cert: write(dir, "cert.pem", &cert.pem()),
             bootstrap_tls_key: write(dir, "key.pem", &key.serialize_pem()),
             bootstrap_ca: String::new(),
-            bootstrap_secret: "s3cret".into(),
+            bootstrap_secret: Zeroizing::new("s3cret".into()),
             bootstrap_max_connections: 0,
             bootstrap_max_connections_per_address: 0,
         }
@@ -393,7 +396,7 @@ mod tests {
             error(&f)
         );
         let mut f = ok.clone();
-        f.token = " '' ".into();
+        f.token = Zeroizing::new(" '' ".into());
         assert_eq!(
             error(&f),
             "digitalocean: token is required for the digitalocean backend"
@@ -600,7 +603,7 @@ mod tests {
     fn a_short_bootstrap_secret_is_warned_about_without_showing_it() {
         let dir = tempfile::tempdir().expect("tempdir");
         let mut flags = valid(dir.path());
-        flags.bootstrap_secret = "short-secret-31-bytes-long-xyz!".into();
+        flags.bootstrap_secret = Zeroizing::new("short-secret-31-bytes-long-xyz!".into());
         assert_eq!(flags.bootstrap_secret.len(), 31);
         let text = logs_of(&flags);
         assert!(text.contains("WARN"), "{text}");
@@ -609,8 +612,8 @@ mod tests {
                 && text.contains("bytes=31"),
             "{text}"
         );
-        assert!(!text.contains(&flags.bootstrap_secret), "{text}");
-        flags.bootstrap_secret = "a-secret-of-exactly-32-bytes-ok!".into();
+        assert!(!text.contains(flags.bootstrap_secret.as_str()), "{text}");
+        flags.bootstrap_secret = Zeroizing::new("a-secret-of-exactly-32-bytes-ok!".into());
         assert_eq!(flags.bootstrap_secret.len(), 32);
         let text = logs_of(&flags);
         assert!(!text.contains("shorter than 32 bytes"), "{text}");
@@ -619,8 +622,8 @@ mod tests {
     #[test]
     fn flags_never_print_secrets() {
         let flags = RealFlags {
-            token: "dop_v1_x".into(),
-            bootstrap_secret: "s3cret".into(),
+            token: Zeroizing::new("dop_v1_x".into()),
+            bootstrap_secret: Zeroizing::new("s3cret".into()),
             ..RealFlags::default()
         };
         let text = format!("{flags:?}");
