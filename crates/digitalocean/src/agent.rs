@@ -16,6 +16,7 @@ use base64::engine::general_purpose::STANDARD;
 use rand::RngExt as _;
 use reqwest::{StatusCode, Url};
 use serde::{Deserialize, Serialize};
+use zeroize::Zeroizing;
 
 use crate::token::AgentToken;
 
@@ -30,6 +31,10 @@ kubectl drain \"$node\" --ignore-daemonsets --delete-emptydir-data \
 const REMEMBERED: usize = 256;
 /// Per-request timeout: longer than the channel's poll hold.
 const REQUEST_TIMEOUT: Duration = Duration::from_secs(90);
+/// Largest command body the agent reads from the channel (a blob of about 3 MiB, base64).
+/// A larger answer is refused before it is parsed, so a rogue or broken server cannot make the
+/// agent buffer without bound.
+pub const MAX_COMMAND_BYTES: usize = 4 << 20;
 /// Ack delivery attempts before going back to polling (a re-served command is re-acked).
 const ACK_ATTEMPTS: u32 = 6;
 
@@ -39,7 +44,8 @@ pub struct AgentConfig {
     pub endpoint: String,
     pub ca_pem: String,
     pub machine_id: String,
-    pub token: String,
+    /// Zeroed on drop.
+    pub token: Zeroizing<String>,
 }
 
 impl std::fmt::Debug for AgentConfig {
@@ -53,15 +59,16 @@ impl std::fmt::Debug for AgentConfig {
 
 impl AgentConfig {
     pub fn load(path: &Path) -> Result<AgentConfig, String> {
-        let bytes =
-            std::fs::read(path).map_err(|e| format!("read config {}: {e}", path.display()))?;
+        let bytes = Zeroizing::new(
+            std::fs::read(path).map_err(|e| format!("read config {}: {e}", path.display()))?,
+        );
         let config: AgentConfig = serde_json::from_slice(&bytes)
             .map_err(|e| format!("parse config {}: {e}", path.display()))?;
         for (name, value) in [
             ("endpoint", &config.endpoint),
             ("ca_pem", &config.ca_pem),
             ("machine_id", &config.machine_id),
-            ("token", &config.token),
+            ("token", &*config.token),
         ] {
             if value.trim().is_empty() {
                 return Err(format!("config {}: {name} is empty", path.display()));
@@ -82,10 +89,34 @@ pub struct AgentOptions {
     pub state_path: PathBuf,
     /// Longest wait between attempts when the provider is unreachable.
     pub max_backoff: Duration,
+    /// How long the hook, the readiness command and the drain command may each run before
+    /// their process group is killed and the command is acked as failed.
+    pub timeouts: CommandTimeouts,
 }
 
-/// A command as the channel serves it.
-#[derive(Debug, Deserialize)]
+/// Per-command time limits of the agent.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct CommandTimeouts {
+    pub hook: Duration,
+    pub readiness: Duration,
+    pub drain: Duration,
+}
+
+impl Default for CommandTimeouts {
+    /// The provider's own default transition timeouts: nobody waits for a configure or a
+    /// readiness check longer than the Configure timeout (8m), or for a drain longer than the
+    /// Drain timeout (15m).
+    fn default() -> CommandTimeouts {
+        CommandTimeouts {
+            hook: Duration::from_secs(8 * 60),
+            readiness: Duration::from_secs(8 * 60),
+            drain: Duration::from_secs(15 * 60),
+        }
+    }
+}
+
+/// A command as the channel serves it. The blob is zeroed on drop and never printed.
+#[derive(Deserialize)]
 struct WireCommand {
     id: String,
     #[serde(rename = "type")]
@@ -93,9 +124,24 @@ struct WireCommand {
     #[serde(default)]
     cluster_id: String,
     #[serde(default)]
-    blob: String,
+    blob: Zeroizing<String>,
     #[serde(default)]
     grace_seconds: i64,
+}
+
+impl std::fmt::Debug for WireCommand {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("WireCommand")
+            .field("id", &self.id)
+            .field("kind", &self.kind)
+            .field("cluster_id", &self.cluster_id)
+            .field(
+                "blob",
+                &format_args!("[redacted; {} bytes]", self.blob.len()),
+            )
+            .field("grace_seconds", &self.grace_seconds)
+            .finish()
+    }
 }
 
 #[derive(Serialize)]
@@ -188,11 +234,10 @@ impl std::fmt::Debug for Agent {
 
 impl Agent {
     pub fn new(config: AgentConfig, options: AgentOptions) -> Result<Agent, String> {
-        let roots = reqwest::Certificate::from_pem_bundle(config.ca_pem.as_bytes())
+        // Every certificate of ca_pem is a trust anchor, and nothing else is: not the system's
+        // roots. A malformed block fails startup rather than being skipped.
+        let roots = provider_core::tls::parse_certificates(config.ca_pem.as_bytes())
             .map_err(|e| format!("config ca_pem: {e}"))?;
-        if roots.is_empty() {
-            return Err("config ca_pem: no certificate found".into());
-        }
         let mut builder = reqwest::Client::builder()
             .use_rustls_tls()
             .tls_built_in_root_certs(false)
@@ -203,6 +248,8 @@ impl Agent {
             .timeout(REQUEST_TIMEOUT)
             .user_agent(concat!("bigfleet-agent/", env!("CARGO_PKG_VERSION")));
         for root in roots {
+            let root =
+                reqwest::Certificate::from_der(&root).map_err(|e| format!("config ca_pem: {e}"))?;
             builder = builder.add_root_certificate(root);
         }
         let http = builder
@@ -282,7 +329,7 @@ impl Agent {
         match response.status() {
             StatusCode::NO_CONTENT => Ok(None),
             StatusCode::OK => {
-                let bytes = response.bytes().await.map_err(|e| describe(&e))?;
+                let bytes = read_capped(response, MAX_COMMAND_BYTES).await?;
                 serde_json::from_slice(&bytes)
                     .map(Some)
                     .map_err(|e| format!("bad command: {e}"))
@@ -349,23 +396,25 @@ impl Agent {
                 Some(script) => {
                     let mut cmd = shell(script);
                     cmd.env("BIGFLEET_CLUSTER_ID", &command.cluster_id);
-                    run(cmd, "readiness command").await
+                    run(cmd, "readiness command", self.options.timeouts.readiness).await
                 }
             },
             "drain" => {
                 let grace = command.grace_seconds.max(1).to_string();
                 let mut cmd = shell(&self.options.drain_command);
                 cmd.arg(&grace).env("BIGFLEET_GRACE_SECONDS", &grace);
-                run(cmd, "drain command").await
+                run(cmd, "drain command", self.options.timeouts.drain).await
             }
             other => Err(format!("unknown command type {other:?}")),
         }
     }
 
     async fn configure(&self, command: &WireCommand) -> Result<(), String> {
-        let blob = STANDARD
-            .decode(command.blob.as_bytes())
-            .map_err(|e| format!("bad blob: {e}"))?;
+        let blob = Zeroizing::new(
+            STANDARD
+                .decode(command.blob.as_bytes())
+                .map_err(|e| format!("bad blob: {e}"))?,
+        );
         let blob_path = blob_path(&self.options.hook);
         write_private(&blob_path, &blob)
             .map_err(|e| format!("write {}: {e}", blob_path.display()))?;
@@ -374,7 +423,7 @@ impl Agent {
             .env("BIGFLEET_CLUSTER_ID", &command.cluster_id)
             .env("BIGFLEET_MACHINE_ID", &self.machine_id)
             .env("BIGFLEET_BLOB_FILE", &blob_path);
-        run(cmd, "bootstrap hook").await
+        run(cmd, "bootstrap hook", self.options.timeouts.hook).await
     }
 
     async fn ack(&self, id: &str, outcome: &Result<(), String>) {
@@ -432,17 +481,83 @@ fn shell(script: &str) -> tokio::process::Command {
     cmd
 }
 
-async fn run(mut cmd: tokio::process::Command, what: &str) -> Result<(), String> {
-    cmd.stdin(std::process::Stdio::null()).kill_on_drop(true);
-    let status = cmd
-        .status()
-        .await
+/// Runs `cmd` as the leader of its own process group, for at most `timeout`. On expiry (or
+/// when the agent stops waiting) the whole group is killed, so children the command started
+/// (a `sleep`, a `kubeadm` under a shell) do not outlive it; a child that moved itself into
+/// another session escapes, as with any process-group kill.
+async fn run(
+    mut cmd: tokio::process::Command,
+    what: &str,
+    timeout: Duration,
+) -> Result<(), String> {
+    cmd.stdin(std::process::Stdio::null())
+        .kill_on_drop(true)
+        .process_group(0);
+    let mut child = cmd
+        .spawn()
         .map_err(|e| format!("{what}: cannot start: {e}"))?;
-    if status.success() {
-        Ok(())
-    } else {
-        Err(format!("{what} failed: {status}"))
+    let mut group = GroupGuard(child.id());
+    let waited = tokio::time::timeout(timeout, child.wait()).await;
+    match waited {
+        Ok(Ok(status)) => {
+            // It ended by itself: whatever it left running in the background is its business.
+            group.0 = None;
+            if status.success() {
+                Ok(())
+            } else {
+                Err(format!("{what} failed: {status}"))
+            }
+        }
+        Ok(Err(e)) => Err(format!("{what}: cannot wait for it: {e}")),
+        Err(_) => {
+            drop(group);
+            // Reap the leader so it leaves no zombie; the kill makes this immediate.
+            let _ = child.wait().await;
+            Err(format!(
+                "{what} timed out after {} and was killed with its process group",
+                provider_core::duration::format(timeout)
+            ))
+        }
     }
+}
+
+/// Kills a process group with SIGKILL when dropped, unless disarmed (`None`).
+struct GroupGuard(Option<u32>);
+
+impl Drop for GroupGuard {
+    fn drop(&mut self) {
+        if let Some(leader) = self.0.take().and_then(|id| i32::try_from(id).ok()) {
+            // ESRCH (the group is gone already) is the only expected error.
+            let _ = nix::sys::signal::killpg(
+                nix::unistd::Pid::from_raw(leader),
+                nix::sys::signal::Signal::SIGKILL,
+            );
+        }
+    }
+}
+
+/// Reads a response body of at most `cap` bytes into a buffer zeroed on drop.
+async fn read_capped(
+    mut response: reqwest::Response,
+    cap: usize,
+) -> Result<Zeroizing<Vec<u8>>, String> {
+    let too_large = || format!("command body larger than {cap} bytes refused");
+    let declared = response.content_length();
+    if declared.is_some_and(|n| n > cap as u64) {
+        return Err(too_large());
+    }
+    // Reserving the declared size up front avoids reallocations that would leave unzeroed
+    // copies of the blob behind.
+    let mut body = Zeroizing::new(Vec::with_capacity(
+        declared.map_or(0, |n| usize::try_from(n).unwrap_or(cap)),
+    ));
+    while let Some(chunk) = response.chunk().await.map_err(|e| describe(&e))? {
+        if body.len() + chunk.len() > cap {
+            return Err(too_large());
+        }
+        body.extend_from_slice(&chunk);
+    }
+    Ok(body)
 }
 
 /// A transport error with its causes, without the URL (whose query is harmless but long).
@@ -483,6 +598,74 @@ mod tests {
                 .unwrap()
                 .executed
                 .is_empty()
+        );
+    }
+
+    /// Whether process `pid` is gone (or a zombie nobody reaped yet: it runs nothing).
+    fn gone(pid: &str) -> bool {
+        match std::fs::read_to_string(format!("/proc/{}/stat", pid.trim())) {
+            Err(_) => true,
+            // The state follows the parenthesised command name.
+            Ok(stat) => stat
+                .rsplit(')')
+                .next()
+                .is_some_and(|rest| rest.trim_start().starts_with('Z')),
+        }
+    }
+
+    #[tokio::test]
+    async fn a_command_that_outlives_its_timeout_is_killed_with_its_children() {
+        let dir = tempfile::tempdir().unwrap();
+        let pid_file = dir.path().join("child.pid");
+        let script = format!("sleep 1000 & echo $! > '{}'; wait", pid_file.display());
+        let started = std::time::Instant::now();
+        let err = run(shell(&script), "drain command", Duration::from_millis(300))
+            .await
+            .unwrap_err();
+        assert_eq!(
+            err,
+            "drain command timed out after 300ms and was killed with its process group"
+        );
+        assert!(started.elapsed() < Duration::from_secs(30));
+        let child = std::fs::read_to_string(&pid_file).unwrap();
+        let mut waited = 0;
+        while !gone(&child) && waited < 100 {
+            std::thread::sleep(Duration::from_millis(50));
+            waited += 1;
+        }
+        assert!(gone(&child), "the command's child {child} still runs");
+        // A command that finishes in time is judged by its exit status.
+        run(
+            shell("exit 0"),
+            "readiness command",
+            Duration::from_secs(30),
+        )
+        .await
+        .unwrap();
+        let err = run(
+            shell("exit 3"),
+            "readiness command",
+            Duration::from_secs(30),
+        )
+        .await
+        .unwrap_err();
+        assert!(
+            err.starts_with("readiness command failed: exit status: 3"),
+            "{err}"
+        );
+    }
+
+    #[test]
+    fn a_wire_command_never_prints_its_blob() {
+        let command: WireCommand = serde_json::from_str(
+            r#"{"id":"7","type":"configure","cluster_id":"c","blob":"c2VjcmV0LWpvaW4tdG9rZW4="}"#,
+        )
+        .unwrap();
+        let shown = format!("{command:?}");
+        assert!(!shown.contains("c2VjcmV0LWpvaW4tdG9rZW4="), "{shown}");
+        assert!(
+            shown.contains("[redacted; 24 bytes]") && shown.contains("\"7\""),
+            "{shown}"
         );
     }
 

@@ -4,11 +4,14 @@
 //! A transition hands a command for one machine to [`Channel::deliver`], which waits for the
 //! agent's ack. Agents long-poll `GET /v1/command` (the request is held until a command is
 //! pending or the hold time passes) and answer with `POST /v1/ack`, echoing the command id.
-//! Every request carries the machine's bearer token, re-derived and compared in constant time;
-//! failed authentications are rate limited per source address. Only TLS 1.3 is spoken.
+//! Every request carries the machine's bearer token, re-derived and compared in constant time.
+//! The token is checked first: a valid token is always served, and only failed authentications
+//! are rate limited, per (source address, claimed machine id), so one misbehaving client behind
+//! a shared egress address never locks out the other agents behind it. Only TLS 1.3 is spoken.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, VecDeque};
 use std::future::Future;
+use std::hash::BuildHasher as _;
 use std::net::{IpAddr, SocketAddr};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
@@ -31,21 +34,22 @@ use tokio::time::Instant;
 use tokio_rustls::TlsAcceptor;
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
+use zeroize::{Zeroize as _, Zeroizing};
 
 use crate::token::{AgentToken, BootstrapSecret};
 
 /// How long `GET /v1/command` is held when nothing is pending.
 pub const DEFAULT_POLL_HOLD: Duration = Duration::from_secs(25);
-/// Largest accepted ack body.
-const MAX_ACK_BYTES: usize = 64 * 1024;
-/// Time allowed for the request headers (and the TLS handshake) of one connection.
-const HEADER_TIMEOUT: Duration = Duration::from_secs(10);
+/// Most (source address, machine id) pairs whose failures are remembered. The table is full
+/// only under a flood of failing sources; the oldest entry then makes room in O(1).
+pub const FAILURE_TABLE_CAP: usize = 65_536;
 /// How long shutdown waits for open connections.
 const SHUTDOWN_GRACE: Duration = Duration::from_secs(5);
 
-/// Failed-authentication throttling per source address: a token bucket of `burst` failures,
-/// refilled by one every `refill_every`. While a source's bucket is empty every request from it
-/// is answered 429 before its token is even looked at, so guessing stays slow.
+/// Failed-authentication throttling per (source address, claimed machine id): a token bucket of
+/// `burst` failures, refilled by one every `refill_every`. While a bucket is empty, every
+/// request with a wrong token for that pair is answered 429, so guessing one machine's token
+/// stays slow. A request with the right token is never throttled.
 #[derive(Clone, Copy, Debug)]
 pub struct AuthLimit {
     pub burst: u32,
@@ -59,6 +63,79 @@ impl Default for AuthLimit {
             refill_every: Duration::from_secs(6),
         }
     }
+}
+
+/// Resource limits of the channel's listener. Every agent holds one connection with at most one
+/// request in flight (its poll, or an ack), so the defaults leave ample room for large fleets
+/// behind one NAT address while a single misbehaving source cannot exhaust the process.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct ChannelLimits {
+    /// Open connections in all; a connection over the cap is closed right after accept.
+    pub max_connections: usize,
+    /// Open connections from one source address.
+    pub max_connections_per_address: usize,
+    /// Time for the TLS handshake, and (HTTP/1) for the headers of a request (slowloris).
+    pub header_timeout: Duration,
+    /// A connection with no request in flight for this long is closed.
+    pub idle_timeout: Duration,
+    /// HTTP/2: a PING is sent after this much silence...
+    pub keepalive_interval: Duration,
+    /// ...and the connection closed if it is not answered within this.
+    pub keepalive_timeout: Duration,
+    /// HTTP/2: concurrent streams per connection.
+    pub max_streams: u32,
+    /// Largest accepted request body (an ack); larger ones get 413.
+    pub max_body_bytes: usize,
+    /// Time to receive a request body; slower ones get 408.
+    pub body_timeout: Duration,
+}
+
+impl Default for ChannelLimits {
+    fn default() -> ChannelLimits {
+        ChannelLimits {
+            max_connections: 8192,
+            max_connections_per_address: 1024,
+            header_timeout: Duration::from_secs(10),
+            idle_timeout: Duration::from_secs(120),
+            keepalive_interval: Duration::from_secs(30),
+            keepalive_timeout: Duration::from_secs(20),
+            max_streams: 16,
+            max_body_bytes: 64 * 1024,
+            body_timeout: Duration::from_secs(10),
+        }
+    }
+}
+
+/// Open connections, in all and per source address.
+#[derive(Default)]
+struct Connections {
+    total: usize,
+    per_address: HashMap<IpAddr, usize>,
+}
+
+/// One admitted connection; releases its place when dropped.
+struct ConnectionSlot {
+    channel: Channel,
+    peer: IpAddr,
+}
+
+impl Drop for ConnectionSlot {
+    fn drop(&mut self) {
+        let mut open = lock(&self.channel.inner.connections);
+        open.total = open.total.saturating_sub(1);
+        if let Some(n) = open.per_address.get_mut(&self.peer) {
+            *n = n.saturating_sub(1);
+            if *n == 0 {
+                open.per_address.remove(&self.peer);
+            }
+        }
+    }
+}
+
+/// Requests in flight on one connection and when the last one ended, for the idle timeout.
+struct Activity {
+    in_flight: usize,
+    last: Instant,
 }
 
 /// What the channel needs besides its listener.
@@ -110,6 +187,15 @@ impl std::fmt::Debug for Command {
     }
 }
 
+impl Drop for Command {
+    /// The blob is a join secret: zeroed when the command is dropped.
+    fn drop(&mut self) {
+        if let Command::Configure { blob, .. } = self {
+            blob.zeroize();
+        }
+    }
+}
+
 impl Command {
     pub fn kind(&self) -> &'static str {
         match self {
@@ -121,7 +207,7 @@ impl Command {
 
     /// The wire form: compact JSON with keys `id`, `type`, `cluster_id`, `blob`,
     /// `grace_seconds` in that order, empty ones omitted, and a trailing newline.
-    fn to_wire(&self, id: &str) -> Bytes {
+    fn to_wire(&self, id: &str) -> Zeroizing<Vec<u8>> {
         #[derive(Serialize)]
         struct Wire<'a> {
             id: &'a str,
@@ -129,31 +215,34 @@ impl Command {
             kind: &'a str,
             #[serde(skip_serializing_if = "str::is_empty")]
             cluster_id: &'a str,
-            #[serde(skip_serializing_if = "String::is_empty")]
-            blob: String,
+            #[serde(skip_serializing_if = "str::is_empty")]
+            blob: &'a str,
             #[serde(skip_serializing_if = "is_zero")]
             grace_seconds: i64,
         }
         fn is_zero(n: &i64) -> bool {
             *n == 0
         }
-        let (cluster_id, blob, grace_seconds) = match self {
-            Command::Configure { cluster_id, blob } => {
-                (cluster_id.as_str(), STANDARD.encode(blob), 0)
+        let encoded = Zeroizing::new(match self {
+            Command::Configure { blob, .. } => STANDARD.encode(blob),
+            _ => String::new(),
+        });
+        let (cluster_id, grace_seconds) = match self {
+            Command::Configure { cluster_id, .. } | Command::Ready { cluster_id } => {
+                (cluster_id.as_str(), 0)
             }
-            Command::Ready { cluster_id } => (cluster_id.as_str(), String::new(), 0),
-            Command::Drain { grace_seconds } => ("", String::new(), *grace_seconds),
+            Command::Drain { grace_seconds } => ("", *grace_seconds),
         };
         let wire = Wire {
             id,
             kind: self.kind(),
             cluster_id,
-            blob,
+            blob: &encoded,
             grace_seconds,
         };
-        let mut body = serde_json::to_vec(&wire).unwrap_or_default();
+        let mut body = Zeroizing::new(serde_json::to_vec(&wire).unwrap_or_default());
         body.push(b'\n');
-        Bytes::from(body)
+        body
     }
 }
 
@@ -171,7 +260,9 @@ enum Outcome {
 
 struct Pending {
     id: String,
-    body: Bytes,
+    /// The wire form, blob included: zeroed when the command is acked, superseded or dropped.
+    /// Each response gets its own copy, which leaves with the response.
+    body: Zeroizing<Vec<u8>>,
     waiter: oneshot::Sender<Outcome>,
 }
 
@@ -186,6 +277,87 @@ struct Bucket {
     updated: Instant,
 }
 
+/// The failure buckets, keyed by a keyed hash of (source address, claimed machine id) so every
+/// entry has the same small size whatever the client sent. Insertion order is kept beside the
+/// map: when the table is at its cap, the oldest entry is evicted in O(1). A collision of two
+/// pairs only makes them share a bucket, which can never refuse a valid token.
+struct FailureTable {
+    hasher: std::hash::RandomState,
+    buckets: HashMap<u64, Bucket>,
+    order: VecDeque<u64>,
+    cap: usize,
+}
+
+impl FailureTable {
+    fn new(cap: usize) -> FailureTable {
+        FailureTable {
+            hasher: std::hash::RandomState::new(),
+            buckets: HashMap::new(),
+            order: VecDeque::new(),
+            cap: cap.max(1),
+        }
+    }
+
+    fn key(&self, peer: IpAddr, machine_id: &str) -> u64 {
+        self.hasher.hash_one((peer, machine_id))
+    }
+
+    /// How long until the pair may fail again, if its bucket is empty.
+    fn throttled(&mut self, key: u64, limit: AuthLimit) -> Option<Duration> {
+        let bucket = self.buckets.get_mut(&key)?;
+        refill(bucket, limit);
+        (bucket.tokens < 1.0).then(|| limit.refill_every.mul_f64(1.0 - bucket.tokens))
+    }
+
+    fn record_failure(&mut self, key: u64, limit: AuthLimit) {
+        if !self.buckets.contains_key(&key) {
+            // Every key is in `order` exactly once while it is in `buckets`: entries leave
+            // only here, so the front is always the oldest live entry.
+            while self.buckets.len() >= self.cap {
+                let Some(oldest) = self.order.pop_front() else {
+                    break;
+                };
+                self.buckets.remove(&oldest);
+            }
+            self.buckets.insert(
+                key,
+                Bucket {
+                    tokens: f64::from(limit.burst),
+                    updated: Instant::now(),
+                },
+            );
+            self.order.push_back(key);
+        }
+        if let Some(bucket) = self.buckets.get_mut(&key) {
+            refill(bucket, limit);
+            bucket.tokens = (bucket.tokens - 1.0).max(0.0);
+        }
+    }
+
+    #[cfg(test)]
+    fn len(&self) -> usize {
+        self.buckets.len()
+    }
+
+    #[cfg(test)]
+    /// Heap bytes held by the table (allocated capacity, not just live entries).
+    fn heap_bytes(&self) -> usize {
+        // hashbrown stores one control byte per bucket beside each (key, value) pair.
+        self.buckets.capacity() * (std::mem::size_of::<(u64, Bucket)>() + 1)
+            + self.order.capacity() * std::mem::size_of::<u64>()
+    }
+}
+
+/// What the channel decided about a request's credentials.
+#[derive(Debug, PartialEq)]
+enum Admission {
+    /// The token is right for this machine id.
+    Machine(String),
+    Unauthorized,
+    /// Wrong token, and this (source, machine id) pair has failed too often: retry after this.
+    Throttled(Duration),
+}
+
 struct Inner {
     secret: BootstrapSecret,
     tls: Arc<ServerConfig>,
@@ -196,7 +368,9 @@ struct Inner {
     id_prefix: String,
     counter: AtomicU64,
     machines: Mutex<HashMap<String, MachineSlot>>,
-    failures: Mutex<HashMap<IpAddr, Bucket>>,
+    failures: Mutex<FailureTable>,
+    limits: ChannelLimits,
+    connections: Mutex<Connections>,
 }
 
 /// The bootstrap channel: shared by the HTTPS server and the transitions that deliver commands.
@@ -219,6 +393,15 @@ fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
 
 impl Channel {
     pub fn new(settings: ChannelSettings, telemetry: Telemetry) -> Channel {
+        Channel::with_limits(settings, ChannelLimits::default(), telemetry)
+    }
+
+    /// A channel with the given listener limits.
+    pub fn with_limits(
+        settings: ChannelSettings,
+        limits: ChannelLimits,
+        telemetry: Telemetry,
+    ) -> Channel {
         let mut prefix = [0u8; 6];
         rand::rng().fill_bytes(&mut prefix);
         Channel {
@@ -231,7 +414,9 @@ impl Channel {
                 id_prefix: prefix.iter().map(|b| format!("{b:02x}")).collect(),
                 counter: AtomicU64::new(0),
                 machines: Mutex::new(HashMap::new()),
-                failures: Mutex::new(HashMap::new()),
+                failures: Mutex::new(FailureTable::new(FAILURE_TABLE_CAP)),
+                limits,
+                connections: Mutex::new(Connections::default()),
             }),
         }
     }
@@ -341,10 +526,20 @@ impl Channel {
                     }
                 },
             };
+            let Some(slot) = self.admit_connection(peer.ip()) else {
+                // Closing at once costs nothing and tells the client; a message per refused
+                // connection would let a flood fill the log.
+                tracing::debug!(peer = %peer, "bootstrap channel: connection limit reached; closed");
+                drop(tcp);
+                continue;
+            };
             let channel = self.clone();
             let acceptor = acceptor.clone();
             let stop = stop.clone();
-            tracker.spawn(async move { channel.connection(acceptor, tcp, peer, stop).await });
+            tracker.spawn(async move {
+                channel.connection(acceptor, tcp, peer, stop).await;
+                drop(slot);
+            });
         }
         stop.cancel();
         tracker.close();
@@ -357,6 +552,22 @@ impl Channel {
         Ok(())
     }
 
+    /// Takes a place for a new connection from `peer`, if the caps allow it.
+    fn admit_connection(&self, peer: IpAddr) -> Option<ConnectionSlot> {
+        let limits = &self.inner.limits;
+        let mut open = lock(&self.inner.connections);
+        let from_peer = open.per_address.get(&peer).copied().unwrap_or(0);
+        if open.total >= limits.max_connections || from_peer >= limits.max_connections_per_address {
+            return None;
+        }
+        open.total += 1;
+        open.per_address.insert(peer, from_peer + 1);
+        Some(ConnectionSlot {
+            channel: self.clone(),
+            peer,
+        })
+    }
+
     async fn connection(
         self,
         acceptor: TlsAcceptor,
@@ -364,7 +575,8 @@ impl Channel {
         peer: SocketAddr,
         stop: CancellationToken,
     ) {
-        let tls = match tokio::time::timeout(HEADER_TIMEOUT, acceptor.accept(tcp)).await {
+        let limits = self.inner.limits;
+        let tls = match tokio::time::timeout(limits.header_timeout, acceptor.accept(tcp)).await {
             Ok(Ok(tls)) => tls,
             Ok(Err(e)) => {
                 tracing::debug!(peer = %peer, error = %e, "bootstrap channel TLS handshake failed");
@@ -372,32 +584,68 @@ impl Channel {
             }
             Err(_) => return,
         };
+        let activity = Arc::new(Mutex::new(Activity {
+            in_flight: 0,
+            last: Instant::now(),
+        }));
         let channel = self.clone();
         let conn_stop = stop.clone();
+        let conn_activity = activity.clone();
         let service = hyper::service::service_fn(move |req: Request<Incoming>| {
             let channel = channel.clone();
             let stop = conn_stop.clone();
-            async move { Ok::<_, std::convert::Infallible>(channel.route(req, peer.ip(), stop).await) }
+            let busy = Busy::start(conn_activity.clone());
+            async move {
+                let response = channel.route(req, peer.ip(), stop).await;
+                drop(busy);
+                Ok::<_, std::convert::Infallible>(response)
+            }
         });
         let mut builder = hyper_util::server::conn::auto::Builder::new(TokioExecutor::new());
         builder
             .http1()
             .timer(TokioTimer::new())
-            .header_read_timeout(HEADER_TIMEOUT);
-        builder.http2().timer(TokioTimer::new());
+            .header_read_timeout(limits.header_timeout)
+            .max_buf_size(64 * 1024);
+        builder
+            .http2()
+            .timer(TokioTimer::new())
+            .keep_alive_interval(Some(limits.keepalive_interval))
+            .keep_alive_timeout(limits.keepalive_timeout)
+            .max_concurrent_streams(limits.max_streams)
+            .max_header_list_size(16 * 1024);
         let conn = builder.serve_connection(TokioIo::new(tls), service);
         tokio::pin!(conn);
-        tokio::select! {
-            r = conn.as_mut() => {
-                if let Err(e) = r {
-                    tracing::debug!(peer = %peer, error = %e, "bootstrap channel connection ended");
+        loop {
+            // Idle means no request in flight: a held poll keeps its connection busy.
+            let idle_at = {
+                let a = lock(&activity);
+                if a.in_flight > 0 {
+                    Instant::now() + limits.idle_timeout
+                } else {
+                    a.last + limits.idle_timeout
+                }
+            };
+            tokio::select! {
+                r = conn.as_mut() => {
+                    if let Err(e) = r {
+                        tracing::debug!(peer = %peer, error = %e, "bootstrap channel connection ended");
+                    }
+                    return;
+                }
+                () = stop.cancelled() => break,
+                () = tokio::time::sleep_until(idle_at) => {
+                    let a = lock(&activity);
+                    if a.in_flight == 0 && a.last + limits.idle_timeout <= Instant::now() {
+                        tracing::debug!(peer = %peer, "bootstrap channel: idle connection closed");
+                        break;
+                    }
                 }
             }
-            () = stop.cancelled() => {
-                conn.as_mut().graceful_shutdown();
-                let _ = conn.await;
-            }
         }
+        conn.as_mut().graceful_shutdown();
+        // A peer that does not let the connection close is not waited for long.
+        let _ = tokio::time::timeout(limits.header_timeout, conn).await;
     }
 
     async fn route(
@@ -415,22 +663,28 @@ impl Channel {
         if req.method() != want {
             return text(StatusCode::METHOD_NOT_ALLOWED, "method not allowed");
         }
-        if let Some(wait) = self.throttled(peer) {
-            self.inner.telemetry.bootstrap_poll("throttled");
-            let mut response = text(
-                StatusCode::TOO_MANY_REQUESTS,
-                "too many failed authentications",
-            );
-            if let Ok(v) = http::HeaderValue::from_str(&wait.as_secs().max(1).to_string()) {
-                response.headers_mut().insert(header::RETRY_AFTER, v);
+        let machine_id = match self.admit(
+            peer,
+            machine_id_of(req.uri().query().unwrap_or("")),
+            bearer(&req),
+        ) {
+            Admission::Machine(machine_id) => machine_id,
+            Admission::Throttled(wait) => {
+                self.inner.telemetry.bootstrap_poll("throttled");
+                let mut response = text(
+                    StatusCode::TOO_MANY_REQUESTS,
+                    "too many failed authentications",
+                );
+                if let Ok(v) = http::HeaderValue::from_str(&wait.as_secs().max(1).to_string()) {
+                    response.headers_mut().insert(header::RETRY_AFTER, v);
+                }
+                return response;
             }
-            return response;
-        }
-        let Some(machine_id) = self.authenticate(&req) else {
-            self.record_failure(peer);
-            self.inner.telemetry.bootstrap_unauthorized();
-            tracing::warn!(peer = %peer, path, "bootstrap channel: unauthorized request");
-            return text(StatusCode::UNAUTHORIZED, "unauthorized");
+            Admission::Unauthorized => {
+                self.inner.telemetry.bootstrap_unauthorized();
+                tracing::warn!(peer = %peer, path, "bootstrap channel: unauthorized request");
+                return text(StatusCode::UNAUTHORIZED, "unauthorized");
+            }
         };
         if is_poll {
             self.poll(&machine_id, stop).await
@@ -439,46 +693,29 @@ impl Channel {
         }
     }
 
-    /// The machine id of an authenticated request; `None` for a missing machine id, a missing
-    /// or malformed header, or a wrong token (indistinguishable to the caller).
-    fn authenticate(&self, req: &Request<Incoming>) -> Option<String> {
-        let machine_id = machine_id_of(req.uri().query().unwrap_or(""))?;
-        let presented = req
-            .headers()
-            .get(header::AUTHORIZATION)?
-            .to_str()
-            .ok()?
-            .strip_prefix("Bearer ")?;
-        self.inner
-            .secret
-            .verify(&machine_id, presented)
-            .then_some(machine_id)
-    }
-
-    fn throttled(&self, peer: IpAddr) -> Option<Duration> {
-        let limit = self.inner.auth_limit;
-        let mut failures = lock(&self.inner.failures);
-        let bucket = failures.get_mut(&peer)?;
-        refill(bucket, limit);
-        (bucket.tokens < 1.0).then(|| limit.refill_every.mul_f64(1.0 - bucket.tokens))
-    }
-
-    fn record_failure(&self, peer: IpAddr) {
-        let limit = self.inner.auth_limit;
-        let mut failures = lock(&self.inner.failures);
-        if failures.len() >= 4096 {
-            // Forget sources whose buckets have refilled: they are indistinguishable from new.
-            failures.retain(|_, b| {
-                refill(b, limit);
-                b.tokens < f64::from(limit.burst)
-            });
+    /// Checks the token first: the right token for the claimed machine id is always admitted.
+    /// A missing machine id, a missing or malformed header, or a wrong token (indistinguishable
+    /// to the caller) counts as a failure of the pair (source address, claimed machine id), and
+    /// a pair whose bucket is empty is told to wait instead.
+    fn admit(
+        &self,
+        peer: IpAddr,
+        machine_id: Option<String>,
+        presented: Option<&str>,
+    ) -> Admission {
+        if let (Some(machine_id), Some(presented)) = (&machine_id, presented)
+            && self.inner.secret.verify(machine_id, presented)
+        {
+            return Admission::Machine(machine_id.clone());
         }
-        let bucket = failures.entry(peer).or_insert(Bucket {
-            tokens: f64::from(limit.burst),
-            updated: Instant::now(),
-        });
-        refill(bucket, limit);
-        bucket.tokens = (bucket.tokens - 1.0).max(0.0);
+        let limit = self.inner.auth_limit;
+        let mut failures = lock(&self.inner.failures);
+        let key = failures.key(peer, machine_id.as_deref().unwrap_or(""));
+        if let Some(wait) = failures.throttled(key, limit) {
+            return Admission::Throttled(wait);
+        }
+        failures.record_failure(key, limit);
+        Admission::Unauthorized
     }
 
     async fn poll(&self, machine_id: &str, stop: CancellationToken) -> Response<Full<Bytes>> {
@@ -490,7 +727,8 @@ impl Channel {
                 if let Some(pending) = &slot.pending {
                     self.inner.telemetry.bootstrap_poll("command");
                     tracing::debug!(machine_id, command_id = %pending.id, "bootstrap command fetched");
-                    let mut response = Response::new(Full::new(pending.body.clone()));
+                    let mut response =
+                        Response::new(Full::new(Bytes::copy_from_slice(&pending.body)));
                     response.headers_mut().insert(
                         header::CONTENT_TYPE,
                         http::HeaderValue::from_static("application/json"),
@@ -520,9 +758,29 @@ impl Channel {
     }
 
     async fn ack(&self, machine_id: &str, req: Request<Incoming>) -> Response<Full<Bytes>> {
-        let body = match Limited::new(req.into_body(), MAX_ACK_BYTES).collect().await {
-            Ok(collected) => collected.to_bytes(),
-            Err(_) => return self.bad_ack(),
+        let limits = self.inner.limits;
+        let declared = req
+            .headers()
+            .get(header::CONTENT_LENGTH)
+            .and_then(|v| v.to_str().ok())
+            .and_then(|v| v.parse::<u64>().ok());
+        if declared.is_some_and(|n| n > limits.max_body_bytes as u64) {
+            return self.too_large();
+        }
+        let collect = Limited::new(req.into_body(), limits.max_body_bytes).collect();
+        let body = match tokio::time::timeout(limits.body_timeout, collect).await {
+            Ok(Ok(collected)) => collected.to_bytes(),
+            Ok(Err(e))
+                if e.downcast_ref::<http_body_util::LengthLimitError>()
+                    .is_some() =>
+            {
+                return self.too_large();
+            }
+            Ok(Err(_)) => return self.bad_ack(),
+            Err(_) => {
+                self.inner.telemetry.bootstrap_ack("bad_body");
+                return text(StatusCode::REQUEST_TIMEOUT, "request body too slow");
+            }
         };
         let Some(ack) = parse_ack(&body) else {
             return self.bad_ack();
@@ -556,9 +814,32 @@ impl Channel {
         empty(StatusCode::OK)
     }
 
+    fn too_large(&self) -> Response<Full<Bytes>> {
+        self.inner.telemetry.bootstrap_ack("too_large");
+        text(StatusCode::PAYLOAD_TOO_LARGE, "ack body too large")
+    }
+
     fn bad_ack(&self) -> Response<Full<Bytes>> {
         self.inner.telemetry.bootstrap_ack("bad_body");
         text(StatusCode::BAD_REQUEST, "bad ack body")
+    }
+}
+
+/// Marks one request in flight on its connection until dropped.
+struct Busy(Arc<Mutex<Activity>>);
+
+impl Busy {
+    fn start(activity: Arc<Mutex<Activity>>) -> Busy {
+        lock(&activity).in_flight += 1;
+        Busy(activity)
+    }
+}
+
+impl Drop for Busy {
+    fn drop(&mut self) {
+        let mut a = lock(&self.0);
+        a.in_flight = a.in_flight.saturating_sub(1);
+        a.last = Instant::now();
     }
 }
 
@@ -589,6 +870,15 @@ fn refill(bucket: &mut Bucket, limit: AuthLimit) {
         / limit.refill_every.as_secs_f64().max(f64::MIN_POSITIVE);
     bucket.tokens = (bucket.tokens + earned).min(f64::from(limit.burst));
     bucket.updated = now;
+}
+
+/// The bearer token of a request: `Authorization: Bearer <token>`, prefix case-sensitive.
+fn bearer(req: &Request<Incoming>) -> Option<&str> {
+    req.headers()
+        .get(header::AUTHORIZATION)?
+        .to_str()
+        .ok()?
+        .strip_prefix("Bearer ")
 }
 
 /// The first `machine_id` query parameter, form-decoded; `None` when missing or empty.
@@ -715,6 +1005,200 @@ mod tests {
         assert_eq!(machine_id_of("machine_id=a+b").as_deref(), Some("a b"));
         assert_eq!(machine_id_of("machine_id="), None);
         assert_eq!(machine_id_of(""), None);
+    }
+
+    fn test_channel(limit: AuthLimit) -> Channel {
+        let key = rcgen::KeyPair::generate().expect("key");
+        let cert = rcgen::CertificateParams::new(vec!["localhost".to_owned()])
+            .expect("params")
+            .self_signed(&key)
+            .expect("cert");
+        let tls = crate::setup::channel_tls(cert.pem().as_bytes(), key.serialize_pem().as_bytes())
+            .expect("tls");
+        Channel::new(
+            ChannelSettings {
+                secret: BootstrapSecret::new("unit-test-secret").expect("secret"),
+                tls,
+                poll_hold: Duration::from_secs(25),
+                auth_limit: limit,
+            },
+            Telemetry::new("bigfleet_digitalocean_channel_unit"),
+        )
+    }
+
+    fn rss_bytes() -> usize {
+        let status = std::fs::read_to_string("/proc/self/status").expect("proc status");
+        let kib: usize = status
+            .lines()
+            .find_map(|l| l.strip_prefix("VmRSS:"))
+            .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
+            .expect("VmRSS");
+        kib * 1024
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_valid_token_is_admitted_whatever_else_fails_at_its_address() {
+        let limit = AuthLimit {
+            burst: 2,
+            refill_every: Duration::from_secs(60),
+        };
+        let ch = test_channel(limit);
+        let nat: IpAddr = "203.0.113.7".parse().expect("ip");
+        let good = ch.token_for("m-good");
+        for _ in 0..2 {
+            assert_eq!(
+                ch.admit(nat, Some("m-bad".into()), Some("guess")),
+                Admission::Unauthorized
+            );
+        }
+        assert!(matches!(
+            ch.admit(nat, Some("m-bad".into()), Some("guess")),
+            Admission::Throttled(_)
+        ));
+        // Another machine behind the same address, and even the right token of the machine
+        // under attack, are admitted.
+        assert_eq!(
+            ch.admit(nat, Some("m-good".into()), Some(good.expose())),
+            Admission::Machine("m-good".into())
+        );
+        let bad = ch.token_for("m-bad");
+        assert_eq!(
+            ch.admit(nat, Some("m-bad".into()), Some(bad.expose())),
+            Admission::Machine("m-bad".into())
+        );
+        // Failures of one machine id do not spend another's budget at the same address.
+        assert_eq!(
+            ch.admit(nat, Some("m-good".into()), Some("guess")),
+            Admission::Unauthorized
+        );
+        // Nor at another address.
+        let other: IpAddr = "198.51.100.1".parse().expect("ip");
+        assert_eq!(
+            ch.admit(other, Some("m-bad".into()), Some("guess")),
+            Admission::Unauthorized
+        );
+        // The bucket refills.
+        tokio::time::advance(Duration::from_secs(60)).await;
+        assert_eq!(
+            ch.admit(nat, Some("m-bad".into()), Some("guess")),
+            Admission::Unauthorized
+        );
+    }
+
+    #[test]
+    fn the_failure_table_is_capped_and_evicts_the_oldest() {
+        let limit = AuthLimit::default();
+        let mut table = FailureTable::new(3);
+        let keys: Vec<u64> = (0..5)
+            .map(|i| table.key(IpAddr::from([10, 0, 0, i]), "m"))
+            .collect();
+        for &k in &keys {
+            table.record_failure(k, limit);
+        }
+        assert_eq!(table.len(), 3);
+        assert!(!table.buckets.contains_key(&keys[0]) && !table.buckets.contains_key(&keys[1]));
+        assert!(keys[2..].iter().all(|k| table.buckets.contains_key(k)));
+        // A repeated failure does not insert twice.
+        table.record_failure(keys[4], limit);
+        assert_eq!((table.len(), table.order.len()), (3, 3));
+    }
+
+    /// A million distinct failing (address, machine id) pairs through the admission path (with
+    /// no bearer header, so the run does not spend its time on HMACs): the table never holds
+    /// more than its cap, and the process grows by a bounded amount.
+    #[test]
+    fn a_million_failing_sources_leave_memory_bounded() {
+        const SOURCES: u32 = 1_000_000;
+        let ch = test_channel(AuthLimit::default());
+        let before = rss_bytes();
+        let mut machine_id = String::new();
+        for i in 0..SOURCES {
+            machine_id.clear();
+            machine_id.push_str("digitalocean/OnDemand/s-2vcpu-4gb/nyc3/");
+            machine_id.push_str(&i.to_string());
+            let peer = IpAddr::from((0x0a00_0000 | i).to_be_bytes());
+            let admission = ch.admit(peer, Some(machine_id.clone()), None);
+            assert_eq!(admission, Admission::Unauthorized);
+        }
+        let after = rss_bytes();
+        let table = lock(&ch.inner.failures);
+        let heap = table.heap_bytes();
+        eprintln!(
+            "failure table: {} entries, {} KiB allocated; RSS grew {} KiB over {SOURCES} sources",
+            table.len(),
+            heap / 1024,
+            after.saturating_sub(before) / 1024
+        );
+        assert_eq!(table.len(), FAILURE_TABLE_CAP);
+        assert_eq!(table.order.len(), FAILURE_TABLE_CAP);
+        assert!(heap < 16 << 20, "{heap}");
+        assert!(
+            after.saturating_sub(before) < 32 << 20,
+            "{before} -> {after}"
+        );
+        // The newest sources are remembered, the oldest were evicted.
+        let newest = table.key(
+            IpAddr::from((0x0a00_0000 | (SOURCES - 1)).to_be_bytes()),
+            &format!("digitalocean/OnDemand/s-2vcpu-4gb/nyc3/{}", SOURCES - 1),
+        );
+        assert!(table.buckets.contains_key(&newest));
+        let oldest = table.key(
+            IpAddr::from(0x0a00_0000u32.to_be_bytes()),
+            "digitalocean/OnDemand/s-2vcpu-4gb/nyc3/0",
+        );
+        assert!(!table.buckets.contains_key(&oldest));
+    }
+
+    /// With a paused clock: a poll is held while nothing is pending, answers the moment a
+    /// command is queued (not a tick later), and with nothing queued answers 204 exactly when
+    /// the hold ends.
+    #[tokio::test(start_paused = true)]
+    async fn a_poll_is_held_until_a_command_arrives_or_the_hold_ends() {
+        let ch = test_channel(AuthLimit::default());
+        let hold = ch.inner.poll_hold;
+        let stop = CancellationToken::new();
+        let poll = |machine_id: &'static str| {
+            let (ch, stop) = (ch.clone(), stop.clone());
+            tokio::spawn(async move {
+                let response = ch.poll(machine_id, stop).await;
+                (response.status(), Instant::now())
+            })
+        };
+        let start = Instant::now();
+        let held = poll("m-1");
+        tokio::time::sleep(Duration::from_secs(10)).await;
+        assert!(
+            !held.is_finished(),
+            "the poll returned before a command was queued"
+        );
+        let queued_at = Instant::now();
+        let delivery = tokio::spawn({
+            let ch = ch.clone();
+            async move {
+                ch.deliver(
+                    "m-1",
+                    Command::Drain { grace_seconds: 5 },
+                    &TransitionContext::with_timeout("op", Duration::from_secs(600)),
+                )
+                .await
+            }
+        });
+        let (status, answered_at) = held.await.expect("poll");
+        assert_eq!(status, StatusCode::OK);
+        assert_eq!(
+            answered_at, queued_at,
+            "answered as soon as the command was queued"
+        );
+        assert_eq!(answered_at - start, Duration::from_secs(10));
+        delivery.abort();
+
+        let start = Instant::now();
+        let empty = poll("m-2");
+        tokio::time::sleep(hold - Duration::from_millis(1)).await;
+        assert!(!empty.is_finished());
+        let (status, answered_at) = empty.await.expect("poll");
+        assert_eq!(status, StatusCode::NO_CONTENT);
+        assert_eq!(answered_at - start, hold);
     }
 
     #[tokio::test(start_paused = true)]

@@ -73,9 +73,19 @@ pub struct Cli {
     #[arg(long = "bootstrap-tls-key", default_value = "", value_name = "PATH")]
     pub bootstrap_tls_key: String,
 
-    /// CA PEM the agent pins; defaults to the contents of --bootstrap-tls-cert.
+    /// CA PEM the agents pin (every certificate in it). Without it, agents pin only the first
+    /// certificate of --bootstrap-tls-cert, which must then be self-signed.
     #[arg(long = "bootstrap-ca", default_value = "", value_name = "PATH")]
     pub bootstrap_ca: String,
+
+    /// Most open connections to the agent channel; further ones are closed at once.
+    #[arg(long = "bootstrap-max-connections", default_value_t = 8192, value_name = "N", value_parser = clap::value_parser!(u32).range(1..))]
+    pub bootstrap_max_connections: u32,
+
+    /// Most open connections to the agent channel from one source address (agents behind one
+    /// NAT share it: one connection per agent).
+    #[arg(long = "bootstrap-max-connections-per-address", default_value_t = 1024, value_name = "N", value_parser = clap::value_parser!(u32).range(1..))]
+    pub bootstrap_max_connections_per_address: u32,
 
     /// HMAC key minting per-machine agent tokens (stable across restarts).
     #[arg(

@@ -104,7 +104,7 @@ async fn launch(cli: Cli) -> Result<(), String> {
         Mode::Real => {
             let flags = digitalocean::RealFlags {
                 provider: cli.provider.clone(),
-                token: cli.token.expose().to_owned(),
+                token: zeroize::Zeroizing::new(cli.token.expose().to_owned()),
                 region: cli.region.clone(),
                 image: cli.common.image.clone(),
                 api_url: cli.do_api_url.clone(),
@@ -114,7 +114,10 @@ async fn launch(cli: Cli) -> Result<(), String> {
                 bootstrap_tls_cert: cli.bootstrap_tls_cert.clone(),
                 bootstrap_tls_key: cli.bootstrap_tls_key.clone(),
                 bootstrap_ca: cli.bootstrap_ca.clone(),
-                bootstrap_secret: cli.bootstrap_secret.expose().to_owned(),
+                bootstrap_secret: zeroize::Zeroizing::new(cli.bootstrap_secret.expose().to_owned()),
+                bootstrap_max_connections: cli.bootstrap_max_connections as usize,
+                bootstrap_max_connections_per_address: cli.bootstrap_max_connections_per_address
+                    as usize,
             };
             let real = digitalocean::build_real(&flags, telemetry)?;
             let channel = real.channel.clone();

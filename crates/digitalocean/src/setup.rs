@@ -13,15 +13,17 @@ use rustls_pki_types::pem::PemObject;
 use rustls_pki_types::{CertificateDer, PrivateKeyDer};
 
 use crate::api::{ApiClient, ApiToken, ImageRef, parse_base_url};
-use crate::channel::{AuthLimit, Channel, ChannelSettings, DEFAULT_POLL_HOLD};
+use crate::channel::{AuthLimit, Channel, ChannelLimits, ChannelSettings, DEFAULT_POLL_HOLD};
 use crate::cloud::{AgentProvisioning, CloudSettings, DigitalOceanCloud};
 use crate::token::BootstrapSecret;
+use zeroize::Zeroizing;
 
 /// The flags of the real backend, as parsed (secrets already resolved from their env vars).
 #[derive(Clone, Default)]
 pub struct RealFlags {
     pub provider: String,
-    pub token: String,
+    /// Zeroed on drop.
+    pub token: Zeroizing<String>,
     pub region: String,
     pub image: String,
     pub api_url: String,
@@ -32,7 +34,12 @@ pub struct RealFlags {
     pub bootstrap_tls_cert: String,
     pub bootstrap_tls_key: String,
     pub bootstrap_ca: String,
-    pub bootstrap_secret: String,
+    /// Zeroed on drop.
+    pub bootstrap_secret: Zeroizing<String>,
+    /// `--bootstrap-max-connections`; 0 means the default.
+    pub bootstrap_max_connections: usize,
+    /// `--bootstrap-max-connections-per-address`; 0 means the default.
+    pub bootstrap_max_connections_per_address: usize,
 }
 
 impl std::fmt::Debug for RealFlags {
@@ -57,14 +64,26 @@ pub struct RealBackend {
     pub bootstrap_addr: String,
 }
 
+/// Shorter bootstrap secrets are accepted (the reference accepts any) but warned about.
+const MIN_SECRET_BYTES: usize = 32;
+
 /// Validates the flags in the reference's order and builds the channel and the cloud.
 /// Nothing is bound or contacted.
 pub fn build_real(flags: &RealFlags, telemetry: Telemetry) -> Result<RealBackend, String> {
-    let secret = BootstrapSecret::new(flags.bootstrap_secret.clone()).ok_or(
+    let secret = BootstrapSecret::new(flags.bootstrap_secret.to_string()).ok_or(
         "the digitalocean backend requires --bootstrap-secret or BIGFLEET_BOOTSTRAP_SECRET: a \
          stable HMAC key minting per-machine agent tokens (a random per-process secret would \
          invalidate already-issued tokens on restart and break Configure for every live Droplet)",
     )?;
+    if flags.bootstrap_secret.len() < MIN_SECRET_BYTES {
+        // Only the length is logged, never the secret.
+        tracing::warn!(
+            bytes = flags.bootstrap_secret.len(),
+            "--bootstrap-secret is shorter than 32 bytes: agent tokens are only as strong as \
+             this key; generate one with `openssl rand -base64 48` (rotating it invalidates \
+             every token already issued)"
+        );
+    }
     if flags.bootstrap_addr.is_empty()
         || flags.bootstrap_tls_cert.is_empty()
         || flags.bootstrap_tls_key.is_empty()
@@ -75,14 +94,7 @@ pub fn build_real(flags: &RealFlags, telemetry: Telemetry) -> Result<RealBackend
     }
     let tls = load_channel_tls(&flags.bootstrap_tls_cert, &flags.bootstrap_tls_key)
         .map_err(|e| format!("load bootstrap TLS keypair: {e}"))?;
-    let ca_path = if flags.bootstrap_ca.is_empty() {
-        &flags.bootstrap_tls_cert
-    } else {
-        &flags.bootstrap_ca
-    };
-    let ca_pem = std::fs::read(ca_path)
-        .map_err(|e| format!("read bootstrap CA: {ca_path}: {e}"))
-        .map(|b| String::from_utf8_lossy(&b).into_owned())?;
+    let pin = agent_pin(flags)?;
     let token = ApiToken::new(&flags.token)
         .ok_or("digitalocean: token is required for the digitalocean backend")?;
     if flags.region.is_empty() {
@@ -106,6 +118,7 @@ pub fn build_real(flags: &RealFlags, telemetry: Telemetry) -> Result<RealBackend
             flags.bootstrap_endpoint
         ));
     }
+    let pin = pin.verified_for(&flags.bootstrap_endpoint)?;
     let api_url = if flags.api_url.is_empty() {
         crate::api::DEFAULT_API_URL
     } else {
@@ -113,13 +126,21 @@ pub fn build_real(flags: &RealFlags, telemetry: Telemetry) -> Result<RealBackend
     };
     let base = parse_base_url(api_url)?;
     let api = ApiClient::new(base, token, Backoff::default(), telemetry)?;
-    let channel = Channel::new(
+    let mut limits = ChannelLimits::default();
+    if flags.bootstrap_max_connections > 0 {
+        limits.max_connections = flags.bootstrap_max_connections;
+    }
+    if flags.bootstrap_max_connections_per_address > 0 {
+        limits.max_connections_per_address = flags.bootstrap_max_connections_per_address;
+    }
+    let channel = Channel::with_limits(
         ChannelSettings {
             secret,
             tls,
             poll_hold: DEFAULT_POLL_HOLD,
             auth_limit: AuthLimit::default(),
         },
+        limits,
         telemetry,
     );
     let settings = CloudSettings::new(
@@ -129,7 +150,7 @@ pub fn build_real(flags: &RealFlags, telemetry: Telemetry) -> Result<RealBackend
         flags.base_user_data.clone(),
         AgentProvisioning {
             endpoint: flags.bootstrap_endpoint.clone(),
-            ca_pem,
+            ca_pem: pin.pem,
         },
     );
     let cloud = Arc::new(DigitalOceanCloud::new(
@@ -143,6 +164,115 @@ pub fn build_real(flags: &RealFlags, telemetry: Telemetry) -> Result<RealBackend
         channel,
         bootstrap_addr: flags.bootstrap_addr.clone(),
     })
+}
+
+/// The certificates every agent pins (written as `ca_pem` into each Droplet's user_data), as
+/// read from their flag but not yet checked against the channel's own certificate.
+pub struct AgentPin {
+    /// The trust anchors, PEM-encoded again from their DER: nothing else of the source file
+    /// (a private key in a combined file, comments) can reach the user_data.
+    pub pem: String,
+    anchors: Vec<CertificateDer<'static>>,
+    /// The channel's chain as served: leaf first.
+    chain: Vec<CertificateDer<'static>>,
+    /// The certificates came from `--bootstrap-ca` (otherwise: the leaf of the server file).
+    explicit: bool,
+    cert_path: String,
+}
+
+/// Decides what the agents pin:
+///
+/// - with `--bootstrap-ca`, every certificate of that file (the operator named them as trust
+///   anchors); the file is parsed strictly, so a malformed block fails startup;
+/// - without it, only the channel's own certificate: the first certificate of
+///   `--bootstrap-tls-cert`. Further certificates in that file (intermediates, a bundle) are
+///   served in the handshake but never pinned, so a public intermediate can never become a
+///   trust anchor of the agents.
+pub fn agent_pin(flags: &RealFlags) -> Result<AgentPin, String> {
+    let chain = tls::read_certificates(Path::new(&flags.bootstrap_tls_cert))
+        .map_err(|e| format!("load bootstrap TLS keypair: {e}"))?;
+    let (anchors, explicit) = if flags.bootstrap_ca.is_empty() {
+        (vec![chain[0].clone()], false)
+    } else {
+        let anchors = tls::read_certificates(Path::new(&flags.bootstrap_ca))
+            .map_err(|e| format!("read bootstrap CA: --bootstrap-ca {e}"))?;
+        (anchors, true)
+    };
+    let pem = anchors.iter().map(|c| certificate_pem(c)).collect();
+    Ok(AgentPin {
+        pem,
+        anchors,
+        chain,
+        explicit,
+        cert_path: flags.bootstrap_tls_cert.clone(),
+    })
+}
+
+impl AgentPin {
+    /// Checks, as every agent will, that the channel's chain verifies against the pinned
+    /// anchors for the host of `endpoint` (validity dates included): a pin that no agent could
+    /// use fails startup instead of every Configure.
+    pub fn verified_for(self, endpoint: &str) -> Result<AgentPin, String> {
+        use rustls::client::danger::ServerCertVerifier as _;
+        let url =
+            reqwest::Url::parse(endpoint).map_err(|e| format!("--bootstrap-endpoint: {e}"))?;
+        // An IPv6 host comes bracketed; the certificate names the bare address.
+        let host = url
+            .host_str()
+            .map(|h| h.trim_start_matches('[').trim_end_matches(']').to_owned())
+            .ok_or_else(|| format!("--bootstrap-endpoint {endpoint:?} has no host"))?;
+        let name = rustls_pki_types::ServerName::try_from(host.clone())
+            .map_err(|e| format!("--bootstrap-endpoint host {host:?}: {e}"))?;
+        let mut roots = rustls::RootCertStore::empty();
+        for anchor in &self.anchors {
+            roots
+                .add(anchor.clone())
+                .map_err(|e| format!("read bootstrap CA: --bootstrap-ca: {e}"))?;
+        }
+        let verifier = rustls::client::WebPkiServerVerifier::builder_with_provider(
+            Arc::new(roots),
+            tls::crypto_provider(),
+        )
+        .build()
+        .map_err(|e| format!("--bootstrap-ca: {e}"))?;
+        let verified = verifier.verify_server_cert(
+            &self.chain[0],
+            &self.chain[1..],
+            &name,
+            &[],
+            rustls_pki_types::UnixTime::now(),
+        );
+        match verified {
+            Ok(_) => Ok(self),
+            Err(e) if self.explicit => Err(format!(
+                "--bootstrap-ca: the channel certificate (--bootstrap-tls-cert {}) does not verify \
+                 against it for the --bootstrap-endpoint host {host:?}, so no agent would accept \
+                 the channel: {e}",
+                self.cert_path
+            )),
+            Err(e) => Err(format!(
+                "--bootstrap-ca is not set, so agents pin only the channel's own certificate (the \
+                 first certificate of --bootstrap-tls-cert {}), and it does not verify on its own \
+                 for the --bootstrap-endpoint host {host:?}: {e}. A certificate issued by a CA \
+                 needs --bootstrap-ca naming that CA; further certificates of the \
+                 --bootstrap-tls-cert file are never pinned",
+                self.cert_path
+            )),
+        }
+    }
+}
+
+/// One certificate as PEM: base64 of the DER in 64-character lines.
+fn certificate_pem(der: &CertificateDer<'_>) -> String {
+    use base64::Engine as _;
+    let b64 = base64::engine::general_purpose::STANDARD.encode(der.as_ref());
+    let mut pem = String::from("-----BEGIN CERTIFICATE-----\n");
+    for line in b64.as_bytes().chunks(64) {
+        pem.push_str(&String::from_utf8_lossy(line));
+        pem.push('\n');
+    }
+    pem.push_str("-----END CERTIFICATE-----\n");
+    pem
 }
 
 /// ALPN protocols of the channel: agents may speak HTTP/2 or HTTP/1.1.
@@ -191,13 +321,16 @@ mod tests {
     /// Flags that pass every check, with a self-signed channel certificate.
     fn valid(dir: &std::path::Path) -> RealFlags {
         let key = rcgen::KeyPair::generate().expect("key");
-        let cert = rcgen::CertificateParams::new(vec!["localhost".to_owned()])
-            .expect("params")
-            .self_signed(&key)
-            .expect("cert");
+        let cert = rcgen::CertificateParams::new(vec![
+            "localhost".to_owned(),
+            "bootstrap.example.com".to_owned(),
+        ])
+        .expect("params")
+        .self_signed(&key)
+        .expect("cert");
         RealFlags {
             provider: "digitalocean".into(),
-            token: "dop_v1_x".into(),
+            token: Zeroizing::new("dop_v1_x".into()),
             region: "nyc3".into(),
             image: "ubuntu-24-04-x64".into(),
             api_url: String::new(),
@@ -207,7 +340,9 @@ mod tests {
             bootstrap_tls_cert: write(dir, "cert.pem", &cert.pem()),
             bootstrap_tls_key: write(dir, "key.pem", &key.serialize_pem()),
             bootstrap_ca: String::new(),
-            bootstrap_secret: "s3cret".into(),
+            bootstrap_secret: Zeroizing::new("s3cret".into()),
+            bootstrap_max_connections: 0,
+            bootstrap_max_connections_per_address: 0,
         }
     }
 
@@ -256,12 +391,12 @@ mod tests {
         let mut f = ok.clone();
         f.bootstrap_ca = dir.path().join("no-ca.pem").display().to_string();
         assert!(
-            error(&f).starts_with("read bootstrap CA: /"),
+            error(&f).starts_with("read bootstrap CA: --bootstrap-ca /"),
             "{}",
             error(&f)
         );
         let mut f = ok.clone();
-        f.token = " '' ".into();
+        f.token = Zeroizing::new(" '' ".into());
         assert_eq!(
             error(&f),
             "digitalocean: token is required for the digitalocean backend"
@@ -292,11 +427,203 @@ mod tests {
         assert!(error(&f).contains("plain http is only allowed for loopback addresses"));
     }
 
+    struct Chain {
+        root: rcgen::CertifiedIssuer<'static, rcgen::KeyPair>,
+        intermediate: rcgen::CertifiedIssuer<'static, rcgen::KeyPair>,
+        leaf_pem: String,
+        leaf_key: String,
+    }
+
+    fn ca_params(name: &str) -> rcgen::CertificateParams {
+        let mut params = rcgen::CertificateParams::new(Vec::<String>::new()).expect("params");
+        params.is_ca = rcgen::IsCa::Ca(rcgen::BasicConstraints::Unconstrained);
+        params
+            .distinguished_name
+            .push(rcgen::DnType::CommonName, name);
+        params
+    }
+
+    /// root -> intermediate -> leaf for bootstrap.example.com.
+    fn chain() -> Chain {
+        let root = rcgen::CertifiedIssuer::self_signed(
+            ca_params("root"),
+            rcgen::KeyPair::generate().expect("key"),
+        )
+        .expect("root");
+        let intermediate = rcgen::CertifiedIssuer::signed_by(
+            ca_params("intermediate"),
+            rcgen::KeyPair::generate().expect("key"),
+            &root,
+        )
+        .expect("intermediate");
+        let key = rcgen::KeyPair::generate().expect("key");
+        let leaf = rcgen::CertificateParams::new(vec!["bootstrap.example.com".to_owned()])
+            .expect("params")
+            .signed_by(&key, &intermediate)
+            .expect("leaf");
+        Chain {
+            root,
+            intermediate,
+            leaf_pem: leaf.pem(),
+            leaf_key: key.serialize_pem(),
+        }
+    }
+
+    fn pin_of(flags: &RealFlags) -> String {
+        build_real(flags, Telemetry::new("bigfleet_digitalocean_setup_test")).expect("valid");
+        agent_pin(flags)
+            .and_then(|p| p.verified_for(&flags.bootstrap_endpoint))
+            .expect("pin")
+            .pem
+    }
+
+    #[test]
+    fn without_bootstrap_ca_only_the_channel_certificate_is_pinned() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let mut flags = valid(dir.path());
+        let leaf = std::fs::read_to_string(&flags.bootstrap_tls_cert).expect("cert");
+        // A self-signed certificate followed by a CA bundle: only the first is pinned.
+        let c = chain();
+        let bundle = format!("{leaf}{}{}", c.intermediate.pem(), c.root.pem());
+        flags.bootstrap_tls_cert = write(dir.path(), "bundle.pem", &bundle);
+        assert_eq!(pin_of(&flags), leaf);
+
+        // A CA-issued leaf cannot be pinned alone: startup fails and says what to do, instead
+        // of trusting the intermediate and root of the file.
+        let mut f = flags.clone();
+        f.bootstrap_tls_cert = write(
+            dir.path(),
+            "chain.pem",
+            &format!("{}{}{}", c.leaf_pem, c.intermediate.pem(), c.root.pem()),
+        );
+        f.bootstrap_tls_key = write(dir.path(), "chain-key.pem", &c.leaf_key);
+        let e = error(&f);
+        assert!(
+            e.starts_with(
+                "--bootstrap-ca is not set, so agents pin only the channel's own certificate"
+            ),
+            "{e}"
+        );
+        assert!(e.contains("never pinned"), "{e}");
+        // Naming the root as --bootstrap-ca pins exactly it.
+        f.bootstrap_ca = write(dir.path(), "root.pem", &c.root.pem());
+        assert_eq!(pin_of(&f), c.root.pem());
+    }
+
+    #[test]
+    fn bootstrap_ca_is_parsed_strictly_and_must_verify_the_channel() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let c = chain();
+        let mut flags = valid(dir.path());
+        flags.bootstrap_tls_cert = write(
+            dir.path(),
+            "chain.pem",
+            &format!("{}{}", c.leaf_pem, c.intermediate.pem()),
+        );
+        flags.bootstrap_tls_key = write(dir.path(), "chain-key.pem", &c.leaf_key);
+        // One good block and one that does not decode.
+        flags.bootstrap_ca = write(
+            dir.path(),
+            "bad-ca.pem",
+            &format!(
+                "{}-----BEGIN CERTIFICATE-----\nnot base64!\n-----END CERTIFICATE-----\n",
+                c.root.pem()
+            ),
+        );
+        let e = error(&flags);
+        assert!(e.starts_with("read bootstrap CA: --bootstrap-ca /"), "{e}");
+        assert!(e.contains("bad-ca.pem: PEM block 2 does not decode"), "{e}");
+        // A CA that did not issue the channel's certificate.
+        let other = rcgen::CertifiedIssuer::self_signed(
+            ca_params("other"),
+            rcgen::KeyPair::generate().expect("key"),
+        )
+        .expect("other");
+        flags.bootstrap_ca = write(dir.path(), "other.pem", &other.pem());
+        let e = error(&flags);
+        assert!(
+            e.starts_with("--bootstrap-ca: the channel certificate (--bootstrap-tls-cert /"),
+            "{e}"
+        );
+        // A name the certificate does not carry.
+        flags.bootstrap_ca = write(dir.path(), "root.pem", &c.root.pem());
+        let mut f = flags.clone();
+        f.bootstrap_endpoint = "https://elsewhere.example.com".into();
+        assert!(
+            error(&f).contains("\"elsewhere.example.com\""),
+            "{}",
+            error(&f)
+        );
+        // A combined file: only certificates reach the user_data, never the key.
+        let key = rcgen::KeyPair::generate().expect("key").serialize_pem();
+        flags.bootstrap_ca = write(
+            dir.path(),
+            "combined.pem",
+            &format!("{key}{}", c.root.pem()),
+        );
+        let pin = pin_of(&flags);
+        assert_eq!(pin, c.root.pem());
+        assert!(!pin.contains("PRIVATE KEY"));
+    }
+
+    /// Captures the log lines of the current thread.
+    #[derive(Clone, Default)]
+    struct Logs(Arc<std::sync::Mutex<Vec<u8>>>);
+
+    impl std::io::Write for Logs {
+        fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+            self.0.lock().expect("logs").extend_from_slice(buf);
+            Ok(buf.len())
+        }
+        fn flush(&mut self) -> std::io::Result<()> {
+            Ok(())
+        }
+    }
+
+    impl<'a> tracing_subscriber::fmt::MakeWriter<'a> for Logs {
+        type Writer = Logs;
+        fn make_writer(&'a self) -> Logs {
+            self.clone()
+        }
+    }
+
+    fn logs_of(flags: &RealFlags) -> String {
+        let logs = Logs::default();
+        let subscriber = tracing_subscriber::fmt()
+            .with_writer(logs.clone())
+            .with_ansi(false)
+            .finish();
+        tracing::subscriber::with_default(subscriber, || {
+            build_real(flags, Telemetry::new("bigfleet_digitalocean_setup_test")).expect("valid");
+        });
+        String::from_utf8_lossy(&logs.0.lock().expect("logs")).into_owned()
+    }
+
+    #[test]
+    fn a_short_bootstrap_secret_is_warned_about_without_showing_it() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let mut flags = valid(dir.path());
+        flags.bootstrap_secret = Zeroizing::new("short-secret-31-bytes-long-xyz!".into());
+        assert_eq!(flags.bootstrap_secret.len(), 31);
+        let text = logs_of(&flags);
+        assert!(text.contains("WARN"), "{text}");
+        assert!(
+            text.contains("--bootstrap-secret is shorter than 32 bytes")
+                && text.contains("bytes=31"),
+            "{text}"
+        );
+        assert!(!text.contains(flags.bootstrap_secret.as_str()), "{text}");
+        flags.bootstrap_secret = Zeroizing::new("a-secret-of-exactly-32-bytes-ok!".into());
+        assert_eq!(flags.bootstrap_secret.len(), 32);
+        let text = logs_of(&flags);
+        assert!(!text.contains("shorter than 32 bytes"), "{text}");
+    }
+
     #[test]
     fn flags_never_print_secrets() {
         let flags = RealFlags {
-            token: "dop_v1_x".into(),
-            bootstrap_secret: "s3cret".into(),
+            token: Zeroizing::new("dop_v1_x".into()),
+            bootstrap_secret: Zeroizing::new("s3cret".into()),
             ..RealFlags::default()
         };
         let text = format!("{flags:?}");

@@ -7,22 +7,24 @@ use base64::engine::general_purpose::URL_SAFE_NO_PAD;
 use hmac::{Hmac, KeyInit, Mac};
 use sha2::Sha256;
 use subtle::ConstantTimeEq;
+use zeroize::Zeroizing;
 
 /// The HMAC key that mints agent tokens (`--bootstrap-secret` / `BIGFLEET_BOOTSTRAP_SECRET`),
-/// used as the raw bytes of the configured string.
+/// used as the raw bytes of the configured string. Zeroed on drop.
 #[derive(Clone)]
-pub struct BootstrapSecret(Vec<u8>);
+pub struct BootstrapSecret(Zeroizing<Vec<u8>>);
 
 impl BootstrapSecret {
     /// `None` for an empty secret: an empty HMAC key would make every token guessable.
     pub fn new(secret: impl Into<String>) -> Option<BootstrapSecret> {
         let secret: String = secret.into();
-        (!secret.is_empty()).then(|| BootstrapSecret(secret.into_bytes()))
+        (!secret.is_empty()).then(|| BootstrapSecret(Zeroizing::new(secret.into_bytes())))
     }
 
     /// The bearer token of `machine_id`.
     pub fn token_for(&self, machine_id: &str) -> AgentToken {
-        AgentToken(URL_SAFE_NO_PAD.encode(self.mac(machine_id)))
+        let mac = Zeroizing::new(self.mac(machine_id));
+        AgentToken(Zeroizing::new(URL_SAFE_NO_PAD.encode(*mac)))
     }
 
     /// Whether `presented` is the token of `machine_id`, compared in constant time.
@@ -48,13 +50,13 @@ impl std::fmt::Debug for BootstrapSecret {
     }
 }
 
-/// One machine's bearer token.
+/// One machine's bearer token. Zeroed on drop.
 #[derive(Clone, PartialEq, Eq)]
-pub struct AgentToken(String);
+pub struct AgentToken(Zeroizing<String>);
 
 impl AgentToken {
     /// Wraps a token read from the agent's config file.
-    pub fn from_config(token: String) -> AgentToken {
+    pub fn from_config(token: Zeroizing<String>) -> AgentToken {
         AgentToken(token)
     }
 

@@ -4,7 +4,9 @@ use std::path::PathBuf;
 use std::time::Duration;
 
 use clap::Parser;
-use digitalocean::agent::{Agent, AgentConfig, AgentOptions, DEFAULT_DRAIN_COMMAND};
+use digitalocean::agent::{
+    Agent, AgentConfig, AgentOptions, CommandTimeouts, DEFAULT_DRAIN_COMMAND,
+};
 
 #[derive(Debug, Parser)]
 #[command(
@@ -33,9 +35,30 @@ struct Args {
     /// Longest wait between retries while the provider is unreachable (e.g. `30s`, `500ms`).
     #[arg(long, default_value = "30s", value_parser = provider_core::duration::flag)]
     max_backoff: Duration,
+    /// Longest run of the bootstrap hook; on expiry its process group is killed and the
+    /// configure is reported as failed.
+    #[arg(long, default_value = "8m", value_parser = positive_duration)]
+    hook_timeout: Duration,
+    /// Longest run of --readiness-command; on expiry its process group is killed and the
+    /// readiness check is reported as failed.
+    #[arg(long, default_value = "8m", value_parser = positive_duration)]
+    readiness_timeout: Duration,
+    /// Longest run of --drain-command; on expiry its process group is killed and the drain is
+    /// reported as failed.
+    #[arg(long, default_value = "15m", value_parser = positive_duration)]
+    drain_timeout: Duration,
     /// `text` or `json`.
     #[arg(long, default_value = "text")]
     log_format: String,
+}
+
+/// A duration flag that must be greater than zero (a zero timeout would fail every command).
+fn positive_duration(text: &str) -> Result<Duration, String> {
+    let d = provider_core::duration::flag(text)?;
+    if d.is_zero() {
+        return Err("must be greater than 0".into());
+    }
+    Ok(d)
 }
 
 #[tokio::main]
@@ -60,6 +83,11 @@ async fn main() -> std::process::ExitCode {
                 readiness_command: args.readiness_command,
                 state_path: args.state,
                 max_backoff: args.max_backoff,
+                timeouts: CommandTimeouts {
+                    hook: args.hook_timeout,
+                    readiness: args.readiness_timeout,
+                    drain: args.drain_timeout,
+                },
             },
         )
     });

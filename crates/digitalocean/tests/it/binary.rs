@@ -363,3 +363,96 @@ async fn a_silent_agent_times_out_into_failed() {
         failed.last_error
     );
 }
+
+/// `--help` and `-h` show which environment variables hold the secrets, never their values.
+#[tokio::test]
+async fn help_never_echoes_the_secret_environment_values() {
+    let token = "dop_v1_help_must_never_show_0123456789";
+    let secret = "bootstrap-secret-help-must-never-show-9876";
+    for flag in ["--help", "-h"] {
+        let out = tokio::process::Command::new(env!("CARGO_BIN_EXE_digitalocean"))
+            .arg(flag)
+            .env("DIGITALOCEAN_TOKEN", token)
+            .env("BIGFLEET_BOOTSTRAP_SECRET", secret)
+            .output()
+            .await
+            .unwrap();
+        assert!(out.status.success());
+        let text = format!(
+            "{}{}",
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr)
+        );
+        assert!(text.contains("--bootstrap-secret"), "{text}");
+        assert!(!text.contains(token) && !text.contains(secret), "{text}");
+        if flag == "--help" {
+            assert!(text.contains("DIGITALOCEAN_TOKEN"), "{text}");
+            assert!(text.contains("BIGFLEET_BOOTSTRAP_SECRET"), "{text}");
+        }
+    }
+}
+
+/// A `--bootstrap-ca` with one good and one garbage block stops the provider before it binds
+/// any port, with an error naming the flag (and no secret).
+#[tokio::test]
+async fn a_malformed_bootstrap_ca_fails_startup_naming_the_flag() {
+    let dir = tempfile::tempdir().unwrap();
+    let pki = pki();
+    let file = |name: &str, body: &str| {
+        let path = dir.path().join(name);
+        std::fs::write(&path, body).unwrap();
+        path.display().to_string()
+    };
+    let (cert, key) = (
+        file("channel.pem", &pki.cert_pem),
+        file("channel-key.pem", &pki.key_pem),
+    );
+    let ca = file(
+        "ca.pem",
+        &format!(
+            "{}-----BEGIN CERTIFICATE-----\nZ2FyYmFnZQ==\n-----END CERTIFICATE-----\n",
+            pki.ca_pem
+        ),
+    );
+    let (grpc, bootstrap) = (free_port().await, free_port().await);
+    let out = tokio::time::timeout(
+        Duration::from_secs(60),
+        tokio::process::Command::new(env!("CARGO_BIN_EXE_digitalocean"))
+            .args([
+                "--region=nyc3",
+                "--image=ubuntu-24-04-x64",
+                "--metrics-addr=",
+                "--do-api-url=http://127.0.0.1:1",
+            ])
+            .arg(format!("--addr=127.0.0.1:{grpc}"))
+            .arg(format!("--bootstrap-addr=127.0.0.1:{bootstrap}"))
+            .arg(format!(
+                "--bootstrap-endpoint=https://127.0.0.1:{bootstrap}"
+            ))
+            .arg(format!("--bootstrap-tls-cert={cert}"))
+            .arg(format!("--bootstrap-tls-key={key}"))
+            .arg(format!("--bootstrap-ca={ca}"))
+            .env("DIGITALOCEAN_TOKEN", API_TOKEN)
+            .env("BIGFLEET_BOOTSTRAP_SECRET", SECRET)
+            .stdin(Stdio::null())
+            .output(),
+    )
+    .await
+    .unwrap()
+    .unwrap();
+    let text = format!(
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(!out.status.success(), "{text}");
+    assert!(
+        text.contains("--bootstrap-ca") && text.contains("certificate 2 is not a valid X.509"),
+        "{text}"
+    );
+    assert!(!text.contains("serving"), "{text}");
+    assert!(
+        !text.contains(SECRET) && !text.contains(API_TOKEN),
+        "{text}"
+    );
+}

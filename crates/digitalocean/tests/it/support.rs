@@ -9,7 +9,7 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use digitalocean::api::{ApiClient, ApiToken, ImageRef};
-use digitalocean::channel::{AuthLimit, Channel, ChannelSettings};
+use digitalocean::channel::{AuthLimit, Channel, ChannelLimits, ChannelSettings};
 use digitalocean::cloud::{AgentProvisioning, CloudSettings, DigitalOceanCloud};
 use digitalocean::setup::channel_tls;
 use digitalocean::token::BootstrapSecret;
@@ -109,6 +109,39 @@ impl RunningChannel {
                 poll_hold: hold,
                 auth_limit: limit,
             },
+            telemetry(),
+        );
+        let stop = CancellationToken::new();
+        let serving = channel.clone();
+        let signal = stop.clone();
+        let task =
+            tokio::spawn(async move { serving.serve(listener, signal.cancelled_owned()).await });
+        RunningChannel {
+            channel,
+            addr,
+            stop,
+            task,
+        }
+    }
+
+    /// Like [`RunningChannel::start`], with the given listener limits.
+    pub async fn start_with_limits(
+        pki: &Pki,
+        hold: Duration,
+        limit: AuthLimit,
+        limits: ChannelLimits,
+    ) -> RunningChannel {
+        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let tls = channel_tls(pki.cert_pem.as_bytes(), pki.key_pem.as_bytes()).unwrap();
+        let channel = Channel::with_limits(
+            ChannelSettings {
+                secret: BootstrapSecret::new(SECRET).unwrap(),
+                tls,
+                poll_hold: hold,
+                auth_limit: limit,
+            },
+            limits,
             telemetry(),
         );
         let stop = CancellationToken::new();
@@ -309,6 +342,61 @@ impl AgentProcess {
             .arg(setup.dir.join("state/executed.json"))
             .arg("--max-backoff")
             .arg("200ms")
+            .env("RUST_LOG", "debug")
+            .stdin(std::process::Stdio::null())
+            .stdout(std::process::Stdio::piped())
+            .stderr(std::process::Stdio::piped())
+            .kill_on_drop(true);
+        if let Some(ready) = setup.readiness_command {
+            cmd.arg("--readiness-command").arg(ready);
+        }
+        let mut child = cmd.spawn().unwrap();
+        let output = Arc::new(Mutex::new(Vec::new()));
+        for stream in [
+            child
+                .stderr
+                .take()
+                .map(|s| Box::new(s) as Box<dyn tokio::io::AsyncRead + Unpin + Send>),
+            child
+                .stdout
+                .take()
+                .map(|s| Box::new(s) as Box<dyn tokio::io::AsyncRead + Unpin + Send>),
+        ]
+        .into_iter()
+        .flatten()
+        {
+            let output = output.clone();
+            tokio::spawn(async move {
+                use tokio::io::AsyncReadExt as _;
+                let mut stream = stream;
+                let mut buf = [0u8; 4096];
+                while let Ok(n) = stream.read(&mut buf).await {
+                    if n == 0 {
+                        break;
+                    }
+                    output.lock().unwrap().extend_from_slice(&buf[..n]);
+                }
+            });
+        }
+        AgentProcess { child, output }
+    }
+
+    /// Like [`AgentProcess::spawn`], with further command-line arguments for the agent.
+    pub fn spawn_with_args(setup: AgentSetup<'_>, extra: &[&str]) -> AgentProcess {
+        let config = setup.dir.join("config.json");
+        std::fs::write(&config, &setup.config_json).unwrap();
+        let mut cmd = tokio::process::Command::new(env!("CARGO_BIN_EXE_bigfleet-agent"));
+        cmd.arg("--config")
+            .arg(&config)
+            .arg("--hook")
+            .arg(&setup.hook)
+            .arg("--drain-command")
+            .arg(&setup.drain_command)
+            .arg("--state")
+            .arg(setup.dir.join("state/executed.json"))
+            .arg("--max-backoff")
+            .arg("200ms")
+            .args(extra)
             .env("RUST_LOG", "debug")
             .stdin(std::process::Stdio::null())
             .stdout(std::process::Stdio::piped())
