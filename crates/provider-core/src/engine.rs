@@ -3,7 +3,7 @@
 //! background under a deadline per kind (contract.md §3, §6). Reads never wait on the disk.
 
 use std::collections::HashSet;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, RwLock, RwLockReadGuard, RwLockWriteGuard};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
@@ -156,6 +156,8 @@ pub struct Engine {
     tasks: TaskTracker,
     accepting: AtomicBool,
     store_failed: AtomicBool,
+    /// Where the next capped List starts (see [`Engine::list`]).
+    next_capped_start: AtomicUsize,
     /// Cancelled when the shutdown grace runs out: in-flight work stops where it is.
     abandon: CancellationToken,
 }
@@ -244,6 +246,7 @@ impl Engine {
             tasks: TaskTracker::new(),
             accepting: AtomicBool::new(true),
             store_failed: AtomicBool::new(false),
+            next_capped_start: AtomicUsize::new(rand::random::<u32>() as usize),
             abandon: CancellationToken::new(),
         });
         for Interrupted {
@@ -470,17 +473,21 @@ impl Engine {
         let mut machines = Vec::with_capacity(cap.min(inventory.len()));
         // A capped List is an arbitrary subset (contract.md §8), and callers rely on that: the
         // conformance program and a shard's worker pool pick "different" machines with
-        // consecutive `max_results = 1` calls. Start at a random slot and wrap around, so the
-        // cost stays O(slots visited) and every slot is visited at most once.
+        // consecutive `max_results = 1` calls. A capped List therefore starts where the previous
+        // one stopped (the first one at a random slot) and wraps around: consecutive picks are
+        // distinct until every match has been returned once, the cost stays O(slots visited)
+        // and every slot is visited at most once per List.
         let start = if capped {
-            rand::random_range(0..inventory.len())
+            self.next_capped_start.load(Ordering::Relaxed) % inventory.len()
         } else {
             0
         };
+        let mut visited = 0;
         for slot in inventory.slots_from(start) {
             if machines.len() >= cap {
                 break;
             }
+            visited += 1;
             if since.is_some_and(|since| slot.last_change <= since) {
                 continue;
             }
@@ -488,6 +495,10 @@ impl Engine {
                 continue;
             }
             machines.push(slot.machine.clone());
+        }
+        if capped {
+            self.next_capped_start
+                .store((start + visited) % inventory.len(), Ordering::Relaxed);
         }
         Listing {
             machines,

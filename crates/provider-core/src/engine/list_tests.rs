@@ -116,6 +116,42 @@ async fn consecutive_capped_lists_return_many_distinct_machines() {
     assert!(three.len() > 1, "three capped Lists returned one machine");
 }
 
+/// The conformance program's B302 picks three "different" Speculative machines with three
+/// `max_results = 1` Lists and sends one shard's tokens to them in an order that a repeat would
+/// fence falsely; a worker pool picking machines the same way would collide the same way. Picks
+/// in a row never repeat until every match has been returned once.
+#[tokio::test]
+async fn consecutive_capped_lists_return_every_match_before_any_repeat() {
+    let engine = engine(256).await;
+    // Every third machine goes Idle, so matches are not contiguous.
+    for i in (0..256).step_by(3) {
+        engine
+            .create(&format!("m-{i:05}"), zero())
+            .await
+            .expect("create");
+    }
+    for i in (0..256).step_by(3) {
+        settle(&engine, &format!("m-{i:05}"), MachineState::Idle).await;
+    }
+    let speculative = engine
+        .list(&query(&[MachineState::Speculative], 0, b""))
+        .machines
+        .len();
+    let mut picked = Vec::new();
+    for _ in 0..speculative {
+        let listing = engine.list(&query(&[MachineState::Speculative], 1, b""));
+        assert_eq!(listing.machines.len(), 1);
+        assert_eq!(listing.machines[0].state, MachineState::Speculative);
+        picked.push(listing.machines[0].id.clone());
+    }
+    let distinct: HashSet<&String> = picked.iter().collect();
+    assert_eq!(
+        distinct.len(),
+        speculative,
+        "{speculative} capped Lists in a row repeated a machine"
+    );
+}
+
 #[tokio::test]
 async fn a_capped_list_returns_only_matching_machines_without_repeats() {
     let engine = engine(300).await;
