@@ -290,6 +290,7 @@ impl Engine {
         result.map_err(|e| {
             if !self.store_failed.swap(true, Ordering::SeqCst) {
                 tracing::error!(error = %e, "state store commit failed; refusing further mutations until restart");
+                self.options.telemetry.store_refusing_mutations();
             }
             CoreError::Store(e.0)
         })

@@ -345,10 +345,17 @@ async fn a_failed_commit_is_never_acknowledged_and_stops_mutations() {
     let engine = Engine::start(backend, store.clone(), options())
         .await
         .unwrap();
+    let metrics = crate::telemetry::recorder();
+    let refusing = "test_engine_store_refusing_mutations 1";
+    assert!(!metrics.render().contains(refusing));
     store.fail.store(true, Ordering::SeqCst);
     let err = engine.create("m-0", zero()).await.unwrap_err();
     assert!(matches!(err, CoreError::Store(_)), "{err:?}");
     assert_eq!(err.code(), tonic::Code::Unavailable);
+    assert!(
+        metrics.render().contains(refusing),
+        "the alert's gauge is set"
+    );
     store.fail.store(false, Ordering::SeqCst);
     let err = engine.create("m-1", zero()).await.unwrap_err();
     assert!(
