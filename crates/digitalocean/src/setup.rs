@@ -75,7 +75,7 @@ pub fn build_real(flags: &RealFlags, telemetry: Telemetry) -> Result<RealBackend
     }
     let tls = load_channel_tls(&flags.bootstrap_tls_cert, &flags.bootstrap_tls_key)
         .map_err(|e| format!("load bootstrap TLS keypair: {e}"))?;
-    telemetry.certificate_expiry("bootstrap", Path::new(&flags.bootstrap_tls_cert));
+    telemetry.bootstrap_channel_signals(Path::new(&flags.bootstrap_tls_cert));
     let ca_path = if flags.bootstrap_ca.is_empty() {
         &flags.bootstrap_tls_cert
     } else {

@@ -132,7 +132,7 @@ pub async fn run(launch: Launch) -> Result<(), String> {
     common.validate()?;
     // TLS is settled before anything else binds or loads.
     let (security, tls_config) = tls::grpc_tls(&common.tls_flags())?;
-    telemetry.grpc_certificates(&common.tls_flags());
+    telemetry.startup_signals(&common.tls_flags());
     if let Some(fleet) = &fleet {
         warm_up(fleet, telemetry).await?;
     }

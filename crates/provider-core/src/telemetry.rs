@@ -176,15 +176,38 @@ impl Telemetry {
         }
     }
 
-    /// The expiry of the gRPC server certificate (`grpc_server`) and client CA bundle
-    /// (`grpc_client_ca`) of the TLS flags that are set.
-    pub fn grpc_certificates(&self, flags: &crate::tls::TlsFlags) {
+    /// What a provider exports from its start: the expiry of the gRPC server certificate
+    /// (`grpc_server`) and client CA bundle (`grpc_client_ca`) of the TLS flags that are set, and
+    /// a zero for every series an alert or the dashboard reads, so the first event is an
+    /// increase Prometheus sees (a counter born at 1 has no `increase`) and a healthy provider
+    /// shows 0 rather than no data. Called before the store loads, so a commit failure while
+    /// resuming is not overwritten.
+    pub fn startup_signals(&self, flags: &crate::tls::TlsFlags) {
         if let Some(cert) = &flags.cert {
             self.certificate_expiry("grpc_server", cert);
         }
         if let Some(ca) = &flags.ca {
             self.certificate_expiry("grpc_client_ca", ca);
         }
+        for kind in ["create", "configure", "drain", "delete"] {
+            for outcome in ["success", "error", "timeout"] {
+                counter!(self.transitions, "kind" => kind, "outcome" => outcome).absolute(0);
+            }
+        }
+        for outcome in ["success", "error"] {
+            counter!(self.reconcile, "outcome" => outcome).absolute(0);
+            counter!(self.price_refresh, "outcome" => outcome).absolute(0);
+        }
+        counter!(self.store_commit_failures).absolute(0);
+        counter!(self.panics).absolute(0);
+        gauge!(self.store_refusing_mutations).set(0.0);
+    }
+
+    /// What the DigitalOcean bootstrap channel exports from its start: its certificate's expiry
+    /// (`bootstrap`) and a zero 401 counter, for the same reasons as [`Self::startup_signals`].
+    pub fn bootstrap_channel_signals(&self, cert: &std::path::Path) {
+        self.certificate_expiry("bootstrap", cert);
+        counter!(self.bootstrap_unauthorized).absolute(0);
     }
 
     /// `<prefix>_ready`: 1 while `/readyz` answers ready, else 0.
@@ -255,8 +278,18 @@ mod tests {
             key: Some(std::path::Path::new(pki).join("server-key.pem")),
             ca: Some(std::path::Path::new(pki).join("ca.pem")),
         };
-        t.grpc_certificates(&flags);
-        t.certificate_expiry("bootstrap", std::path::Path::new("/nonexistent/cert.pem"));
+        t.startup_signals(&flags);
+        for zeroed in [
+            "bigfleet_telemetrytest_transitions_total{kind=\"configure\",outcome=\"timeout\"} 0",
+            "bigfleet_telemetrytest_reconcile_total{outcome=\"error\"} 0",
+            "bigfleet_telemetrytest_price_refresh_total{outcome=\"success\"} 0",
+            "bigfleet_telemetrytest_store_commit_failures_total 0",
+            "bigfleet_telemetrytest_panics_total 0",
+            "bigfleet_telemetrytest_store_refusing_mutations 0",
+        ] {
+            assert!(handle.render().contains(zeroed), "{zeroed}");
+        }
+        t.bootstrap_channel_signals(std::path::Path::new("/nonexistent/cert.pem"));
         t.readiness(false);
         t.store_refusing_mutations();
         let body = handle.render();
@@ -271,6 +304,13 @@ mod tests {
         assert!(
             !body.contains("certificate=\"bootstrap\""),
             "an unreadable file exports no expiry: {body}"
+        );
+        assert_eq!(
+            sample(
+                &body,
+                "bigfleet_telemetrytest_bootstrap_unauthorized_total "
+            ),
+            Some(0.0)
         );
         assert_eq!(sample(&body, "bigfleet_telemetrytest_ready "), Some(0.0));
         t.readiness(true);
