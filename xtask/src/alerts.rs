@@ -11,12 +11,17 @@ use std::fs;
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
-use anyhow::{Context, Result, ensure};
+use anyhow::{Context, Result, bail, ensure};
 use serde_json::Value;
 
 /// `promtool` from PATH (Debian's `prometheus` package, installed by deploy/ci-setup.sh).
 pub(crate) fn promtool() -> Result<PathBuf> {
     which("promtool")
+}
+
+/// `prometheus` from PATH (same package).
+pub(crate) fn prometheus() -> Result<PathBuf> {
+    which("prometheus")
 }
 
 fn which(tool: &str) -> Result<PathBuf> {
@@ -351,6 +356,22 @@ pub(crate) fn check_dashboard(root: &Path, chart: &str, scratch: &Path) -> Resul
     check_rules(&spec, &file)
         .with_context(|| format!("the PromQL of {} does not parse", path.display()))?;
     Ok(exprs.len())
+}
+
+/// Every metric the provider's dashboard reads.
+pub(crate) fn dashboard_metrics(root: &Path, chart: &str) -> Result<BTreeSet<String>> {
+    let path = dashboard_path(root, chart);
+    let dashboard: Value = serde_json::from_str(&fs::read_to_string(&path)?)?;
+    let prefixes = dashboard_prefixes(chart);
+    let prefixes: Vec<&str> = prefixes.iter().map(String::as_str).collect();
+    let mut names = BTreeSet::new();
+    for expr in dashboard_exprs(&dashboard) {
+        names.extend(metric_names(&expr, &prefixes));
+    }
+    if names.is_empty() {
+        bail!("{} reads no metric", path.display());
+    }
+    Ok(names)
 }
 
 #[cfg(test)]

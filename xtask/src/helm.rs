@@ -334,7 +334,7 @@ pub(crate) fn run(args: &[String]) -> Result<()> {
     Ok(())
 }
 
-fn python() -> Result<PathBuf> {
+pub(crate) fn python() -> Result<PathBuf> {
     let python = std::env::var_os("BIGFLEET_CI_PYTHON")
         .map_or_else(|| PathBuf::from(DEFAULT_PYTHON), PathBuf::from);
     ensure!(

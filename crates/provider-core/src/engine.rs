@@ -602,7 +602,7 @@ impl Engine {
                 // The error is the abandonment itself, not the substrate's answer.
                 return;
             }
-            let timed_out = !handle.is_finished();
+            let timed_out = !handle.is_finished() || (outcome.is_err() && Instant::now() >= ctx.deadline);
             let ok = outcome.is_ok();
             if let Err(message) = &outcome {
                 tracing::warn!(machine_id, kind = kind.name(), operation_id, error = %message, "providerkit: transition failed");

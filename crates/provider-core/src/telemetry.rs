@@ -183,6 +183,9 @@ impl Telemetry {
     /// shows 0 rather than no data. Called before the store loads, so a commit failure while
     /// resuming is not overwritten.
     pub fn startup_signals(&self, flags: &crate::tls::TlsFlags) {
+        // Values recorded before the recorder is installed are lost; the observability server
+        // installs it later, so install it now.
+        let _ = recorder();
         if let Some(cert) = &flags.cert {
             self.certificate_expiry("grpc_server", cert);
         }
@@ -206,6 +209,7 @@ impl Telemetry {
     /// What the DigitalOcean bootstrap channel exports from its start: its certificate's expiry
     /// (`bootstrap`) and a zero 401 counter, for the same reasons as [`Self::startup_signals`].
     pub fn bootstrap_channel_signals(&self, cert: &std::path::Path) {
+        let _ = recorder();
         self.certificate_expiry("bootstrap", cert);
         counter!(self.bootstrap_unauthorized).absolute(0);
     }
