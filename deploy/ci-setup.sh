@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Installs what `cargo xtask dist --test`, `cargo xtask helm` and `cargo xtask e2e` need on a
-# Debian machine: buildah, ssh-keygen and Debian's CA bundle (apt), and a Python venv with Helm's engine and the
-# Kubernetes schemas (pip, pinned in deploy/ci/requirements.txt).
+# Debian machine: buildah, ssh-keygen and Debian's CA bundle (apt), Prometheus and promtool
+# (apt, for the alert rules, their unit tests and the live alert run), and a Python venv with
+# Helm's engine and the Kubernetes schemas (pip, pinned in deploy/ci/requirements.txt).
 #
 # Idempotent and quiet: it installs only what is missing and prints one line per install.
 # Any failure stops it with a non-zero exit. Needs root (as CI runs).
@@ -34,6 +35,31 @@ if [ "${#missing[@]}" -gt 0 ]; then
   rm -f "$log"
 fi
 buildah --version >/dev/null || die "buildah does not run"
+
+# Prometheus 2.42 from Debian: the tests start their own servers on loopback, so the package's
+# service must not start (a policy-rc.d answer of 101 forbids it during the install) and no
+# recommended exporters are pulled in.
+if ! command -v promtool >/dev/null 2>&1 || ! command -v prometheus >/dev/null 2>&1; then
+  say "installing prometheus (apt)"
+  [ "$(id -u)" -eq 0 ] || die "installing prometheus needs root"
+  log=$(mktemp)
+  policy=/usr/sbin/policy-rc.d
+  made_policy=
+  if [ ! -e "$policy" ]; then
+    printf '#!/bin/sh\nexit 101\n' >"$policy" && chmod 755 "$policy" && made_policy=1
+  fi
+  status=0
+  { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq \
+      --no-install-recommends prometheus; } >"$log" 2>&1 || status=$?
+  [ -z "$made_policy" ] || rm -f "$policy"
+  if [ "$status" -ne 0 ]; then
+    cat "$log" >&2
+    die "apt-get install prometheus failed"
+  fi
+  rm -f "$log"
+fi
+promtool --version >/dev/null 2>&1 || die "promtool does not run"
+prometheus --version >/dev/null 2>&1 || die "prometheus does not run"
 
 # --- Python venv ----------------------------------------------------------------------
 python=${PYTHON:-python3}

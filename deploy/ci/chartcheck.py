@@ -33,6 +33,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 KUBE_VERSIONS = ("1.25.0", "1.37.0")
 CRD_SCHEMAS = {
     ("monitoring.coreos.com/v1", "ServiceMonitor"): os.path.join(HERE, "schemas", "servicemonitor.json"),
+    ("monitoring.coreos.com/v1", "PrometheusRule"): os.path.join(HERE, "schemas", "prometheusrule.json"),
 }
 
 

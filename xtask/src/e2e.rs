@@ -13,9 +13,14 @@
 //! - restarts it (SIGTERM, exit 0, start again) and checks the inventory is re-seeded exactly
 //!   as on first boot, without duplicates.
 //!
+//! Then the real backends against the cloud API emulators, and the shipped alerts and dashboards
+//! against a real Prometheus and live scrapes (`e2e/alerts_live.rs`; needs Prometheus and the
+//! chart tools of `deploy/ci-setup.sh`).
+//!
 //! Any deviation ends the run with a non-zero exit and a message naming the provider and the
 //! check. [`real_backend_runs`] is where the runs against the cloud API emulators go.
 
+mod alerts_live;
 mod digitalocean_real;
 mod hetzner_real;
 pub(crate) mod provider_process;
@@ -135,6 +140,17 @@ async fn real_backend_runs(root: &Path) -> Result<()> {
         .context("e2e FAILED for digitalocean (real backend against do-emulator)")?;
     println!(
         "e2e: digitalocean on its real backend against do-emulator: ok ({:.1?})",
+        step.elapsed()
+    );
+    let step = Instant::now();
+    alerts_live::hetzner_dashboard(root)
+        .await
+        .context("e2e FAILED for the hetzner dashboard against a live scrape")?;
+    alerts_live::run(root)
+        .await
+        .context("e2e FAILED for the alerts in a real Prometheus")?;
+    println!(
+        "e2e: the shipped alerts fired and resolved in a real Prometheus: ok ({:.1?})",
         step.elapsed()
     );
     Ok(())
@@ -453,6 +469,14 @@ async fn list_delta(caller: &mut Caller, id: &str) -> Result<()> {
 const BASE_SERIES: &[(&str, &[(&str, &str)])] = &[
     ("machines", &[("state", "Speculative")]),
     ("grpc_requests_total", &[("method", "List"), ("code", "OK")]),
+    (
+        "certificate_not_after_timestamp_seconds",
+        &[("certificate", "grpc_server")],
+    ),
+    (
+        "certificate_not_after_timestamp_seconds",
+        &[("certificate", "grpc_client_ca")],
+    ),
 ];
 
 /// Series the first incarnation must export after the walk and the error paths.
@@ -515,6 +539,11 @@ async fn observability(
             "/metrics lacks {name} with {labels:?}:\n{body}"
         );
     }
+    let ready = format!("{}_ready 1", target.metrics_prefix);
+    ensure!(
+        body.lines().any(|l| l == ready),
+        "/metrics lacks {ready:?}:\n{body}"
+    );
     ensure!(
         body.contains("process_resident_memory_bytes"),
         "/metrics lacks the process series:\n{body}"

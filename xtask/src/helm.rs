@@ -2,7 +2,8 @@
 //! lints them, validates every object against the Kubernetes schemas, checks the rendered
 //! Deployments against the rules the charts promise, compares the renders and the README
 //! values tables with the committed copies, validates the Secret examples, and makes sure
-//! bad values are refused.
+//! bad values are refused. With the alerts and the dashboard on (the `alerts` and `full`
+//! cases), the rendered rules and the dashboard are checked with promtool (`alerts.rs`).
 //!
 //! Helm and the schemas come from the Python environment that `deploy/ci-setup.sh` installs
 //! (`deploy/ci/chartcheck.py` does the Helm and schema work); this module drives the cases
@@ -179,6 +180,18 @@ const REFUSALS: &[Refusal] = &[
         message: "locaton",
     },
     Refusal {
+        chart: "digitalocean",
+        what: "an alert `for` that is not a Prometheus duration",
+        values: "prometheusRule:\n  enabled: true\n  alerts:\n    down: {enabled: true, for: 5 minutes, severity: critical}\n",
+        message: "5 minutes",
+    },
+    Refusal {
+        chart: "hetzner",
+        what: "an alert ratio above 1",
+        values: "prometheusRule:\n  alerts:\n    cloudAPIRateLimited: {enabled: true, window: 10m, ratio: 10, for: 15m, severity: warning}\n",
+        message: "ratio",
+    },
+    Refusal {
         chart: "hetzner",
         what: "an object Kubernetes would reject",
         values: "extraEnv:\n  - name: HTTPS_PROXY\n    valu: http://proxy:3128\n",
@@ -210,14 +223,26 @@ pub(crate) fn run(args: &[String]) -> Result<()> {
 
     for chart in &CHARTS {
         let dir = root.join("deploy/helm").join(chart.name);
-        for case in ["default", "full"] {
-            let values = (case == "full").then(|| dir.join("ci/full-values.yaml"));
+        for case in ["default", "alerts", "full"] {
+            let values = (case != "default").then(|| dir.join(format!("ci/{case}-values.yaml")));
             let json = scratch.join(format!("{}-{case}.json", chart.name));
             let rendered = chartcheck(&python, &root, chart.name, values.as_deref(), Some(&json))
                 .with_context(|| format!("chart {} with {case} values", chart.name))?;
             let objects: Vec<Value> = serde_json::from_str(&fs::read_to_string(&json)?)?;
             check_policy(chart, case, &objects)
                 .with_context(|| format!("chart {} with {case} values", chart.name))?;
+            if case != "default" {
+                crate::alerts::check_render(
+                    &root,
+                    &python,
+                    chart.name,
+                    case,
+                    &objects,
+                    &scratch,
+                    case == "alerts",
+                )
+                .with_context(|| format!("chart {} with {case} values: alerts", chart.name))?;
+            }
             let snapshot = root.join(format!("deploy/helm/snapshots/{}-{case}.yaml", chart.name));
             if !compare_or_update(&snapshot, &rendered, update)? {
                 stale.push(snapshot);
@@ -228,6 +253,15 @@ pub(crate) fn run(args: &[String]) -> Result<()> {
             );
             passed += 1;
         }
+
+        if !crate::alerts::sync_chart_dashboard(&root, chart.name, update)? {
+            stale.push(crate::alerts::chart_dashboard_path(&root, chart.name));
+        }
+        let exprs = crate::alerts::check_dashboard(&root, chart.name, &scratch)?;
+        println!(
+            "helm: {}: {exprs} dashboard expressions parse with promtool",
+            chart.name
+        );
 
         let table = output(
             Command::new(&python)
@@ -300,7 +334,7 @@ pub(crate) fn run(args: &[String]) -> Result<()> {
     Ok(())
 }
 
-fn python() -> Result<PathBuf> {
+pub(crate) fn python() -> Result<PathBuf> {
     let python = std::env::var_os("BIGFLEET_CI_PYTHON")
         .map_or_else(|| PathBuf::from(DEFAULT_PYTHON), PathBuf::from);
     ensure!(
@@ -408,11 +442,19 @@ fn check_policy(chart: &Chart, case: &str, objects: &[Value]) -> Result<()> {
     let kinds: BTreeSet<&str> = objects.iter().filter_map(|o| o["kind"].as_str()).collect();
     let expected: &[&str] = match (chart.name, case) {
         (_, "default") => &["Deployment", "Service", "ServiceAccount"],
+        (_, "alerts") => &[
+            "ConfigMap",
+            "Deployment",
+            "PrometheusRule",
+            "Service",
+            "ServiceAccount",
+        ],
         ("hetzner", _) => &[
             "ConfigMap",
             "Deployment",
             "NetworkPolicy",
             "PersistentVolumeClaim",
+            "PrometheusRule",
             "Service",
             "ServiceAccount",
             "ServiceMonitor",
@@ -421,6 +463,7 @@ fn check_policy(chart: &Chart, case: &str, objects: &[Value]) -> Result<()> {
             "ConfigMap",
             "Deployment",
             "NetworkPolicy",
+            "PrometheusRule",
             "Service",
             "ServiceAccount",
             "ServiceMonitor",

@@ -1,5 +1,6 @@
 //! `cargo xtask`: the project's automation entry point.
 
+mod alerts;
 mod bench;
 mod certs;
 mod demo;

@@ -95,6 +95,7 @@ pub fn build_real(flags: &RealFlags, telemetry: Telemetry) -> Result<RealBackend
     let tls = load_channel_tls(&flags.bootstrap_tls_cert, &flags.bootstrap_tls_key)
         .map_err(|e| format!("load bootstrap TLS keypair: {e}"))?;
     let pin = agent_pin(flags)?;
+    telemetry.bootstrap_channel_signals(Path::new(&flags.bootstrap_tls_cert));
     let token = ApiToken::new(&flags.token)
         .ok_or("digitalocean: token is required for the digitalocean backend")?;
     if flags.region.is_empty() {

@@ -150,6 +150,7 @@ pub async fn run(launch: Launch) -> Result<(), String> {
     if let Some(warning) = plaintext_warning(security, real_backend) {
         tracing::warn!(security = security.name(), "{warning}");
     }
+    telemetry.startup_signals(&common.tls_flags());
     if let Some(fleet) = &fleet {
         warm_up(fleet, telemetry).await?;
     }

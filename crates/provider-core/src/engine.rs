@@ -305,6 +305,7 @@ impl Engine {
         result.map_err(|e| {
             if !self.store_failed.swap(true, Ordering::SeqCst) {
                 tracing::error!(error = %e, "state store commit failed; refusing further mutations until restart");
+                self.options.telemetry.store_refusing_mutations();
             }
             CoreError::Store(e.0)
         })
@@ -644,7 +645,7 @@ impl Engine {
                 // The error is the abandonment itself, not the substrate's answer.
                 return;
             }
-            let timed_out = !handle.is_finished();
+            let timed_out = !handle.is_finished() || (outcome.is_err() && Instant::now() >= ctx.deadline);
             let ok = outcome.is_ok();
             if let Err(message) = &outcome {
                 tracing::warn!(machine_id, kind = kind.name(), operation_id, error = %message, "providerkit: transition failed");

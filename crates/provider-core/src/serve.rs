@@ -257,6 +257,7 @@ async fn readyz(State(state): State<HttpState>) -> (StatusCode, &'static str) {
 async fn metrics(
     State(state): State<HttpState>,
 ) -> ([(axum::http::HeaderName, &'static str); 1], String) {
+    state.telemetry.readiness(state.ready.get());
     let census = state.engine.census();
     state
         .telemetry

@@ -36,6 +36,10 @@ pub struct Telemetry {
     pub unknown_id_marks_evicted: &'static str,
     pub grpc_connections: &'static str,
     pub grpc_connections_refused: &'static str,
+    // Alerting signals (see the `impl` block below).
+    pub certificate_not_after: &'static str,
+    pub ready: &'static str,
+    pub store_refusing_mutations: &'static str,
 }
 
 fn leak(prefix: &str, name: &str) -> &'static str {
@@ -79,6 +83,9 @@ impl Telemetry {
             unknown_id_marks_evicted: leak(prefix, "unknown_id_fence_marks_evicted_total"),
             grpc_connections: leak(prefix, "grpc_connections"),
             grpc_connections_refused: leak(prefix, "grpc_connections_refused_total"),
+            certificate_not_after: leak(prefix, "certificate_not_after_timestamp_seconds"),
+            ready: leak(prefix, "ready"),
+            store_refusing_mutations: leak(prefix, "store_refusing_mutations"),
         };
         cache.push((prefix.to_owned(), t));
         t
@@ -180,6 +187,75 @@ impl Telemetry {
     }
 }
 
+/// Signals the shipped alerts need beyond the counters above: certificates are read once at
+/// startup, so their expiry is exported for the only reminder to roll them; readiness and a
+/// poisoned store are states, not events, so they are gauges.
+impl Telemetry {
+    /// `<prefix>_certificate_not_after_timestamp_seconds{certificate}`: when the first
+    /// certificate of the PEM file at `path` expires. A file the DER walk cannot read (it was
+    /// already accepted by TLS) is logged, not fatal: the series is then absent.
+    pub fn certificate_expiry(&self, certificate: &'static str, path: &std::path::Path) {
+        match crate::tls::earliest_not_after(path) {
+            Ok(not_after) => {
+                gauge!(self.certificate_not_after, "certificate" => certificate)
+                    .set(not_after as f64);
+            }
+            Err(e) => {
+                tracing::warn!(certificate, error = %e, "cannot read the certificate's expiry; its expiry metric is not exported")
+            }
+        }
+    }
+
+    /// What a provider exports from its start: the expiry of the gRPC server certificate
+    /// (`grpc_server`) and client CA bundle (`grpc_client_ca`) of the TLS flags that are set, and
+    /// a zero for every series an alert or the dashboard reads, so the first event is an
+    /// increase Prometheus sees (a counter born at 1 has no `increase`) and a healthy provider
+    /// shows 0 rather than no data. Called before the store loads, so a commit failure while
+    /// resuming is not overwritten.
+    pub fn startup_signals(&self, flags: &crate::tls::TlsFlags) {
+        // Values recorded before the recorder is installed are lost; the observability server
+        // installs it later, so install it now.
+        let _ = recorder();
+        if let Some(cert) = &flags.cert {
+            self.certificate_expiry("grpc_server", cert);
+        }
+        if let Some(ca) = &flags.ca {
+            self.certificate_expiry("grpc_client_ca", ca);
+        }
+        for kind in ["create", "configure", "drain", "delete"] {
+            for outcome in ["success", "error", "timeout"] {
+                counter!(self.transitions, "kind" => kind, "outcome" => outcome).absolute(0);
+            }
+        }
+        for outcome in ["success", "error"] {
+            counter!(self.reconcile, "outcome" => outcome).absolute(0);
+            counter!(self.price_refresh, "outcome" => outcome).absolute(0);
+        }
+        counter!(self.store_commit_failures).absolute(0);
+        counter!(self.panics).absolute(0);
+        gauge!(self.store_refusing_mutations).set(0.0);
+    }
+
+    /// What the DigitalOcean bootstrap channel exports from its start: its certificate's expiry
+    /// (`bootstrap`) and a zero 401 counter, for the same reasons as [`Self::startup_signals`].
+    pub fn bootstrap_channel_signals(&self, cert: &std::path::Path) {
+        let _ = recorder();
+        self.certificate_expiry("bootstrap", cert);
+        counter!(self.bootstrap_unauthorized).absolute(0);
+    }
+
+    /// `<prefix>_ready`: 1 while `/readyz` answers ready, else 0.
+    pub fn readiness(&self, ready: bool) {
+        gauge!(self.ready).set(if ready { 1.0 } else { 0.0 });
+    }
+
+    /// `<prefix>_store_refusing_mutations 1`: a commit failed and every mutation is refused
+    /// until the provider restarts.
+    pub fn store_refusing_mutations(&self) {
+        gauge!(self.store_refusing_mutations).set(1.0);
+    }
+}
+
 /// The process-wide Prometheus recorder. Installed once; later calls share the same handle.
 pub fn recorder() -> PrometheusHandle {
     static HANDLE: OnceLock<PrometheusHandle> = OnceLock::new();
@@ -211,5 +287,74 @@ pub fn status_class(status: u16) -> &'static str {
         300..=399 => "3xx",
         400..=499 => "4xx",
         _ => "5xx",
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The sample of `name` in the exposition, if any.
+    fn sample(body: &str, name: &str) -> Option<f64> {
+        body.lines()
+            .find(|l| l.starts_with(name) && !l.starts_with('#'))
+            .and_then(|l| l.rsplit(' ').next())
+            .and_then(|v| v.parse().ok())
+    }
+
+    #[test]
+    fn alerting_signals_are_exported() {
+        let handle = recorder();
+        let t = Telemetry::new("bigfleet_telemetrytest");
+        let pki = concat!(env!("CARGO_MANIFEST_DIR"), "/../../testdata/pki");
+        let flags = crate::tls::TlsFlags {
+            cert: Some(std::path::Path::new(pki).join("server.pem")),
+            key: Some(std::path::Path::new(pki).join("server-key.pem")),
+            ca: Some(std::path::Path::new(pki).join("ca.pem")),
+        };
+        t.startup_signals(&flags);
+        for zeroed in [
+            "bigfleet_telemetrytest_transitions_total{kind=\"configure\",outcome=\"timeout\"} 0",
+            "bigfleet_telemetrytest_reconcile_total{outcome=\"error\"} 0",
+            "bigfleet_telemetrytest_price_refresh_total{outcome=\"success\"} 0",
+            "bigfleet_telemetrytest_store_commit_failures_total 0",
+            "bigfleet_telemetrytest_panics_total 0",
+            "bigfleet_telemetrytest_store_refusing_mutations 0",
+        ] {
+            assert!(handle.render().contains(zeroed), "{zeroed}");
+        }
+        t.bootstrap_channel_signals(std::path::Path::new("/nonexistent/cert.pem"));
+        t.readiness(false);
+        t.store_refusing_mutations();
+        let body = handle.render();
+        for (certificate, file) in [("grpc_server", "server.pem"), ("grpc_client_ca", "ca.pem")] {
+            let name = format!(
+                "bigfleet_telemetrytest_certificate_not_after_timestamp_seconds{{certificate=\"{certificate}\"}}"
+            );
+            let want = crate::tls::earliest_not_after(&std::path::Path::new(pki).join(file))
+                .expect("committed PKI");
+            assert_eq!(sample(&body, &name), Some(want as f64), "{body}");
+        }
+        assert!(
+            !body.contains("certificate=\"bootstrap\""),
+            "an unreadable file exports no expiry: {body}"
+        );
+        assert_eq!(
+            sample(
+                &body,
+                "bigfleet_telemetrytest_bootstrap_unauthorized_total "
+            ),
+            Some(0.0)
+        );
+        assert_eq!(sample(&body, "bigfleet_telemetrytest_ready "), Some(0.0));
+        t.readiness(true);
+        assert_eq!(
+            sample(&handle.render(), "bigfleet_telemetrytest_ready "),
+            Some(1.0)
+        );
+        assert_eq!(
+            sample(&body, "bigfleet_telemetrytest_store_refusing_mutations "),
+            Some(1.0)
+        );
     }
 }

@@ -27,7 +27,7 @@ use tokio::time::Instant;
 use super::provider_process::{self, Provider, Spec};
 use super::wire::{self, Caller, ClientSecurity, Shard, acked, state_of};
 
-const TOKEN: &str = "dop_v1_e2e_api_token_0123456789";
+pub(super) const TOKEN: &str = "dop_v1_e2e_api_token_0123456789";
 const SECRET: &str = "e2e-bootstrap-secret-0123456789abcdef";
 const REGION: &str = "nyc3";
 const OFFERINGS: &str = r#"[
@@ -43,13 +43,13 @@ const SETTLE: Duration = Duration::from_secs(15);
 const BOOTSTRAP_PORT_ATTEMPTS: usize = 3;
 
 /// A child process (emulator or agent) whose output is collected; killed when dropped.
-struct Process {
+pub(super) struct Process {
     child: Child,
     log: Arc<Mutex<Vec<String>>>,
 }
 
 impl Process {
-    fn logs(&self) -> String {
+    pub(super) fn logs(&self) -> String {
         self.log
             .lock()
             .unwrap_or_else(|e| e.into_inner())
@@ -81,7 +81,7 @@ fn collect(stream: impl std::io::Read + Send + 'static, log: &Arc<Mutex<Vec<Stri
 }
 
 /// Starts `do-emulator` on a free loopback port; returns it with its address.
-fn start_emulator(root: &Path) -> Result<(Process, SocketAddr)> {
+pub(super) fn start_emulator(root: &Path) -> Result<(Process, SocketAddr)> {
     let binary = provider_process::target_binary(root, "debug", "do-emulator");
     let mut child = Command::new(&binary)
         .args(["--listen", "127.0.0.1:0", "--token", TOKEN])
@@ -197,7 +197,7 @@ fn agent_config(user_data: &str) -> Result<Value> {
 }
 
 /// The Droplet whose agent config names `machine_id`, and that config.
-fn droplet_of(api: SocketAddr, machine_id: &str) -> Result<Option<(Value, Value)>> {
+pub(super) fn droplet_of(api: SocketAddr, machine_id: &str) -> Result<Option<(Value, Value)>> {
     for droplet in droplets(api)? {
         let user_data = droplet["user_data"].as_str().unwrap_or_default();
         let Ok(config) = agent_config(user_data) else {
@@ -218,7 +218,7 @@ fn write_executable(path: &Path, body: &str) -> Result<()> {
 
 /// Starts `bigfleet-agent` in `dir` with `config`, a hook recording its arguments and a copy of
 /// the blob, and a drain script recording its argument.
-fn start_agent(root: &Path, dir: &Path, config: &Value) -> Result<Process> {
+pub(super) fn start_agent(root: &Path, dir: &Path, config: &Value) -> Result<Process> {
     let config_path = dir.join("config.json");
     std::fs::write(&config_path, serde_json::to_vec_pretty(config)?)
         .context("write the agent config")?;

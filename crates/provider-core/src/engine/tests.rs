@@ -244,6 +244,24 @@ async fn a_timeout_fails_the_machine_and_a_late_success_is_discarded() {
 }
 
 #[tokio::test(start_paused = true)]
+async fn a_backend_failing_at_its_deadline_is_counted_as_a_timeout() {
+    let metrics = crate::telemetry::recorder();
+    // The backend gives up at the deadline itself, as a backend waiting on its own clock does.
+    let backend = Scripted::with(1, Some(Duration::from_secs(10)));
+    *backend.fail.lock().unwrap() = Some("agent did not apply: context deadline exceeded".into());
+    let engine = Engine::start(backend, Arc::new(crate::store::MemoryStore), options())
+        .await
+        .unwrap();
+    engine.create("m-0", zero()).await.unwrap();
+    settle(&engine, "m-0", MachineState::Failed).await;
+    let body = metrics.render();
+    assert!(
+        body.contains(r#"test_engine_transitions_total{kind="create",outcome="timeout"} 1"#),
+        "{body}"
+    );
+}
+
+#[tokio::test(start_paused = true)]
 async fn a_backend_error_becomes_last_error() {
     let backend = Scripted::with(1, Some(Duration::from_millis(5)));
     *backend.fail.lock().unwrap() = Some("create server cx22: quota exceeded".into());
@@ -351,10 +369,17 @@ async fn a_failed_commit_is_never_acknowledged_and_stops_mutations() {
     let engine = Engine::start(backend, store.clone(), options())
         .await
         .unwrap();
+    let metrics = crate::telemetry::recorder();
+    let refusing = "test_engine_store_refusing_mutations 1";
+    assert!(!metrics.render().contains(refusing));
     store.fail.store(true, Ordering::SeqCst);
     let err = engine.create("m-0", zero()).await.unwrap_err();
     assert!(matches!(err, CoreError::Store(_)), "{err:?}");
     assert_eq!(err.code(), tonic::Code::Unavailable);
+    assert!(
+        metrics.render().contains(refusing),
+        "the alert's gauge is set"
+    );
     store.fail.store(false, Ordering::SeqCst);
     let err = engine.create("m-1", zero()).await.unwrap_err();
     assert!(

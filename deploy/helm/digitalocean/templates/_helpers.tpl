@@ -55,3 +55,11 @@ app.kubernetes.io/managed-by: {{ .Release.Service }}
 {{- define "bigfleet-digitalocean.stateClaim" -}}
 {{- default (printf "%s-state" (include "bigfleet-digitalocean.fullname" .)) .Values.state.persistence.existingClaim -}}
 {{- end -}}
+
+{{/* The labels of one alert: its severity and the operator's extra alert labels. */}}
+{{- define "bigfleet-digitalocean.alertLabels" -}}
+severity: {{ .alert.severity }}
+{{- with .rule.alertLabels }}
+{{ toYaml . }}
+{{- end }}
+{{- end -}}
