@@ -222,6 +222,7 @@ fn common(cli: &Cli) -> CommonArgs {
         log_format: LogFormat::Text,
         log_level: "info".into(),
         fake_latency: Duration::ZERO,
+        etcd: Default::default(),
     }
 }
 

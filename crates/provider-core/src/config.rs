@@ -161,6 +161,10 @@ pub struct CommonArgs {
     #[arg(long = "log-level", default_value = "info", value_name = "FILTER")]
     pub log_level: String,
 
+    /// The etcd store's flags (`--state etcd://…`).
+    #[command(flatten)]
+    pub etcd: crate::etcd::EtcdArgs,
+
     /// How long each fake-backend transition takes.
     #[arg(long = "fake-latency", default_value = "100ms", value_parser = duration::flag, value_name = "DURATION")]
     pub fake_latency: Duration,
@@ -200,7 +204,7 @@ impl CommonArgs {
                 return Err(format!("{flag} must be a positive duration"));
             }
         }
-        Ok(())
+        crate::etcd::validate_with_state(&self.state, &self.etcd)
     }
 
     /// Reads `--base-user-data` (`read --base-user-data: ...`).
