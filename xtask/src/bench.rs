@@ -8,6 +8,7 @@
 //! `cargo xtask bench --help` lists the scenarios and flags; `--quick` takes seconds.
 
 mod args;
+mod etcd;
 mod load;
 mod procfs;
 mod provider;
@@ -287,7 +288,9 @@ async fn measure(scenario: Scenario, provider: &Provider, options: &Options) -> 
         Scenario::Get => scenarios::get(provider, options).await,
         Scenario::List => scenarios::list(provider, options).await,
         Scenario::ListFiltered => scenarios::list_filtered(provider, options).await,
-        Scenario::Lifecycle | Scenario::Durable => scenarios::lifecycle(provider, options).await,
+        Scenario::Lifecycle | Scenario::Durable | Scenario::Etcd => {
+            scenarios::lifecycle(provider, options).await
+        }
         Scenario::Mixed => scenarios::mixed(provider, options).await,
         Scenario::Startup => bail!("startup needs --spawn"),
     }
@@ -304,7 +307,15 @@ async fn spawn_and_measure(
     if scenario == Scenario::Startup {
         return scenarios::startup(command, size, tls, scratch).await;
     }
-    let state = scenario.durable().then(|| scratch.fresh());
+    // The etcd scenario: the same walk with its state in a fresh etcd member.
+    let etcd = match scenario {
+        Scenario::Etcd => Some(etcd::Etcd::start(&scratch.fresh())?),
+        _ => None,
+    };
+    let state = match &etcd {
+        Some(etcd) => Some(std::path::PathBuf::from(etcd.state())),
+        None => scenario.durable().then(|| scratch.fresh()),
+    };
     let provider = Provider::start(command, Some(size), state.as_deref(), tls).await?;
     let outcome = measure(scenario, &provider, options).await;
     let outcome = match outcome {
@@ -315,10 +326,11 @@ async fn spawn_and_measure(
         ))),
     };
     provider.stop().await?;
-    if let Some(state) = state {
+    if let (Some(state), None) = (state, &etcd) {
         let _ = std::fs::remove_dir_all(&state);
         let _ = std::fs::remove_file(&state);
     }
+    drop(etcd);
     outcome
 }
 

@@ -227,6 +227,7 @@ fn common(cli: &Cli) -> CommonArgs {
         grpc_max_concurrent_streams: GrpcLimits::default().max_concurrent_streams,
         grpc_request_timeout: GrpcLimits::default().request_timeout,
         grpc_max_connection_age: GrpcLimits::default().max_connection_age,
+        etcd: Default::default(),
     }
 }
 

@@ -159,12 +159,18 @@ pub async fn run(launch: Launch) -> Result<(), String> {
             "no readiness gate configured: a successful bootstrap hook is taken as node readiness (Configured is reported as soon as configure succeeds)"
         );
     }
-    let store =
-        open_store(&common.state).map_err(|e| format!("open state {}: {e}", common.state))?;
+    let store: SharedStore = if crate::etcd::is_etcd(&common.state) {
+        crate::etcd::EtcdStore::open(&common.state, &common.etcd)
+            .await
+            .map(|s| Arc::new(s) as SharedStore)
+    } else {
+        open_store(&common.state)
+    }
+    .map_err(|e| format!("open state {}: {e}", common.state))?;
     let mut options = EngineOptions::new(telemetry);
     options.timeouts = common.timeouts();
     options.require_zone = require_zone;
-    let engine = Engine::start(backend, store, options)
+    let engine = Engine::start(backend, store.clone(), options)
         .await
         .map_err(|e| format!("build provider: {e}"))?;
 
@@ -259,6 +265,9 @@ pub async fn run(launch: Launch) -> Result<(), String> {
     let _ = tokio::time::timeout(Duration::from_secs(5), grpc).await;
     for t in tasks {
         let _ = tokio::time::timeout(Duration::from_secs(5), t).await;
+    }
+    if let Err(e) = store.release().wait().await {
+        tracing::warn!(error = %e, "state store release at shutdown");
     }
     tracing::info!("stopped");
     Ok(())

@@ -1,5 +1,5 @@
-//! Subcommands every provider binary offers besides serving: `state export` and
-//! `admin failed list|release`.
+//! Subcommands every provider binary offers besides serving: `state export`, `state import`
+//! and `admin failed list|release`.
 
 use std::path::PathBuf;
 
@@ -26,9 +26,22 @@ pub enum Command {
 pub enum StateAction {
     /// Print the whole state as JSON.
     Export {
-        /// The provider's --state path.
-        #[arg(long, value_name = "PATH")]
-        state: PathBuf,
+        /// The provider's --state: a state directory, a reference state file or an etcd:// address.
+        #[arg(long, value_name = "STATE")]
+        state: String,
+        #[command(flatten)]
+        etcd: crate::etcd::EtcdArgs,
+    },
+    /// Copy a state between a local state directory and etcd (either way), checked after copying.
+    Import {
+        /// The state to copy: a state directory or an etcd:// address.
+        #[arg(long, value_name = "STATE")]
+        from: String,
+        /// Where to copy it: a new or empty directory, or an etcd:// prefix with no state.
+        #[arg(long, value_name = "STATE")]
+        to: String,
+        #[command(flatten)]
+        etcd: crate::etcd::EtcdArgs,
     },
 }
 
@@ -63,8 +76,14 @@ pub enum FailedAction {
 pub async fn run(command: Command) -> Result<String, String> {
     match command {
         Command::State {
-            action: StateAction::Export { state },
-        } => crate::durable::export_json(&state),
+            action: StateAction::Export { state, etcd },
+        } if crate::etcd::is_etcd(&state) => crate::etcd::export_json(&state, &etcd).await,
+        Command::State {
+            action: StateAction::Export { state, .. },
+        } => crate::durable::export_json(std::path::Path::new(&state)),
+        Command::State {
+            action: StateAction::Import { from, to, etcd },
+        } => crate::etcd::import(&from, &to, &etcd).await,
         Command::Admin {
             action: AdminAction::Failed { action },
         } => match action {

@@ -202,6 +202,10 @@ pub struct CommonArgs {
     #[arg(long = "grpc-max-connection-age", default_value = "1h", value_parser = duration::flag, value_name = "DURATION")]
     pub grpc_max_connection_age: Duration,
 
+    /// The etcd store's flags (`--state etcd://…`).
+    #[command(flatten)]
+    pub etcd: crate::etcd::EtcdArgs,
+
     /// How long each fake-backend transition takes.
     #[arg(long = "fake-latency", default_value = "100ms", value_parser = duration::flag, value_name = "DURATION")]
     pub fake_latency: Duration,
@@ -250,7 +254,7 @@ impl CommonArgs {
         if self.grpc_max_concurrent_streams == 0 {
             return Err("--grpc-max-concurrent-streams must be at least 1".into());
         }
-        Ok(())
+        crate::etcd::validate_with_state(&self.state, &self.etcd)
     }
 
     /// The gRPC listener limits from the `--grpc-*` flags.

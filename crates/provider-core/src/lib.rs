@@ -12,6 +12,7 @@ pub mod duration;
 pub mod encoding;
 pub mod engine;
 pub mod error;
+pub mod etcd;
 pub mod fake;
 pub mod fence;
 pub mod fleet;

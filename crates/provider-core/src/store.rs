@@ -101,6 +101,11 @@ pub trait Store: Send + Sync + 'static {
     }
     /// A short description for logs, e.g. the file path.
     fn describe(&self) -> String;
+    /// Gives up the store's hold at shutdown, after the last commit (the etcd store revokes its
+    /// claim so a successor need not wait for the lease to run out). Nothing commits after it.
+    fn release(&self) -> Commit {
+        Commit::done()
+    }
 }
 
 /// State in process memory only: lost on restart, as with the reference without `--state`.

@@ -28,14 +28,15 @@ Endpoint (exactly one):
                           alternating runs, and print ratios ours/theirs
 
 Scenarios and sizes:
-  --scenario NAME[,NAME]  get, list, list-filtered, lifecycle, durable, startup, mixed, or all
-                          (default all; durable and startup need --spawn)
+  --scenario NAME[,NAME]  get, list, list-filtered, lifecycle, durable, startup, mixed, etcd,
+                          or all (default all; durable, startup and etcd need --spawn; etcd
+                          starts an etcd member, Debian's etcd-server)
   --repeats N             runs per figure, reported as median and min-max (default 3)
-  --seeds N,N,...         inventories for list, list-filtered, lifecycle, durable and startup
+  --seeds N,N,...         inventories for list, list-filtered, lifecycle, durable, etcd and startup
                           (default 1000,10000,100000)
   --inventory N           inventory for get and mixed (default 10000)
   --concurrency N,N       Get concurrencies of the get scenario (default 1,32)
-  --machines K            machines walked by lifecycle and durable (default 256)
+  --machines K            machines walked by lifecycle, durable and etcd (default 256)
   --in-flight N           machines in flight during walks (default 32)
   --duration D            measured window of the timed loops (default 5s)
   --warmup D              warm-up before every measured window (default 1s)
@@ -59,10 +60,11 @@ pub(crate) enum Scenario {
     Durable,
     Startup,
     Mixed,
+    Etcd,
 }
 
 impl Scenario {
-    pub(crate) const ALL: [Scenario; 7] = [
+    pub(crate) const ALL: [Scenario; 8] = [
         Scenario::Get,
         Scenario::List,
         Scenario::ListFiltered,
@@ -70,6 +72,7 @@ impl Scenario {
         Scenario::Durable,
         Scenario::Startup,
         Scenario::Mixed,
+        Scenario::Etcd,
     ];
 
     pub(crate) fn name(self) -> &'static str {
@@ -81,6 +84,7 @@ impl Scenario {
             Scenario::Durable => "durable",
             Scenario::Startup => "startup",
             Scenario::Mixed => "mixed",
+            Scenario::Etcd => "etcd",
         }
     }
 
@@ -93,7 +97,7 @@ impl Scenario {
 
     /// Whether the scenario needs to start the provider itself.
     pub(crate) fn needs_spawn(self) -> bool {
-        matches!(self, Scenario::Durable | Scenario::Startup)
+        matches!(self, Scenario::Durable | Scenario::Startup | Scenario::Etcd)
     }
 
     /// Whether its inventory is `--inventory` (one size) rather than every `--seeds` size.

@@ -73,6 +73,8 @@ use std::time::Instant;
 use tokio::sync::oneshot;
 
 pub use export::render_json;
+// The etcd store keeps machine slots in the same encoding.
+pub(crate) use codec::{decode_slot, encode_slot};
 
 use codec::{FileKind, HEADER_LEN};
 use replay::{Image, Tail};

@@ -1,0 +1,877 @@
+//! The state store behind `--state etcd://HOST:PORT[,HOST:PORT…]/PREFIX`: the same facts as
+//! the local log (machines, fence marks, operation ids, counters) as keys under a prefix of an
+//! etcd cluster (layout in `keys.rs`; operator view in docs/ha.md).
+//!
+//! # One writer
+//!
+//! A provider claims the prefix before it reads it: it puts `PREFIX/owner` with a random token,
+//! attached to an etcd lease it keeps alive every TTL/3, and only if the key does not exist. A
+//! second provider started on the same prefix waits for the claim to go (a killed provider's
+//! lease runs out within the TTL) and refuses to start if it does not. Every commit is a
+//! transaction guarded by `value(PREFIX/owner) == token`, so a provider whose claim expired
+//! (paused, partitioned) can never write again: its commit is refused by etcd and the store
+//! fails, which stops the engine acknowledging.
+//!
+//! # Group commit
+//!
+//! Batches queued while a transaction is in flight are committed together in the next one, so
+//! the cost per mutation stays flat with the inventory. A transaction holds whole batches, up to
+//! etcd's default limits (128 operations, 1.5 MiB per request); a group larger than that is
+//! committed as several guarded transactions in order, and a single batch larger than that (a
+//! first seed, a reconcile of many machines) is split with the counters first and fence marks
+//! before machines, so a crash in between never leaves a machine whose fence or operation
+//! counter is behind it. A commit is acknowledged only after all its transactions succeeded.
+//!
+//! # Failures
+//!
+//! A request that fails because etcd is electing a leader ("request timed out", unavailable)
+//! is retried a bounded number of times; every transaction is idempotent (puts and deletes of
+//! fixed values under the guard), so a retry of one that did apply is harmless. When the
+//! retries run out the commit fails, and so does every later one: batches must become durable
+//! in order.
+
+mod keys;
+mod target;
+mod transfer;
+
+#[cfg(test)]
+mod testing;
+#[cfg(test)]
+mod tests;
+
+use std::collections::BTreeMap;
+use std::future::Future;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex, PoisonError};
+use std::time::{Duration, Instant};
+
+use etcd_proto::etcdserverpb as pb;
+use pb::compare::{CompareResult, CompareTarget, TargetUnion};
+use pb::request_op::Request;
+use tokio::sync::{mpsc, oneshot};
+use tokio_stream::StreamExt;
+use tokio_util::sync::CancellationToken;
+
+pub use target::{EtcdArgs, is_etcd};
+pub use transfer::{export_json, import};
+
+use keys::{KeyKind, Keys, Meta};
+use target::{Client, Target};
+
+use crate::store::{Change, Commit, FenceRecord, Snapshot, Store, StoreError};
+
+/// etcd's default `--max-txn-ops`.
+pub(crate) const MAX_TXN_OPS: usize = 128;
+/// Under etcd's default `--max-request-bytes` (1.5 MiB), leaving room for the guard and framing.
+pub(crate) const MAX_TXN_BYTES: usize = 1_400_000;
+/// Attempts of one request before etcd counts as unavailable.
+const ATTEMPTS: u32 = 6;
+/// Keys read per page when loading (a page stays far below the gRPC message limit).
+const PAGE: i64 = 2000;
+
+/// A gRPC failure that a retry may cure: no leader yet, a member down, a request timeout.
+fn retryable(status: &tonic::Status) -> bool {
+    use tonic::Code;
+    let message = status.message();
+    matches!(
+        status.code(),
+        Code::Unavailable | Code::DeadlineExceeded | Code::Cancelled | Code::Aborted
+    ) || message.contains("request timed out")
+        || message.contains("leader changed")
+        || message.contains("no leader")
+        || message.contains("timed out")
+}
+
+/// Runs `request` until it succeeds, fails for good or the attempts run out (backoff 100 ms
+/// doubling up to 1 s: about 3 s in all, longer than an etcd leader election).
+async fn retry<T, F, Fut>(what: &str, mut request: F) -> Result<T, String>
+where
+    F: FnMut() -> Fut,
+    Fut: Future<Output = Result<tonic::Response<T>, tonic::Status>>,
+{
+    let mut delay = Duration::from_millis(100);
+    let mut attempt = 1;
+    loop {
+        match request().await {
+            Ok(response) => return Ok(response.into_inner()),
+            Err(status) if attempt < ATTEMPTS && retryable(&status) => {
+                tracing::debug!(what, attempt, code = ?status.code(), message = status.message(), "etcd request failed; retrying");
+                tokio::time::sleep(delay).await;
+                delay = (delay * 2).min(Duration::from_secs(1));
+                attempt += 1;
+            }
+            Err(status) => {
+                return Err(format!(
+                    "{what}: etcd answered {:?}: {} (after {attempt} attempt{})",
+                    status.code(),
+                    status.message(),
+                    if attempt == 1 { "" } else { "s" }
+                ));
+            }
+        }
+    }
+}
+
+/// One write of a transaction: a put, or a delete when the value is `None`.
+type Writes = BTreeMap<Vec<u8>, Option<Vec<u8>>>;
+
+/// The writes of one or more whole batches, coalesced (a later write to a key wins).
+#[derive(Default)]
+struct Pending {
+    meta: Option<Meta>,
+    writes: Writes,
+    /// An upper bound of the request size.
+    bytes: usize,
+}
+
+fn write_size(key: &[u8], value: Option<&Vec<u8>>) -> usize {
+    key.len() + value.map_or(0, Vec::len) + 24
+}
+
+impl Pending {
+    fn of(keys: &Keys, batch: Vec<Change>) -> Pending {
+        let mut pending = Pending::default();
+        for change in batch {
+            let (key, value) = match change {
+                Change::PutSlot(slot) => {
+                    (keys.slot(&slot.machine.id), Some(keys::encode_slot(&slot)))
+                }
+                Change::RemoveSlot(id) => (keys.slot(&id), None),
+                Change::PutFence {
+                    shard_id,
+                    machine_id,
+                    mark,
+                } => (
+                    keys.fence(&shard_id, &machine_id),
+                    Some(keys::encode_fence(&shard_id, &machine_id, mark)),
+                ),
+                // An evicted mark of an unknown machine id (fence::unknown_ids).
+                Change::RemoveFence {
+                    shard_id,
+                    machine_id,
+                } => (keys.fence(&shard_id, &machine_id), None),
+                Change::Counters { revision, next_op } => {
+                    pending.meta = Some(Meta { revision, next_op });
+                    continue;
+                }
+            };
+            pending.put(key, value);
+        }
+        pending
+    }
+
+    fn put(&mut self, key: Vec<u8>, value: Option<Vec<u8>>) {
+        self.bytes += write_size(&key, value.as_ref());
+        self.writes.insert(key, value);
+    }
+
+    fn ops(&self) -> usize {
+        self.writes.len() + usize::from(self.meta.is_some())
+    }
+
+    fn is_empty(&self) -> bool {
+        self.ops() == 0
+    }
+
+    fn fits(&self) -> bool {
+        self.ops() <= MAX_TXN_OPS && self.bytes + 64 <= MAX_TXN_BYTES
+    }
+
+    fn fits_with(&self, other: &Pending) -> bool {
+        self.ops() + other.ops() <= MAX_TXN_OPS && self.bytes + other.bytes + 64 <= MAX_TXN_BYTES
+    }
+
+    fn merge(&mut self, other: Pending) {
+        if other.meta.is_some() {
+            self.meta = other.meta;
+        }
+        self.bytes += other.bytes;
+        self.writes.extend(other.writes);
+    }
+
+    /// The writes in commit order: the counters first, then fence marks (`f/` sorts before
+    /// `m/`), then machines.
+    fn into_ops(self, keys: &Keys) -> Vec<pb::RequestOp> {
+        let meta = self
+            .meta
+            .map(|meta| (keys.meta(), Some(keys::encode_meta(meta))));
+        meta.into_iter()
+            .chain(self.writes)
+            .map(|(key, value)| op(key, value))
+            .collect()
+    }
+}
+
+fn op(key: Vec<u8>, value: Option<Vec<u8>>) -> pb::RequestOp {
+    let request = match value {
+        Some(value) => Request::RequestPut(pb::PutRequest {
+            key,
+            value,
+            lease: 0,
+        }),
+        None => Request::RequestDeleteRange(pb::DeleteRangeRequest {
+            key,
+            range_end: Vec::new(),
+        }),
+    };
+    pb::RequestOp {
+        request: Some(request),
+    }
+}
+
+/// Packs batches into transactions: whole batches while they fit, a batch too large for one
+/// transaction on its own split in commit order.
+fn plan(keys: &Keys, batches: Vec<Vec<Change>>) -> Vec<Vec<pb::RequestOp>> {
+    let mut txns = Vec::new();
+    let mut current = Pending::default();
+    for batch in batches {
+        let next = Pending::of(keys, batch);
+        if next.is_empty() {
+            continue;
+        }
+        if current.fits_with(&next) {
+            current.merge(next);
+            continue;
+        }
+        if !current.is_empty() {
+            txns.push(std::mem::take(&mut current).into_ops(keys));
+        }
+        if next.fits() {
+            current = next;
+        } else {
+            txns.extend(split(next.into_ops(keys)));
+        }
+    }
+    if !current.is_empty() {
+        txns.push(current.into_ops(keys));
+    }
+    txns
+}
+
+fn op_size(op: &pb::RequestOp) -> usize {
+    match &op.request {
+        Some(Request::RequestPut(put)) => put.key.len() + put.value.len() + 24,
+        Some(Request::RequestDeleteRange(delete)) => delete.key.len() + 24,
+        _ => 24,
+    }
+}
+
+/// Cuts an ordered list of writes into transactions within the limits, keeping the order.
+fn split(ops: Vec<pb::RequestOp>) -> Vec<Vec<pb::RequestOp>> {
+    let mut txns = Vec::new();
+    let mut current = Vec::new();
+    let mut bytes = 64;
+    for op in ops {
+        let size = op_size(&op);
+        if !current.is_empty() && (current.len() == MAX_TXN_OPS || bytes + size > MAX_TXN_BYTES) {
+            txns.push(std::mem::take(&mut current));
+            bytes = 64;
+        }
+        bytes += size;
+        current.push(op);
+    }
+    if !current.is_empty() {
+        txns.push(current);
+    }
+    txns
+}
+
+/// A provider's claim on a prefix: `PREFIX/owner` holds `token`, attached to `lease`.
+#[derive(Clone, Debug)]
+pub(crate) struct Claim {
+    pub lease: i64,
+    pub token: Vec<u8>,
+    pub ttl: Duration,
+}
+
+/// Claims `PREFIX/owner`, waiting up to `wait` for an earlier claim to go. Each attempt
+/// grants a fresh lease (one held while waiting could expire before it is used).
+pub(crate) async fn claim(
+    client: &Client,
+    keys: &Keys,
+    ttl_seconds: i64,
+    describe: &str,
+    wait: Duration,
+) -> Result<Claim, String> {
+    let token = format!(
+        "pid {} on {} token {:032x}",
+        std::process::id(),
+        hostname(),
+        rand::random::<u128>()
+    )
+    .into_bytes();
+    let owner = keys.owner();
+    let deadline = Instant::now() + wait;
+    let mut announced = false;
+    loop {
+        let grant = retry("grant the claim lease", || {
+            let mut lease = client.lease.clone();
+            async move {
+                lease
+                    .lease_grant(pb::LeaseGrantRequest {
+                        ttl: ttl_seconds,
+                        id: 0,
+                    })
+                    .await
+            }
+        })
+        .await
+        .map_err(|e| format!("{describe}: {e}"))?;
+        if !grant.error.is_empty() {
+            return Err(format!(
+                "{describe}: grant the claim lease: {}",
+                grant.error
+            ));
+        }
+        let request = pb::TxnRequest {
+            compare: vec![pb::Compare {
+                result: CompareResult::Equal as i32,
+                target: CompareTarget::Create as i32,
+                key: owner.clone(),
+                target_union: Some(TargetUnion::CreateRevision(0)),
+                range_end: Vec::new(),
+            }],
+            success: vec![pb::RequestOp {
+                request: Some(Request::RequestPut(pb::PutRequest {
+                    key: owner.clone(),
+                    value: token.clone(),
+                    lease: grant.id,
+                })),
+            }],
+            failure: vec![pb::RequestOp {
+                request: Some(Request::RequestRange(pb::RangeRequest {
+                    key: owner.clone(),
+                    ..Default::default()
+                })),
+            }],
+        };
+        let response = retry("claim the state prefix", || {
+            let (mut kv, request) = (client.kv.clone(), request.clone());
+            async move { kv.txn(request).await }
+        })
+        .await;
+        let response = match response {
+            Ok(r) => r,
+            Err(e) => {
+                revoke(client, grant.id).await;
+                return Err(format!("{describe}: {e}"));
+            }
+        };
+        if response.succeeded {
+            return Ok(Claim {
+                lease: grant.id,
+                token,
+                ttl: Duration::from_secs(grant.ttl.max(1) as u64),
+            });
+        }
+        revoke(client, grant.id).await;
+        let holder = response
+            .responses
+            .iter()
+            .find_map(|r| match &r.response {
+                Some(pb::response_op::Response::ResponseRange(range)) => range.kvs.first(),
+                _ => None,
+            })
+            .map(|kv| String::from_utf8_lossy(&kv.value).into_owned())
+            .unwrap_or_else(|| "unknown".into());
+        if Instant::now() >= deadline {
+            return Err(format!(
+                "{describe} is in use by another provider ({holder}); two providers must never \
+                 write one state. A provider that is gone loses its claim when its lease \
+                 (--etcd-lease-ttl) runs out"
+            ));
+        }
+        if !announced {
+            tracing::info!(
+                state = describe,
+                holder,
+                "state: waiting for the earlier claim on the etcd prefix to expire"
+            );
+            announced = true;
+        }
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+}
+
+/// Revokes a lease (best effort, bounded): its keys go at once instead of after the TTL.
+pub(crate) async fn revoke(client: &Client, lease: i64) {
+    let mut lease_client = client.lease.clone();
+    let revoked = tokio::time::timeout(
+        Duration::from_secs(2),
+        lease_client.lease_revoke(pb::LeaseRevokeRequest { id: lease }),
+    )
+    .await;
+    if !matches!(revoked, Ok(Ok(_))) {
+        tracing::debug!(
+            lease,
+            "could not revoke the etcd lease; the claim expires with its TTL"
+        );
+    }
+}
+
+fn hostname() -> String {
+    std::fs::read_to_string("/proc/sys/kernel/hostname")
+        .map(|s| s.trim().to_owned())
+        .unwrap_or_else(|_| "unknown host".into())
+}
+
+/// Keeps a lease alive every TTL/3 until `stop`. When no keep-alive was confirmed within the
+/// TTL, or etcd says the lease is gone, `lost` is set: the claim may have expired, so nothing
+/// more may be committed under it (the guarded transaction would be refused anyway).
+fn keep_alive(client: Client, claim: &Claim, lost: Arc<AtomicBool>, stop: CancellationToken) {
+    let (lease, ttl) = (claim.lease, claim.ttl);
+    tokio::spawn(async move {
+        let every = ttl / 3;
+        let mut confirmed_until = Instant::now() + ttl;
+        let request = pb::LeaseKeepAliveRequest { id: lease };
+        'streams: while Instant::now() < confirmed_until {
+            // etcd answers the stream's headers only with its first response, so the first
+            // request is queued before the call is made.
+            let (tx, rx) = mpsc::channel(1);
+            let mut sent = Instant::now();
+            if tx.try_send(request).is_err() {
+                continue;
+            }
+            let mut lease_client = client.lease.clone();
+            let opened = tokio::select! {
+                _ = stop.cancelled() => return,
+                opened = tokio::time::timeout(every, lease_client.lease_keep_alive(tokio_stream::wrappers::ReceiverStream::new(rx))) => opened,
+            };
+            let mut responses = match opened {
+                Ok(Ok(r)) => r.into_inner(),
+                Ok(Err(status)) => {
+                    tracing::debug!(code = ?status.code(), message = status.message(), "etcd keep-alive stream failed to open");
+                    tokio::time::sleep(Duration::from_millis(100)).await;
+                    continue;
+                }
+                Err(_) => continue,
+            };
+            loop {
+                let deadline = (sent + every).max(Instant::now() + Duration::from_millis(50));
+                let answer = tokio::select! {
+                    _ = stop.cancelled() => return,
+                    answer = tokio::time::timeout_at(deadline.into(), responses.next()) => answer,
+                };
+                match answer {
+                    Ok(Some(Ok(response))) if response.ttl > 0 => {
+                        confirmed_until = sent + Duration::from_secs(response.ttl as u64);
+                    }
+                    Ok(Some(Ok(_))) => {
+                        tracing::error!(lease, "etcd says the claim lease expired");
+                        break 'streams;
+                    }
+                    Ok(Some(Err(_)) | None) | Err(_) => continue 'streams,
+                }
+                tokio::select! {
+                    _ = stop.cancelled() => return,
+                    _ = tokio::time::sleep_until((sent + every).into()) => {}
+                }
+                sent = Instant::now();
+                if tx.send(request).await.is_err() {
+                    continue 'streams;
+                }
+            }
+        }
+        lost.store(true, Ordering::SeqCst);
+        tracing::error!(
+            lease,
+            "state: the claim on the etcd prefix could not be kept alive within its TTL; no more commits"
+        );
+    });
+}
+
+/// Writes guarded by a claim.
+#[derive(Clone)]
+pub(crate) struct Guarded {
+    pub client: Client,
+    pub keys: Keys,
+    pub claim: Claim,
+    pub describe: String,
+    pub lost: Arc<AtomicBool>,
+}
+
+impl Guarded {
+    fn guard(&self) -> pb::Compare {
+        pb::Compare {
+            result: CompareResult::Equal as i32,
+            target: CompareTarget::Value as i32,
+            key: self.keys.owner(),
+            target_union: Some(TargetUnion::Value(self.claim.token.clone())),
+            range_end: Vec::new(),
+        }
+    }
+
+    /// Commits `ops` as one transaction under the claim.
+    pub async fn txn(&self, ops: Vec<pb::RequestOp>) -> Result<(), String> {
+        if self.lost.load(Ordering::SeqCst) {
+            return Err(format!(
+                "{}: the claim on the prefix was lost (lease not kept alive); nothing more is committed",
+                self.describe
+            ));
+        }
+        let request = pb::TxnRequest {
+            compare: vec![self.guard()],
+            success: ops,
+            failure: Vec::new(),
+        };
+        let response = retry("commit", || {
+            let (mut kv, request) = (self.client.kv.clone(), request.clone());
+            async move { kv.txn(request).await }
+        })
+        .await
+        .map_err(|e| format!("{}: {e}", self.describe))?;
+        if !response.succeeded {
+            self.lost.store(true, Ordering::SeqCst);
+            return Err(format!(
+                "{}: commit refused: this provider no longer holds the claim on the prefix \
+                 (its lease expired or another provider took it over)",
+                self.describe
+            ));
+        }
+        Ok(())
+    }
+
+    /// Commits batches in order, in as few transactions as the limits allow.
+    pub async fn commit(&self, batches: Vec<Vec<Change>>) -> Result<(), String> {
+        for ops in plan(&self.keys, batches) {
+            self.txn(ops).await?;
+        }
+        Ok(())
+    }
+}
+
+/// Reads the whole state under a prefix at one etcd revision.
+pub(crate) async fn read_state(client: &Client, keys: &Keys) -> Result<Snapshot, String> {
+    let mut attempts = 0;
+    loop {
+        match read_once(client, keys).await {
+            Err(e) if e.contains("compacted") && attempts < 3 => attempts += 1,
+            other => return other,
+        }
+    }
+}
+
+async fn read_once(client: &Client, keys: &Keys) -> Result<Snapshot, String> {
+    let (mut from, end) = keys.range();
+    let mut at = 0;
+    let mut snapshot = Snapshot::default();
+    let mut meta = None;
+    loop {
+        let request = pb::RangeRequest {
+            key: from.clone(),
+            range_end: end.clone(),
+            limit: PAGE,
+            revision: at,
+            ..Default::default()
+        };
+        let page = retry("read the state", || {
+            let (mut kv, request) = (client.kv.clone(), request.clone());
+            async move { kv.range(request).await }
+        })
+        .await?;
+        if at == 0 {
+            at = page.header.as_ref().map_or(0, |h| h.revision);
+        }
+        for kv in &page.kvs {
+            let at_key = |e: String| format!("etcd key {}: {e}", String::from_utf8_lossy(&kv.key));
+            match keys.kind(&kv.key) {
+                KeyKind::Owner => {}
+                KeyKind::Meta => meta = Some(keys::decode_meta(&kv.value).map_err(at_key)?),
+                KeyKind::Slot => {
+                    let slot = keys::decode_slot(&kv.value).map_err(at_key)?;
+                    if keys.slot(&slot.machine.id) != kv.key {
+                        return Err(at_key(format!(
+                            "holds machine {:?}, which belongs under another key",
+                            slot.machine.id
+                        )));
+                    }
+                    snapshot.slots.push(slot);
+                }
+                KeyKind::Fence => {
+                    let FenceRecord {
+                        shard_id,
+                        machine_id,
+                        mark,
+                    } = keys::decode_fence(&kv.value).map_err(at_key)?;
+                    if keys.fence(&shard_id, &machine_id) != kv.key {
+                        return Err(at_key("holds a fence mark of another pair".into()));
+                    }
+                    snapshot.fences.push(FenceRecord {
+                        shard_id,
+                        machine_id,
+                        mark,
+                    });
+                }
+                KeyKind::Unknown => {
+                    return Err(at_key(
+                        "not a key of this state (written by a newer provider, or another \
+                         program shares the prefix)"
+                            .into(),
+                    ));
+                }
+            }
+        }
+        match (page.more, page.kvs.last()) {
+            (true, Some(last)) => {
+                from = last.key.clone();
+                from.push(0);
+            }
+            _ => break,
+        }
+    }
+    match meta {
+        Some(meta) => {
+            snapshot.revision = meta.revision;
+            snapshot.next_op = meta.next_op;
+        }
+        None if snapshot.slots.is_empty() && snapshot.fences.is_empty() => {}
+        None => {
+            return Err(format!(
+                "the prefix holds {} machines and {} fence marks but no {} record: an \
+                 interrupted `state import`? Run the import again after deleting the prefix",
+                snapshot.slots.len(),
+                snapshot.fences.len(),
+                String::from_utf8_lossy(&keys.meta())
+            ));
+        }
+    }
+    Ok(snapshot)
+}
+
+enum Message {
+    Batch(Vec<Change>, oneshot::Sender<Result<(), StoreError>>),
+    Flush(oneshot::Sender<Result<(), StoreError>>),
+    /// Commit what is queued, revoke the claim, then call this and stop.
+    Stop(Box<dyn FnOnce() + Send>),
+}
+
+/// The etcd store: a claimed prefix, its keep-alive and its writer task.
+pub struct EtcdStore {
+    describe: String,
+    queue: mpsc::UnboundedSender<Message>,
+    loaded: Mutex<Option<Snapshot>>,
+}
+
+impl std::fmt::Debug for EtcdStore {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("EtcdStore")
+            .field("state", &self.describe)
+            .finish_non_exhaustive()
+    }
+}
+
+/// Connects, claims the prefix (waiting for an earlier claim up to two TTLs) and starts the
+/// keep-alive. Used by the store and by `state import`.
+pub(crate) async fn open_guarded(
+    state: &str,
+    args: &EtcdArgs,
+) -> Result<(Guarded, CancellationToken), String> {
+    args.validate()?;
+    let target: Target = target::parse(state)?;
+    let describe = target.describe();
+    let client = target::connect(&target, args)?;
+    let keys = Keys::new(&target.prefix);
+    let wait = args.etcd_lease_ttl * 2 + Duration::from_secs(1);
+    let claim = claim(&client, &keys, args.ttl_seconds(), &describe, wait).await?;
+    let lost = Arc::new(AtomicBool::new(false));
+    let stop = CancellationToken::new();
+    keep_alive(client.clone(), &claim, lost.clone(), stop.clone());
+    Ok((
+        Guarded {
+            client,
+            keys,
+            claim,
+            describe,
+            lost,
+        },
+        stop,
+    ))
+}
+
+/// Ends a claim: stops the keep-alive and revokes the lease, so a successor claims at once.
+pub(crate) async fn release(guarded: &Guarded, stop: &CancellationToken) {
+    stop.cancel();
+    revoke(&guarded.client, guarded.claim.lease).await;
+}
+
+/// Checks the etcd flags against `--state`: they are checked when the state is in etcd, and
+/// refused when it is not (a TLS file meant for etcd would otherwise be silently ignored).
+pub fn validate_with_state(state: &str, args: &EtcdArgs) -> Result<(), String> {
+    if is_etcd(state) {
+        target::parse(state)?;
+        return args.validate();
+    }
+    for (flag, value) in [
+        ("--etcd-ca", &args.etcd_ca),
+        ("--etcd-cert", &args.etcd_cert),
+        ("--etcd-key", &args.etcd_key),
+    ] {
+        if !value.is_empty() {
+            return Err(format!(
+                "{flag} is set but --state is not an etcd:// address (got {state:?})"
+            ));
+        }
+    }
+    Ok(())
+}
+
+impl EtcdStore {
+    /// Claims the prefix, reads the state and starts the writer. Every error surfaces here,
+    /// before the provider listens.
+    pub async fn open(state: &str, args: &EtcdArgs) -> Result<EtcdStore, String> {
+        let started = Instant::now();
+        let (guarded, stop) = open_guarded(state, args).await?;
+        let snapshot = match read_state(&guarded.client, &guarded.keys).await {
+            Ok(s) => s,
+            Err(e) => {
+                release(&guarded, &stop).await;
+                return Err(format!("{}: {e}", guarded.describe));
+            }
+        };
+        tracing::info!(
+            state = guarded.describe,
+            machines = snapshot.slots.len(),
+            fences = snapshot.fences.len(),
+            revision = snapshot.revision,
+            lease_ttl_s = guarded.claim.ttl.as_secs(),
+            elapsed_ms = started.elapsed().as_millis() as u64,
+            "state: claimed and loaded the etcd prefix"
+        );
+        let (queue, receiver) = mpsc::unbounded_channel();
+        let describe = guarded.describe.clone();
+        tokio::spawn(run_writer(guarded, stop, receiver));
+        Ok(EtcdStore {
+            describe,
+            queue,
+            loaded: Mutex::new(Some(snapshot)),
+        })
+    }
+
+    fn send(
+        &self,
+        message: impl FnOnce(oneshot::Sender<Result<(), StoreError>>) -> Message,
+    ) -> Commit {
+        let (reply, receiver) = oneshot::channel();
+        if let Err(mpsc::error::SendError(Message::Batch(_, reply) | Message::Flush(reply))) =
+            self.queue.send(message(reply))
+        {
+            let _ = reply.send(Err(StoreError(format!(
+                "the etcd writer for {} has stopped",
+                self.describe
+            ))));
+        }
+        Commit::pending(receiver)
+    }
+}
+
+/// Commits queued batches in groups until stopped; after a failed commit every later one fails
+/// too (batches become durable in order or not at all).
+async fn run_writer(
+    guarded: Guarded,
+    stop: CancellationToken,
+    mut receiver: mpsc::UnboundedReceiver<Message>,
+) {
+    let mut failed: Option<StoreError> = None;
+    while let Some(first) = receiver.recv().await {
+        let mut batches = Vec::new();
+        let mut replies = Vec::new();
+        let mut stopping = None;
+        let mut next = Some(first);
+        while let Some(message) = next.take() {
+            match message {
+                Message::Batch(batch, reply) => {
+                    batches.push(batch);
+                    replies.push(reply);
+                }
+                Message::Flush(reply) => replies.push(reply),
+                Message::Stop(done) => {
+                    stopping = Some(done);
+                    break;
+                }
+            }
+            next = receiver.try_recv().ok();
+        }
+        let result = match &failed {
+            Some(e) => Err(e.clone()),
+            None if batches.is_empty() => Ok(()),
+            None => guarded.commit(batches).await.map_err(StoreError),
+        };
+        if let (Err(e), None) = (&result, &failed) {
+            tracing::error!(error = %e, "state: etcd commit failed; no further commits from this provider");
+            failed = Some(e.clone());
+        }
+        for reply in replies {
+            let _ = reply.send(result.clone());
+        }
+        if let Some(done) = stopping {
+            release(&guarded, &stop).await;
+            done();
+            return;
+        }
+    }
+    release(&guarded, &stop).await;
+}
+
+impl Store for EtcdStore {
+    fn load(&self) -> Result<Snapshot, StoreError> {
+        self.loaded
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .take()
+            .ok_or_else(|| {
+                StoreError(format!(
+                    "{}: the state was already loaded (it is read once, when the prefix is claimed)",
+                    self.describe
+                ))
+            })
+    }
+
+    fn submit(&self, batch: Vec<Change>) -> Commit {
+        self.send(|reply| Message::Batch(batch, reply))
+    }
+
+    fn is_durable(&self) -> bool {
+        true
+    }
+
+    fn flush(&self) -> Commit {
+        self.send(Message::Flush)
+    }
+
+    fn describe(&self) -> String {
+        format!("{} (etcd)", self.describe)
+    }
+
+    fn release(&self) -> Commit {
+        let (reply, receiver) = oneshot::channel();
+        let stop = Message::Stop(Box::new(move || {
+            let _ = reply.send(Ok(()));
+        }));
+        match self.queue.send(stop) {
+            Ok(()) => Commit::pending(receiver),
+            // A writer that already stopped has released the claim.
+            Err(_) => Commit::done(),
+        }
+    }
+}
+
+impl Drop for EtcdStore {
+    /// Lets the writer finish what is queued and revoke the claim's lease, so a successor does
+    /// not wait for the TTL. Waits (bounded) only where blocking is allowed.
+    fn drop(&mut self) {
+        let (done, finished) = std::sync::mpsc::channel();
+        let stop = Message::Stop(Box::new(move || {
+            let _ = done.send(());
+        }));
+        if self.queue.send(stop).is_err() {
+            return;
+        }
+        let multi_thread = tokio::runtime::Handle::try_current()
+            .is_ok_and(|h| h.runtime_flavor() == tokio::runtime::RuntimeFlavor::MultiThread);
+        if multi_thread {
+            tokio::task::block_in_place(|| {
+                let _ = finished.recv_timeout(Duration::from_secs(3));
+            });
+        }
+    }
+}

@@ -1,0 +1,223 @@
+//! Where the etcd state lives and how to reach it: the `--state etcd://…` address, the
+//! `--etcd-*` flags, and the gRPC channel to the members (mTLS when the flags ask for it).
+
+use std::path::Path;
+use std::time::Duration;
+
+use clap::Args;
+use etcd_proto::etcdserverpb::kv_client::KvClient;
+use etcd_proto::etcdserverpb::lease_client::LeaseClient;
+use tonic::transport::{Certificate, Channel, ClientTlsConfig, Endpoint, Identity};
+
+use crate::duration;
+
+/// The scheme that selects the etcd store in `--state`.
+pub const SCHEME: &str = "etcd://";
+
+/// The port of an endpoint written without one.
+const DEFAULT_PORT: u16 = 2379;
+
+/// How long connecting to one member may take.
+const CONNECT_TIMEOUT: Duration = Duration::from_secs(2);
+
+/// How long one etcd request may take before it counts as failed (and is retried).
+pub(crate) const REQUEST_TIMEOUT: Duration = Duration::from_secs(3);
+
+/// The flags of the etcd store (used only when `--state` is an `etcd://` address).
+#[derive(Args, Debug, Clone, Default, PartialEq)]
+pub struct EtcdArgs {
+    /// CA bundle PEM that signs the etcd members' certificates; switches the etcd connection to TLS.
+    #[arg(
+        long = "etcd-ca",
+        env = "BIGFLEET_ETCD_CA",
+        default_value = "",
+        value_name = "PATH"
+    )]
+    pub etcd_ca: String,
+
+    /// Client certificate PEM for mTLS to etcd (with --etcd-key).
+    #[arg(
+        long = "etcd-cert",
+        env = "BIGFLEET_ETCD_CERT",
+        default_value = "",
+        value_name = "PATH"
+    )]
+    pub etcd_cert: String,
+
+    /// Client private key PEM for mTLS to etcd (with --etcd-cert).
+    #[arg(
+        long = "etcd-key",
+        env = "BIGFLEET_ETCD_KEY",
+        default_value = "",
+        value_name = "PATH"
+    )]
+    pub etcd_key: String,
+
+    /// TTL of the etcd lease that holds this provider's claim on the state prefix.
+    #[arg(long = "etcd-lease-ttl", env = "BIGFLEET_ETCD_LEASE_TTL", default_value = "3s", value_parser = duration::flag, value_name = "DURATION")]
+    pub etcd_lease_ttl: Duration,
+}
+
+impl EtcdArgs {
+    /// Checks the flags that clap cannot: a whole keypair and a TTL etcd can grant.
+    pub fn validate(&self) -> Result<(), String> {
+        if self.etcd_cert.is_empty() != self.etcd_key.is_empty() {
+            return Err(
+                "--etcd-cert and --etcd-key must be given together (a client certificate and its key)"
+                    .into(),
+            );
+        }
+        if !self.etcd_cert.is_empty() && self.etcd_ca.is_empty() {
+            return Err(
+                "--etcd-cert/--etcd-key need --etcd-ca (mTLS to etcd verifies the members too)"
+                    .into(),
+            );
+        }
+        if self.etcd_lease_ttl < Duration::from_secs(1) {
+            return Err(format!(
+                "--etcd-lease-ttl must be at least 1s (etcd grants whole seconds), got {}",
+                duration::format(self.etcd_lease_ttl)
+            ));
+        }
+        Ok(())
+    }
+
+    /// The lease TTL in whole seconds (rounded up).
+    pub(crate) fn ttl_seconds(&self) -> i64 {
+        let ms = self.etcd_lease_ttl.as_millis();
+        i64::try_from(ms.div_ceil(1000)).unwrap_or(i64::MAX).max(1)
+    }
+}
+
+/// A parsed `etcd://host:port,host:port/PREFIX`.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub(crate) struct Target {
+    /// `host:port` of every member.
+    pub endpoints: Vec<String>,
+    /// The key prefix, without a trailing `/` (every key is `PREFIX/…`).
+    pub prefix: String,
+}
+
+impl Target {
+    /// The address as the operator wrote it, for messages.
+    pub fn describe(&self) -> String {
+        format!("{SCHEME}{}{}", self.endpoints.join(","), self.prefix)
+    }
+}
+
+/// Whether `--state` names the etcd store.
+pub fn is_etcd(state: &str) -> bool {
+    state.starts_with(SCHEME)
+}
+
+/// Parses `etcd://host:port[,host:port…]/PREFIX`.
+pub(crate) fn parse(state: &str) -> Result<Target, String> {
+    let bad = |why: &str| {
+        format!("--state {state}: {why} (expected etcd://HOST:PORT[,HOST:PORT…]/PREFIX)")
+    };
+    let rest = state
+        .strip_prefix(SCHEME)
+        .ok_or_else(|| bad("not an etcd:// address"))?;
+    let (hosts, prefix) = match rest.find('/') {
+        Some(at) => (&rest[..at], &rest[at..]),
+        None => (rest, ""),
+    };
+    let prefix = prefix.trim_end_matches('/');
+    if prefix.is_empty() {
+        return Err(bad(
+            "a key prefix is required, so that two providers never share keys",
+        ));
+    }
+    if prefix.contains("//") {
+        return Err(bad("the key prefix contains an empty path segment"));
+    }
+    let mut endpoints = Vec::new();
+    for host in hosts.split(',') {
+        let host = host.trim();
+        if host.is_empty() {
+            return Err(bad("an endpoint is empty"));
+        }
+        if host.contains('@') || host.contains('?') || host.contains('#') {
+            return Err(bad(&format!("endpoint {host:?} is not HOST:PORT")));
+        }
+        let has_port = match host.rfind(':') {
+            // `[::1]` alone has its colons inside the brackets.
+            Some(at) => !host[at..].contains(']'),
+            None => false,
+        };
+        let endpoint = if has_port {
+            let (_, port) = host.rsplit_once(':').unwrap_or((host, ""));
+            port.parse::<u16>()
+                .ok()
+                .filter(|p| *p > 0)
+                .ok_or_else(|| bad(&format!("endpoint {host:?} has an invalid port")))?;
+            host.to_owned()
+        } else {
+            format!("{host}:{DEFAULT_PORT}")
+        };
+        endpoints.push(endpoint);
+    }
+    Ok(Target {
+        endpoints,
+        prefix: prefix.to_owned(),
+    })
+}
+
+/// The clients of one connection to the etcd cluster (cheap to clone).
+#[derive(Clone, Debug)]
+pub(crate) struct Client {
+    pub kv: KvClient<Channel>,
+    pub lease: LeaseClient<Channel>,
+}
+
+fn read_file(flag: &str, path: &str) -> Result<Vec<u8>, String> {
+    std::fs::read(path).map_err(|e| format!("{flag} {path}: {e}"))
+}
+
+/// The TLS settings the flags ask for, checked now (a bad file fails startup naming the flag).
+fn tls(args: &EtcdArgs) -> Result<Option<ClientTlsConfig>, String> {
+    if args.etcd_ca.is_empty() {
+        return Ok(None);
+    }
+    let ca = read_file("--etcd-ca", &args.etcd_ca)?;
+    crate::tls::parse_certificates(&ca).map_err(|e| format!("--etcd-ca {}: {e}", args.etcd_ca))?;
+    let mut config = ClientTlsConfig::new().ca_certificate(Certificate::from_pem(ca));
+    if !args.etcd_cert.is_empty() {
+        let cert = read_file("--etcd-cert", &args.etcd_cert)?;
+        crate::tls::parse_certificates(&cert)
+            .map_err(|e| format!("--etcd-cert {}: {e}", args.etcd_cert))?;
+        crate::tls::read_private_key(Path::new(&args.etcd_key))
+            .map_err(|e| format!("--etcd-key: {e}"))?;
+        let key = read_file("--etcd-key", &args.etcd_key)?;
+        config = config.identity(Identity::from_pem(cert, key));
+    }
+    Ok(Some(config))
+}
+
+/// A channel balanced over every member. It connects lazily, so a member that is down is
+/// skipped rather than failing the whole channel.
+pub(crate) fn connect(target: &Target, args: &EtcdArgs) -> Result<Client, String> {
+    let tls = tls(args)?;
+    let scheme = if tls.is_some() { "https" } else { "http" };
+    let mut endpoints = Vec::with_capacity(target.endpoints.len());
+    for host in &target.endpoints {
+        let mut endpoint = Endpoint::from_shared(format!("{scheme}://{host}"))
+            .map_err(|e| format!("--state {}: endpoint {host}: {e}", target.describe()))?
+            .connect_timeout(CONNECT_TIMEOUT)
+            .timeout(REQUEST_TIMEOUT)
+            .tcp_nodelay(true)
+            .http2_keep_alive_interval(Duration::from_secs(10))
+            .keep_alive_timeout(Duration::from_secs(5));
+        if let Some(tls) = &tls {
+            endpoint = endpoint
+                .tls_config(tls.clone())
+                .map_err(|e| format!("etcd TLS for {host}: {e}"))?;
+        }
+        endpoints.push(endpoint);
+    }
+    let channel = Channel::balance_list(endpoints.into_iter());
+    Ok(Client {
+        kv: KvClient::new(channel.clone()).max_decoding_message_size(64 << 20),
+        lease: LeaseClient::new(channel),
+    })
+}
