@@ -697,6 +697,12 @@ impl HetznerCloud {
     }
 
     /// Opens the pinned SSH connection, pinning on first use when the server has no pin.
+    ///
+    /// A key trusted on first use is recorded in the `bigfleet-host-key-fp` label before the
+    /// connection is handed out: an unrecorded pin would leave every later connection on
+    /// trust-on-first-use, so nothing is sent until the label write has succeeded. While it
+    /// fails, the connection is closed and the write retried until the transition's deadline;
+    /// once recorded, a fresh connection is opened and verified against that pin.
     async fn open_ssh(
         &self,
         identity: &SshIdentity,
@@ -718,19 +724,56 @@ impl HetznerCloud {
         )
         .await
         .map_err(|e| err(e.to_string()))?;
-        if session.first_use {
-            tracing::warn!(server = server.id, fingerprint = %session.observed, "pinning SSH host key on first use (no pre-injected key)");
-            let observed = session.observed.clone();
-            let result = self
-                .update_labels(server.id, ctx.deadline, |l| {
-                    l.insert(labels::HOST_KEY_FP.to_owned(), observed.clone());
-                })
-                .await;
-            if let Err(e) = result {
-                tracing::warn!(server = server.id, err = %e, "failed to persist TOFU host-key pin");
+        if !session.first_use {
+            return Ok(session);
+        }
+        tracing::warn!(server = server.id, fingerprint = %session.observed, "pinning SSH host key on first use (no pre-injected key)");
+        let observed = session.observed.clone();
+        let record = || {
+            self.update_labels(server.id, ctx.deadline, |l| {
+                l.insert(labels::HOST_KEY_FP.to_owned(), observed.clone());
+            })
+        };
+        let mut last = match record().await {
+            Ok(()) => return Ok(session),
+            Err(e) => e,
+        };
+        // Nothing has been sent over this connection; do not hold it while the write is retried.
+        session.close().await;
+        loop {
+            tracing::warn!(server = server.id, err = %last, "failed to persist TOFU host-key pin; nothing is sent to the server until it is recorded");
+            let left = ctx.deadline.saturating_duration_since(Instant::now());
+            if left.is_zero() || ctx.cancel.is_cancelled() {
+                return Err(err(format!(
+                    "ssh {ip}: server {id} presented host key {observed} on first use, but it \
+                     could not be recorded in label {label} before the deadline ({last}); \
+                     nothing was sent over an unrecorded pin",
+                    id = server.id,
+                    label = labels::HOST_KEY_FP,
+                )));
+            }
+            tokio::select! {
+                _ = tokio::time::sleep(self.timing.ssh.retry_interval.min(left)) => {}
+                _ = ctx.cancel.cancelled() => {}
+            }
+            if ctx.cancel.is_cancelled() {
+                continue;
+            }
+            match record().await {
+                Ok(()) => break,
+                Err(e) => last = e,
             }
         }
-        Ok(session)
+        ssh::connect(
+            identity,
+            ip,
+            Some(&observed),
+            self.timing.ssh,
+            ctx.deadline,
+            &ctx.cancel,
+        )
+        .await
+        .map_err(|e| err(e.to_string()))
     }
 
     async fn configure(

@@ -10,6 +10,7 @@ mod harness;
 mod lifecycle;
 mod real_build;
 mod ssh_delivery;
+mod tofu;
 
 #[path = "../../../../xtask/src/e2e/wire.rs"]
 mod wire;
