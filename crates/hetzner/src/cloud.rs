@@ -51,8 +51,10 @@ use provider_core::config::Secret;
 /// The reference's default `--eur-usd`.
 pub const DEFAULT_EUR_USD: f64 = 1.08;
 
-/// Everything the real backend needs, as parsed from the command line.
-#[derive(Clone, Debug)]
+/// Everything the real backend needs, as parsed from the command line. Its Debug output
+/// leaves out the token, the SSH key and the base user-data (which may carry secrets of the
+/// operator's own), printing only their presence and size.
+#[derive(Clone)]
 pub struct HetznerConfig {
     pub token: Secret,
     /// `--hcloud-endpoint` (default [`crate::api::DEFAULT_ENDPOINT`]).
@@ -79,6 +81,31 @@ pub struct HetznerConfig {
     pub eur_usd: f64,
     pub telemetry: Telemetry,
     pub timing: Timing,
+}
+
+impl std::fmt::Debug for HetznerConfig {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let user_data = self
+            .base_user_data
+            .as_ref()
+            .map(|d| format!("[redacted; {} bytes]", d.len()));
+        f.debug_struct("HetznerConfig")
+            .field("token", &self.token)
+            .field("endpoint", &self.endpoint)
+            .field("provider_instance", &self.provider_instance)
+            .field("image", &self.image)
+            .field("locations", &self.locations)
+            .field("ssh", &self.ssh)
+            .field("network", &self.network)
+            .field("ssh_address", &self.ssh_address)
+            .field("bootstrap_hook", &self.bootstrap_hook)
+            .field("base_user_data", &user_data)
+            .field("readiness_command", &self.readiness_command)
+            .field("eur_usd", &self.eur_usd)
+            .field("telemetry", &self.telemetry)
+            .field("timing", &self.timing)
+            .finish()
+    }
 }
 
 /// Which address of a server the provider's SSH connection goes to.

@@ -25,7 +25,7 @@ use tokio_util::sync::CancellationToken;
 
 use crate::hostkey::{self, Verdict};
 
-/// How the provider logs in over SSH.
+/// How the provider logs in over SSH. The key text is zeroed when the value is dropped.
 #[derive(Clone)]
 pub struct SshConfig {
     /// Login user (`--ssh-user`, default `root`).
@@ -46,7 +46,13 @@ impl std::fmt::Debug for SshConfig {
     }
 }
 
-/// A parsed login identity.
+impl Drop for SshConfig {
+    fn drop(&mut self) {
+        zeroize::Zeroize::zeroize(&mut self.key);
+    }
+}
+
+/// A parsed login identity (the parsed private key zeroes itself on drop).
 #[derive(Clone)]
 pub struct SshIdentity {
     user: String,

@@ -9,6 +9,7 @@ mod faults;
 mod harness;
 mod lifecycle;
 mod real_build;
+mod secrets;
 mod ssh_delivery;
 mod tofu;
 
