@@ -36,6 +36,12 @@ pub fn run(args: &[String]) -> anyhow::Result<()> {
         ]),
     )?;
     step(
+        "fuzz smoke run (cargo xtask fuzz --seconds 3)",
+        Command::new(env!("CARGO"))
+            .current_dir(&root)
+            .args(["xtask", "fuzz", "--seconds", "3"]),
+    )?;
+    step(
         "end-to-end (cargo xtask e2e)",
         Command::new(env!("CARGO"))
             .current_dir(&root)

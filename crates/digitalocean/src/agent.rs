@@ -86,7 +86,7 @@ pub struct AgentOptions {
 
 /// A command as the channel serves it.
 #[derive(Debug, Deserialize)]
-struct WireCommand {
+pub struct WireCommand {
     id: String,
     #[serde(rename = "type")]
     kind: String,
