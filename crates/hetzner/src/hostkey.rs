@@ -149,6 +149,16 @@ mod tests {
     }
 
     #[test]
+    fn private_key_material_lives_in_buffers_zeroed_on_drop() {
+        fn zeroed_on_drop<T: zeroize::ZeroizeOnDrop>(_: &T) {}
+        let key = HostKey::generate().unwrap();
+        zeroed_on_drop(&key.private_pem);
+        let doc = key.cloud_config();
+        zeroed_on_drop(&doc);
+        assert!(doc.contains("PRIVATE KEY"));
+    }
+
+    #[test]
     fn fingerprint_is_sha256_of_the_wire_encoding() {
         use sha2::{Digest, Sha256};
         let key = HostKey::generate().unwrap();

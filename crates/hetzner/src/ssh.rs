@@ -52,6 +52,8 @@ impl Drop for SshConfig {
     }
 }
 
+impl zeroize::ZeroizeOnDrop for SshConfig {}
+
 /// A parsed login identity (the parsed private key zeroes itself on drop).
 #[derive(Clone)]
 pub struct SshIdentity {
@@ -539,6 +541,12 @@ mod tests {
         assert!(drain_script(-5).ends_with("--grace-period=1 --timeout=1s"));
         assert!(drain_script(90).ends_with("--grace-period=90 --timeout=90s"));
         assert!(drain_script(1).contains("kubectl cordon \"$node\" || true;"));
+    }
+
+    #[test]
+    fn the_key_text_is_zeroed_on_drop() {
+        fn zeroed_on_drop<T: zeroize::ZeroizeOnDrop>() {}
+        zeroed_on_drop::<SshConfig>();
     }
 
     #[test]
