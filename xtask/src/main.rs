@@ -7,6 +7,7 @@ mod demo;
 mod dist;
 mod docs;
 mod e2e;
+mod fuzz;
 mod grpc_health;
 mod helm;
 mod repo;
@@ -21,6 +22,7 @@ fn main() -> anyhow::Result<()> {
         Some("dist") => dist::run(&args[1..]),
         Some("docs") => docs::run(&args[1..]),
         Some("e2e") => e2e::run(&args[1..]),
+        Some("fuzz") => fuzz::run(&args[1..]),
         Some("helm") => helm::run(&args[1..]),
         Some("test") => suite::run(&args[1..]),
         _ => {

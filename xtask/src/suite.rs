@@ -35,6 +35,15 @@ pub fn run(args: &[String]) -> anyhow::Result<()> {
             "--no-fail-fast",
         ]),
     )?;
+    // The fuzz binary nextest just built (`cargo xtask fuzz --seconds 3` without a rebuild).
+    step(
+        "fuzz smoke run (every target for 3 s)",
+        Command::new(crate::e2e::provider_process::target_binary(
+            &root, "debug", "fuzz",
+        ))
+        .current_dir(&root)
+        .args(["--seconds", "3"]),
+    )?;
     step(
         "end-to-end (cargo xtask e2e)",
         Command::new(env!("CARGO"))

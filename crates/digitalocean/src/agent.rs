@@ -117,7 +117,7 @@ impl Default for CommandTimeouts {
 
 /// A command as the channel serves it. The blob is zeroed on drop and never printed.
 #[derive(Deserialize)]
-struct WireCommand {
+pub struct WireCommand {
     id: String,
     #[serde(rename = "type")]
     kind: String,

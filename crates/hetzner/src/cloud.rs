@@ -51,8 +51,10 @@ use provider_core::config::Secret;
 /// The reference's default `--eur-usd`.
 pub const DEFAULT_EUR_USD: f64 = 1.08;
 
-/// Everything the real backend needs, as parsed from the command line.
-#[derive(Clone, Debug)]
+/// Everything the real backend needs, as parsed from the command line. Its Debug output
+/// leaves out the token, the SSH key and the base user-data (which may carry secrets of the
+/// operator's own), printing only their presence and size.
+#[derive(Clone)]
 pub struct HetznerConfig {
     pub token: Secret,
     /// `--hcloud-endpoint` (default [`crate::api::DEFAULT_ENDPOINT`]).
@@ -79,6 +81,31 @@ pub struct HetznerConfig {
     pub eur_usd: f64,
     pub telemetry: Telemetry,
     pub timing: Timing,
+}
+
+impl std::fmt::Debug for HetznerConfig {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let user_data = self
+            .base_user_data
+            .as_ref()
+            .map(|d| format!("[redacted; {} bytes]", d.len()));
+        f.debug_struct("HetznerConfig")
+            .field("token", &self.token)
+            .field("endpoint", &self.endpoint)
+            .field("provider_instance", &self.provider_instance)
+            .field("image", &self.image)
+            .field("locations", &self.locations)
+            .field("ssh", &self.ssh)
+            .field("network", &self.network)
+            .field("ssh_address", &self.ssh_address)
+            .field("bootstrap_hook", &self.bootstrap_hook)
+            .field("base_user_data", &user_data)
+            .field("readiness_command", &self.readiness_command)
+            .field("eur_usd", &self.eur_usd)
+            .field("telemetry", &self.telemetry)
+            .field("timing", &self.timing)
+            .finish()
+    }
 }
 
 /// Which address of a server the provider's SSH connection goes to.
@@ -697,6 +724,12 @@ impl HetznerCloud {
     }
 
     /// Opens the pinned SSH connection, pinning on first use when the server has no pin.
+    ///
+    /// A key trusted on first use is recorded in the `bigfleet-host-key-fp` label before the
+    /// connection is handed out: an unrecorded pin would leave every later connection on
+    /// trust-on-first-use, so nothing is sent until the label write has succeeded. While it
+    /// fails, the connection is closed and the write retried until the transition's deadline;
+    /// once recorded, a fresh connection is opened and verified against that pin.
     async fn open_ssh(
         &self,
         identity: &SshIdentity,
@@ -718,19 +751,56 @@ impl HetznerCloud {
         )
         .await
         .map_err(|e| err(e.to_string()))?;
-        if session.first_use {
-            tracing::warn!(server = server.id, fingerprint = %session.observed, "pinning SSH host key on first use (no pre-injected key)");
-            let observed = session.observed.clone();
-            let result = self
-                .update_labels(server.id, ctx.deadline, |l| {
-                    l.insert(labels::HOST_KEY_FP.to_owned(), observed.clone());
-                })
-                .await;
-            if let Err(e) = result {
-                tracing::warn!(server = server.id, err = %e, "failed to persist TOFU host-key pin");
+        if !session.first_use {
+            return Ok(session);
+        }
+        tracing::warn!(server = server.id, fingerprint = %session.observed, "pinning SSH host key on first use (no pre-injected key)");
+        let observed = session.observed.clone();
+        let record = || {
+            self.update_labels(server.id, ctx.deadline, |l| {
+                l.insert(labels::HOST_KEY_FP.to_owned(), observed.clone());
+            })
+        };
+        let mut last = match record().await {
+            Ok(()) => return Ok(session),
+            Err(e) => e,
+        };
+        // Nothing has been sent over this connection; do not hold it while the write is retried.
+        session.close().await;
+        loop {
+            tracing::warn!(server = server.id, err = %last, "failed to persist TOFU host-key pin; nothing is sent to the server until it is recorded");
+            let left = ctx.deadline.saturating_duration_since(Instant::now());
+            if left.is_zero() || ctx.cancel.is_cancelled() {
+                return Err(err(format!(
+                    "ssh {ip}: server {id} presented host key {observed} on first use, but it \
+                     could not be recorded in label {label} before the deadline ({last}); \
+                     nothing was sent over an unrecorded pin",
+                    id = server.id,
+                    label = labels::HOST_KEY_FP,
+                )));
+            }
+            tokio::select! {
+                _ = tokio::time::sleep(self.timing.ssh.retry_interval.min(left)) => {}
+                _ = ctx.cancel.cancelled() => {}
+            }
+            if ctx.cancel.is_cancelled() {
+                continue;
+            }
+            match record().await {
+                Ok(()) => break,
+                Err(e) => last = e,
             }
         }
-        Ok(session)
+        ssh::connect(
+            identity,
+            ip,
+            Some(&observed),
+            self.timing.ssh,
+            ctx.deadline,
+            &ctx.cancel,
+        )
+        .await
+        .map_err(|e| err(e.to_string()))
     }
 
     async fn configure(

@@ -9,12 +9,14 @@
 use russh::keys::ssh_key::{LineEnding, PublicKey};
 use russh::keys::{Algorithm, HashAlg, PrivateKey};
 
+use zeroize::Zeroizing;
+
 use crate::labels::base32;
 
-/// A freshly minted host keypair, ready to inject.
+/// A freshly minted host keypair, ready to inject. The private half is zeroed on drop.
 pub struct HostKey {
     /// OpenSSH PEM of the private key (comment `bigfleet-host`).
-    private_pem: String,
+    private_pem: Zeroizing<String>,
     /// `ssh-ed25519 AAAA...`, no comment.
     public_line: String,
     fingerprint: String,
@@ -37,8 +39,7 @@ impl HostKey {
         key.set_comment("bigfleet-host");
         let private_pem = key
             .to_openssh(LineEnding::LF)
-            .map_err(|e| format!("marshal host private key: {e}"))?
-            .to_string();
+            .map_err(|e| format!("marshal host private key: {e}"))?;
         let public = PublicKey::new(key.public_key().key_data().clone(), "");
         let public_line = public
             .to_openssh()
@@ -61,9 +62,12 @@ impl HostKey {
     }
 
     /// The `#cloud-config` document that makes cloud-init install this key as the server's
-    /// ed25519 host key.
-    pub fn cloud_config(&self) -> String {
-        let mut doc = String::from("#cloud-config\nssh_keys:\n  ed25519_private: |\n");
+    /// ed25519 host key (it holds the private key, so it is zeroed on drop too).
+    pub fn cloud_config(&self) -> Zeroizing<String> {
+        let mut doc = Zeroizing::new(String::with_capacity(
+            self.private_pem.len() * 2 + self.public_line.len() + 128,
+        ));
+        doc.push_str("#cloud-config\nssh_keys:\n  ed25519_private: |\n");
         for line in self.private_pem.lines() {
             doc.push_str("    ");
             doc.push_str(line);
@@ -142,6 +146,16 @@ mod tests {
             HostKey::generate().unwrap().fingerprint(),
             key.fingerprint()
         );
+    }
+
+    #[test]
+    fn private_key_material_lives_in_buffers_zeroed_on_drop() {
+        fn zeroed_on_drop<T: zeroize::ZeroizeOnDrop>(_: &T) {}
+        let key = HostKey::generate().unwrap();
+        zeroed_on_drop(&key.private_pem);
+        let doc = key.cloud_config();
+        zeroed_on_drop(&doc);
+        assert!(doc.contains("PRIVATE KEY"));
     }
 
     #[test]

@@ -128,12 +128,18 @@ pub fn text_of(labels: &HashMap<String, String>, key: &str) -> Option<String> {
     }
 }
 
-/// Removes `key` and all its chunks from `labels`.
+/// Removes `key` and every chunk label of it from `labels`, also chunks stranded behind a gap
+/// (a `key-2` without `key-1`), which a later, shorter value would otherwise pick up.
 pub fn remove_chunked(labels: &mut HashMap<String, String>, key: &str) {
-    let keys: Vec<String> = chunk_keys(labels, key).collect();
-    for k in keys {
-        labels.remove(&k);
-    }
+    labels.retain(|k, _| {
+        let chunk = k.strip_prefix(key).is_some_and(|rest| {
+            rest.is_empty()
+                || rest
+                    .strip_prefix('-')
+                    .is_some_and(|n| !n.is_empty() && n.bytes().all(|b| b.is_ascii_digit()))
+        });
+        !chunk
+    });
 }
 
 /// Sets a chunked value, clearing stale chunks of a longer previous value first.

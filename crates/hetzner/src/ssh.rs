@@ -25,7 +25,7 @@ use tokio_util::sync::CancellationToken;
 
 use crate::hostkey::{self, Verdict};
 
-/// How the provider logs in over SSH.
+/// How the provider logs in over SSH. The key text is zeroed when the value is dropped.
 #[derive(Clone)]
 pub struct SshConfig {
     /// Login user (`--ssh-user`, default `root`).
@@ -46,7 +46,15 @@ impl std::fmt::Debug for SshConfig {
     }
 }
 
-/// A parsed login identity.
+impl Drop for SshConfig {
+    fn drop(&mut self) {
+        zeroize::Zeroize::zeroize(&mut self.key);
+    }
+}
+
+impl zeroize::ZeroizeOnDrop for SshConfig {}
+
+/// A parsed login identity (the parsed private key zeroes itself on drop).
 #[derive(Clone)]
 pub struct SshIdentity {
     user: String,
@@ -533,6 +541,12 @@ mod tests {
         assert!(drain_script(-5).ends_with("--grace-period=1 --timeout=1s"));
         assert!(drain_script(90).ends_with("--grace-period=90 --timeout=90s"));
         assert!(drain_script(1).contains("kubectl cordon \"$node\" || true;"));
+    }
+
+    #[test]
+    fn the_key_text_is_zeroed_on_drop() {
+        fn zeroed_on_drop<T: zeroize::ZeroizeOnDrop>() {}
+        zeroed_on_drop::<SshConfig>();
     }
 
     #[test]

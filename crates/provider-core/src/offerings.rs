@@ -188,7 +188,7 @@ pub fn merge_same_placement(offerings: Vec<Offering>) -> Vec<Offering> {
             .iter_mut()
             .find(|m| m.instance_type == o.instance_type && m.zone == o.zone)
         {
-            Some(m) => m.count += o.count.max(0),
+            Some(m) => m.count = m.count.saturating_add(o.count.max(0)),
             None => out.push(o),
         }
     }

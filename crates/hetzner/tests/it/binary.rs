@@ -188,3 +188,30 @@ async fn settled_logs(provider: &provider_process::Provider) -> String {
     }
     provider.logs()
 }
+
+#[test]
+fn help_never_echoes_the_token_from_the_environment() {
+    let token = "hcloud-env-token-7c4e19";
+    let endpoint = "https://user:endpoint-password-2d8a@api.example.test/v1";
+    for flag in ["--help", "-h", "--no-such-flag"] {
+        let out = Command::new(binary())
+            .arg(flag)
+            .env("HCLOUD_TOKEN", token)
+            .env("HCLOUD_ENDPOINT", endpoint)
+            .output()
+            .unwrap();
+        let text = String::from_utf8_lossy(&out.stdout).into_owned()
+            + &String::from_utf8_lossy(&out.stderr);
+        assert!(!text.contains(token), "{flag} echoed the token:\n{text}");
+        assert!(
+            !text.contains("endpoint-password-2d8a"),
+            "{flag} echoed the endpoint:\n{text}"
+        );
+        if flag != "--no-such-flag" {
+            assert!(
+                text.contains("HCLOUD_TOKEN"),
+                "{flag} still names the variable"
+            );
+        }
+    }
+}

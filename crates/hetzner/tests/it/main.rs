@@ -10,7 +10,9 @@ mod faults;
 mod harness;
 mod lifecycle;
 mod real_build;
+mod secrets;
 mod ssh_delivery;
+mod tofu;
 
 #[path = "../../../../xtask/src/e2e/wire.rs"]
 mod wire;

@@ -19,7 +19,7 @@ pub(crate) const FORMAT_VERSION: u32 = 2;
 /// Magic, version, kind, generation, reserved, header checksum.
 pub(crate) const HEADER_LEN: usize = 32;
 /// Payload length, payload checksum, checksum of those two fields.
-pub(crate) const RECORD_HEADER_LEN: usize = 12;
+pub const RECORD_HEADER_LEN: usize = 12;
 /// No record is ever larger; a larger length is corruption.
 pub(crate) const MAX_RECORD_LEN: u32 = 1 << 30;
 
@@ -167,7 +167,7 @@ pub(crate) fn read_record_header(bytes: &[u8]) -> Option<RecordHeader> {
 }
 
 /// Appends one framed record holding `batch`.
-pub(crate) fn encode_batch(batch: &[Change], out: &mut Vec<u8>) {
+pub fn encode_batch(batch: &[Change], out: &mut Vec<u8>) {
     let start = begin_batch(out);
     for change in batch {
         encode_change(change, out);
@@ -254,7 +254,7 @@ pub(crate) fn encode_snapshot_end(slots: u64, fences: u64, out: &mut Vec<u8>) {
 }
 
 /// Encodes one slot. The machine id comes first, so [`slot_id`] can read it alone.
-pub(crate) fn encode_slot(slot: &Slot, out: &mut Vec<u8>) {
+pub fn encode_slot(slot: &Slot, out: &mut Vec<u8>) {
     let m = &*slot.machine;
     put_str(out, &m.id);
     out.push(m.state.wire() as u8);
@@ -316,7 +316,7 @@ fn put_map(out: &mut Vec<u8>, map: &StringMap) {
 
 /// One decoded change. Slots are handed over still encoded, with their id.
 #[derive(Debug, PartialEq)]
-pub(crate) enum Entry<'a> {
+pub enum Entry<'a> {
     PutSlot {
         id: String,
         encoded: &'a [u8],
@@ -342,7 +342,7 @@ pub(crate) enum Entry<'a> {
 }
 
 /// Decodes the payload of one record, handing each entry to `visit` in order.
-pub(crate) fn decode_record<'a>(
+pub fn decode_record<'a>(
     payload: &'a [u8],
     mut visit: impl FnMut(Entry<'a>) -> Result<(), String>,
 ) -> Result<(), String> {
@@ -398,7 +398,7 @@ pub(crate) fn slot_id(encoded: &[u8]) -> Result<String, String> {
 }
 
 /// Decodes one slot.
-pub(crate) fn decode_slot(encoded: &[u8]) -> Result<Slot, String> {
+pub fn decode_slot(encoded: &[u8]) -> Result<Slot, String> {
     let mut r = Reader::new(encoded);
     let id = r.string()?;
     let state_number = r.u8()?;
@@ -542,6 +542,10 @@ impl<'a> Reader<'a> {
         for _ in 0..count {
             let k = entries.string()?;
             let v = entries.string()?;
+            // Maps are written in key order; anything else would not re-encode to its bytes.
+            if map.last_key_value().is_some_and(|(last, _)| *last >= k) {
+                return Err("a map's keys are not in strictly ascending order".into());
+            }
             map.insert(k, v);
         }
         let map = StringMap::from(map);

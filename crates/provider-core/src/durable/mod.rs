@@ -43,7 +43,7 @@
 //! the file is renamed to `<PATH>.reference-import.json` (kept for the operator), and the
 //! directory renamed to `PATH`. A crash between the two renames is finished on the next start.
 
-mod codec;
+pub mod codec;
 mod export;
 mod layout;
 mod reference;

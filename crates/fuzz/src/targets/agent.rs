@@ -1,0 +1,138 @@
+//! The on-host agent's inputs: the command JSON the channel serves and the config file the
+//! provider's user-data writes.
+
+use arbitrary::{Result, Unstructured};
+use digitalocean::agent::{AgentConfig, WireCommand};
+use serde_json::{Map, Value};
+
+use crate::engine::Target;
+use crate::shape::{json as any_json, json_bytes, number, word};
+
+pub const COMMAND: Target = Target {
+    name: "agent-command",
+    checks: "command bodies shaped like the channel's (every key present or missing, null, of \
+             the wrong type, unknown keys), sometimes damaged: decoding never panics, and a body \
+             is accepted exactly when `id` and `type` are strings and the optional \
+             `cluster_id`/`blob` are strings and `grace_seconds` a whole number in i64",
+    property: command_property,
+};
+
+pub const CONFIG: Target = Target {
+    name: "agent-config",
+    checks: "config files shaped like the provider writes them, sometimes damaged: loading never \
+             panics, a config loads exactly when all four fields are non-blank strings, and \
+             its Debug output never shows the token or the CA",
+    property: config_property,
+};
+
+const COMMAND_KEYS: &[&str] = &["id", "type", "cluster_id", "blob", "grace_seconds", "extra"];
+const STRINGS: &[&str] = &["c-1", "configure", "ready", "drain", "", " ", "aGVsbG8="];
+
+fn value(u: &mut Unstructured<'_>) -> Result<Value> {
+    Ok(match u.int_in_range(0..=5)? {
+        0 => Value::Null,
+        1 => Value::Number(number(u)?),
+        2 => Value::Bool(u.arbitrary()?),
+        3 => any_json(u, COMMAND_KEYS, STRINGS, 1)?,
+        _ => Value::String(word(u, STRINGS, false)?),
+    })
+}
+
+fn command_accepted(object: &Map<String, Value>) -> bool {
+    let string = |k: &str, required: bool| match object.get(k) {
+        None => !required,
+        Some(v) => v.is_string(),
+    };
+    let grace = match object.get("grace_seconds") {
+        None => true,
+        Some(v) => v.as_i64().is_some(),
+    };
+    string("id", true)
+        && string("type", true)
+        && string("cluster_id", false)
+        && string("blob", false)
+        && grace
+}
+
+fn command_property(u: &mut Unstructured<'_>) -> Result<()> {
+    let mut object = Map::new();
+    for key in COMMAND_KEYS {
+        if u.ratio(4, 5)? {
+            let v = if u.ratio(3, 4)? {
+                match *key {
+                    "grace_seconds" => Value::Number(number(u)?),
+                    _ => Value::String(word(u, STRINGS, false)?),
+                }
+            } else {
+                value(u)?
+            };
+            object.insert((*key).to_owned(), v);
+        }
+    }
+    let doc = Value::Object(object.clone());
+    let bytes = json_bytes(u, &doc)?;
+    let decoded = serde_json::from_slice::<WireCommand>(&bytes);
+    if bytes == serde_json::to_vec(&doc).unwrap_or_default() {
+        assert_eq!(
+            decoded.is_ok(),
+            command_accepted(&object),
+            "{}: {decoded:?}",
+            String::from_utf8_lossy(&bytes)
+        );
+    }
+    Ok(())
+}
+
+const CONFIG_KEYS: &[&str] = &["endpoint", "ca_pem", "machine_id", "token"];
+const CONFIG_STRINGS: &[&str] = &[
+    "https://10.0.0.2:8443",
+    "-----BEGIN CERTIFICATE-----\nMIIBcanary\n-----END CERTIFICATE-----\n",
+    "do/s-1/fra1/0",
+    "tok-e4d1c7b9a0f2",
+    "",
+    "  ",
+];
+
+fn config_property(u: &mut Unstructured<'_>) -> Result<()> {
+    let mut object = Map::new();
+    for key in CONFIG_KEYS {
+        if u.ratio(7, 8)? {
+            let v = if u.ratio(7, 8)? {
+                Value::String(word(u, CONFIG_STRINGS, false)?)
+            } else {
+                value(u)?
+            };
+            object.insert((*key).to_owned(), v);
+        }
+    }
+    if u.ratio(1, 4)? {
+        object.insert(word(u, &["extra", "Token"], false)?, value(u)?);
+    }
+    let doc = Value::Object(object.clone());
+    let bytes = json_bytes(u, &doc)?;
+    let dir = tempfile::tempdir().expect("temporary directory");
+    let path = dir.path().join("config.json");
+    std::fs::write(&path, &bytes).expect("write the config");
+    let loaded = AgentConfig::load(&path);
+    if bytes == serde_json::to_vec(&doc).unwrap_or_default() {
+        let accepted = CONFIG_KEYS.iter().all(|k| {
+            object
+                .get(*k)
+                .and_then(Value::as_str)
+                .is_some_and(|s| !s.trim().is_empty())
+        });
+        assert_eq!(loaded.is_ok(), accepted, "{:?}", loaded.as_ref().err());
+    }
+    if let Ok(config) = loaded {
+        // The canaries may only show up if a non-secret field holds them too.
+        let shown = format!("{config:?}");
+        let public = format!("{} {}", config.endpoint, config.machine_id);
+        if !public.contains("tok-e4d1c7b9a0f2") {
+            assert!(!shown.contains("tok-e4d1c7b9a0f2"), "Debug shows the token");
+        }
+        if !public.contains("MIIBcanary") {
+            assert!(!shown.contains("MIIBcanary"), "Debug shows the CA");
+        }
+    }
+    Ok(())
+}

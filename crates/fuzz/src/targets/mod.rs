@@ -1,0 +1,8 @@
+//! One module per input surface; each exposes its [`crate::Target`] constants.
+
+pub mod agent;
+pub mod channel;
+pub mod durable;
+pub mod labels;
+pub mod offerings;
+pub mod reference;
