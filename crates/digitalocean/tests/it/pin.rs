@@ -103,15 +103,22 @@ async fn configure_through(
     refusal: Option<&str>,
 ) -> bool {
     let dir = tempfile::tempdir().unwrap();
-    let mut config = serde_json::json!({
-        "endpoint": channel.endpoint(), "ca_pem": pin.0, "machine_id": m, "token": token(m),
-    });
-    if !pin.1.is_empty() {
-        config["pinned_cert_pem"] = pin.1.clone().into();
-    }
+    // The config exactly as the provider renders it into the user_data.
+    let provisioning = digitalocean::cloud::AgentProvisioning {
+        endpoint: channel.endpoint(),
+        ca_pem: pin.0.clone(),
+        pinned_cert_pem: pin.1.clone(),
+    };
+    let config = agent_config_from_user_data(&digitalocean::cloud::agent_cloud_config(
+        &provisioning,
+        m,
+        &token(m),
+    ));
+    let fields: serde_json::Value = serde_json::from_str(&config).unwrap();
+    assert_eq!(fields.get("pinned_cert_pem").is_some(), !pin.1.is_empty());
     let agent = AgentProcess::spawn(AgentSetup {
         dir: dir.path(),
-        config_json: config.to_string(),
+        config_json: config,
         hook: recording_hook(dir.path(), 0),
         drain_command: "true".into(),
         readiness_command: None,
@@ -233,4 +240,146 @@ async fn with_bootstrap_ca_the_chain_is_path_validated() {
         e.starts_with("--bootstrap-ca: the channel certificate"),
         "{e}"
     );
+}
+
+/// A TLS 1.3 server presenting `cert` but signing the handshake with `key`, answering the
+/// first request with a configure command. Counts requests it got (after a handshake the
+/// client accepted).
+async fn server_signing_with(
+    cert: &str,
+    key: &str,
+) -> (
+    std::net::SocketAddr,
+    std::sync::Arc<std::sync::atomic::AtomicUsize>,
+) {
+    use rustls_pki_types::pem::PemObject as _;
+    use std::sync::Arc;
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
+
+    #[derive(Debug)]
+    struct Fixed(Arc<rustls::sign::CertifiedKey>);
+    impl rustls::server::ResolvesServerCert for Fixed {
+        fn resolve(
+            &self,
+            _: rustls::server::ClientHello<'_>,
+        ) -> Option<Arc<rustls::sign::CertifiedKey>> {
+            Some(self.0.clone())
+        }
+    }
+
+    let provider = provider_core::tls::crypto_provider();
+    let signing = provider
+        .key_provider
+        .load_private_key(rustls_pki_types::PrivateKeyDer::from_pem_slice(key.as_bytes()).unwrap())
+        .unwrap();
+    let chain = provider_core::tls::parse_certificates(cert.as_bytes()).unwrap();
+    let mut config = rustls::ServerConfig::builder_with_provider(provider)
+        .with_protocol_versions(&[&rustls::version::TLS13])
+        .unwrap()
+        .with_no_client_auth()
+        .with_cert_resolver(Arc::new(Fixed(Arc::new(rustls::sign::CertifiedKey::new(
+            chain, signing,
+        )))));
+    config.alpn_protocols = vec![b"http/1.1".to_vec()];
+    let acceptor = tokio_rustls::TlsAcceptor::from(Arc::new(config));
+    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    let requests = Arc::new(AtomicUsize::new(0));
+    let served = requests.clone();
+    let command = br#"{"id":"1","type":"configure","cluster_id":"c","blob":"am9pbi1ibG9i"}"#;
+    let response = [
+        format!(
+            "HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n",
+            command.len()
+        )
+        .into_bytes(),
+        command.to_vec(),
+    ]
+    .concat();
+    tokio::spawn(async move {
+        while let Ok((tcp, _)) = listener.accept().await {
+            let (acceptor, served, response) = (acceptor.clone(), served.clone(), response.clone());
+            tokio::spawn(async move {
+                let Ok(mut tls) = acceptor.accept(tcp).await else {
+                    return;
+                };
+                let mut seen = Vec::new();
+                let mut buf = [0u8; 4096];
+                while !seen.windows(4).any(|w| w == b"\r\n\r\n") {
+                    match tls.read(&mut buf).await {
+                        Ok(0) | Err(_) => return,
+                        Ok(n) => seen.extend_from_slice(&buf[..n]),
+                    }
+                }
+                served.fetch_add(1, Ordering::SeqCst);
+                let _ = tls.write_all(&response).await;
+                let _ = tls.shutdown().await;
+            });
+        }
+    });
+    (addr, requests)
+}
+
+/// The end-entity pin is not a bearer check of public bytes: a server that presents the
+/// pinned certificate without holding its key fails the TLS 1.3 signature check, while the
+/// same server with the right key is accepted.
+#[tokio::test]
+async fn a_server_presenting_the_pinned_certificate_without_its_key_is_refused() {
+    use std::sync::atomic::Ordering;
+    let private = PrivateCa::new();
+    let genuine = private.leaf(NAMES);
+    let leaf_pem = genuine
+        .cert_pem
+        .split_inclusive("-----END CERTIFICATE-----\n")
+        .next()
+        .unwrap()
+        .to_owned();
+    let other_key = KeyPair::generate().unwrap().serialize_pem();
+    for (key, accepted) in [(&other_key, false), (&genuine.key_pem, true)] {
+        let (addr, requests) = server_signing_with(&genuine.cert_pem, key).await;
+        let dir = tempfile::tempdir().unwrap();
+        let m = "m-key";
+        let agent = AgentProcess::spawn(AgentSetup {
+            dir: dir.path(),
+            config_json: serde_json::json!({
+                "endpoint": format!("https://127.0.0.1:{}", addr.port()),
+                "ca_pem": leaf_pem, "pinned_cert_pem": leaf_pem, "machine_id": m, "token": token(m),
+            })
+            .to_string(),
+            hook: recording_hook(dir.path(), 0),
+            drain_command: "true".into(),
+            readiness_command: None,
+        });
+        if accepted {
+            assert!(
+                eventually(Duration::from_secs(15), || dir
+                    .path()
+                    .join("hook.runs")
+                    .exists())
+                .await,
+                "{}",
+                agent.output()
+            );
+            assert_eq!(
+                std::fs::read(dir.path().join("hook.blob.copy")).unwrap(),
+                b"join-blob"
+            );
+        } else {
+            assert!(
+                agent
+                    .wait_for_output("poll failed", Duration::from_secs(10))
+                    .await,
+                "{}",
+                agent.output()
+            );
+            assert!(
+                agent.output().contains("BadSignature"),
+                "{}",
+                agent.output()
+            );
+            assert_eq!(requests.load(Ordering::SeqCst), 0);
+            assert!(!dir.path().join("hook.runs").exists());
+        }
+    }
 }
