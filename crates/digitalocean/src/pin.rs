@@ -28,7 +28,7 @@ pub enum Pin {
 }
 
 /// The verifier an agent uses for `pin` (ring provider).
-pub fn verifier(pin: &Pin) -> Result<Arc<dyn ServerCertVerifier>, String> {
+pub(crate) fn verifier(pin: &Pin) -> Result<Arc<dyn ServerCertVerifier>, String> {
     let provider = tls::crypto_provider();
     match pin {
         Pin::Anchors(anchors) => {
@@ -60,7 +60,7 @@ pub fn verifier(pin: &Pin) -> Result<Arc<dyn ServerCertVerifier>, String> {
 }
 
 /// A TLS 1.3-only client config trusting `pin` and nothing else, offering h2 and HTTP/1.1.
-pub fn client_config(pin: &Pin) -> Result<rustls::ClientConfig, String> {
+pub(crate) fn client_config(pin: &Pin) -> Result<rustls::ClientConfig, String> {
     let mut config = rustls::ClientConfig::builder_with_provider(tls::crypto_provider())
         .with_protocol_versions(&[&rustls::version::TLS13])
         .map_err(|e| format!("TLS 1.3: {e}"))?
@@ -261,7 +261,12 @@ fn time(tag: u8, text: &[u8]) -> Option<u64> {
     let hour = digits(&rest[4..6])?;
     let minute = digits(&rest[6..8])?;
     let second = digits(&rest[8..10])?;
-    if !(1..=12).contains(&month) || !(1..=31).contains(&day) || hour > 23 || minute > 59 {
+    if !(1..=12).contains(&month)
+        || !(1..=31).contains(&day)
+        || hour > 23
+        || minute > 59
+        || second > 60
+    {
         return None;
     }
     // Days from the civil date (proleptic Gregorian).
