@@ -1,5 +1,5 @@
 //! The on-host agent (`bigfleet-agent`): reads the config the provider's user_data wrote,
-//! trusts only the pinned CA over TLS 1.3, long-polls the bootstrap channel with its
+//! trusts only its pin over TLS 1.3 (the exact channel certificate, or the named CA), long-polls the bootstrap channel with its
 //! per-machine token, runs each command once (configure: write the blob and run the hook;
 //! ready: run the readiness command; drain: run the drain command), and acks it by id.
 //! Executed command ids are persisted, so a command re-served after a restart is acknowledged
@@ -18,6 +18,7 @@ use reqwest::{StatusCode, Url};
 use serde::{Deserialize, Serialize};
 use zeroize::Zeroizing;
 
+use crate::pin::Pin;
 use crate::token::AgentToken;
 
 /// The default drain: cordon (tolerating failure) and drain the node named by the host name,
@@ -38,11 +39,19 @@ pub const MAX_COMMAND_BYTES: usize = 4 << 20;
 /// Ack delivery attempts before going back to polling (a re-served command is re-acked).
 const ACK_ATTEMPTS: u32 = 6;
 
-/// `/etc/bigfleet-agent/config.json` as the provider writes it.
+/// `/etc/bigfleet-agent/config.json` as the provider writes it. Unknown fields are ignored, so
+/// a newer provider's config still loads.
 #[derive(Deserialize)]
 pub struct AgentConfig {
     pub endpoint: String,
+    /// Trust anchors (`--bootstrap-ca`). Used only when `pinned_cert_pem` is absent: a provider
+    /// that pins the channel's own certificate writes it here too, for agents that predate
+    /// `pinned_cert_pem`.
+    #[serde(default)]
     pub ca_pem: String,
+    /// The channel's exact end-entity certificate (no `--bootstrap-ca`); wins over `ca_pem`.
+    #[serde(default)]
+    pub pinned_cert_pem: String,
     pub machine_id: String,
     /// Zeroed on drop.
     pub token: Zeroizing<String>,
@@ -66,7 +75,6 @@ impl AgentConfig {
             .map_err(|e| format!("parse config {}: {e}", path.display()))?;
         for (name, value) in [
             ("endpoint", &config.endpoint),
-            ("ca_pem", &config.ca_pem),
             ("machine_id", &config.machine_id),
             ("token", &*config.token),
         ] {
@@ -74,7 +82,34 @@ impl AgentConfig {
                 return Err(format!("config {}: {name} is empty", path.display()));
             }
         }
+        config
+            .pin()
+            .map_err(|e| format!("config {}: {e}", path.display()))?;
         Ok(config)
+    }
+
+    /// What the agent trusts: the exact certificate of `pinned_cert_pem` when set, else every
+    /// certificate of `ca_pem` as a trust anchor. A malformed block fails rather than being
+    /// skipped, and a config with neither trusts nothing and is refused.
+    pub fn pin(&self) -> Result<Pin, String> {
+        if !self.pinned_cert_pem.trim().is_empty() {
+            let certs = provider_core::tls::parse_certificates(self.pinned_cert_pem.as_bytes())
+                .map_err(|e| format!("pinned_cert_pem: {e}"))?;
+            let [cert] = <[_; 1]>::try_from(certs).map_err(|certs| {
+                format!(
+                    "pinned_cert_pem: holds {} certificates; it must hold exactly the channel's \
+                     own certificate",
+                    certs.len()
+                )
+            })?;
+            return Ok(Pin::EndEntity(cert));
+        }
+        if !self.ca_pem.trim().is_empty() {
+            return provider_core::tls::parse_certificates(self.ca_pem.as_bytes())
+                .map(Pin::Anchors)
+                .map_err(|e| format!("ca_pem: {e}"));
+        }
+        Err("neither pinned_cert_pem nor ca_pem is set, so the agent would trust no server".into())
     }
 }
 
@@ -234,25 +269,16 @@ impl std::fmt::Debug for Agent {
 
 impl Agent {
     pub fn new(config: AgentConfig, options: AgentOptions) -> Result<Agent, String> {
-        // Every certificate of ca_pem is a trust anchor, and nothing else is: not the system's
-        // roots. A malformed block fails startup rather than being skipped.
-        let roots = provider_core::tls::parse_certificates(config.ca_pem.as_bytes())
-            .map_err(|e| format!("config ca_pem: {e}"))?;
-        let mut builder = reqwest::Client::builder()
-            .use_rustls_tls()
-            .tls_built_in_root_certs(false)
-            .min_tls_version(reqwest::tls::Version::TLS_1_3)
-            .max_tls_version(reqwest::tls::Version::TLS_1_3)
+        // The pin, and nothing else (not the system's roots), decides whom the agent trusts;
+        // the rustls config is TLS 1.3 only.
+        let pin = config.pin().map_err(|e| format!("config {e}"))?;
+        let tls = crate::pin::client_config(&pin).map_err(|e| format!("config {e}"))?;
+        let http = reqwest::Client::builder()
+            .use_preconfigured_tls(tls)
             .https_only(true)
             .connect_timeout(Duration::from_secs(10))
             .timeout(REQUEST_TIMEOUT)
-            .user_agent(concat!("bigfleet-agent/", env!("CARGO_PKG_VERSION")));
-        for root in roots {
-            let root =
-                reqwest::Certificate::from_der(&root).map_err(|e| format!("config ca_pem: {e}"))?;
-            builder = builder.add_root_certificate(root);
-        }
-        let http = builder
+            .user_agent(concat!("bigfleet-agent/", env!("CARGO_PKG_VERSION")))
             .build()
             .map_err(|e| format!("build HTTPS client: {e}"))?;
         let base = config.endpoint.trim_end_matches('/');
@@ -677,26 +703,76 @@ mod tests {
         );
     }
 
+    fn cert_pem() -> String {
+        let key = rcgen::KeyPair::generate().unwrap();
+        rcgen::CertificateParams::new(vec!["x".to_owned()])
+            .unwrap()
+            .self_signed(&key)
+            .unwrap()
+            .pem()
+    }
+
     #[test]
     fn config_needs_every_field() {
         let dir = tempfile::tempdir().unwrap();
         let path = dir.path().join("c.json");
-        std::fs::write(
-            &path,
-            r#"{"endpoint":"https://x","ca_pem":"p","machine_id":"m","token":" "}"#,
-        )
-        .unwrap();
+        let ca = cert_pem();
+        let write = |value: serde_json::Value| std::fs::write(&path, value.to_string()).unwrap();
+        write(serde_json::json!({"endpoint":"https://x","ca_pem":ca,"machine_id":"m","token":" "}));
         assert!(
             AgentConfig::load(&path)
                 .unwrap_err()
                 .contains("token is empty")
         );
-        std::fs::write(
-            &path,
-            r#"{"endpoint":"https://x","ca_pem":"p","machine_id":"m","token":"t"}"#,
-        )
-        .unwrap();
+        // A config of a provider that wrote only ca_pem: its certificates are trust anchors.
+        write(serde_json::json!({"endpoint":"https://x","ca_pem":ca,"machine_id":"m","token":"t"}));
         let c = AgentConfig::load(&path).unwrap();
         assert!(!format!("{c:?}").contains("\"t\""));
+        let anchors = provider_core::tls::parse_certificates(ca.as_bytes()).unwrap();
+        assert_eq!(c.pin().unwrap(), Pin::Anchors(anchors.clone()));
+        // pinned_cert_pem wins over ca_pem; unknown fields are ignored.
+        let leaf = cert_pem();
+        write(
+            serde_json::json!({"endpoint":"https://x","ca_pem":ca,"pinned_cert_pem":leaf,
+            "machine_id":"m","token":"t","from_the_future":1}),
+        );
+        let pinned = provider_core::tls::parse_certificates(leaf.as_bytes()).unwrap();
+        assert_eq!(
+            AgentConfig::load(&path).unwrap().pin().unwrap(),
+            Pin::EndEntity(pinned[0].clone())
+        );
+        // Exactly one pinned certificate.
+        write(
+            serde_json::json!({"endpoint":"https://x","pinned_cert_pem":format!("{leaf}{ca}"),
+            "machine_id":"m","token":"t"}),
+        );
+        let e = AgentConfig::load(&path).unwrap_err();
+        assert!(e.ends_with("pinned_cert_pem: holds 2 certificates; it must hold exactly the channel's own certificate"), "{e}");
+        // Neither field, or both empty: refused.
+        write(serde_json::json!({"endpoint":"https://x","machine_id":"m","token":"t"}));
+        let e = AgentConfig::load(&path).unwrap_err();
+        assert!(
+            e.ends_with(
+                "neither pinned_cert_pem nor ca_pem is set, so the agent would trust no server"
+            ),
+            "{e}"
+        );
+        write(
+            serde_json::json!({"endpoint":"https://x","ca_pem":"","pinned_cert_pem":" ",
+            "machine_id":"m","token":"t"}),
+        );
+        assert!(
+            AgentConfig::load(&path)
+                .unwrap_err()
+                .contains("neither pinned_cert_pem nor ca_pem")
+        );
+        write(
+            serde_json::json!({"endpoint":"https://x","ca_pem":"p","machine_id":"m","token":"t"}),
+        );
+        assert!(
+            AgentConfig::load(&path)
+                .unwrap_err()
+                .contains("ca_pem: no certificates found")
+        );
     }
 }

@@ -73,8 +73,8 @@ pub struct Cli {
     #[arg(long = "bootstrap-tls-key", default_value = "", value_name = "PATH")]
     pub bootstrap_tls_key: String,
 
-    /// CA PEM the agents pin (every certificate in it). Without it, agents pin only the first
-    /// certificate of --bootstrap-tls-cert, which must then be self-signed.
+    /// CA PEM the agents trust (every certificate in it). Without it, agents pin exactly the
+    /// first certificate of --bootstrap-tls-cert (self-signed or CA-issued).
     #[arg(long = "bootstrap-ca", default_value = "", value_name = "PATH")]
     pub bootstrap_ca: String,
 

@@ -31,6 +31,9 @@ pub struct AgentProvisioning {
     pub endpoint: String,
     /// The PEM the agent pins (`--bootstrap-ca`, else the channel's certificate), verbatim.
     pub ca_pem: String,
+    /// Without `--bootstrap-ca`: the channel's certificate as an exact end-entity pin (agents
+    /// that know the field prefer it to `ca_pem`); empty, and not written, otherwise.
+    pub pinned_cert_pem: String,
 }
 
 /// Everything [`DigitalOceanCloud`] needs besides its clients.
@@ -567,12 +570,15 @@ pub fn agent_cloud_config(agent: &AgentProvisioning, machine_id: &str, token: &s
         ca_pem: &'a str,
         endpoint: &'a str,
         machine_id: &'a str,
+        #[serde(skip_serializing_if = "str::is_empty")]
+        pinned_cert_pem: &'a str,
         token: &'a str,
     }
     let file = AgentConfigFile {
         ca_pem: &agent.ca_pem,
         endpoint: &agent.endpoint,
         machine_id,
+        pinned_cert_pem: &agent.pinned_cert_pem,
         token,
     };
     let json = serde_json::to_string_pretty(&file).unwrap_or_default();
@@ -596,6 +602,7 @@ mod tests {
         let agent = AgentProvisioning {
             endpoint: "https://x/a?b=1&c=2".into(),
             ca_pem: "-----BEGIN CERTIFICATE-----\nMII\n-----END CERTIFICATE-----\n".into(),
+            pinned_cert_pem: String::new(),
         };
         let doc = agent_cloud_config(&agent, "m/1", "tok");
         assert_eq!(

@@ -8,6 +8,7 @@ pub mod catalog;
 pub mod channel;
 pub mod cloud;
 pub mod naming;
+pub mod pin;
 pub mod setup;
 pub mod token;
 

@@ -15,6 +15,7 @@ use rustls_pki_types::{CertificateDer, PrivateKeyDer};
 use crate::api::{ApiClient, ApiToken, ImageRef, parse_base_url};
 use crate::channel::{AuthLimit, Channel, ChannelLimits, ChannelSettings, DEFAULT_POLL_HOLD};
 use crate::cloud::{AgentProvisioning, CloudSettings, DigitalOceanCloud};
+use crate::pin::Pin;
 use crate::token::BootstrapSecret;
 use zeroize::Zeroizing;
 
@@ -152,6 +153,7 @@ pub fn build_real(flags: &RealFlags, telemetry: Telemetry) -> Result<RealBackend
         AgentProvisioning {
             endpoint: flags.bootstrap_endpoint.clone(),
             ca_pem: pin.pem,
+            pinned_cert_pem: pin.pinned_cert_pem,
         },
     );
     let cloud = Arc::new(DigitalOceanCloud::new(
@@ -167,54 +169,59 @@ pub fn build_real(flags: &RealFlags, telemetry: Telemetry) -> Result<RealBackend
     })
 }
 
-/// The certificates every agent pins (written as `ca_pem` into each Droplet's user_data), as
-/// read from their flag but not yet checked against the channel's own certificate.
+/// What every agent pins, as read from the flags but not yet checked against the channel's own
+/// certificate. Written into each Droplet's user_data as `ca_pem` and, without
+/// `--bootstrap-ca`, `pinned_cert_pem`.
 pub struct AgentPin {
-    /// The trust anchors, PEM-encoded again from their DER: nothing else of the source file
-    /// (a private key in a combined file, comments) can reach the user_data.
+    /// `ca_pem`: the trust anchors of `--bootstrap-ca`, or without it the channel's own
+    /// certificate (for agents that predate `pinned_cert_pem` and take it as a trust anchor,
+    /// which works for a self-signed certificate). PEM-encoded again from the DER: nothing else
+    /// of the source file (a private key in a combined file, comments) can reach the user_data.
     pub pem: String,
-    anchors: Vec<CertificateDer<'static>>,
+    /// `pinned_cert_pem`: without `--bootstrap-ca`, the channel's own certificate as an exact
+    /// end-entity pin; empty with it.
+    pub pinned_cert_pem: String,
+    pin: Pin,
     /// The channel's chain as served: leaf first.
     chain: Vec<CertificateDer<'static>>,
-    /// The certificates came from `--bootstrap-ca` (otherwise: the leaf of the server file).
-    explicit: bool,
     cert_path: String,
 }
 
 /// Decides what the agents pin:
 ///
-/// - with `--bootstrap-ca`, every certificate of that file (the operator named them as trust
-///   anchors); the file is parsed strictly, so a malformed block fails startup;
-/// - without it, only the channel's own certificate: the first certificate of
-///   `--bootstrap-tls-cert`. Further certificates in that file (intermediates, a bundle) are
-///   served in the handshake but never pinned, so a public intermediate can never become a
-///   trust anchor of the agents.
+/// - with `--bootstrap-ca`, every certificate of that file as a trust anchor (the operator
+///   named them); the file is parsed strictly, so a malformed block fails startup;
+/// - without it, exactly the channel's own certificate, the first of `--bootstrap-tls-cert`,
+///   as an end-entity pin: self-signed or CA-issued, the agent accepts that certificate and no
+///   other. Further certificates in that file (intermediates, a bundle) are served in the
+///   handshake but never pinned, so no intermediate or root can become a trust anchor of the
+///   agents.
 pub fn agent_pin(flags: &RealFlags) -> Result<AgentPin, String> {
     let chain = tls::read_certificates(Path::new(&flags.bootstrap_tls_cert))
         .map_err(|e| format!("load bootstrap TLS keypair: {e}"))?;
-    let (anchors, explicit) = if flags.bootstrap_ca.is_empty() {
-        (vec![chain[0].clone()], false)
+    let (pem, pinned_cert_pem, pin) = if flags.bootstrap_ca.is_empty() {
+        let leaf = certificate_pem(&chain[0]);
+        (leaf.clone(), leaf, Pin::EndEntity(chain[0].clone()))
     } else {
         let anchors = tls::read_certificates(Path::new(&flags.bootstrap_ca))
             .map_err(|e| format!("read bootstrap CA: --bootstrap-ca {e}"))?;
-        (anchors, true)
+        let pem = anchors.iter().map(|c| certificate_pem(c)).collect();
+        (pem, String::new(), Pin::Anchors(anchors))
     };
-    let pem = anchors.iter().map(|c| certificate_pem(c)).collect();
     Ok(AgentPin {
         pem,
-        anchors,
+        pinned_cert_pem,
+        pin,
         chain,
-        explicit,
         cert_path: flags.bootstrap_tls_cert.clone(),
     })
 }
 
 impl AgentPin {
-    /// Checks, as every agent will, that the channel's chain verifies against the pinned
-    /// anchors for the host of `endpoint` (validity dates included): a pin that no agent could
-    /// use fails startup instead of every Configure.
+    /// Checks with the agents' own verifier that they will accept the channel's chain for the
+    /// host of `endpoint` (validity dates included): a pin that no agent could use fails
+    /// startup instead of every Configure.
     pub fn verified_for(self, endpoint: &str) -> Result<AgentPin, String> {
-        use rustls::client::danger::ServerCertVerifier as _;
         let url =
             reqwest::Url::parse(endpoint).map_err(|e| format!("--bootstrap-endpoint: {e}"))?;
         // An IPv6 host comes bracketed; the certificate names the bare address.
@@ -224,18 +231,14 @@ impl AgentPin {
             .ok_or_else(|| format!("--bootstrap-endpoint {endpoint:?} has no host"))?;
         let name = rustls_pki_types::ServerName::try_from(host.clone())
             .map_err(|e| format!("--bootstrap-endpoint host {host:?}: {e}"))?;
-        let mut roots = rustls::RootCertStore::empty();
-        for anchor in &self.anchors {
-            roots
-                .add(anchor.clone())
-                .map_err(|e| format!("read bootstrap CA: --bootstrap-ca: {e}"))?;
-        }
-        let verifier = rustls::client::WebPkiServerVerifier::builder_with_provider(
-            Arc::new(roots),
-            tls::crypto_provider(),
-        )
-        .build()
-        .map_err(|e| format!("--bootstrap-ca: {e}"))?;
+        let explicit = matches!(self.pin, Pin::Anchors(_));
+        let verifier = crate::pin::verifier(&self.pin).map_err(|e| {
+            if explicit {
+                format!("read bootstrap CA: --bootstrap-ca: {e}")
+            } else {
+                format!("--bootstrap-tls-cert {}: {e}", self.cert_path)
+            }
+        })?;
         let verified = verifier.verify_server_cert(
             &self.chain[0],
             &self.chain[1..],
@@ -245,18 +248,16 @@ impl AgentPin {
         );
         match verified {
             Ok(_) => Ok(self),
-            Err(e) if self.explicit => Err(format!(
+            Err(e) if explicit => Err(format!(
                 "--bootstrap-ca: the channel certificate (--bootstrap-tls-cert {}) does not verify \
                  against it for the --bootstrap-endpoint host {host:?}, so no agent would accept \
                  the channel: {e}",
                 self.cert_path
             )),
             Err(e) => Err(format!(
-                "--bootstrap-ca is not set, so agents pin only the channel's own certificate (the \
-                 first certificate of --bootstrap-tls-cert {}), and it does not verify on its own \
-                 for the --bootstrap-endpoint host {host:?}: {e}. A certificate issued by a CA \
-                 needs --bootstrap-ca naming that CA; further certificates of the \
-                 --bootstrap-tls-cert file are never pinned",
+                "--bootstrap-ca is not set, so agents pin exactly the channel's own certificate \
+                 (the first certificate of --bootstrap-tls-cert {}), and no agent would accept \
+                 it for the --bootstrap-endpoint host {host:?}: {e}",
                 self.cert_path
             )),
         }
@@ -478,8 +479,15 @@ mod tests {
             .pem
     }
 
+    fn pinned_cert_of(flags: &RealFlags) -> String {
+        agent_pin(flags)
+            .and_then(|p| p.verified_for(&flags.bootstrap_endpoint))
+            .expect("pin")
+            .pinned_cert_pem
+    }
+
     #[test]
-    fn without_bootstrap_ca_only_the_channel_certificate_is_pinned() {
+    fn without_bootstrap_ca_exactly_the_channel_certificate_is_pinned() {
         let dir = tempfile::tempdir().expect("tempdir");
         let mut flags = valid(dir.path());
         let leaf = std::fs::read_to_string(&flags.bootstrap_tls_cert).expect("cert");
@@ -488,9 +496,10 @@ mod tests {
         let bundle = format!("{leaf}{}{}", c.intermediate.pem(), c.root.pem());
         flags.bootstrap_tls_cert = write(dir.path(), "bundle.pem", &bundle);
         assert_eq!(pin_of(&flags), leaf);
+        assert_eq!(pinned_cert_of(&flags), leaf);
 
-        // A CA-issued leaf cannot be pinned alone: startup fails and says what to do, instead
-        // of trusting the intermediate and root of the file.
+        // A CA-issued leaf is pinned exactly, on its own: neither the intermediate nor the
+        // root of the file reaches the user_data.
         let mut f = flags.clone();
         f.bootstrap_tls_cert = write(
             dir.path(),
@@ -498,17 +507,45 @@ mod tests {
             &format!("{}{}{}", c.leaf_pem, c.intermediate.pem(), c.root.pem()),
         );
         f.bootstrap_tls_key = write(dir.path(), "chain-key.pem", &c.leaf_key);
-        let e = error(&f);
+        assert_eq!(pin_of(&f), c.leaf_pem);
+        assert_eq!(pinned_cert_of(&f), c.leaf_pem);
+        // The same leaf served alone, without its chain, is as good.
+        let mut alone = f.clone();
+        alone.bootstrap_tls_cert = write(dir.path(), "leaf.pem", &c.leaf_pem);
+        assert_eq!(pinned_cert_of(&alone), c.leaf_pem);
+        // A pin no agent could use still fails startup: the name is checked.
+        let mut g = f.clone();
+        g.bootstrap_endpoint = "https://elsewhere.example.com".into();
+        let e = error(&g);
         assert!(
             e.starts_with(
-                "--bootstrap-ca is not set, so agents pin only the channel's own certificate"
+                "--bootstrap-ca is not set, so agents pin exactly the channel's own certificate"
             ),
             "{e}"
         );
-        assert!(e.contains("never pinned"), "{e}");
-        // Naming the root as --bootstrap-ca pins exactly it.
+        assert!(e.contains("\"elsewhere.example.com\""), "{e}");
+        // Naming the root as --bootstrap-ca pins exactly it, as a trust anchor.
         f.bootstrap_ca = write(dir.path(), "root.pem", &c.root.pem());
         assert_eq!(pin_of(&f), c.root.pem());
+        assert_eq!(pinned_cert_of(&f), "");
+    }
+
+    #[test]
+    fn an_expired_channel_certificate_fails_startup_without_bootstrap_ca() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let mut flags = valid(dir.path());
+        let key = rcgen::KeyPair::generate().expect("key");
+        let mut params = rcgen::CertificateParams::new(vec!["bootstrap.example.com".to_owned()])
+            .expect("params");
+        params.not_before = rcgen::date_time_ymd(2000, 1, 1);
+        params.not_after = rcgen::date_time_ymd(2001, 1, 1);
+        let c = chain();
+        let leaf = params.signed_by(&key, &c.intermediate).expect("leaf");
+        flags.bootstrap_tls_cert = write(dir.path(), "old.pem", &leaf.pem());
+        flags.bootstrap_tls_key = write(dir.path(), "old-key.pem", &key.serialize_pem());
+        let e = error(&flags);
+        assert!(e.starts_with("--bootstrap-ca is not set"), "{e}");
+        assert!(e.contains("expired"), "{e}");
     }
 
     #[test]

@@ -9,4 +9,5 @@ mod binary;
 mod channel;
 mod cloud;
 mod lifecycle;
+mod pin;
 mod support;

@@ -259,6 +259,7 @@ pub fn cloud_for(
         AgentProvisioning {
             endpoint: channel.endpoint(),
             ca_pem: pki.ca_pem.clone(),
+            pinned_cert_pem: String::new(),
         },
     );
     settings.active_poll = Duration::from_millis(20);

@@ -1,0 +1,345 @@
+//! What an agent trusts on the bootstrap channel, shared by the agent's HTTPS client and the
+//! provider's startup check, so a pin the provider accepts is exactly one every agent accepts.
+//!
+//! Two modes:
+//! - trust anchors (`--bootstrap-ca`, the config's `ca_pem`): ordinary path validation to one of
+//!   the anchors, host name and validity dates checked;
+//! - an end-entity pin (the config's `pinned_cert_pem`, written when `--bootstrap-ca` is not
+//!   set): the server's certificate must be byte-identical to the pinned one, whoever issued it.
+//!   Intermediates the server sends are ignored, so no certificate of the chain file ever
+//!   becomes a trust anchor. The handshake signature (over the pinned key), the host name and
+//!   the validity dates are still checked.
+
+use std::sync::Arc;
+
+use provider_core::tls;
+use rustls::client::danger::{HandshakeSignatureValid, ServerCertVerified, ServerCertVerifier};
+use rustls::crypto::CryptoProvider;
+use rustls::{CertificateError, DigitallySignedStruct, Error, OtherError, SignatureScheme};
+use rustls_pki_types::{CertificateDer, ServerName, UnixTime};
+
+/// What the agent trusts.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Pin {
+    /// Trust anchors: path validation.
+    Anchors(Vec<CertificateDer<'static>>),
+    /// Exactly this end-entity certificate.
+    EndEntity(CertificateDer<'static>),
+}
+
+/// The verifier an agent uses for `pin` (ring provider).
+pub(crate) fn verifier(pin: &Pin) -> Result<Arc<dyn ServerCertVerifier>, String> {
+    let provider = tls::crypto_provider();
+    match pin {
+        Pin::Anchors(anchors) => {
+            let mut roots = rustls::RootCertStore::empty();
+            for anchor in anchors {
+                roots
+                    .add(anchor.clone())
+                    .map_err(|e| format!("trust anchor: {e}"))?;
+            }
+            let verifier = rustls::client::WebPkiServerVerifier::builder_with_provider(
+                Arc::new(roots),
+                provider,
+            )
+            .build()
+            .map_err(|e| format!("trust anchors: {e}"))?;
+            Ok(verifier)
+        }
+        Pin::EndEntity(cert) => {
+            // Fails on a certificate no handshake could ever match, instead of at every poll.
+            rustls::server::ParsedCertificate::try_from(cert)
+                .map_err(|e| format!("pinned certificate: {e}"))?;
+            validity(cert).ok_or("pinned certificate: no readable validity period")?;
+            Ok(Arc::new(EndEntityPin {
+                cert: cert.clone(),
+                provider,
+            }))
+        }
+    }
+}
+
+/// A TLS 1.3-only client config trusting `pin` and nothing else, offering h2 and HTTP/1.1.
+pub(crate) fn client_config(pin: &Pin) -> Result<rustls::ClientConfig, String> {
+    let mut config = rustls::ClientConfig::builder_with_provider(tls::crypto_provider())
+        .with_protocol_versions(&[&rustls::version::TLS13])
+        .map_err(|e| format!("TLS 1.3: {e}"))?
+        .dangerous()
+        .with_custom_certificate_verifier(verifier(pin)?)
+        .with_no_client_auth();
+    config.alpn_protocols = vec![b"h2".to_vec(), b"http/1.1".to_vec()];
+    Ok(config)
+}
+
+/// Accepts exactly one end-entity certificate.
+#[derive(Debug)]
+struct EndEntityPin {
+    cert: CertificateDer<'static>,
+    provider: Arc<CryptoProvider>,
+}
+
+/// The server presented another certificate than the pinned one.
+struct NotPinned;
+
+/// rustls shows this error with `Debug`: it reads as the message.
+impl std::fmt::Debug for NotPinned {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        std::fmt::Display::fmt(self, f)
+    }
+}
+
+impl std::fmt::Display for NotPinned {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("the server's certificate is not the pinned certificate")
+    }
+}
+
+impl std::error::Error for NotPinned {}
+
+impl ServerCertVerifier for EndEntityPin {
+    fn verify_server_cert(
+        &self,
+        end_entity: &CertificateDer<'_>,
+        _intermediates: &[CertificateDer<'_>],
+        server_name: &ServerName<'_>,
+        _ocsp_response: &[u8],
+        now: UnixTime,
+    ) -> Result<ServerCertVerified, Error> {
+        // Byte equality decides; intermediates play no part.
+        if end_entity.as_ref() != self.cert.as_ref() {
+            return Err(Error::InvalidCertificate(CertificateError::Other(
+                OtherError(Arc::new(NotPinned)),
+            )));
+        }
+        let (not_before, not_after) =
+            validity(&self.cert).ok_or(Error::InvalidCertificate(CertificateError::BadEncoding))?;
+        if now.as_secs() < not_before {
+            return Err(Error::InvalidCertificate(
+                CertificateError::NotValidYetContext {
+                    time: now,
+                    not_before: UnixTime::since_unix_epoch(std::time::Duration::from_secs(
+                        not_before,
+                    )),
+                },
+            ));
+        }
+        if now.as_secs() > not_after {
+            return Err(Error::InvalidCertificate(
+                CertificateError::ExpiredContext {
+                    time: now,
+                    not_after: UnixTime::since_unix_epoch(std::time::Duration::from_secs(
+                        not_after,
+                    )),
+                },
+            ));
+        }
+        let parsed = rustls::server::ParsedCertificate::try_from(end_entity)?;
+        rustls::client::verify_server_name(&parsed, server_name)?;
+        Ok(ServerCertVerified::assertion())
+    }
+
+    fn verify_tls12_signature(
+        &self,
+        message: &[u8],
+        cert: &CertificateDer<'_>,
+        dss: &DigitallySignedStruct,
+    ) -> Result<HandshakeSignatureValid, Error> {
+        // Never reached (TLS 1.3 only), but verified all the same.
+        rustls::crypto::verify_tls12_signature(
+            message,
+            cert,
+            dss,
+            &self.provider.signature_verification_algorithms,
+        )
+    }
+
+    fn verify_tls13_signature(
+        &self,
+        message: &[u8],
+        cert: &CertificateDer<'_>,
+        dss: &DigitallySignedStruct,
+    ) -> Result<HandshakeSignatureValid, Error> {
+        // `cert` is the end-entity certificate already matched against the pin, so this proves
+        // the server holds the pinned key.
+        rustls::crypto::verify_tls13_signature(
+            message,
+            cert,
+            dss,
+            &self.provider.signature_verification_algorithms,
+        )
+    }
+
+    fn supported_verify_schemes(&self) -> Vec<SignatureScheme> {
+        self.provider
+            .signature_verification_algorithms
+            .supported_schemes()
+    }
+}
+
+/// `(notBefore, notAfter)` of a DER certificate, in seconds since the epoch (before 1970:
+/// 0). `None` when the structure is not a certificate.
+fn validity(cert: &CertificateDer<'_>) -> Option<(u64, u64)> {
+    let (tag, certificate, _) = tlv(cert.as_ref())?;
+    if tag != 0x30 {
+        return None;
+    }
+    let (tag, tbs, _) = tlv(certificate)?;
+    if tag != 0x30 {
+        return None;
+    }
+    let mut rest = tbs;
+    // version [0] EXPLICIT, optional
+    let (tag, _, after) = tlv(rest)?;
+    if tag == 0xa0 {
+        rest = after;
+    }
+    // serialNumber, signature, issuer
+    for expected in [0x02, 0x30, 0x30] {
+        let (tag, _, after) = tlv(rest)?;
+        if tag != expected {
+            return None;
+        }
+        rest = after;
+    }
+    let (tag, validity, _) = tlv(rest)?;
+    if tag != 0x30 {
+        return None;
+    }
+    let (tag, not_before, after) = tlv(validity)?;
+    let not_before = time(tag, not_before)?;
+    let (tag, not_after, _) = tlv(after)?;
+    let not_after = time(tag, not_after)?;
+    Some((not_before, not_after))
+}
+
+/// One DER element: `(tag, contents, rest)`. Single-byte tags and definite lengths only, as DER
+/// certificates use.
+fn tlv(input: &[u8]) -> Option<(u8, &[u8], &[u8])> {
+    let (&tag, input) = input.split_first()?;
+    let (&first, mut input) = input.split_first()?;
+    let len = if first < 0x80 {
+        usize::from(first)
+    } else {
+        let count = usize::from(first & 0x7f);
+        if count == 0 || count > 4 || input.len() < count {
+            return None;
+        }
+        let (bytes, after) = input.split_at(count);
+        input = after;
+        bytes
+            .iter()
+            .fold(0usize, |acc, &b| (acc << 8) | usize::from(b))
+    };
+    if input.len() < len {
+        return None;
+    }
+    let (contents, rest) = input.split_at(len);
+    Some((tag, contents, rest))
+}
+
+/// UTCTime (`YYMMDDHHMMSSZ`, RFC 5280: years 1950-2049) or GeneralizedTime
+/// (`YYYYMMDDHHMMSSZ`) as seconds since the epoch, clamped at 0.
+fn time(tag: u8, text: &[u8]) -> Option<u64> {
+    let digits = |s: &[u8]| -> Option<i64> {
+        s.iter().try_fold(0i64, |acc, &c| {
+            c.is_ascii_digit().then(|| acc * 10 + i64::from(c - b'0'))
+        })
+    };
+    let (year, rest) = match (tag, text.len()) {
+        (0x17, 13) => {
+            let yy = digits(&text[..2])?;
+            (if yy >= 50 { 1900 + yy } else { 2000 + yy }, &text[2..])
+        }
+        (0x18, 15) => (digits(&text[..4])?, &text[4..]),
+        _ => return None,
+    };
+    if rest[10] != b'Z' {
+        return None;
+    }
+    let month = digits(&rest[0..2])?;
+    let day = digits(&rest[2..4])?;
+    let hour = digits(&rest[4..6])?;
+    let minute = digits(&rest[6..8])?;
+    let second = digits(&rest[8..10])?;
+    if !(1..=12).contains(&month)
+        || !(1..=31).contains(&day)
+        || hour > 23
+        || minute > 59
+        || second > 60
+    {
+        return None;
+    }
+    // Days from the civil date (proleptic Gregorian).
+    let y = if month <= 2 { year - 1 } else { year };
+    let era = y.div_euclid(400);
+    let yoe = y - era * 400;
+    let mp = (month + 9) % 12;
+    let doy = (153 * mp + 2) / 5 + day - 1;
+    let doe = yoe * 365 + yoe / 4 - yoe / 100 + doy;
+    let days = era * 146_097 + doe - 719_468;
+    let secs = days * 86_400 + hour * 3_600 + minute * 60 + second;
+    Some(u64::try_from(secs).unwrap_or(0))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn cert_valid(not_before: (i32, u8, u8), not_after: (i32, u8, u8)) -> CertificateDer<'static> {
+        let key = rcgen::KeyPair::generate().expect("key");
+        let mut params =
+            rcgen::CertificateParams::new(vec!["localhost".to_owned()]).expect("params");
+        params.not_before = rcgen::date_time_ymd(not_before.0, not_before.1, not_before.2);
+        params.not_after = rcgen::date_time_ymd(not_after.0, not_after.1, not_after.2);
+        params.self_signed(&key).expect("cert").der().clone()
+    }
+
+    #[test]
+    fn validity_reads_both_time_forms() {
+        // 2000-03-01 (UTCTime) to 2100-01-01 (GeneralizedTime).
+        let cert = cert_valid((2000, 3, 1), (2100, 1, 1));
+        assert_eq!(validity(&cert), Some((951_868_800, 4_102_444_800)));
+        let cert = cert_valid((1969, 1, 1), (2049, 12, 31));
+        assert_eq!(validity(&cert), Some((0, 2_524_521_600)));
+        assert_eq!(
+            validity(&CertificateDer::from(vec![0x30, 0x03, 1, 2])),
+            None
+        );
+        assert_eq!(time(0x17, b"240230000000Z"), Some(1_709_251_200));
+        assert_eq!(time(0x17, b"2402300000001"), None);
+    }
+
+    #[test]
+    fn an_end_entity_pin_checks_bytes_dates_and_name() {
+        let now = UnixTime::now();
+        let name = ServerName::try_from("localhost").expect("name");
+        let good = cert_valid((2000, 1, 1), (2100, 1, 1));
+        let pinned = verifier(&Pin::EndEntity(good.clone())).expect("verifier");
+        pinned
+            .verify_server_cert(&good, &[], &name, &[], now)
+            .expect("the pinned certificate");
+        let other = cert_valid((2000, 1, 1), (2100, 1, 1));
+        let e = pinned
+            .verify_server_cert(&other, std::slice::from_ref(&good), &name, &[], now)
+            .expect_err("another certificate");
+        assert!(e.to_string().contains("not the pinned certificate"), "{e}");
+        let elsewhere = ServerName::try_from("elsewhere.example.com").expect("name");
+        assert!(
+            pinned
+                .verify_server_cert(&good, &[], &elsewhere, &[], now)
+                .is_err()
+        );
+        let expired = cert_valid((2000, 1, 1), (2001, 1, 1));
+        let e = verifier(&Pin::EndEntity(expired.clone()))
+            .expect("verifier")
+            .verify_server_cert(&expired, &[], &name, &[], now)
+            .expect_err("expired");
+        assert!(e.to_string().contains("expired"), "{e}");
+        let future = cert_valid((2090, 1, 1), (2100, 1, 1));
+        let e = verifier(&Pin::EndEntity(future.clone()))
+            .expect("verifier")
+            .verify_server_cert(&future, &[], &name, &[], now)
+            .expect_err("not yet valid");
+        assert!(e.to_string().contains("not valid yet"), "{e}");
+    }
+}

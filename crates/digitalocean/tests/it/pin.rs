@@ -1,0 +1,385 @@
+//! The agent's pin against real TLS on 127.0.0.1: without `--bootstrap-ca` the channel's own
+//! certificate is pinned exactly, whoever issued it; with it, the named CA is a trust anchor
+//! (path validation and host name).
+
+use std::time::Duration;
+
+use digitalocean::channel::{AuthLimit, Command};
+use rcgen::{BasicConstraints, CertificateParams, CertifiedIssuer, IsCa, KeyPair};
+use tokio::net::TcpListener;
+
+use crate::support::*;
+
+fn configure(blob: &[u8]) -> Command {
+    Command::Configure {
+        cluster_id: "c".into(),
+        blob: blob.to_vec(),
+    }
+}
+
+fn ca(name: &str) -> CertificateParams {
+    let mut p = CertificateParams::new(Vec::<String>::new()).unwrap();
+    p.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
+    p.distinguished_name.push(rcgen::DnType::CommonName, name);
+    p
+}
+
+/// A private CA (root -> intermediate) issuing leaves for `names`.
+struct PrivateCa {
+    root: CertifiedIssuer<'static, KeyPair>,
+    intermediate: CertifiedIssuer<'static, KeyPair>,
+}
+
+impl PrivateCa {
+    fn new() -> PrivateCa {
+        let root =
+            CertifiedIssuer::self_signed(ca("private root"), KeyPair::generate().unwrap()).unwrap();
+        let intermediate = CertifiedIssuer::signed_by(
+            ca("private intermediate"),
+            KeyPair::generate().unwrap(),
+            &root,
+        )
+        .unwrap();
+        PrivateCa { root, intermediate }
+    }
+
+    /// A leaf issued by the intermediate, as a `tls.crt` with its chain and its key.
+    fn leaf(&self, names: &[&str]) -> Pki {
+        let key = KeyPair::generate().unwrap();
+        let leaf =
+            CertificateParams::new(names.iter().map(|n| (*n).to_owned()).collect::<Vec<_>>())
+                .unwrap()
+                .signed_by(&key, &self.intermediate)
+                .unwrap();
+        Pki {
+            ca_pem: self.root.pem(),
+            cert_pem: format!(
+                "{}{}{}",
+                leaf.pem(),
+                self.intermediate.pem(),
+                self.root.pem()
+            ),
+            key_pem: key.serialize_pem(),
+        }
+    }
+}
+
+const NAMES: &[&str] = &["127.0.0.1", "localhost"];
+
+/// The provider's startup for a channel on `listener` serving `pki`, with `--bootstrap-ca`
+/// when given: the `(ca_pem, pinned_cert_pem)` it writes into every Droplet's user_data.
+fn provider_pin(
+    dir: &std::path::Path,
+    listener: &TcpListener,
+    pki: &Pki,
+    bootstrap_ca: Option<&str>,
+) -> Result<(String, String), String> {
+    let file = |name: &str, body: &str| {
+        let path = dir.join(name);
+        std::fs::write(&path, body).unwrap();
+        path.display().to_string()
+    };
+    let flags = digitalocean::RealFlags {
+        bootstrap_tls_cert: file("tls.crt", &pki.cert_pem),
+        bootstrap_tls_key: file("tls.key", &pki.key_pem),
+        bootstrap_ca: bootstrap_ca.map_or_else(String::new, |ca| file("ca.crt", ca)),
+        bootstrap_endpoint: format!(
+            "https://127.0.0.1:{}",
+            listener.local_addr().unwrap().port()
+        ),
+        ..Default::default()
+    };
+    let pin = digitalocean::setup::agent_pin(&flags)?.verified_for(&flags.bootstrap_endpoint)?;
+    Ok((pin.pem, pin.pinned_cert_pem))
+}
+
+/// Starts an agent with the provider's pin against `channel` and says whether a configure got
+/// through (the hook ran with the blob). When it is expected not to, the agent must have logged
+/// `refusal` as the reason its poll failed.
+async fn configure_through(
+    channel: &RunningChannel,
+    pin: &(String, String),
+    m: &str,
+    refusal: Option<&str>,
+) -> bool {
+    let dir = tempfile::tempdir().unwrap();
+    // The config exactly as the provider renders it into the user_data.
+    let provisioning = digitalocean::cloud::AgentProvisioning {
+        endpoint: channel.endpoint(),
+        ca_pem: pin.0.clone(),
+        pinned_cert_pem: pin.1.clone(),
+    };
+    let config = agent_config_from_user_data(&digitalocean::cloud::agent_cloud_config(
+        &provisioning,
+        m,
+        &token(m),
+    ));
+    let fields: serde_json::Value = serde_json::from_str(&config).unwrap();
+    assert_eq!(fields.get("pinned_cert_pem").is_some(), !pin.1.is_empty());
+    let agent = AgentProcess::spawn(AgentSetup {
+        dir: dir.path(),
+        config_json: config,
+        hook: recording_hook(dir.path(), 0),
+        drain_command: "true".into(),
+        readiness_command: None,
+    });
+    let delivered = channel
+        .channel
+        .deliver(
+            m,
+            configure(b"join-blob"),
+            &ctx(Duration::from_secs(if refusal.is_some() { 2 } else { 15 })),
+        )
+        .await;
+    match delivered {
+        Ok(()) => {
+            assert_eq!(
+                std::fs::read(dir.path().join("hook.blob.copy")).unwrap(),
+                b"join-blob"
+            );
+            true
+        }
+        Err(e) => {
+            assert!(e.0.ends_with("context deadline exceeded"), "{}", e.0);
+            assert!(!dir.path().join("hook.runs").exists(), "the hook never ran");
+            let reason = refusal.unwrap_or("poll failed");
+            assert!(
+                agent.wait_for_output(reason, Duration::from_secs(5)).await,
+                "{}",
+                agent.output()
+            );
+            false
+        }
+    }
+}
+
+/// A `tls.crt` holding a leaf issued by a private CA (with its chain), and no `--bootstrap-ca`,
+/// as a cert-manager Secret gives it: the provider starts, pins exactly that leaf (never the
+/// intermediate or root of the file), and the agent accepts the channel; a sibling leaf of the
+/// same intermediate, for the same names, is refused.
+#[tokio::test]
+async fn a_ca_issued_leaf_is_pinned_exactly_without_bootstrap_ca() {
+    let private = PrivateCa::new();
+    let genuine = private.leaf(NAMES);
+    let dir = tempfile::tempdir().unwrap();
+    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let pin = provider_pin(dir.path(), &listener, &genuine, None).expect("provider starts");
+    let leaf_pem = genuine
+        .cert_pem
+        .split_inclusive("-----END CERTIFICATE-----\n")
+        .next()
+        .unwrap();
+    assert_eq!(pin, (leaf_pem.to_owned(), leaf_pem.to_owned()));
+    assert!(
+        !pin.0
+            .contains(private.intermediate.pem().lines().nth(1).unwrap())
+    );
+
+    let channel = RunningChannel::start_on(
+        listener,
+        &genuine,
+        Duration::from_secs(5),
+        AuthLimit::default(),
+    );
+    assert!(configure_through(&channel, &pin, "m-genuine", None).await);
+
+    let sibling = private.leaf(NAMES);
+    let impostor =
+        RunningChannel::start(&sibling, Duration::from_millis(200), AuthLimit::default()).await;
+    assert!(
+        !configure_through(
+            &impostor,
+            &pin,
+            "m-sibling",
+            Some("not the pinned certificate")
+        )
+        .await
+    );
+}
+
+/// With `--bootstrap-ca`, the named CA is a trust anchor as before: any leaf it issues for the
+/// endpoint's host is accepted (path validation through the served intermediate), a leaf for
+/// other names is refused, and so is a leaf of another CA.
+#[tokio::test]
+async fn with_bootstrap_ca_the_chain_is_path_validated() {
+    let private = PrivateCa::new();
+    let genuine = private.leaf(NAMES);
+    let dir = tempfile::tempdir().unwrap();
+    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let pin = provider_pin(dir.path(), &listener, &genuine, Some(&private.root.pem()))
+        .expect("provider starts");
+    assert_eq!(pin, (private.root.pem(), String::new()));
+    drop(listener);
+
+    let sibling = private.leaf(NAMES);
+    let channel =
+        RunningChannel::start(&sibling, Duration::from_secs(5), AuthLimit::default()).await;
+    assert!(configure_through(&channel, &pin, "m-sibling", None).await);
+
+    let elsewhere = private.leaf(&["elsewhere.example.com"]);
+    let channel =
+        RunningChannel::start(&elsewhere, Duration::from_millis(200), AuthLimit::default()).await;
+    assert!(
+        !configure_through(
+            &channel,
+            &pin,
+            "m-elsewhere",
+            Some("certificate not valid for name")
+        )
+        .await
+    );
+
+    let other = PrivateCa::new().leaf(NAMES);
+    let channel =
+        RunningChannel::start(&other, Duration::from_millis(200), AuthLimit::default()).await;
+    assert!(!configure_through(&channel, &pin, "m-other", Some("invalid peer certificate")).await);
+    // The provider refuses to start when the CA did not issue the channel's certificate.
+    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let e = provider_pin(dir.path(), &listener, &other, Some(&private.root.pem())).unwrap_err();
+    assert!(
+        e.starts_with("--bootstrap-ca: the channel certificate"),
+        "{e}"
+    );
+}
+
+/// A TLS 1.3 server presenting `cert` but signing the handshake with `key`, answering the
+/// first request with a configure command. Counts requests it got (after a handshake the
+/// client accepted).
+async fn server_signing_with(
+    cert: &str,
+    key: &str,
+) -> (
+    std::net::SocketAddr,
+    std::sync::Arc<std::sync::atomic::AtomicUsize>,
+) {
+    use rustls_pki_types::pem::PemObject as _;
+    use std::sync::Arc;
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
+
+    #[derive(Debug)]
+    struct Fixed(Arc<rustls::sign::CertifiedKey>);
+    impl rustls::server::ResolvesServerCert for Fixed {
+        fn resolve(
+            &self,
+            _: rustls::server::ClientHello<'_>,
+        ) -> Option<Arc<rustls::sign::CertifiedKey>> {
+            Some(self.0.clone())
+        }
+    }
+
+    let provider = provider_core::tls::crypto_provider();
+    let signing = provider
+        .key_provider
+        .load_private_key(rustls_pki_types::PrivateKeyDer::from_pem_slice(key.as_bytes()).unwrap())
+        .unwrap();
+    let chain = provider_core::tls::parse_certificates(cert.as_bytes()).unwrap();
+    let mut config = rustls::ServerConfig::builder_with_provider(provider)
+        .with_protocol_versions(&[&rustls::version::TLS13])
+        .unwrap()
+        .with_no_client_auth()
+        .with_cert_resolver(Arc::new(Fixed(Arc::new(rustls::sign::CertifiedKey::new(
+            chain, signing,
+        )))));
+    config.alpn_protocols = vec![b"http/1.1".to_vec()];
+    let acceptor = tokio_rustls::TlsAcceptor::from(Arc::new(config));
+    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    let requests = Arc::new(AtomicUsize::new(0));
+    let served = requests.clone();
+    let command = br#"{"id":"1","type":"configure","cluster_id":"c","blob":"am9pbi1ibG9i"}"#;
+    let response = [
+        format!(
+            "HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n",
+            command.len()
+        )
+        .into_bytes(),
+        command.to_vec(),
+    ]
+    .concat();
+    tokio::spawn(async move {
+        while let Ok((tcp, _)) = listener.accept().await {
+            let (acceptor, served, response) = (acceptor.clone(), served.clone(), response.clone());
+            tokio::spawn(async move {
+                let Ok(mut tls) = acceptor.accept(tcp).await else {
+                    return;
+                };
+                let mut seen = Vec::new();
+                let mut buf = [0u8; 4096];
+                while !seen.windows(4).any(|w| w == b"\r\n\r\n") {
+                    match tls.read(&mut buf).await {
+                        Ok(0) | Err(_) => return,
+                        Ok(n) => seen.extend_from_slice(&buf[..n]),
+                    }
+                }
+                served.fetch_add(1, Ordering::SeqCst);
+                let _ = tls.write_all(&response).await;
+                let _ = tls.shutdown().await;
+            });
+        }
+    });
+    (addr, requests)
+}
+
+/// The end-entity pin is not a bearer check of public bytes: a server that presents the
+/// pinned certificate without holding its key fails the TLS 1.3 signature check, while the
+/// same server with the right key is accepted.
+#[tokio::test]
+async fn a_server_presenting_the_pinned_certificate_without_its_key_is_refused() {
+    use std::sync::atomic::Ordering;
+    let private = PrivateCa::new();
+    let genuine = private.leaf(NAMES);
+    let leaf_pem = genuine
+        .cert_pem
+        .split_inclusive("-----END CERTIFICATE-----\n")
+        .next()
+        .unwrap()
+        .to_owned();
+    let other_key = KeyPair::generate().unwrap().serialize_pem();
+    for (key, accepted) in [(&other_key, false), (&genuine.key_pem, true)] {
+        let (addr, requests) = server_signing_with(&genuine.cert_pem, key).await;
+        let dir = tempfile::tempdir().unwrap();
+        let m = "m-key";
+        let agent = AgentProcess::spawn(AgentSetup {
+            dir: dir.path(),
+            config_json: serde_json::json!({
+                "endpoint": format!("https://127.0.0.1:{}", addr.port()),
+                "ca_pem": leaf_pem, "pinned_cert_pem": leaf_pem, "machine_id": m, "token": token(m),
+            })
+            .to_string(),
+            hook: recording_hook(dir.path(), 0),
+            drain_command: "true".into(),
+            readiness_command: None,
+        });
+        if accepted {
+            assert!(
+                eventually(Duration::from_secs(15), || dir
+                    .path()
+                    .join("hook.runs")
+                    .exists())
+                .await,
+                "{}",
+                agent.output()
+            );
+            assert_eq!(
+                std::fs::read(dir.path().join("hook.blob.copy")).unwrap(),
+                b"join-blob"
+            );
+        } else {
+            assert!(
+                agent
+                    .wait_for_output("poll failed", Duration::from_secs(10))
+                    .await,
+                "{}",
+                agent.output()
+            );
+            assert!(
+                agent.output().contains("BadSignature"),
+                "{}",
+                agent.output()
+            );
+            assert_eq!(requests.load(Ordering::SeqCst), 0);
+            assert!(!dir.path().join("hook.runs").exists());
+        }
+    }
+}
