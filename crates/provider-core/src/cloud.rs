@@ -52,6 +52,13 @@ pub trait Cloud: Send + Sync + 'static {
     /// A partial listing is an error, never a short inventory.
     async fn list_hosts(&self) -> Result<Vec<OwnedHost>, BackendError>;
 
+    /// A direct read of one host: `Some(false)` when the cloud answers not-found, or the host
+    /// is being deleted or is not ours; `Some(true)` when it exists; `None` when this cloud has
+    /// no such read. Reconcile uses it as proof before treating a host as vanished.
+    async fn host_present(&self, _host_id: &str) -> Result<Option<bool>, BackendError> {
+        Ok(None)
+    }
+
     /// Delivers the bootstrap blob to the host and runs the bootstrap hook; on success records
     /// the cluster binding on the host.
     async fn configure_host(

@@ -17,9 +17,11 @@ use crate::backend::{
 use crate::duration;
 use crate::error::CoreError;
 use crate::fence::FenceToken;
-use crate::inventory::{Admission, Binding, Effect, Interrupted, Inventory, ReconcileReport};
+use crate::inventory::{
+    Admission, Binding, Effect, Interrupted, Inventory, ReconcileReport, Sighting, Suspect,
+};
 use crate::lifecycle::OperationKind;
-use crate::machine::{Machine, MachineState, StringMap};
+use crate::machine::{CapacityType, Machine, MachineState, StringMap};
 use crate::store::{Change, Commit, SharedStore, Snapshot};
 use crate::telemetry::Telemetry;
 
@@ -63,8 +65,14 @@ pub struct EngineOptions {
     pub require_zone: bool,
     /// Budget of the first-boot Describe and of each reconcile pass.
     pub describe_timeout: Duration,
+    /// How long an owned host attached to no machine record is left alone before reconcile
+    /// deletes it (`--orphan-grace`; zero keeps orphans forever).
+    pub orphan_grace: Duration,
     pub telemetry: Telemetry,
 }
+
+/// The default `--orphan-grace`.
+pub const DEFAULT_ORPHAN_GRACE: Duration = Duration::from_secs(600);
 
 impl EngineOptions {
     pub fn new(telemetry: Telemetry) -> EngineOptions {
@@ -72,6 +80,7 @@ impl EngineOptions {
             timeouts: Timeouts::default(),
             require_zone: true,
             describe_timeout: Duration::from_secs(30),
+            orphan_grace: DEFAULT_ORPHAN_GRACE,
             telemetry,
         }
     }
@@ -498,32 +507,120 @@ impl Engine {
         self.read().snapshot()
     }
 
-    /// One reconcile pass: Describe, validate (skipping invalid records), merge.
+    /// One reconcile pass (contract.md §9, beyond.md §4–§5): survey the substrate, validate
+    /// (skipping invalid records), merge what may be merged, prove suspected vanished hosts
+    /// absent by a direct read before changing their slots, and delete orphans whose grace
+    /// period ran out. A slot that changed after the survey began is never touched by the pass.
     pub async fn reconcile(&self) -> Result<ReconcileReport, CoreError> {
-        let described =
-            tokio::time::timeout(self.options.describe_timeout, self.backend.describe())
-                .await
-                .map_err(|_| CoreError::Admin("reconcile: backend Describe timed out".into()))?
-                .map_err(|e| CoreError::Admin(format!("reconcile: {e}")))?;
-        let mut valid = Vec::with_capacity(described.len());
-        for machine in described {
-            match validate(&machine, self.options.require_zone) {
-                Ok(()) => valid.push(machine),
+        let since = self.read().revision();
+        let mut survey = tokio::time::timeout(self.options.describe_timeout, self.backend.survey())
+            .await
+            .map_err(|_| CoreError::Admin("reconcile: backend Describe timed out".into()))?
+            .map_err(|e| CoreError::Admin(format!("reconcile: {e}")))?;
+        survey.machines.retain(
+            |machine| match validate(machine, self.options.require_zone) {
+                Ok(()) => true,
                 Err(reason) => {
-                    tracing::warn!(reason, "providerkit: reconcile skipping invalid instance")
+                    tracing::warn!(reason, "providerkit: reconcile skipping invalid instance");
+                    false
                 }
-            }
-        }
+            },
+        );
         let offered: Option<HashSet<String>> = self
             .backend
             .offered()
             .map(|o| o.into_iter().map(|m| m.id).collect());
-        let (report, commit) =
-            self.apply(|inv, changes| inv.reconcile(valid, offered.as_ref(), changes));
+        let now = Instant::now();
+        // Zero disables orphan deletion: no orphan is ever due.
+        let grace = if self.options.orphan_grace.is_zero() {
+            Duration::MAX
+        } else {
+            self.options.orphan_grace
+        };
+        let (outcome, commit) = self.apply(|inv, changes| {
+            inv.reconcile(survey, offered.as_ref(), since, now, grace, changes)
+        });
         if let Some(commit) = commit {
             self.commit(commit).await?;
         }
+        let mut report = outcome.report;
+        let confirmed = self.prove_vanished(outcome.suspects).await;
+        if !confirmed.is_empty() {
+            let (vanished, commit) =
+                self.apply(|inv, changes| inv.confirm_vanished(&confirmed, since, changes));
+            if let Some(commit) = commit {
+                self.commit(commit).await?;
+            }
+            report.vanished += vanished;
+        }
+        for orphan in outcome.orphans_due {
+            if self.delete_orphan(&orphan).await {
+                report.orphans_deleted += 1;
+            }
+        }
         Ok(report)
+    }
+
+    /// The suspects proved absent: by a direct read answering not-found, or, when the backend
+    /// cannot read one host, by absence in the previous pass too.
+    async fn prove_vanished(&self, suspects: Vec<Suspect>) -> Vec<Suspect> {
+        let mut confirmed = Vec::new();
+        for suspect in suspects {
+            let read = tokio::time::timeout(
+                self.options.describe_timeout,
+                self.backend
+                    .host_present(&suspect.machine_id, &suspect.host),
+            )
+            .await;
+            let proved = match read {
+                Ok(Ok(Some(present))) => !present,
+                Ok(Ok(None)) => suspect.absent_before,
+                Ok(Err(e)) => {
+                    tracing::warn!(machine_id = suspect.machine_id, host = suspect.host.id, err = %e, "reconcile: cannot confirm a host missing from the listing; keeping the machine as it is");
+                    false
+                }
+                Err(_) => false,
+            };
+            if proved {
+                confirmed.push(suspect);
+            } else {
+                tracing::debug!(
+                    machine_id = suspect.machine_id,
+                    host = suspect.host.id,
+                    "reconcile: host missing from the listing is not proved gone"
+                );
+            }
+        }
+        confirmed
+    }
+
+    /// Deletes an owned host attached to no machine record, if it still is one.
+    async fn delete_orphan(&self, orphan: &Sighting) -> bool {
+        if !self.read().still_orphan(orphan) {
+            return false;
+        }
+        let mut machine = Machine::speculative(orphan.machine_id.clone(), "");
+        machine.capacity_type = CapacityType::OnDemand;
+        machine.state = MachineState::Idle;
+        machine.host = Some(orphan.host.clone());
+        let ctx = TransitionContext::with_timeout(
+            format!("orphan-{}", unix_micros()),
+            self.options.timeouts.delete,
+        );
+        let outcome = tokio::time::timeout(ctx.remaining(), self.backend.delete(&machine, &ctx))
+            .await
+            .unwrap_or_else(|_| Err(BackendError::new("delete timed out")));
+        match outcome {
+            Ok(()) => {
+                tracing::warn!(machine_id = orphan.machine_id, host = orphan.host.id, grace = %duration::format(self.options.orphan_grace), "reconcile: deleted an owned host attached to no machine record");
+                self.write().orphan_deleted(orphan);
+                true
+            }
+            Err(e) => {
+                tracing::warn!(machine_id = orphan.machine_id, host = orphan.host.id, err = %e, "reconcile: deleting an orphaned host failed; trying again next pass");
+                false
+            }
+        }
     }
 
     /// Releases a FAILED slot: deletes its host through the backend if it has one, then returns
