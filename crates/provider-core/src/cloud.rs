@@ -107,3 +107,35 @@ pub trait Cloud: Send + Sync + 'static {
         instance_types: &[String],
     ) -> Result<HashMap<String, Capacity>, BackendError>;
 }
+
+/// The largest cloud API response body read (a page of 50 servers is a few hundred KiB): a
+/// misbehaving endpoint or proxy cannot make the provider buffer without bound.
+pub const MAX_RESPONSE_BODY: usize = 8 * 1024 * 1024;
+
+/// Why a response body could not be read.
+#[derive(Debug, thiserror::Error)]
+pub enum BodyError {
+    #[error("response body larger than {limit} bytes; refusing to read it")]
+    TooLarge { limit: usize },
+    #[error("{0}")]
+    Transport(reqwest::Error),
+}
+
+/// Reads a response body of at most `limit` bytes, chunk by chunk, failing as soon as it (or
+/// its declared length) is larger.
+pub async fn read_body(
+    mut response: reqwest::Response,
+    limit: usize,
+) -> Result<Vec<u8>, BodyError> {
+    if response.content_length().is_some_and(|n| n > limit as u64) {
+        return Err(BodyError::TooLarge { limit });
+    }
+    let mut body = Vec::new();
+    while let Some(chunk) = response.chunk().await.map_err(BodyError::Transport)? {
+        if body.len() + chunk.len() > limit {
+            return Err(BodyError::TooLarge { limit });
+        }
+        body.extend_from_slice(&chunk);
+    }
+    Ok(body)
+}
