@@ -1088,6 +1088,16 @@ impl Emulator {
         self.world().faults.extend(faults);
     }
 
+    /// Every server not being deleted, as `(id, name)` (names derive from machine ids).
+    pub fn live_servers(&self) -> Vec<(i64, String)> {
+        self.world()
+            .servers
+            .values()
+            .filter(|s| s.server.status != models::server::Status::Deleting)
+            .map(|s| (s.server.id, s.server.name.clone()))
+            .collect()
+    }
+
     /// During each of the next `listings` multi-page server listings, deletes the first server
     /// of page 1 right after serving it (as another actor would between two page requests).
     pub fn delete_during_next_listings(&self, listings: u32) {
