@@ -317,6 +317,11 @@ async fn soak(root: &Path, cloud: CloudKind, seed: u64, duration: Duration) -> R
         )),
         Err(e) => {
             let logs = process.logs();
+            let _ = std::fs::write(dir.join("provider.log"), &logs);
+            eprintln!(
+                "soak: the provider log is in {}",
+                dir.join("provider.log").display()
+            );
             let tail: Vec<&str> = logs.lines().rev().take(60).collect();
             let tail: Vec<&str> = tail.into_iter().rev().collect();
             Err(e.context(format!(
@@ -447,9 +452,10 @@ async fn settle_and_check(
     // Everything settles, and stays settled for an orphan grace plus a few passes.
     let mut quiet_since: Option<Instant> = None;
     loop {
+        let asked = Instant::now();
         let machines = caller.list_all().await.context("final List")?;
         let busy = machines.iter().any(|m| is_transitional(wire::state_of(m)));
-        let verdict = checker.final_check(&machines);
+        let verdict = checker.final_check(&machines, asked);
         match (busy, verdict) {
             (false, Ok(())) => {
                 let since = *quiet_since.get_or_insert_with(Instant::now);

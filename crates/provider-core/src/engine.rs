@@ -639,23 +639,57 @@ impl Engine {
             }
             slot.machine.clone()
         };
-        if machine.host.is_some() {
+        let hosts = match &machine.host {
+            Some(host) => vec![host.clone()],
+            // A Create that failed after its host existed may have left one that no reconcile
+            // pass has recorded yet: look before the slot goes back to Speculative, or the
+            // next pass would adopt it behind the operator's back.
+            None => self.hosts_of(machine_id).await.map_err(|e| {
+                CoreError::Admin(format!(
+                    "release {machine_id}: look for a host a failed Create may have left: {e}"
+                ))
+            })?,
+        };
+        for host in hosts {
+            let mut target = (*machine).clone();
+            target.host = Some(host.clone());
             let ctx = TransitionContext::with_timeout(
                 format!("release-{}", unix_micros()),
                 self.options.timeouts.delete,
             );
-            let outcome =
-                tokio::time::timeout(ctx.remaining(), self.backend.delete(&machine, &ctx))
-                    .await
-                    .unwrap_or_else(|_| Err(BackendError::new("delete timed out")));
+            let outcome = tokio::time::timeout(ctx.remaining(), self.backend.delete(&target, &ctx))
+                .await
+                .unwrap_or_else(|_| Err(BackendError::new("delete timed out")));
             outcome
                 .map_err(|e| CoreError::Admin(format!("release {machine_id}: delete host: {e}")))?;
+            self.write().remember_deleted_host(&host.id);
         }
         let (result, commit) = self.apply(|inv, changes| inv.release(machine_id, changes));
         if let Some(commit) = commit {
             self.commit(commit).await?;
         }
         result
+    }
+
+    /// Every host the substrate shows for `machine_id` now.
+    async fn hosts_of(&self, machine_id: &str) -> Result<Vec<crate::machine::HostRef>, String> {
+        let survey = tokio::time::timeout(self.options.describe_timeout, self.backend.survey())
+            .await
+            .map_err(|_| "backend Describe timed out".to_owned())?
+            .map_err(|e| e.0)?;
+        Ok(match survey.hosts {
+            Some(hosts) => hosts
+                .into_iter()
+                .filter(|s| s.machine_id == machine_id)
+                .map(|s| s.host)
+                .collect(),
+            None => survey
+                .machines
+                .into_iter()
+                .filter(|m| m.id == machine_id)
+                .filter_map(|m| m.host)
+                .collect(),
+        })
     }
 
     fn spawn_transition(self: &Arc<Self>, machine: Arc<Machine>, operation_id: String, work: Work) {

@@ -40,9 +40,12 @@ pub(crate) enum Expect {
 #[derive(Default)]
 struct Inner {
     violation: Option<String>,
-    expect: HashMap<String, Expect>,
+    /// machine -> where it should be, and since when (a listing asked for earlier predates it).
+    expect: HashMap<String, (Expect, Instant)>,
     busy: HashSet<String>,
     transitional_since: HashMap<String, (i32, Instant)>,
+    /// machine -> the last things workers did to it, for violation reports.
+    history: HashMap<String, std::collections::VecDeque<String>>,
     untracked_since: HashMap<String, Instant>,
 }
 
@@ -91,6 +94,16 @@ impl Checker {
         self.inner().violation.clone()
     }
 
+    /// Remembers what a worker did to `id` (the last few events go into a violation report).
+    pub(crate) fn note(&self, id: &str, event: String) {
+        let mut inner = self.inner();
+        let h = inner.history.entry(id.to_owned()).or_default();
+        h.push_back(format!("{:?} {event}", std::time::SystemTime::now()));
+        if h.len() > 16 {
+            h.pop_front();
+        }
+    }
+
     /// A worker is about to act on `id`: its expectation is suspended.
     pub(crate) fn begin(&self, id: &str) {
         let mut inner = self.inner();
@@ -110,12 +123,13 @@ impl Checker {
             _ => None,
         });
         match expect {
-            Some(e) => inner.expect.insert(id.to_owned(), e),
+            Some(e) => inner.expect.insert(id.to_owned(), (e, Instant::now())),
             None => inner.expect.remove(id),
         };
     }
 
-    /// Compares one listing with the expectations and the emulator; `Err` on a violation.
+    /// Compares one listing, asked for at `now`, with the expectations set before it and with
+    /// the emulator; `Err` on a violation.
     fn compare(&self, machines: &[pb::Machine], now: Instant) -> Result<()> {
         let live = self.emulated.live_hosts();
         let live_ids: HashSet<&str> = live.iter().map(|(id, _)| id.as_str()).collect();
@@ -157,9 +171,12 @@ impl Checker {
             if inner.busy.contains(&m.id) {
                 continue;
             }
-            let Some(expect) = inner.expect.get(&m.id).cloned() else {
+            let Some((expect, set_at)) = inner.expect.get(&m.id).cloned() else {
                 continue;
             };
+            if set_at > now {
+                continue;
+            }
             match (&expect, state) {
                 (Expect::Speculative, pb::MachineState::Speculative)
                 | (Expect::Failed, pb::MachineState::Failed) => {}
@@ -170,13 +187,20 @@ impl Checker {
                 {
                     // Its host was deleted out of band (a fault): reconcile noticed.
                     self.tally.add("check.vanished_after_out_of_band_delete");
-                    inner.expect.insert(m.id.clone(), Expect::Speculative);
+                    inner
+                        .expect
+                        .insert(m.id.clone(), (Expect::Speculative, now));
                 }
                 _ => bail!(
-                    "{} settled as {expect:?} after an acknowledged mutation, now {state:?} on host {:?} (last_error {:?}) with no mutation or fault to explain it",
+                    "{} settled as {expect:?} after an acknowledged mutation, now {state:?} on host {:?} (last_error {:?}) with no mutation or fault to explain it; its history:\n{}",
                     m.id,
                     host_of(m),
-                    m.last_error
+                    m.last_error,
+                    inner
+                        .history
+                        .get(&m.id)
+                        .map(|h| h.iter().cloned().collect::<Vec<_>>().join("\n"))
+                        .unwrap_or_default()
                 ),
             }
         }
@@ -209,11 +233,12 @@ impl Checker {
                 continue;
             };
             let mut caller = wire::Caller::new(ch, wire::Shard::new("soak-checker", 1));
+            let asked = Instant::now();
             let Ok(machines) = caller.list_all().await else {
                 continue;
             };
             self.tally.add("check.passes");
-            if let Err(e) = self.compare(&machines, Instant::now()) {
+            if let Err(e) = self.compare(&machines, asked) {
                 self.violate(format!("{e:#}"));
             }
         }
@@ -222,8 +247,8 @@ impl Checker {
 
     /// The end state, once every machine settled: every live owned host attached to exactly
     /// one machine, every Idle machine's host alive, the continuous properties too.
-    pub(crate) fn final_check(&self, machines: &[pb::Machine]) -> Result<()> {
-        self.compare(machines, Instant::now())?;
+    pub(crate) fn final_check(&self, machines: &[pb::Machine], asked: Instant) -> Result<()> {
+        self.compare(machines, asked)?;
         let live = self.emulated.live_hosts();
         let tracked: HashMap<String, &str> = machines
             .iter()

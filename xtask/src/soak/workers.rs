@@ -195,8 +195,17 @@ impl Worker {
             };
             self.checker.begin(&id);
             sequence += 1;
+            self.checker.note(
+                &id,
+                format!(
+                    "{} seq {sequence} from {:?}",
+                    kind.name(),
+                    wire::state_of(&machine)
+                ),
+            );
             let settled = match self.send(&mut client, kind, &id, sequence).await {
                 Ok(ack) => {
+                    self.checker.note(&id, format!("ack {}", ack.operation_id));
                     fenced.insert(id.clone(), sequence);
                     self.tally.add(&format!("ack.{}", kind.name()));
                     self.after_ack(
@@ -227,6 +236,17 @@ impl Worker {
                     None
                 }
             };
+            self.checker.note(
+                &id,
+                format!(
+                    "end: settled {:?} host {:?}",
+                    settled.as_ref().map(wire::state_of),
+                    settled
+                        .as_ref()
+                        .and_then(|m| m.host.as_ref())
+                        .map(|h| h.r#ref.clone())
+                ),
+            );
             self.checker.end(&id, settled.as_ref());
         }
         Ok(())

@@ -428,3 +428,35 @@ async fn an_orphaned_server_is_deleted_after_the_grace_period() {
     assert_eq!(m.state, MachineState::Idle);
     assert_eq!(m.host.as_ref().unwrap().id, own.id);
 }
+
+/// Releasing a FAILED machine before any reconcile recorded the server its failed Create left
+/// deletes that server too (otherwise the next pass would adopt it behind the operator's back).
+#[tokio::test]
+async fn releasing_a_failed_create_deletes_the_server_it_left_before_reconcile_saw_it() {
+    let env = Env::new(Options::default()).await;
+    env.emulator.set_polls_to_running(1_000_000);
+    let engine = engine(
+        &env,
+        vec![offering("cx22", "nbg1", 1)],
+        std::time::Duration::from_secs(1),
+        std::time::Duration::from_secs(600),
+    )
+    .await;
+    let id = env.machine("cx22", "nbg1", 0).id;
+    engine.create(&id, zero_token()).await.unwrap();
+    let failed = settled(&engine, &id).await;
+    assert_eq!(failed.state, MachineState::Failed, "{failed:?}");
+    assert!(failed.host.is_none());
+    engine.release(&id).await.unwrap();
+    assert!(
+        env.emulator
+            .servers()
+            .iter()
+            .all(|s| s.status == hcloud::models::server::Status::Deleting),
+        "the server the failed Create left is deleted"
+    );
+    env.emulator.set_polls_to_running(0);
+    let report = engine.reconcile().await.unwrap();
+    assert_eq!(report.adopted, 0, "{report:?}");
+    assert_eq!(engine.get(&id).unwrap().state, MachineState::Speculative);
+}

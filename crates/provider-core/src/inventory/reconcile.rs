@@ -308,6 +308,12 @@ impl Inventory {
         self.host_standing(sighting, self.revision) == Standing::Orphan
     }
 
+    /// Records a host the provider deleted outside a transition (admin release): it is never
+    /// adopted again.
+    pub fn remember_deleted_host(&mut self, host_id: &str) {
+        self.upkeep.remember_deleted(host_id);
+    }
+
     /// Forgets an orphan that was deleted, and never adopts it again.
     pub fn orphan_deleted(&mut self, sighting: &Sighting) {
         self.upkeep.orphans.remove(&sighting.host.id);
