@@ -254,9 +254,19 @@ impl Process {
             ensure!(status.success(), "kill -KILL failed ({status})");
             provider.wait_exit(Duration::from_secs(10)).await?;
         }
-        let provider = provider_process::start(self.spec.clone())
-            .await
-            .context("restart after kill -9")?;
+        // A start under a fault storm can take longer than one start deadline (the price and
+        // capacity warm-up retries within its own budget): try again, as a supervisor would.
+        let mut attempt = 0;
+        let provider = loop {
+            attempt += 1;
+            match provider_process::start(self.spec.clone()).await {
+                Ok(provider) => break provider,
+                Err(e) if attempt < 3 => {
+                    eprintln!("soak: restart attempt {attempt} did not serve in time: {e:#}");
+                }
+                Err(e) => return Err(e.context("restart after kill -9")),
+            }
+        };
         self.channel
             .send_replace(Some(provider.default_channel().await?));
         self.provider = Some(provider);
