@@ -420,6 +420,7 @@ async fn drive(
                 failure = Some(e);
                 break;
             }
+            checker.restarted();
             next_kill = Instant::now() + duration / (restarts as u32 + 1);
             continue;
         }

@@ -104,6 +104,14 @@ impl Checker {
         }
     }
 
+    /// The provider was just restarted: the clocks of untracked hosts and transitional
+    /// machines start over (a start under a fault storm takes a while; nothing ran meanwhile).
+    pub(crate) fn restarted(&self) {
+        let mut inner = self.inner();
+        inner.untracked_since.clear();
+        inner.transitional_since.clear();
+    }
+
     /// A worker is about to act on `id`: its expectation is suspended.
     pub(crate) fn begin(&self, id: &str) {
         let mut inner = self.inner();
