@@ -11,6 +11,7 @@ mod fuzz;
 mod grpc_health;
 mod helm;
 mod repo;
+mod soak;
 mod suite;
 
 fn main() -> anyhow::Result<()> {
@@ -24,9 +25,12 @@ fn main() -> anyhow::Result<()> {
         Some("e2e") => e2e::run(&args[1..]),
         Some("fuzz") => fuzz::run(&args[1..]),
         Some("helm") => helm::run(&args[1..]),
+        Some("soak") => soak::run(&args[1..]),
         Some("test") => suite::run(&args[1..]),
         _ => {
-            anyhow::bail!("usage: cargo xtask <test|demo|bench|certs|dist|docs|e2e|helm> [options]")
+            anyhow::bail!(
+                "usage: cargo xtask <test|demo|bench|certs|dist|docs|e2e|helm|soak> [options]"
+            )
         }
     }
 }

@@ -1,6 +1,7 @@
 //! `cargo xtask test`: every test of the project, in order from the cheapest: the tools the
 //! checks need, the unit/property/integration tests (nextest), the end-to-end run of the
-//! binaries, the Helm chart validation, the docs check and the container image test.
+//! binaries, a bounded soak of both providers against the API emulators, the Helm chart
+//! validation, the docs check and the container image test.
 
 use std::process::Command;
 
@@ -49,6 +50,12 @@ pub fn run(args: &[String]) -> anyhow::Result<()> {
         Command::new(env!("CARGO"))
             .current_dir(&root)
             .args(["xtask", "e2e"]),
+    )?;
+    step(
+        "soak, about a minute per cloud (cargo xtask soak --duration 60s)",
+        Command::new(env!("CARGO"))
+            .current_dir(&root)
+            .args(["xtask", "soak", "--duration", "60s"]),
     )?;
     if quick {
         return Ok(());

@@ -5,6 +5,7 @@
 
 use std::time::Duration;
 
+use provider_core::cloud::{BodyError, MAX_RESPONSE_BODY, read_body};
 use provider_core::retry::{Backoff, Verdict, classify_status, hint_from_headers};
 use provider_core::telemetry::{Telemetry, status_class};
 use reqwest::{Method, StatusCode, Url};
@@ -335,11 +336,22 @@ impl ApiClient {
         let response = request.send().await.map_err(transport)?;
         let status = response.status();
         let hint = hint_from_headers(response.headers());
-        let bytes = response.bytes().await.map_err(transport)?;
+        let bytes = match read_body(response, MAX_RESPONSE_BODY).await {
+            Ok(bytes) => bytes,
+            Err(BodyError::Transport(e)) => return Err(transport(e)),
+            Err(too_large @ BodyError::TooLarge { .. }) => {
+                self.telemetry
+                    .api_http(endpoint, status_class(status.as_u16()));
+                return Err(ApiError::Decode {
+                    endpoint,
+                    message: too_large.to_string(),
+                });
+            }
+        };
         self.telemetry
             .api_http(endpoint, status_class(status.as_u16()));
         if status.is_success() {
-            return Ok((status, bytes.to_vec()));
+            return Ok((status, bytes));
         }
         let message = match serde_json::from_slice::<ErrorBody>(&bytes) {
             Ok(e) if !e.message.is_empty() || !e.id.is_empty() => {

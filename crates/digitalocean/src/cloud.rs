@@ -452,6 +452,20 @@ impl Cloud for DigitalOceanCloud {
         self.timed("DescribeManaged", start, r)
     }
 
+    async fn host_present(&self, host_id: &str) -> Result<Option<bool>, BackendError> {
+        let start = Instant::now();
+        let r = async {
+            let id = parse_id("read", host_id)?;
+            match self.api.get_droplet(id, Instant::now() + READ_BUDGET).await {
+                Ok(d) => Ok(Some(self.owns(&d))),
+                Err(e) if e.is_not_found() => Ok(Some(false)),
+                Err(e) => Err(format!("read droplet {id}: {e}")),
+            }
+        }
+        .await;
+        self.timed("GetDroplet", start, r)
+    }
+
     async fn configure_host(
         &self,
         machine: &Machine,

@@ -3,7 +3,9 @@
 //! actions, with `links.pages.next` / `meta.total` pagination and DigitalOcean-shaped objects.
 //! Fault knobs make it misbehave on purpose: 429 storms with rate-limit headers, 5xx answers,
 //! a create whose response is lost after the Droplet exists, Droplets that take a while to
-//! become `active`, bad pagination links and out-of-band deletion. Loopback only.
+//! become `active`, bad pagination links, small pages, listings during which a listed Droplet
+//! is deleted (later Droplets move up a page), oversized answers and out-of-band deletion.
+//! Loopback only.
 
 use std::collections::{BTreeMap, BTreeSet, VecDeque};
 use std::net::SocketAddr;
@@ -63,6 +65,12 @@ struct Knobs {
     drop_create_responses: u32,
     active_after_polls: u32,
     bad_next_link: bool,
+    /// The largest page served, whatever `per_page` asks for.
+    max_per_page: Option<usize>,
+    /// Listings left during which the first Droplet of page 1 is deleted once it is served.
+    churn_listings: u32,
+    /// The next answer is a 200 with a body of this many bytes.
+    oversize_next: Option<usize>,
 }
 
 struct EmulatorState {
@@ -220,6 +228,22 @@ impl Emulator {
         lock(&self.state).knobs.bad_next_link = bad;
     }
 
+    /// Serves at most `max` items per page.
+    pub fn set_max_per_page(&self, max: usize) {
+        lock(&self.state).knobs.max_per_page = Some(max.max(1));
+    }
+
+    /// During each of the next `listings` multi-page Droplet listings, deletes the first
+    /// Droplet of page 1 right after serving it (as another actor would between two pages).
+    pub fn delete_during_next_listings(&self, listings: u32) {
+        lock(&self.state).knobs.churn_listings = listings;
+    }
+
+    /// Answers the next API request with a 200 whose body is `bytes` long.
+    pub fn oversize_next(&self, bytes: usize) {
+        lock(&self.state).knobs.oversize_next = Some(bytes);
+    }
+
     pub fn set_size_price(&self, slug: &str, price_hourly: f64) {
         for size in lock(&self.state)
             .sizes
@@ -369,6 +393,15 @@ async fn gate(
                 "Unable to authenticate you",
             );
         }
+        if let Some(bytes) = state.knobs.oversize_next.take() {
+            let pad = "x".repeat(bytes.saturating_sub(12));
+            return (
+                StatusCode::OK,
+                [(axum::http::header::CONTENT_TYPE, "application/json")],
+                format!("{{\"pad\": \"{pad}\"}}"),
+            )
+                .into_response();
+        }
         state.knobs.fail_next.pop_front()
     };
     let reset = unix_now() + 60;
@@ -388,6 +421,10 @@ async fn gate(
         if let Some(after) = fault.retry_after {
             headers.insert("retry-after", after.into());
             headers.insert("ratelimit-reset", (unix_now() + after).into());
+        } else if status.is_server_error() {
+            // DigitalOcean sends its rate-limit headers on every answer; the window resets
+            // up to an hour later, which says nothing about when to retry a 5xx.
+            headers.insert("ratelimit-reset", (unix_now() + 3600).into());
         }
         headers.insert("ratelimit-limit", 5000.into());
         headers.insert("ratelimit-remaining", 0.into());
@@ -481,8 +518,12 @@ fn page_of(
     headers: &HeaderMap,
     path: &str,
     bad_next_link: bool,
+    max_per_page: Option<usize>,
 ) -> Value {
-    let per_page = q.per_page.unwrap_or(20).clamp(1, 200);
+    let per_page = q
+        .per_page
+        .unwrap_or(20)
+        .clamp(1, max_per_page.unwrap_or(200).min(200));
     let page = q.page.unwrap_or(1).max(1);
     let total = items.len();
     let last = total.div_ceil(per_page).max(1);
@@ -640,13 +681,14 @@ async fn list_droplets(
     Query(q): Query<PageQuery>,
     headers: HeaderMap,
 ) -> Response {
-    let state = lock(&emu.state);
-    let items = state
+    let mut state = lock(&emu.state);
+    let items: Vec<Value> = state
         .droplets
         .values()
         .filter(|d| q.tag_name.as_ref().is_none_or(|t| d.tags.contains(t)))
         .map(|d| droplet_json(&state, d))
         .collect();
+    let first_id = items.first().and_then(|d| d["id"].as_u64());
     let body = page_of(
         items,
         "droplets",
@@ -654,7 +696,17 @@ async fn list_droplets(
         &headers,
         "/v2/droplets",
         state.knobs.bad_next_link,
+        state.knobs.max_per_page,
     );
+    if state.knobs.churn_listings > 0
+        && q.page.unwrap_or(1) <= 1
+        && body["links"]["pages"].get("next").is_some()
+        && let Some(id) = first_id
+    {
+        // A deletion between two page requests: later Droplets move up one place.
+        state.knobs.churn_listings -= 1;
+        state.droplets.remove(&id);
+    }
     Json(body).into_response()
 }
 
@@ -786,6 +838,7 @@ async fn list_tags(
         &headers,
         "/v2/tags",
         state.knobs.bad_next_link,
+        state.knobs.max_per_page,
     ))
     .into_response()
 }
@@ -866,6 +919,7 @@ async fn list_sizes(
         &headers,
         "/v2/sizes",
         state.knobs.bad_next_link,
+        state.knobs.max_per_page,
     ))
     .into_response()
 }

@@ -211,6 +211,7 @@ fn common(cli: &Cli) -> CommonArgs {
         base_user_data: String::new(),
         price_refresh: Duration::ZERO,
         reconcile_interval: Duration::ZERO,
+        orphan_grace: Duration::ZERO,
         create_timeout: cli.transition_timeout,
         configure_timeout: cli.transition_timeout,
         drain_timeout: cli.transition_timeout,

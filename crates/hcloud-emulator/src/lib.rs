@@ -7,7 +7,8 @@
 //! Test knobs ([`Emulator`] methods): 429 storms with `Retry-After` or `RateLimit-Reset`,
 //! injected 5xx, a Create that takes effect but whose response is lost (502) or hangs, servers
 //! that take N polls to reach `running`, out-of-band deletion, servers inserted behind the
-//! provider's back, and per-server public IPv4 addresses (point them at 127.0.0.1 to reach an
+//! provider's back, listings during which a listed server is deleted (so later servers shift to
+//! earlier pages), oversized answers, and per-server public IPv4 addresses (point them at 127.0.0.1 to reach an
 //! in-process SSH server).
 //!
 //! [`sshd`] is a real SSH server (russh) that plays the servers' sshd: it presents the host key
@@ -47,8 +48,11 @@ pub enum Fault {
         retry_after: Option<u64>,
         reset_in: Option<u64>,
     },
-    /// Answer this 5xx status.
+    /// Answer this 5xx status (with the rate-limit headers Hetzner sends on every answer,
+    /// including a `RateLimit-Reset` an hour away).
     ServerError(u16),
+    /// Answer 200 with a JSON body of this many bytes (an oversized answer).
+    Oversized(usize),
 }
 
 /// What happens to the next server creations.
@@ -98,6 +102,9 @@ struct World {
     max_per_page: i64,
     /// Reads of a `deleting` server left before it disappears.
     deleting_reads: u32,
+    /// Listings left during which the first server of page 1 is deleted right after page 1
+    /// is served.
+    churn_listings: u32,
     seen: Vec<Seen>,
 }
 
@@ -215,6 +222,7 @@ impl World {
             new_server_private_ip: None,
             max_per_page: 50,
             deleting_reads: 0,
+            churn_listings: 0,
             seen: Vec::new(),
         }
     }
@@ -366,7 +374,25 @@ fn gate(
             Some(Fault::ServerError(status)) => {
                 let status =
                     StatusCode::from_u16(status).unwrap_or(StatusCode::SERVICE_UNAVAILABLE);
-                Err(error(status, "unavailable", "injected server error"))
+                let mut response = error(status, "unavailable", "injected server error");
+                let now = SystemTime::now()
+                    .duration_since(UNIX_EPOCH)
+                    .map(|d| d.as_secs())
+                    .unwrap_or(0);
+                let h = response.headers_mut();
+                h.insert("ratelimit-limit", HeaderValue::from_static("3600"));
+                h.insert("ratelimit-remaining", HeaderValue::from_static("3599"));
+                h.insert("ratelimit-reset", HeaderValue::from(now + 3600));
+                Err(response)
+            }
+            Some(Fault::Oversized(bytes)) => {
+                let pad = "x".repeat(bytes.saturating_sub(12));
+                Err((
+                    StatusCode::OK,
+                    [(axum::http::header::CONTENT_TYPE, "application/json")],
+                    format!("{{\"pad\": \"{pad}\"}}"),
+                )
+                    .into_response())
             }
             Some(Fault::RateLimited {
                 retry_after,
@@ -518,8 +544,20 @@ async fn list_servers(
         matching.push(server.clone());
     }
     let max = w.max_per_page;
+    let answer = paginate(&matching, &q, max);
+    if let Ok((page, meta)) = &answer
+        && w.churn_listings > 0
+        && meta.pagination.page == 1
+        && meta.pagination.next_page.is_some()
+        && let Some(first) = page.first()
+    {
+        // A deletion between two page requests: every later server moves up one place, so
+        // the first server of page 2 is now on page 1, which the client already has.
+        w.churn_listings -= 1;
+        w.servers.remove(&first.id);
+    }
     drop(w);
-    match paginate(&matching, &q, max) {
+    match answer {
         Ok((servers, meta)) => Json(models::ListServersResponse {
             servers,
             meta: Box::new(meta),
@@ -1048,6 +1086,22 @@ impl Emulator {
     /// Queues faults for the next requests, in order.
     pub fn inject(&self, faults: impl IntoIterator<Item = Fault>) {
         self.world().faults.extend(faults);
+    }
+
+    /// Every server not being deleted, as `(id, name)` (names derive from machine ids).
+    pub fn live_servers(&self) -> Vec<(i64, String)> {
+        self.world()
+            .servers
+            .values()
+            .filter(|s| s.server.status != models::server::Status::Deleting)
+            .map(|s| (s.server.id, s.server.name.clone()))
+            .collect()
+    }
+
+    /// During each of the next `listings` multi-page server listings, deletes the first server
+    /// of page 1 right after serving it (as another actor would between two page requests).
+    pub fn delete_during_next_listings(&self, listings: u32) {
+        self.world().churn_listings = listings;
     }
 
     /// Queues faults for the next server creations, in order.

@@ -16,6 +16,7 @@ use std::collections::HashMap;
 use std::time::Duration;
 
 use hcloud::models;
+use provider_core::cloud::{BodyError, MAX_RESPONSE_BODY, read_body};
 use provider_core::config::Secret;
 use provider_core::retry::{Backoff, Verdict, classify_status, hint_from_headers};
 use provider_core::telemetry::{Telemetry, status_class};
@@ -136,6 +137,8 @@ pub struct ClientTiming {
     /// Upper bound of one HTTP request (further bounded by the caller's deadline).
     pub request_timeout: Duration,
     pub backoff: Backoff,
+    /// The largest response body read ([`MAX_RESPONSE_BODY`]).
+    pub max_body: usize,
 }
 
 impl Default for ClientTiming {
@@ -143,6 +146,7 @@ impl Default for ClientTiming {
         ClientTiming {
             request_timeout: Duration::from_secs(30),
             backoff: Backoff::default(),
+            max_body: MAX_RESPONSE_BODY,
         }
     }
 }
@@ -253,10 +257,13 @@ impl HcloudApi {
         self.telemetry
             .api_http(endpoint, status_class(status.as_u16()));
         let hint = hint_from_headers(response.headers());
-        let text = response
-            .text()
+        let body = read_body(response, self.timing.max_body)
             .await
-            .map_err(|e| ApiError::Transport(transport_text(e)))?;
+            .map_err(|e| match e {
+                BodyError::TooLarge { .. } => ApiError::Decode(e.to_string()),
+                BodyError::Transport(e) => ApiError::Transport(transport_text(e)),
+            })?;
+        let text = String::from_utf8_lossy(&body).into_owned();
         if status.is_success() {
             let text = if text.trim().is_empty() {
                 "{}"

@@ -208,6 +208,16 @@ fn server_id(host_id: &str, what: &str) -> Result<i64, BackendError> {
         .map_err(|e| err(format!("{what}: bad server id {host_id:?}: {e}")))
 }
 
+/// Whether a failed call may well succeed when repeated later (rate limit, server error, lost
+/// connection).
+fn is_passing(e: &ApiError) -> bool {
+    match e {
+        ApiError::Status { status, .. } => *status == 429 || *status >= 500,
+        ApiError::Transport(_) => true,
+        ApiError::Decode(_) | ApiError::Deadline | ApiError::Config(_) => false,
+    }
+}
+
 fn is_running(status: models::server::Status) -> bool {
     use models::server::Status;
     matches!(
@@ -502,16 +512,24 @@ impl HetznerCloud {
         let cap = Instant::now() + self.timing.running_cap;
         let deadline = ctx.deadline.min(cap);
         loop {
-            let server = self
-                .api
-                .get_server(id, Some(deadline))
-                .await
-                .map_err(|e| err(format!("poll server {id}: {e}")))?
-                .ok_or_else(|| err(format!("server {id} vanished while creating")))?;
-            if server.status == models::server::Status::Running {
+            // The server exists: a run of 429s or 5xx answers while polling is no reason to
+            // give up on it (and leave it running untracked) while the deadline allows more.
+            let polled = self.api.get_server(id, Some(deadline)).await;
+            let left = deadline.saturating_duration_since(Instant::now());
+            let server = match polled {
+                Ok(Some(server)) => Some(server),
+                Ok(None) => return Err(err(format!("server {id} vanished while creating"))),
+                Err(e) if is_passing(&e) && !left.is_zero() => {
+                    tracing::warn!(server = id, err = %e, "polling the new server failed; polling on");
+                    None
+                }
+                Err(e) => return Err(err(format!("poll server {id}: {e}"))),
+            };
+            if let Some(server) = server
+                && server.status == models::server::Status::Running
+            {
                 return Ok(server);
             }
-            let left = deadline.saturating_duration_since(Instant::now());
             if left.is_zero() {
                 return Err(if cap <= ctx.deadline {
                     err(format!(
@@ -1082,6 +1100,19 @@ impl Cloud for HetznerCloud {
                 .collect())
         })
         .await
+    }
+
+    async fn host_present(&self, host_id: &str) -> Result<Option<bool>, BackendError> {
+        let id = server_id(host_id, "read")?;
+        let deadline = Instant::now() + self.timing.list_budget;
+        let server = self
+            .api
+            .get_server(id, Some(deadline))
+            .await
+            .map_err(|e| err(format!("read server {id}: {e}")))?;
+        Ok(Some(server.is_some_and(|s| {
+            s.status != models::server::Status::Deleting && self.is_ours(&s)
+        })))
     }
 
     async fn configure_host(

@@ -169,6 +169,7 @@ pub async fn run(launch: Launch) -> Result<(), String> {
     .map_err(|e| format!("open state {}: {e}", common.state))?;
     let mut options = EngineOptions::new(telemetry);
     options.timeouts = common.timeouts();
+    options.orphan_grace = common.orphan_grace;
     options.require_zone = require_zone;
     let engine = Engine::start(backend, store.clone(), options)
         .await
@@ -289,8 +290,13 @@ fn spawn_loops(
                 match engine.reconcile().await {
                     Ok(report) => {
                         telemetry.reconcile_outcome("success");
-                        if report.changed() {
+                        if report.changed() || report.orphans_deleted > 0 {
                             tracing::info!(?report, "reconcile applied changes");
+                        } else if report.suspects + report.orphans + report.stale > 0 {
+                            tracing::debug!(
+                                ?report,
+                                "reconcile left machines alone pending proof or grace"
+                            );
                         }
                     }
                     Err(e) => {

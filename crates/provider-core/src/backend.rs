@@ -8,8 +8,8 @@ use async_trait::async_trait;
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 
-use crate::inventory::Effect;
-use crate::machine::{CapacityType, Machine, MachineState, StringMap};
+use crate::inventory::{Effect, Survey};
+use crate::machine::{CapacityType, HostRef, Machine, MachineState, StringMap};
 
 /// The budget of one transition, handed to the backend with every call.
 #[derive(Clone, Debug)]
@@ -92,6 +92,27 @@ impl From<String> for BackendError {
 pub trait Backend: Send + Sync + 'static {
     /// The full inventory: every offered slot and every owned host (seeding and reconcile).
     async fn describe(&self) -> Result<Vec<Machine>, BackendError>;
+
+    /// What a reconcile pass reads: the records and, when the backend can list them, every
+    /// owned host (duplicates included, so none goes unnoticed).
+    async fn survey(&self) -> Result<Survey, BackendError> {
+        Ok(Survey {
+            machines: self.describe().await?,
+            hosts: None,
+        })
+    }
+
+    /// A direct read of one host, the proof a reconcile pass needs before it treats a host
+    /// missing from a listing as gone: `Some(false)` when the substrate answers that it does not
+    /// exist (or is being deleted), `Some(true)` when it exists, `None` when the backend cannot
+    /// read one host (absence in consecutive passes is then the proof).
+    async fn host_present(
+        &self,
+        _machine_id: &str,
+        _host: &HostRef,
+    ) -> Result<Option<bool>, BackendError> {
+        Ok(None)
+    }
 
     /// The slots the offerings allow, computed without any I/O. `None` means the backend has no
     /// quota to enforce.

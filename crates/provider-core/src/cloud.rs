@@ -52,6 +52,13 @@ pub trait Cloud: Send + Sync + 'static {
     /// A partial listing is an error, never a short inventory.
     async fn list_hosts(&self) -> Result<Vec<OwnedHost>, BackendError>;
 
+    /// A direct read of one host: `Some(false)` when the cloud answers not-found, or the host
+    /// is being deleted or is not ours; `Some(true)` when it exists; `None` when this cloud has
+    /// no such read. Reconcile uses it as proof before treating a host as vanished.
+    async fn host_present(&self, _host_id: &str) -> Result<Option<bool>, BackendError> {
+        Ok(None)
+    }
+
     /// Delivers the bootstrap blob to the host and runs the bootstrap hook; on success records
     /// the cluster binding on the host.
     async fn configure_host(
@@ -99,4 +106,36 @@ pub trait Cloud: Send + Sync + 'static {
         &self,
         instance_types: &[String],
     ) -> Result<HashMap<String, Capacity>, BackendError>;
+}
+
+/// The largest cloud API response body read (a page of 50 servers is a few hundred KiB): a
+/// misbehaving endpoint or proxy cannot make the provider buffer without bound.
+pub const MAX_RESPONSE_BODY: usize = 8 * 1024 * 1024;
+
+/// Why a response body could not be read.
+#[derive(Debug, thiserror::Error)]
+pub enum BodyError {
+    #[error("response body larger than {limit} bytes; refusing to read it")]
+    TooLarge { limit: usize },
+    #[error("{0}")]
+    Transport(reqwest::Error),
+}
+
+/// Reads a response body of at most `limit` bytes, chunk by chunk, failing as soon as it (or
+/// its declared length) is larger.
+pub async fn read_body(
+    mut response: reqwest::Response,
+    limit: usize,
+) -> Result<Vec<u8>, BodyError> {
+    if response.content_length().is_some_and(|n| n > limit as u64) {
+        return Err(BodyError::TooLarge { limit });
+    }
+    let mut body = Vec::new();
+    while let Some(chunk) = response.chunk().await.map_err(BodyError::Transport)? {
+        if body.len() + chunk.len() > limit {
+            return Err(BodyError::TooLarge { limit });
+        }
+        body.extend_from_slice(&chunk);
+    }
+    Ok(body)
 }

@@ -132,6 +132,11 @@ pub struct CommonArgs {
     #[arg(long = "reconcile-interval", default_value = "2m", value_parser = duration::flag, value_name = "DURATION")]
     pub reconcile_interval: Duration,
 
+    /// How long reconcile leaves an owned host that is attached to no machine record before it
+    /// deletes it; 0 never deletes orphans.
+    #[arg(long = "orphan-grace", default_value = "10m", value_parser = duration::flag, value_name = "DURATION")]
+    pub orphan_grace: Duration,
+
     /// Deadline of a Create transition.
     #[arg(long = "create-timeout", default_value = "5m", value_parser = duration::flag, value_name = "DURATION")]
     pub create_timeout: Duration,

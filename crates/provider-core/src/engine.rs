@@ -17,10 +17,12 @@ use crate::backend::{
 use crate::duration;
 use crate::error::CoreError;
 use crate::fence::FenceToken;
-use crate::inventory::{Admission, Binding, Effect, Interrupted, Inventory, ReconcileReport};
+use crate::inventory::{
+    Admission, Binding, Effect, Interrupted, Inventory, ReconcileReport, Sighting, Suspect,
+};
 use crate::lifecycle::OperationKind;
 use crate::limits;
-use crate::machine::{Machine, MachineState, StringMap};
+use crate::machine::{CapacityType, Machine, MachineState, StringMap};
 use crate::store::{Change, Commit, SharedStore, Snapshot};
 use crate::telemetry::Telemetry;
 
@@ -66,8 +68,14 @@ pub struct EngineOptions {
     pub describe_timeout: Duration,
     /// Capacity of the table of fence marks for machine ids that do not exist.
     pub max_unknown_id_marks: usize,
+    /// How long an owned host attached to no machine record is left alone before reconcile
+    /// deletes it (`--orphan-grace`; zero keeps orphans forever).
+    pub orphan_grace: Duration,
     pub telemetry: Telemetry,
 }
+
+/// The default `--orphan-grace`.
+pub const DEFAULT_ORPHAN_GRACE: Duration = Duration::from_secs(600);
 
 impl EngineOptions {
     pub fn new(telemetry: Telemetry) -> EngineOptions {
@@ -76,6 +84,7 @@ impl EngineOptions {
             require_zone: true,
             describe_timeout: Duration::from_secs(30),
             max_unknown_id_marks: crate::fence::unknown_ids::DEFAULT_CAPACITY,
+            orphan_grace: DEFAULT_ORPHAN_GRACE,
             telemetry,
         }
     }
@@ -542,32 +551,120 @@ impl Engine {
         self.read().snapshot()
     }
 
-    /// One reconcile pass: Describe, validate (skipping invalid records), merge.
+    /// One reconcile pass (contract.md §9, beyond.md §4–§5): survey the substrate, validate
+    /// (skipping invalid records), merge what may be merged, prove suspected vanished hosts
+    /// absent by a direct read before changing their slots, and delete orphans whose grace
+    /// period ran out. A slot that changed after the survey began is never touched by the pass.
     pub async fn reconcile(&self) -> Result<ReconcileReport, CoreError> {
-        let described =
-            tokio::time::timeout(self.options.describe_timeout, self.backend.describe())
-                .await
-                .map_err(|_| CoreError::Admin("reconcile: backend Describe timed out".into()))?
-                .map_err(|e| CoreError::Admin(format!("reconcile: {e}")))?;
-        let mut valid = Vec::with_capacity(described.len());
-        for machine in described {
-            match validate(&machine, self.options.require_zone) {
-                Ok(()) => valid.push(machine),
+        let since = self.read().revision();
+        let mut survey = tokio::time::timeout(self.options.describe_timeout, self.backend.survey())
+            .await
+            .map_err(|_| CoreError::Admin("reconcile: backend Describe timed out".into()))?
+            .map_err(|e| CoreError::Admin(format!("reconcile: {e}")))?;
+        survey.machines.retain(
+            |machine| match validate(machine, self.options.require_zone) {
+                Ok(()) => true,
                 Err(reason) => {
-                    tracing::warn!(reason, "providerkit: reconcile skipping invalid instance")
+                    tracing::warn!(reason, "providerkit: reconcile skipping invalid instance");
+                    false
                 }
-            }
-        }
+            },
+        );
         let offered: Option<HashSet<String>> = self
             .backend
             .offered()
             .map(|o| o.into_iter().map(|m| m.id).collect());
-        let (report, commit) =
-            self.apply(|inv, changes| inv.reconcile(valid, offered.as_ref(), changes));
+        let now = Instant::now();
+        // Zero disables orphan deletion: no orphan is ever due.
+        let grace = if self.options.orphan_grace.is_zero() {
+            Duration::MAX
+        } else {
+            self.options.orphan_grace
+        };
+        let (outcome, commit) = self.apply(|inv, changes| {
+            inv.reconcile(survey, offered.as_ref(), since, now, grace, changes)
+        });
         if let Some(commit) = commit {
             self.commit(commit).await?;
         }
+        let mut report = outcome.report;
+        let confirmed = self.prove_vanished(outcome.suspects).await;
+        if !confirmed.is_empty() {
+            let (vanished, commit) =
+                self.apply(|inv, changes| inv.confirm_vanished(&confirmed, since, changes));
+            if let Some(commit) = commit {
+                self.commit(commit).await?;
+            }
+            report.vanished += vanished;
+        }
+        for orphan in outcome.orphans_due {
+            if self.delete_orphan(&orphan).await {
+                report.orphans_deleted += 1;
+            }
+        }
         Ok(report)
+    }
+
+    /// The suspects proved absent: by a direct read answering not-found, or, when the backend
+    /// cannot read one host, by absence in the previous pass too.
+    async fn prove_vanished(&self, suspects: Vec<Suspect>) -> Vec<Suspect> {
+        let mut confirmed = Vec::new();
+        for suspect in suspects {
+            let read = tokio::time::timeout(
+                self.options.describe_timeout,
+                self.backend
+                    .host_present(&suspect.machine_id, &suspect.host),
+            )
+            .await;
+            let proved = match read {
+                Ok(Ok(Some(present))) => !present,
+                Ok(Ok(None)) => suspect.absent_before,
+                Ok(Err(e)) => {
+                    tracing::warn!(machine_id = suspect.machine_id, host = suspect.host.id, err = %e, "reconcile: cannot confirm a host missing from the listing; keeping the machine as it is");
+                    false
+                }
+                Err(_) => false,
+            };
+            if proved {
+                confirmed.push(suspect);
+            } else {
+                tracing::debug!(
+                    machine_id = suspect.machine_id,
+                    host = suspect.host.id,
+                    "reconcile: host missing from the listing is not proved gone"
+                );
+            }
+        }
+        confirmed
+    }
+
+    /// Deletes an owned host attached to no machine record, if it still is one.
+    async fn delete_orphan(&self, orphan: &Sighting) -> bool {
+        if !self.read().still_orphan(orphan) {
+            return false;
+        }
+        let mut machine = Machine::speculative(orphan.machine_id.clone(), "");
+        machine.capacity_type = CapacityType::OnDemand;
+        machine.state = MachineState::Idle;
+        machine.host = Some(orphan.host.clone());
+        let ctx = TransitionContext::with_timeout(
+            format!("orphan-{}", unix_micros()),
+            self.options.timeouts.delete,
+        );
+        let outcome = tokio::time::timeout(ctx.remaining(), self.backend.delete(&machine, &ctx))
+            .await
+            .unwrap_or_else(|_| Err(BackendError::new("delete timed out")));
+        match outcome {
+            Ok(()) => {
+                tracing::warn!(machine_id = orphan.machine_id, host = orphan.host.id, grace = %duration::format(self.options.orphan_grace), "reconcile: deleted an owned host attached to no machine record");
+                self.write().orphan_deleted(orphan);
+                true
+            }
+            Err(e) => {
+                tracing::warn!(machine_id = orphan.machine_id, host = orphan.host.id, err = %e, "reconcile: deleting an orphaned host failed; trying again next pass");
+                false
+            }
+        }
     }
 
     /// Releases a FAILED slot: deletes its host through the backend if it has one, then returns
@@ -586,23 +683,57 @@ impl Engine {
             }
             slot.machine.clone()
         };
-        if machine.host.is_some() {
+        let hosts = match &machine.host {
+            Some(host) => vec![host.clone()],
+            // A Create that failed after its host existed may have left one that no reconcile
+            // pass has recorded yet: look before the slot goes back to Speculative, or the
+            // next pass would adopt it behind the operator's back.
+            None => self.hosts_of(machine_id).await.map_err(|e| {
+                CoreError::Admin(format!(
+                    "release {machine_id}: look for a host a failed Create may have left: {e}"
+                ))
+            })?,
+        };
+        for host in hosts {
+            let mut target = (*machine).clone();
+            target.host = Some(host.clone());
             let ctx = TransitionContext::with_timeout(
                 format!("release-{}", unix_micros()),
                 self.options.timeouts.delete,
             );
-            let outcome =
-                tokio::time::timeout(ctx.remaining(), self.backend.delete(&machine, &ctx))
-                    .await
-                    .unwrap_or_else(|_| Err(BackendError::new("delete timed out")));
+            let outcome = tokio::time::timeout(ctx.remaining(), self.backend.delete(&target, &ctx))
+                .await
+                .unwrap_or_else(|_| Err(BackendError::new("delete timed out")));
             outcome
                 .map_err(|e| CoreError::Admin(format!("release {machine_id}: delete host: {e}")))?;
+            self.write().remember_deleted_host(&host.id);
         }
         let (result, commit) = self.apply(|inv, changes| inv.release(machine_id, changes));
         if let Some(commit) = commit {
             self.commit(commit).await?;
         }
         result
+    }
+
+    /// Every host the substrate shows for `machine_id` now.
+    async fn hosts_of(&self, machine_id: &str) -> Result<Vec<crate::machine::HostRef>, String> {
+        let survey = tokio::time::timeout(self.options.describe_timeout, self.backend.survey())
+            .await
+            .map_err(|_| "backend Describe timed out".to_owned())?
+            .map_err(|e| e.0)?;
+        Ok(match survey.hosts {
+            Some(hosts) => hosts
+                .into_iter()
+                .filter(|s| s.machine_id == machine_id)
+                .map(|s| s.host)
+                .collect(),
+            None => survey
+                .machines
+                .into_iter()
+                .filter(|m| m.id == machine_id)
+                .filter_map(|m| m.host)
+                .collect(),
+        })
     }
 
     fn spawn_transition(self: &Arc<Self>, machine: Arc<Machine>, operation_id: String, work: Work) {

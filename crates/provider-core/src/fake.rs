@@ -111,6 +111,10 @@ impl Cloud for FakeCloud {
         Ok(self.hosts())
     }
 
+    async fn host_present(&self, host_id: &str) -> Result<Option<bool>, BackendError> {
+        Ok(Some(self.state().hosts.contains_key(host_id)))
+    }
+
     async fn configure_host(
         &self,
         _machine: &Machine,

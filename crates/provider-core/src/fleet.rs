@@ -11,7 +11,7 @@ use async_trait::async_trait;
 
 use crate::backend::{Backend, BackendError, ConfigureOrder, TransitionContext, allocatable_of};
 use crate::cloud::{Capacity, Cloud, OwnedHost};
-use crate::inventory::Effect;
+use crate::inventory::{Effect, Sighting, Survey};
 use crate::machine::{CapacityType, HostRef, Machine, MachineState, StringMap};
 use crate::offerings::Offering;
 
@@ -263,13 +263,19 @@ impl Fleet {
     }
 }
 
-#[async_trait]
-impl Backend for Fleet {
-    async fn describe(&self) -> Result<Vec<Machine>, BackendError> {
-        let hosts = self.cloud.list_hosts().await?;
+impl Fleet {
+    /// The records of every slot and owned host: one record per machine id, the oldest host
+    /// (lowest id, numerically when ids are numbers) when several carry one id.
+    fn records(&self, hosts: &[OwnedHost]) -> Vec<Machine> {
         let mut by_machine: HashMap<&str, &OwnedHost> = HashMap::new();
-        for h in &hosts {
-            if !h.machine_id.is_empty() {
+        for h in hosts {
+            if h.machine_id.is_empty() {
+                continue;
+            }
+            let older = by_machine
+                .get(h.machine_id.as_str())
+                .is_some_and(|kept| host_order(kept) <= host_order(h));
+            if !older {
                 by_machine.insert(h.machine_id.as_str(), h);
             }
         }
@@ -282,17 +288,61 @@ impl Backend for Fleet {
                 matched.insert(m.id.clone());
             }
         }
-        for host in &hosts {
-            if host.machine_id.is_empty() || matched.contains(&host.machine_id) {
-                continue;
-            }
+        let mut extra: Vec<&OwnedHost> = by_machine
+            .values()
+            .filter(|h| !matched.contains(&h.machine_id))
+            .copied()
+            .collect();
+        extra.sort_by(|a, b| host_order(a).cmp(&host_order(b)));
+        for host in extra {
             let mut m = self.machine(host.machine_id.clone(), &host.instance_type, &host.zone);
             m.state = MachineState::Idle;
             m.host = Some(self.host_ref(host));
             m.resources = self.recovered_resources(&host.instance_type, &host.zone);
             out.push(m);
         }
-        Ok(out)
+        out
+    }
+}
+
+/// Orders host ids oldest first: numeric ids by value, others after them by text.
+fn host_order(host: &OwnedHost) -> (u64, &str) {
+    (host.id.parse::<u64>().unwrap_or(u64::MAX), host.id.as_str())
+}
+
+#[async_trait]
+impl Backend for Fleet {
+    async fn describe(&self) -> Result<Vec<Machine>, BackendError> {
+        let hosts = self.cloud.list_hosts().await?;
+        Ok(self.records(&hosts))
+    }
+
+    async fn survey(&self) -> Result<Survey, BackendError> {
+        let hosts = self.cloud.list_hosts().await?;
+        let machines = self.records(&hosts);
+        let sightings = hosts
+            .iter()
+            .filter(|h| !h.machine_id.is_empty())
+            .map(|h| Sighting {
+                machine_id: h.machine_id.clone(),
+                host: self.host_ref(h),
+            })
+            .collect();
+        Ok(Survey {
+            machines,
+            hosts: Some(sightings),
+        })
+    }
+
+    async fn host_present(
+        &self,
+        _machine_id: &str,
+        host: &HostRef,
+    ) -> Result<Option<bool>, BackendError> {
+        if host.id.is_empty() {
+            return Ok(Some(false));
+        }
+        self.cloud.host_present(&host.id).await
     }
 
     fn offered(&self) -> Option<Vec<Machine>> {

@@ -78,22 +78,6 @@ pub struct Interrupted {
     pub operation_id: String,
 }
 
-/// What a reconcile pass changed.
-#[derive(Clone, Debug, Default, PartialEq)]
-pub struct ReconcileReport {
-    pub added: usize,
-    pub refreshed: usize,
-    pub removed: usize,
-    pub adopted: usize,
-    pub vanished: usize,
-}
-
-impl ReconcileReport {
-    pub fn changed(&self) -> bool {
-        self.added + self.refreshed + self.removed + self.adopted + self.vanished > 0
-    }
-}
-
 /// The whole mutable state of a provider.
 #[derive(Debug, Default)]
 pub struct Inventory {
@@ -107,6 +91,8 @@ pub struct Inventory {
     unknown_marks_evicted: u64,
     revision: i64,
     next_op: u64,
+    /// What reconcile remembers between passes; never persisted.
+    upkeep: reconcile::Upkeep,
 }
 
 impl Inventory {
@@ -395,7 +381,11 @@ impl Inventory {
                         machine.cluster.clear();
                         machine.shard_metadata.clear();
                     }
-                    OperationKind::Delete => machine.host = None,
+                    OperationKind::Delete => {
+                        if let Some(host) = machine.host.take() {
+                            self.upkeep.remember_deleted(&host.id);
+                        }
+                    }
                 }
             }
             Err(message) => {
@@ -491,190 +481,11 @@ impl Inventory {
         }
         resumable
     }
-
-    /// Merges a fresh view of the substrate (contract.md §9, improved by beyond.md §5).
-    ///
-    /// - unknown ids are added;
-    /// - known ids get their mutable substrate facts refreshed;
-    /// - a Speculative slot whose host exists is adopted (Idle with that host);
-    /// - an Idle slot whose host vanished returns to Speculative; a Configured one goes FAILED;
-    /// - with `offered` set (offerings are a hard quota), Speculative slots without a host that
-    ///   are no longer offered are removed.
-    ///
-    /// Transitional and FAILED slots keep their state. The revision moves only on real changes.
-    pub fn reconcile(
-        &mut self,
-        described: Vec<Machine>,
-        offered: Option<&HashSet<String>>,
-        changes: &mut Vec<Change>,
-    ) -> ReconcileReport {
-        let mut report = ReconcileReport::default();
-        let mut seen = HashSet::with_capacity(described.len());
-        for fresh in described {
-            seen.insert(fresh.id.clone());
-            let Some(slot) = self.slots.get(&fresh.id) else {
-                self.insert_new(fresh, &mut *changes);
-                report.added += 1;
-                continue;
-            };
-            let current = &slot.machine;
-            let mut next = (**current).clone();
-            let refreshed = next.price_per_hour.to_bits() != fresh.price_per_hour.to_bits()
-                || next.interruption_probability.to_bits()
-                    != fresh.interruption_probability.to_bits()
-                || next.resources != fresh.resources
-                || next.allocatable != fresh.allocatable
-                || next.labels != fresh.labels;
-            if refreshed {
-                next.price_per_hour = fresh.price_per_hour;
-                next.interruption_probability = fresh.interruption_probability;
-                next.resources = fresh.resources.clone();
-                next.allocatable = fresh.allocatable.clone();
-                next.labels = fresh.labels.clone();
-            }
-            let mut adopted = false;
-            let mut vanished = false;
-            match (current.state, &current.host, &fresh.host) {
-                (MachineState::Speculative, None, Some(host)) => {
-                    next.state = MachineState::Idle;
-                    next.host = Some(host.clone());
-                    adopted = true;
-                }
-                (MachineState::Idle, Some(_), None) => {
-                    next.state = MachineState::Speculative;
-                    next.host = None;
-                    vanished = true;
-                }
-                (MachineState::Configured, Some(host), None) => {
-                    next.state = MachineState::Failed;
-                    next.last_error = host_vanished_message(host);
-                    vanished = true;
-                }
-                _ => {}
-            }
-            if refreshed || adopted || vanished {
-                report.refreshed += usize::from(refreshed);
-                report.adopted += usize::from(adopted);
-                report.vanished += usize::from(vanished);
-                let id = fresh.id.clone();
-                self.slots.get_mut(&id).expect("present").machine = Arc::new(next);
-                self.touch(&id, changes);
-            }
-        }
-        // Slots the substrate no longer reports.
-        let absent: Vec<String> = self
-            .slots
-            .keys()
-            .filter(|id| !seen.contains(*id))
-            .cloned()
-            .collect();
-        for id in absent {
-            let slot = &self.slots[&id];
-            let (state, host) = (slot.machine.state, slot.machine.host.clone());
-            match (state, host) {
-                (MachineState::Idle, Some(_)) => {
-                    let m = crate::machine::edit(
-                        &mut self.slots.get_mut(&id).expect("present").machine,
-                    );
-                    m.state = MachineState::Speculative;
-                    m.host = None;
-                    report.vanished += 1;
-                    self.touch(&id, changes);
-                }
-                (MachineState::Configured, Some(host)) => {
-                    let m = crate::machine::edit(
-                        &mut self.slots.get_mut(&id).expect("present").machine,
-                    );
-                    m.state = MachineState::Failed;
-                    m.last_error = host_vanished_message(&host);
-                    report.vanished += 1;
-                    self.touch(&id, changes);
-                }
-                _ => {}
-            }
-        }
-        if let Some(offered) = offered {
-            report.removed += self.enforce_quota(offered, changes);
-        }
-        if report.changed() {
-            changes.push(self.counters());
-        }
-        report
-    }
-
-    /// Removes Speculative slots without a host that are not offered any more. Returns how
-    /// many were removed; bumps the revision once if any were.
-    pub fn enforce_quota(&mut self, offered: &HashSet<String>, changes: &mut Vec<Change>) -> usize {
-        let doomed: Vec<String> = self
-            .slots
-            .values()
-            .filter(|s| {
-                s.machine.state == MachineState::Speculative
-                    && s.machine.host.is_none()
-                    && !offered.contains(&s.machine.id)
-            })
-            .map(|s| s.machine.id.clone())
-            .collect();
-        for id in &doomed {
-            self.slots.remove(id);
-            changes.push(Change::RemoveSlot(id.clone()));
-        }
-        if !doomed.is_empty() {
-            self.revision += 1;
-            changes.push(self.counters());
-        }
-        doomed.len()
-    }
-
-    /// Adds offered slots the state does not know yet (startup with a persisted store).
-    pub fn add_missing(&mut self, offered: Vec<Machine>, changes: &mut Vec<Change>) -> usize {
-        let mut added = 0;
-        for machine in offered {
-            if !self.slots.contains_key(&machine.id) {
-                self.insert_new(machine, changes);
-                added += 1;
-            }
-        }
-        if added > 0 {
-            changes.push(self.counters());
-        }
-        added
-    }
-
-    /// Returns a FAILED slot to Speculative after its host (if any) was deleted.
-    pub fn release(
-        &mut self,
-        machine_id: &str,
-        changes: &mut Vec<Change>,
-    ) -> Result<(), CoreError> {
-        let slot = self
-            .slots
-            .get_mut(machine_id)
-            .ok_or_else(|| CoreError::UnknownMachine(machine_id.to_owned()))?;
-        if slot.machine.state != MachineState::Failed {
-            return Err(CoreError::Admin(format!(
-                "machine {machine_id} is {}, not Failed; only FAILED slots can be released",
-                slot.machine.state
-            )));
-        }
-        let m = crate::machine::edit(&mut slot.machine);
-        m.state = MachineState::Speculative;
-        m.host = None;
-        m.last_error.clear();
-        m.cluster.clear();
-        m.shard_metadata.clear();
-        self.touch(machine_id, changes);
-        changes.push(self.counters());
-        Ok(())
-    }
 }
 
-fn host_vanished_message(host: &HostRef) -> String {
-    format!(
-        "host {} was deleted outside the provider while the machine was Configured",
-        host.id
-    )
-}
+mod reconcile;
+
+pub use reconcile::{ReconcileOutcome, ReconcileReport, Sighting, Survey, Suspect};
 
 #[cfg(test)]
 mod tests;

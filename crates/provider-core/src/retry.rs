@@ -1,6 +1,7 @@
-//! Retry with exponential backoff and full jitter for cloud API calls (beyond.md §6): retried
-//! on 429 and 5xx and on transport errors, honouring `Retry-After` and rate-limit reset hints,
-//! and never past the caller's deadline.
+//! Retry with exponential backoff and jitter for cloud API calls (beyond.md §6): retried on 429
+//! and 5xx and on transport errors. Only a 429 honours `Retry-After` and rate-limit reset hints
+//! (both clouds send `RateLimit-Reset` on every answer, so a 5xx carrying one says nothing about
+//! when to retry); no wait ever runs past the caller's deadline while another attempt still fits.
 
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
@@ -16,14 +17,21 @@ pub enum Verdict {
     Retry { after: Option<Duration> },
 }
 
-/// Classifies an HTTP status: 429 and 5xx (except 501) are retried.
+/// Classifies an HTTP status: 429 and 5xx (except 501) are retried. The server's hint is kept
+/// for a 429 only; a 5xx backs off with jitter.
 pub fn classify_status(status: u16, hint: Option<Duration>) -> Verdict {
-    if status == 429 || (500..600).contains(&status) && status != 501 {
+    if status == 429 {
         Verdict::Retry { after: hint }
+    } else if (500..600).contains(&status) && status != 501 {
+        Verdict::Retry { after: None }
     } else {
         Verdict::Fatal
     }
 }
+
+/// The least time left for one more attempt after a wait that was shortened to fit the
+/// deadline: a wait that would leave less than this gives up instead.
+pub const ATTEMPT_ROOM: Duration = Duration::from_secs(1);
 
 /// Reads a retry hint from response headers: `Retry-After` (seconds or an HTTP date is not
 /// supported, seconds only), or `RateLimit-Reset` / `ratelimit-reset` (a Unix timestamp, as
@@ -76,8 +84,24 @@ impl Backoff {
         cap.mul_f64(jitter)
     }
 
-    /// Runs `attempt` until it succeeds, fails fatally, runs out of attempts, or the next wait
-    /// would pass `deadline`. `classify` decides per error.
+    /// The wait before the next attempt given `deadline`: the planned wait, shortened so that
+    /// one more attempt still fits before the deadline ([`ATTEMPT_ROOM`]); `None` when no
+    /// attempt fits any more.
+    pub fn fit(planned: Duration, deadline: Option<Instant>) -> Option<Duration> {
+        let Some(deadline) = deadline else {
+            return Some(planned);
+        };
+        let left = deadline.saturating_duration_since(Instant::now());
+        if planned < left.saturating_sub(ATTEMPT_ROOM) || planned.is_zero() && !left.is_zero() {
+            return Some(planned);
+        }
+        let shortened = left.saturating_sub(ATTEMPT_ROOM);
+        (!shortened.is_zero()).then_some(shortened)
+    }
+
+    /// Runs `attempt` until it succeeds, fails fatally, runs out of attempts, or no further
+    /// attempt fits before `deadline`. A wait (a 429's hint included) that would pass the
+    /// deadline is shortened so one more attempt runs before it. `classify` decides per error.
     pub async fn run<T, E, F, Fut>(
         &self,
         deadline: Option<Instant>,
@@ -100,10 +124,9 @@ impl Backoff {
             if n >= self.max_attempts {
                 return Err(err);
             }
-            let wait = self.delay(n, after);
-            if deadline.is_some_and(|deadline| Instant::now() + wait >= deadline) {
+            let Some(wait) = Backoff::fit(self.delay(n, after), deadline) else {
                 return Err(err);
-            }
+            };
             tokio::time::sleep(wait).await;
             n += 1;
         }
@@ -119,6 +142,13 @@ mod tests {
     fn statuses() {
         assert_eq!(classify_status(429, None), Verdict::Retry { after: None });
         assert_eq!(classify_status(503, None), Verdict::Retry { after: None });
+        let far = Some(Duration::from_secs(3600));
+        assert_eq!(classify_status(429, far), Verdict::Retry { after: far });
+        assert_eq!(
+            classify_status(502, far),
+            Verdict::Retry { after: None },
+            "a 5xx never waits for the rate-limit reset"
+        );
         assert_eq!(classify_status(501, None), Verdict::Fatal);
         assert_eq!(classify_status(404, None), Verdict::Fatal);
         assert_eq!(classify_status(422, None), Verdict::Fatal);
@@ -174,5 +204,55 @@ mod tests {
         assert_eq!(r, Err(429));
         assert!(Instant::now() < deadline);
         assert_eq!(calls.load(Ordering::SeqCst), 2);
+    }
+
+    /// A 5xx that carries a rate-limit reset an hour away (both clouds send the header on every
+    /// answer) is retried after a short backoff, not after the reset, and the call succeeds well
+    /// within its deadline.
+    #[tokio::test(start_paused = true)]
+    async fn server_errors_back_off_without_waiting_for_the_reset() {
+        let backoff = Backoff::default();
+        let started = Instant::now();
+        let deadline = started + Duration::from_secs(60);
+        let far = Some(Duration::from_secs(3600));
+        let r: Result<u32, u16> = backoff
+            .run(
+                Some(deadline),
+                |n| async move { if n < 3 { Err(503) } else { Ok(n) } },
+                |s| classify_status(*s, far),
+            )
+            .await;
+        assert_eq!(r, Ok(3));
+        assert!(
+            started.elapsed() < Duration::from_secs(3),
+            "two jittered backoffs, not the reset: {:?}",
+            started.elapsed()
+        );
+    }
+
+    /// A 429 whose reset lies past the deadline waits only as long as still leaves room for one
+    /// more attempt, and that attempt runs before the deadline.
+    #[tokio::test(start_paused = true)]
+    async fn a_far_rate_limit_reset_still_leaves_one_attempt_before_the_deadline() {
+        let backoff = Backoff::default();
+        let started = Instant::now();
+        let deadline = started + Duration::from_secs(10);
+        let at = std::sync::Mutex::new(Vec::new());
+        let r: Result<u32, u16> = backoff
+            .run(
+                Some(deadline),
+                |n| {
+                    at.lock().unwrap().push(started.elapsed());
+                    async move { if n < 2 { Err(429) } else { Ok(n) } }
+                },
+                |s| classify_status(*s, Some(Duration::from_secs(60))),
+            )
+            .await;
+        assert_eq!(r, Ok(2));
+        let at = at.into_inner().unwrap();
+        assert!(
+            at[1] < Duration::from_secs(10) && at[1] >= Duration::from_secs(8),
+            "{at:?}"
+        );
     }
 }

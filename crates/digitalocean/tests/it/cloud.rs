@@ -349,3 +349,48 @@ async fn a_wrong_api_token_is_reported_without_the_token() {
     );
     assert!(!format!("{err:?}").contains("dop_v1_wrong"));
 }
+
+/// The retry defect: DigitalOcean sends `ratelimit-reset` on every answer, a 5xx included; the
+/// client retries a 5xx after a short backoff instead of waiting for the reset (an hour away)
+/// and giving up because that outlasts the deadline.
+#[tokio::test]
+async fn a_server_error_is_retried_without_waiting_for_the_rate_limit_reset() {
+    let env = Env::start().await;
+    let api = digitalocean::api::ApiClient::new(
+        digitalocean::api::parse_base_url(&env.api_url).unwrap(),
+        digitalocean::api::ApiToken::new(API_TOKEN).unwrap(),
+        provider_core::retry::Backoff::default(),
+        telemetry(),
+    )
+    .unwrap();
+    env.emulator.fail_next(
+        1,
+        Fault {
+            status: 503,
+            retry_after: None,
+        },
+    );
+    let started = std::time::Instant::now();
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(20);
+    let droplets = api
+        .list_droplets_by_tag("anything", deadline)
+        .await
+        .unwrap();
+    assert!(droplets.is_empty());
+    assert!(
+        started.elapsed() < Duration::from_secs(5),
+        "retried after {:?}",
+        started.elapsed()
+    );
+}
+
+/// An answer larger than the body cap fails the call; the next call works.
+#[tokio::test]
+async fn an_oversized_answer_is_refused() {
+    let env = Env::start().await;
+    env.emulator
+        .oversize_next(provider_core::cloud::MAX_RESPONSE_BODY + 1024);
+    let err = env.cloud.list_hosts().await.unwrap_err();
+    assert!(err.0.contains("larger than"), "{err}");
+    assert!(env.cloud.list_hosts().await.unwrap().is_empty());
+}

@@ -325,3 +325,139 @@ async fn an_agent_restarted_mid_command_never_runs_it_twice() {
     );
     assert!(second.output().contains("not running it again"));
 }
+
+/// An engine over the real client, the emulator and provider-core's `Fleet`, on an in-memory
+/// store.
+async fn engine(
+    env: &Env,
+    count: i64,
+    create_timeout: Duration,
+) -> std::sync::Arc<provider_core::Engine> {
+    let prices = std::sync::Arc::new(provider_core::fleet::PriceBook::new(|t, _| {
+        digitalocean::catalog::pinned_price_usd(t)
+    }));
+    let capacities = std::sync::Arc::new(provider_core::fleet::CapacityBook::new(
+        digitalocean::catalog::pinned_capacity,
+    ));
+    let offering = provider_core::offerings::Offering {
+        instance_type: "s-2vcpu-4gb".into(),
+        zone: REGION.into(),
+        capacity_type: "on_demand".into(),
+        count,
+        resources: provider_core::StringMap::new(),
+        labels: provider_core::StringMap::new(),
+    };
+    let fleet = provider_core::fleet::Fleet::new(
+        env.cloud.clone(),
+        PROVIDER,
+        vec![offering],
+        prices,
+        capacities,
+        |_| provider_core::StringMap::new(),
+    );
+    let mut options = provider_core::EngineOptions::new(telemetry());
+    options.timeouts.create = create_timeout;
+    provider_core::Engine::start(
+        std::sync::Arc::new(fleet),
+        std::sync::Arc::new(provider_core::store::MemoryStore),
+        options,
+    )
+    .await
+    .unwrap()
+}
+
+/// Defect 2 on DigitalOcean: a listing during which a listed Droplet is deleted skips a live
+/// one (later Droplets move up a page); reconcile changes no machine on that evidence, and
+/// the next pass changes exactly the one whose Droplet is gone.
+#[tokio::test]
+async fn a_droplet_skipped_by_a_shifting_paged_listing_is_not_declared_vanished() {
+    let env = Env::start().await;
+    for i in 0..6 {
+        env.cloud
+            .create_host(&machine(i), &ctx(Duration::from_secs(20)))
+            .await
+            .unwrap();
+    }
+    let engine = engine(&env, 6, Duration::from_secs(30)).await;
+    let ids: Vec<String> = (0..6).map(|i| machine(i).id).collect();
+    for id in &ids {
+        assert_eq!(
+            engine.get(id).unwrap().state,
+            provider_core::MachineState::Idle
+        );
+    }
+    env.emulator.set_max_per_page(3);
+    env.emulator.delete_during_next_listings(1);
+    let report = engine.reconcile().await.unwrap();
+    assert_eq!(env.emulator.droplets().len(), 5);
+    assert_eq!((report.suspects, report.vanished), (1, 0), "{report:?}");
+    for id in &ids {
+        assert_eq!(
+            engine.get(id).unwrap().state,
+            provider_core::MachineState::Idle,
+            "{id}"
+        );
+    }
+    let report = engine.reconcile().await.unwrap();
+    assert_eq!(report.vanished, 1, "{report:?}");
+    assert_eq!(
+        engine.get(&ids[0]).unwrap().state,
+        provider_core::MachineState::Speculative
+    );
+    for id in &ids[1..] {
+        assert_eq!(
+            engine.get(id).unwrap().state,
+            provider_core::MachineState::Idle,
+            "{id}"
+        );
+    }
+}
+
+/// Defect 3 on DigitalOcean: the Create deadline passes while the Droplet is still `new`; the
+/// machine goes FAILED, reconcile records the Droplet on it (FAILED-with-host), and an admin
+/// release deletes the Droplet.
+#[tokio::test]
+async fn a_droplet_left_by_a_failed_create_is_recorded_and_released() {
+    let env = Env::start().await;
+    env.emulator.set_active_after_polls(1_000_000);
+    let engine = engine(&env, 1, Duration::from_secs(1)).await;
+    let id = machine(0).id;
+    let token = provider_core::FenceToken {
+        shard_id: String::new(),
+        epoch: 0,
+        sequence: 0,
+    };
+    engine.create(&id, token).await.unwrap();
+    let mut failed = engine.get(&id).unwrap();
+    for _ in 0..500 {
+        if !failed.state.is_transitional() {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+        failed = engine.get(&id).unwrap();
+    }
+    assert_eq!(
+        failed.state,
+        provider_core::MachineState::Failed,
+        "{failed:?}"
+    );
+    assert!(failed.host.is_none());
+    assert_eq!(env.emulator.droplets().len(), 1, "the Droplet exists");
+    let report = engine.reconcile().await.unwrap();
+    assert_eq!(report.attached, 1, "{report:?}");
+    let m = engine.get(&id).unwrap();
+    assert_eq!(
+        m.host.as_ref().map(|h| h.id.clone()),
+        Some(env.emulator.droplets()[0].id.to_string())
+    );
+    assert_eq!(engine.census().failed_with_host, 1);
+    engine.release(&id).await.unwrap();
+    assert!(
+        env.emulator.droplets().is_empty(),
+        "released: the Droplet is deleted"
+    );
+    assert_eq!(
+        engine.get(&id).unwrap().state,
+        provider_core::MachineState::Speculative
+    );
+}

@@ -392,3 +392,80 @@ async fn a_create_waits_for_the_machines_previous_server_to_finish_deleting() {
         "the name was taken at first"
     );
 }
+
+/// Defect 3 (first shape): a run of 429s while polling the new server used to fail the Create
+/// after the backoff's attempts although the server existed, leaving it running untracked. The
+/// poll now keeps going within the deadline and the Create succeeds on that server.
+#[tokio::test]
+async fn a_rate_limit_storm_while_polling_a_new_server_does_not_fail_the_create() {
+    let env = Env::new(Options::default()).await;
+    env.emulator.set_polls_to_running(2);
+    let machine = env.machine("cx22", "nbg1", 0);
+    let cloud = env.cloud.clone();
+    let create = tokio::spawn(async move { cloud.create_host(&machine, &ctx(30)).await });
+    // Once the server exists, every next request is refused for a while: far more than the
+    // client's attempts per call.
+    while env.emulator.count("POST", "/servers") == 0 {
+        tokio::task::yield_now().await;
+    }
+    env.emulator.inject((0..20).map(|_| Fault::RateLimited {
+        retry_after: None,
+        reset_in: None,
+    }));
+    let host = create.await.unwrap().unwrap();
+    assert_eq!(env.emulator.servers().len(), 1);
+    assert_eq!(host.id, env.emulator.servers()[0].id.to_string());
+    assert!(
+        env.emulator.count_status(429) >= 9,
+        "the storm hit the polls"
+    );
+}
+
+/// The retry defect: a 5xx carrying Hetzner's `RateLimit-Reset` (an hour away) is retried
+/// after a short backoff, not treated as a rate limit that outlasts the deadline.
+#[tokio::test]
+async fn a_server_error_is_retried_without_waiting_for_the_rate_limit_reset() {
+    let env = Env::new(Options::default()).await;
+    let mut timing = crate::harness::fast_timing(Duration::from_secs(5));
+    timing.client.backoff = provider_core::retry::Backoff::default();
+    let cloud = hetzner::cloud::HetznerCloud::new(hetzner::cloud::HetznerConfig {
+        token: provider_core::config::Secret::new(TOKEN),
+        endpoint: env.emulator.endpoint(),
+        provider_instance: PROVIDER.into(),
+        image: "ubuntu-24.04".into(),
+        locations: vec!["nbg1".into()],
+        ssh: None,
+        network: None,
+        ssh_address: hetzner::cloud::SshAddress::Public,
+        bootstrap_hook: "/opt/bigfleet/bootstrap".into(),
+        base_user_data: None,
+        readiness_command: None,
+        eur_usd: 1.08,
+        telemetry: env.telemetry,
+        timing,
+    })
+    .unwrap();
+    env.emulator.inject([Fault::ServerError(503)]);
+    let started = std::time::Instant::now();
+    let hosts = cloud.list_hosts().await.unwrap();
+    assert!(hosts.is_empty());
+    assert!(
+        started.elapsed() < Duration::from_secs(5),
+        "retried after {:?}",
+        started.elapsed()
+    );
+    assert_eq!(env.emulator.count_status(503), 1);
+}
+
+/// An answer larger than the body cap fails the call (a listing is never built from it), and
+/// the next call works.
+#[tokio::test]
+async fn an_oversized_answer_is_refused() {
+    let env = Env::new(Options::default()).await;
+    env.emulator.inject([Fault::Oversized(
+        provider_core::cloud::MAX_RESPONSE_BODY + 1024,
+    )]);
+    let err = env.cloud.list_hosts().await.unwrap_err();
+    assert!(err.0.contains("larger than"), "{err}");
+    assert!(env.cloud.list_hosts().await.unwrap().is_empty());
+}

@@ -101,6 +101,7 @@ pub fn fast_timing(request_timeout: Duration) -> Timing {
                 max: Duration::from_millis(200),
                 max_attempts: 8,
             },
+            max_body: provider_core::cloud::MAX_RESPONSE_BODY,
         },
         ssh: SshTiming {
             attempt_timeout: Duration::from_secs(2),

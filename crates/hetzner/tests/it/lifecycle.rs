@@ -1,6 +1,7 @@
 //! The whole lifecycle through the real client, the emulator and a real SSH server, with the
 //! backend wrapped in provider-core's `Fleet` as the binary wires it.
 
+use std::collections::HashMap;
 use std::sync::Arc;
 
 use hetzner::catalog;
@@ -245,4 +246,217 @@ async fn operator_user_data_is_merged_as_multipart() {
         server_labels[labels::HOST_KEY_FP],
         hetzner::hostkey::fingerprint(key.public_key())
     );
+}
+
+/// An engine over the real client and the emulator, on an in-memory store, with `orphan_grace`.
+async fn engine(
+    env: &Env,
+    offerings: Vec<Offering>,
+    create_timeout: std::time::Duration,
+    orphan_grace: std::time::Duration,
+) -> Arc<provider_core::Engine> {
+    let prices = Arc::new(PriceBook::new(|t, _| {
+        catalog::pinned_price_eur(t).map(|eur| eur * 1.25)
+    }));
+    let capacities = Arc::new(CapacityBook::new(catalog::pinned_capacity));
+    let fleet = Fleet::new(
+        env.cloud.clone(),
+        PROVIDER,
+        offerings,
+        prices,
+        capacities,
+        catalog::extra_labels,
+    );
+    let mut options = provider_core::EngineOptions::new(env.telemetry);
+    options.timeouts.create = create_timeout;
+    options.orphan_grace = orphan_grace;
+    provider_core::Engine::start(
+        Arc::new(fleet),
+        Arc::new(provider_core::store::MemoryStore),
+        options,
+    )
+    .await
+    .unwrap()
+}
+
+fn zero_token() -> provider_core::FenceToken {
+    provider_core::FenceToken {
+        shard_id: String::new(),
+        epoch: 0,
+        sequence: 0,
+    }
+}
+
+async fn settled(engine: &provider_core::Engine, id: &str) -> Arc<provider_core::Machine> {
+    for _ in 0..2000 {
+        let m = engine.get(id).unwrap();
+        if !m.state.is_transitional() {
+            return m;
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(10)).await;
+    }
+    panic!("{id} did not settle: {:?}", engine.get(id));
+}
+
+/// Defect 2: a paged listing taken while a server is deleted skips a live server (the later
+/// ones move up a page). Reconcile changes only the machine whose server is really gone
+/// (proved by a direct read); the skipped one stays Idle on its server.
+#[tokio::test]
+async fn a_server_skipped_by_a_shifting_paged_listing_is_not_declared_vanished() {
+    let env = Env::new(Options::default()).await;
+    env.emulator.set_polls_to_running(0);
+    for i in 0..6 {
+        env.cloud
+            .create_host(&env.machine("cx22", "nbg1", i), &ctx(30))
+            .await
+            .unwrap();
+    }
+    let engine = engine(
+        &env,
+        vec![offering("cx22", "nbg1", 6)],
+        std::time::Duration::from_secs(30),
+        std::time::Duration::from_secs(600),
+    )
+    .await;
+    let ids: Vec<String> = (0..6).map(|i| env.machine("cx22", "nbg1", i).id).collect();
+    for id in &ids {
+        assert_eq!(engine.get(id).unwrap().state, MachineState::Idle);
+    }
+    env.emulator.set_max_per_page(3);
+    env.emulator.delete_during_next_listings(1);
+    let report = engine.reconcile().await.unwrap();
+    assert_eq!(env.emulator.servers().len(), 5, "one server was deleted");
+    // The listing had the deleted server (page 1 was served before it went) and missed the
+    // one that moved up a page: a suspect, alive on a direct read, so nothing changes.
+    assert_eq!((report.suspects, report.vanished), (1, 0), "{report:?}");
+    for id in &ids {
+        assert_eq!(engine.get(id).unwrap().state, MachineState::Idle, "{id}");
+    }
+    // The next pass sees the deletion, proves it, and changes exactly that machine.
+    let report = engine.reconcile().await.unwrap();
+    assert_eq!(report.vanished, 1, "{report:?}");
+    let states: Vec<MachineState> = ids.iter().map(|id| engine.get(id).unwrap().state).collect();
+    assert_eq!(
+        states,
+        [
+            MachineState::Speculative, // its server is gone
+            MachineState::Idle,
+            MachineState::Idle,
+            MachineState::Idle, // skipped by the first listing, alive
+            MachineState::Idle,
+            MachineState::Idle,
+        ]
+    );
+}
+
+/// Defect 3: a Create that fails after its server exists (here its deadline passes while the
+/// server boots) leaves a FAILED machine; reconcile records the server on it, so it counts as
+/// FAILED-with-host and an admin release deletes it. Nothing keeps running untracked.
+#[tokio::test]
+async fn a_server_left_by_a_failed_create_is_recorded_and_released() {
+    let env = Env::new(Options::default()).await;
+    env.emulator.set_polls_to_running(1_000_000);
+    let engine = engine(
+        &env,
+        vec![offering("cx22", "nbg1", 1)],
+        std::time::Duration::from_secs(1),
+        std::time::Duration::from_secs(600),
+    )
+    .await;
+    let id = env.machine("cx22", "nbg1", 0).id;
+    engine.create(&id, zero_token()).await.unwrap();
+    let failed = settled(&engine, &id).await;
+    assert_eq!(failed.state, MachineState::Failed, "{failed:?}");
+    assert!(failed.host.is_none());
+    assert_eq!(env.emulator.servers().len(), 1, "the server exists");
+    let report = engine.reconcile().await.unwrap();
+    assert_eq!(report.attached, 1, "{report:?}");
+    let m = engine.get(&id).unwrap();
+    assert_eq!(m.state, MachineState::Failed);
+    assert_eq!(
+        m.host.as_ref().map(|h| h.id.clone()),
+        Some(env.emulator.servers()[0].id.to_string())
+    );
+    assert_eq!(engine.census().failed_with_host, 1);
+    engine.release(&id).await.unwrap();
+    assert!(
+        env.emulator
+            .servers()
+            .iter()
+            .all(|s| s.status == hcloud::models::server::Status::Deleting),
+        "released: the server is deleted"
+    );
+    assert_eq!(engine.get(&id).unwrap().state, MachineState::Speculative);
+}
+
+/// A second server carrying one machine's labels (attached to no record) is deleted as an
+/// orphan once it stayed one for the grace period; the machine's own server is kept.
+#[tokio::test]
+async fn an_orphaned_server_is_deleted_after_the_grace_period() {
+    let env = Env::new(Options::default()).await;
+    env.emulator.set_polls_to_running(0);
+    let machine = env.machine("cx22", "nbg1", 0);
+    let own = env.cloud.create_host(&machine, &ctx(30)).await.unwrap();
+    let engine = engine(
+        &env,
+        vec![offering("cx22", "nbg1", 1)],
+        std::time::Duration::from_secs(30),
+        std::time::Duration::from_millis(50),
+    )
+    .await;
+    let mut server_labels = HashMap::from([(labels::MANAGED.to_owned(), "true".to_owned())]);
+    server_labels.extend(labels::machine_id_labels(&machine.id));
+    server_labels.extend(labels::text_labels(labels::PROVIDER, PROVIDER));
+    let stray = env
+        .emulator
+        .insert_server("stray", "cx22", "nbg1", server_labels, "192.0.2.9");
+    let first = engine.reconcile().await.unwrap();
+    assert_eq!((first.orphans, first.orphans_deleted), (1, 0), "{first:?}");
+    tokio::time::sleep(std::time::Duration::from_millis(60)).await;
+    let second = engine.reconcile().await.unwrap();
+    assert_eq!(second.orphans_deleted, 1, "{second:?}");
+    let live: Vec<String> = env
+        .emulator
+        .servers()
+        .iter()
+        .filter(|s| s.status != hcloud::models::server::Status::Deleting)
+        .map(|s| s.id.to_string())
+        .collect();
+    assert_eq!(live, vec![own.id.clone()]);
+    assert_ne!(own.id, stray.to_string());
+    let m = engine.get(&machine.id).unwrap();
+    assert_eq!(m.state, MachineState::Idle);
+    assert_eq!(m.host.as_ref().unwrap().id, own.id);
+}
+
+/// Releasing a FAILED machine before any reconcile recorded the server its failed Create left
+/// deletes that server too (otherwise the next pass would adopt it behind the operator's back).
+#[tokio::test]
+async fn releasing_a_failed_create_deletes_the_server_it_left_before_reconcile_saw_it() {
+    let env = Env::new(Options::default()).await;
+    env.emulator.set_polls_to_running(1_000_000);
+    let engine = engine(
+        &env,
+        vec![offering("cx22", "nbg1", 1)],
+        std::time::Duration::from_secs(1),
+        std::time::Duration::from_secs(600),
+    )
+    .await;
+    let id = env.machine("cx22", "nbg1", 0).id;
+    engine.create(&id, zero_token()).await.unwrap();
+    let failed = settled(&engine, &id).await;
+    assert_eq!(failed.state, MachineState::Failed, "{failed:?}");
+    assert!(failed.host.is_none());
+    engine.release(&id).await.unwrap();
+    assert!(
+        env.emulator
+            .servers()
+            .iter()
+            .all(|s| s.status == hcloud::models::server::Status::Deleting),
+        "the server the failed Create left is deleted"
+    );
+    env.emulator.set_polls_to_running(0);
+    let report = engine.reconcile().await.unwrap();
+    assert_eq!(report.adopted, 0, "{report:?}");
+    assert_eq!(engine.get(&id).unwrap().state, MachineState::Speculative);
 }

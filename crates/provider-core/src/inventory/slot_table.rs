@@ -46,10 +46,6 @@ impl SlotTable {
         self.by_id.is_empty()
     }
 
-    pub(crate) fn keys(&self) -> impl Iterator<Item = &String> {
-        self.by_id.keys()
-    }
-
     pub(crate) fn values(&self) -> impl Iterator<Item = &Slot> {
         self.by_id.values()
     }

@@ -415,7 +415,21 @@ fn reconcile_without_changes_keeps_the_revision() {
     let fresh: Vec<Machine> = inv.slots().map(|s| (*s.machine).clone()).collect();
     let head = inv.revision();
     let mut changes = Vec::new();
-    let report = inv.reconcile(fresh, None, &mut changes);
+    let survey = Survey {
+        machines: fresh,
+        hosts: None,
+    };
+    let now = tokio::time::Instant::now();
+    let report = inv
+        .reconcile(
+            survey,
+            None,
+            head,
+            now,
+            std::time::Duration::MAX,
+            &mut changes,
+        )
+        .report;
     assert!(!report.changed());
     assert_eq!(inv.revision(), head);
     assert!(changes.is_empty());
@@ -440,13 +454,28 @@ fn reconcile_adds_refreshes_adopts_and_notices_vanished_hosts() {
         machine("new", MachineState::Idle, Some("h10")), // unknown: added
     ];
     let head = inv.revision();
-    let report = inv.reconcile(described, None, &mut Vec::new());
+    let survey = Survey {
+        machines: described,
+        hosts: None,
+    };
+    let now = tokio::time::Instant::now();
+    let outcome = inv.reconcile(
+        survey,
+        None,
+        head,
+        now,
+        std::time::Duration::MAX,
+        &mut Vec::new(),
+    );
+    let report = outcome.report;
     assert_eq!(report.added, 1);
     assert_eq!(report.adopted, 1);
     assert_eq!(report.refreshed, 1);
+    assert_eq!(report.vanished, 0, "missing hosts are only suspects");
     assert_eq!(
-        report.vanished, 2,
-        "m-1 (Idle) and m-2 (Configured, absent)"
+        inv.confirm_vanished(&outcome.suspects, head, &mut Vec::new()),
+        2,
+        "m-1 (Idle) and m-2 (Configured, absent), once proved"
     );
     assert_eq!(state(&inv, "m-0"), MachineState::Idle);
     assert_eq!(inv.get("m-0").unwrap().machine.price_per_hour, 0.5);
