@@ -11,6 +11,7 @@ use std::time::Duration;
 use async_trait::async_trait;
 use provider_core::backend::{BackendError, ConfigureOrder, TransitionContext};
 use provider_core::cloud::{Capacity, Cloud, OwnedHost};
+use provider_core::config::Secret;
 use provider_core::machine::Machine;
 use provider_core::retry::{Backoff, Verdict};
 use provider_core::telemetry::Telemetry;
@@ -44,8 +45,9 @@ pub struct CloudSettings {
     /// `--region`: the only region this instance creates in and reads from.
     pub region: String,
     pub image: ImageRef,
-    /// `--base-user-data` contents, merged before the agent's cloud-config.
-    pub base_user_data: Option<String>,
+    /// `--base-user-data` contents, merged before the agent's cloud-config. Operators keep
+    /// join secrets there, so it prints as `[redacted]` and is zeroed on drop.
+    pub base_user_data: Option<Secret>,
     pub agent: AgentProvisioning,
     /// Interval of the wait-for-`active` polls.
     pub active_poll: Duration,
@@ -70,7 +72,7 @@ impl CloudSettings {
             provider,
             region,
             image,
-            base_user_data,
+            base_user_data: base_user_data.map(Secret::new),
             agent,
             active_poll: Duration::from_secs(5),
             active_cap: Duration::from_secs(600),
@@ -128,7 +130,10 @@ impl DigitalOceanCloud {
             machine_id,
             self.channel.token_for(machine_id).expose(),
         );
-        provider_core::userdata::assemble(self.settings.base_user_data.as_deref(), &ours)
+        provider_core::userdata::assemble(
+            self.settings.base_user_data.as_ref().map(Secret::expose),
+            &ours,
+        )
     }
 
     /// Whether this instance owns `droplet`: managed, ours, in our region.
@@ -610,6 +615,24 @@ pub fn agent_cloud_config(agent: &AgentProvisioning, machine_id: &str, token: &s
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn settings_never_print_the_base_user_data() {
+        let settings = CloudSettings::new(
+            "p".into(),
+            "nyc3".into(),
+            ImageRef::Slug("ubuntu-24-04-x64".into()),
+            Some("#cloud-config\nJOIN_SECRET=hunter2\n".into()),
+            AgentProvisioning {
+                endpoint: "https://x".into(),
+                ca_pem: String::new(),
+                pinned_cert_pem: String::new(),
+            },
+        );
+        let printed = format!("{settings:?}");
+        assert!(!printed.contains("hunter2"), "{printed}");
+        assert!(printed.contains("[redacted]"), "{printed}");
+    }
 
     #[test]
     fn agent_config_rendering() {

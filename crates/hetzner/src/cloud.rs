@@ -175,7 +175,7 @@ pub struct HetznerCloud {
     /// The numeric id of `network`, once resolved.
     network_id: tokio::sync::OnceCell<i64>,
     hook: String,
-    base_user_data: Option<String>,
+    base_user_data: Option<Secret>,
     readiness_command: Option<String>,
     eur_usd: f64,
     telemetry: Telemetry,
@@ -297,7 +297,7 @@ impl HetznerCloud {
             ssh_address: config.ssh_address,
             network_id: tokio::sync::OnceCell::new(),
             hook: config.bootstrap_hook,
-            base_user_data: config.base_user_data,
+            base_user_data: config.base_user_data.map(Secret::new),
             readiness_command: config.readiness_command.filter(|c| !c.trim().is_empty()),
             eur_usd,
             telemetry: config.telemetry,
@@ -607,7 +607,7 @@ impl HetznerCloud {
         let network = self.network_id(deadline).await.map_err(err)?;
         let host_key = HostKey::generate().map_err(err)?;
         let user_data = provider_core::userdata::assemble(
-            self.base_user_data.as_deref(),
+            self.base_user_data.as_ref().map(Secret::expose),
             &host_key.cloud_config(),
         );
         let mut server_labels: HashMap<String, String> = HashMap::new();
