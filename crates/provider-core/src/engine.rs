@@ -897,6 +897,9 @@ async fn run_backend(
 mod tests;
 
 #[cfg(test)]
+mod instant_backend;
+
+#[cfg(test)]
 mod list_tests;
 
 #[cfg(test)]

@@ -4,57 +4,13 @@
 
 use std::path::Path;
 
-use async_trait::async_trait;
 use tonic::Code;
 
+use super::instant_backend::InstantBackend;
 use super::*;
 use crate::durable::DurableStore;
 use crate::limits::{MAX_ID_BYTES, MAX_METADATA_ENTRIES};
-use crate::machine::{CapacityType, HostRef};
 use crate::store::{MemoryStore, Store};
-
-struct Seeded(usize);
-
-#[async_trait]
-impl Backend for Seeded {
-    async fn describe(&self) -> Result<Vec<Machine>, BackendError> {
-        Ok((0..self.0)
-            .map(|i| {
-                let mut m = Machine::speculative(format!("m-{i}"), "cx22");
-                m.zone = "z".into();
-                m.capacity_type = CapacityType::OnDemand;
-                m
-            })
-            .collect())
-    }
-    async fn create(
-        &self,
-        machine: &Machine,
-        _: &TransitionContext,
-    ) -> Result<Effect, BackendError> {
-        Ok(Effect {
-            host: Some(HostRef {
-                provider: "p".into(),
-                id: format!("h-{}", machine.id),
-            }),
-            ..Effect::default()
-        })
-    }
-    async fn configure(
-        &self,
-        _: &Machine,
-        _: &ConfigureOrder,
-        _: &TransitionContext,
-    ) -> Result<(), BackendError> {
-        Ok(())
-    }
-    async fn drain(&self, _: &Machine, _: i64, _: &TransitionContext) -> Result<(), BackendError> {
-        Ok(())
-    }
-    async fn delete(&self, _: &Machine, _: &TransitionContext) -> Result<(), BackendError> {
-        Ok(())
-    }
-}
 
 fn token(shard: &str, sequence: i64) -> FenceToken {
     FenceToken {
@@ -76,7 +32,7 @@ fn invalid_argument(result: Result<Ack, CoreError>, field: &str) {
 #[tokio::test]
 async fn oversized_fields_are_invalid_argument_naming_the_field_and_record_nothing() {
     let engine = Engine::start(
-        Arc::new(Seeded(2)),
+        Arc::new(InstantBackend(2)),
         Arc::new(MemoryStore),
         EngineOptions::new(Telemetry::new("test_limits")),
     )
@@ -84,11 +40,11 @@ async fn oversized_fields_are_invalid_argument_naming_the_field_and_record_nothi
     .expect("start");
     let long = "x".repeat(MAX_ID_BYTES + 1);
     invalid_argument(engine.create(&long, token("s", 1)).await, "machine_id");
-    invalid_argument(engine.create("m-0", token(&long, 1)).await, "shard_id");
+    invalid_argument(engine.create("m-00000", token(&long, 1)).await, "shard_id");
     invalid_argument(
         engine
             .configure(
-                "m-0",
+                "m-00000",
                 long.clone(),
                 Vec::new(),
                 StringMap::new(),
@@ -102,7 +58,7 @@ async fn oversized_fields_are_invalid_argument_naming_the_field_and_record_nothi
         .collect();
     invalid_argument(
         engine
-            .configure("m-0", "c".into(), Vec::new(), too_many, token("s", 1))
+            .configure("m-00000", "c".into(), Vec::new(), too_many, token("s", 1))
             .await,
         "shard_metadata",
     );
@@ -111,7 +67,10 @@ async fn oversized_fields_are_invalid_argument_naming_the_field_and_record_nothi
     assert!(err.to_string().starts_with("id too large"), "{err}");
     // Nothing was recorded: the refused token (1) is still first contact.
     assert!(engine.snapshot().fences.is_empty());
-    engine.create("m-0", token("s", 1)).await.expect("create");
+    engine
+        .create("m-00000", token("s", 1))
+        .await
+        .expect("create");
 
     // At the limits everything passes; the reference echoes a 10,000-entry map.
     let at_limit = "y".repeat(MAX_ID_BYTES);
@@ -124,14 +83,14 @@ async fn oversized_fields_are_invalid_argument_naming_the_field_and_record_nothi
         .map(|i| (format!("key-{i}"), format!("value-{i}")))
         .collect();
     for _ in 0..1000 {
-        if engine.get("m-0").expect("m-0").state == MachineState::Idle {
+        if engine.get("m-00000").expect("m-00000").state == MachineState::Idle {
             break;
         }
         tokio::task::yield_now().await;
     }
     let ack = engine
         .configure(
-            "m-0",
+            "m-00000",
             at_limit,
             Vec::new(),
             ten_thousand.clone(),
@@ -168,7 +127,7 @@ async fn a_million_creates_on_random_unknown_ids_leave_memory_and_state_bounded(
     let dir = tmp.path().join("state");
     let store = Arc::new(DurableStore::open(&dir).expect("open state"));
     let engine = Engine::start(
-        Arc::new(Seeded(10)),
+        Arc::new(InstantBackend(10)),
         store,
         EngineOptions::new(Telemetry::new("test_limits")),
     )

@@ -3,55 +3,9 @@
 
 use std::collections::{BTreeSet, HashSet};
 
-use async_trait::async_trait;
-
+use super::instant_backend::InstantBackend;
 use super::*;
-use crate::machine::{CapacityType, HostRef};
 use crate::store::MemoryStore;
-
-/// Seeds `n` Speculative machines; every transition finishes at once.
-struct InstantBackend(usize);
-
-#[async_trait]
-impl Backend for InstantBackend {
-    async fn describe(&self) -> Result<Vec<Machine>, BackendError> {
-        Ok((0..self.0)
-            .map(|i| {
-                let mut m = Machine::speculative(format!("m-{i:05}"), "cx22");
-                m.zone = "z".into();
-                m.capacity_type = CapacityType::OnDemand;
-                m
-            })
-            .collect())
-    }
-    async fn create(
-        &self,
-        machine: &Machine,
-        _: &TransitionContext,
-    ) -> Result<Effect, BackendError> {
-        Ok(Effect {
-            host: Some(HostRef {
-                provider: "p".into(),
-                id: format!("h-{}", machine.id),
-            }),
-            ..Effect::default()
-        })
-    }
-    async fn configure(
-        &self,
-        _: &Machine,
-        _: &ConfigureOrder,
-        _: &TransitionContext,
-    ) -> Result<(), BackendError> {
-        Ok(())
-    }
-    async fn drain(&self, _: &Machine, _: i64, _: &TransitionContext) -> Result<(), BackendError> {
-        Ok(())
-    }
-    async fn delete(&self, _: &Machine, _: &TransitionContext) -> Result<(), BackendError> {
-        Ok(())
-    }
-}
 
 async fn engine(machines: usize) -> Arc<Engine> {
     Engine::start(
