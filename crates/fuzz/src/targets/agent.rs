@@ -83,10 +83,27 @@ fn command_property(u: &mut Unstructured<'_>) -> Result<()> {
     Ok(())
 }
 
-const CONFIG_KEYS: &[&str] = &["endpoint", "ca_pem", "machine_id", "token"];
+/// The fields a config must hold as non-blank strings.
+const REQUIRED_KEYS: &[&str] = &["endpoint", "machine_id", "token"];
+/// The trust fields: absent, or strings; `pinned_cert_pem` wins when it is not blank.
+const TRUST_KEYS: &[&str] = &["ca_pem", "pinned_cert_pem"];
+const CONFIG_KEYS: &[&str] = &[
+    "endpoint",
+    "ca_pem",
+    "pinned_cert_pem",
+    "machine_id",
+    "token",
+];
+const CA_PEM: &str = include_str!("../../../../testdata/pki/ca.pem");
+const CHAIN_PEM: &str = concat!(
+    include_str!("../../../../testdata/pki/server.pem"),
+    include_str!("../../../../testdata/pki/ca.pem")
+);
 const CONFIG_STRINGS: &[&str] = &[
     "https://10.0.0.2:8443",
     "-----BEGIN CERTIFICATE-----\nMIIBcanary\n-----END CERTIFICATE-----\n",
+    CA_PEM,
+    CHAIN_PEM,
     "do/s-1/fra1/0",
     "tok-e4d1c7b9a0f2",
     "",
@@ -115,12 +132,19 @@ fn config_property(u: &mut Unstructured<'_>) -> Result<()> {
     std::fs::write(&path, &bytes).expect("write the config");
     let loaded = AgentConfig::load(&path);
     if bytes == serde_json::to_vec(&doc).unwrap_or_default() {
-        let accepted = CONFIG_KEYS.iter().all(|k| {
-            object
-                .get(*k)
-                .and_then(Value::as_str)
-                .is_some_and(|s| !s.trim().is_empty())
-        });
+        let text = |k: &str| object.get(k).and_then(Value::as_str);
+        let set = |k: &str| text(k).filter(|s| !s.trim().is_empty());
+        let certificates = |pem: &str| provider_core::tls::parse_certificates(pem.as_bytes());
+        let trusted = match (set("pinned_cert_pem"), set("ca_pem")) {
+            (Some(pinned), _) => certificates(pinned).is_ok_and(|c| c.len() == 1),
+            (None, Some(anchors)) => certificates(anchors).is_ok(),
+            (None, None) => false,
+        };
+        let accepted = REQUIRED_KEYS.iter().all(|k| set(k).is_some())
+            && TRUST_KEYS
+                .iter()
+                .all(|k| object.get(*k).is_none_or(Value::is_string))
+            && trusted;
         assert_eq!(loaded.is_ok(), accepted, "{:?}", loaded.as_ref().err());
     }
     if let Ok(config) = loaded {
