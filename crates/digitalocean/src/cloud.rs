@@ -457,6 +457,29 @@ impl Cloud for DigitalOceanCloud {
         self.timed("DescribeManaged", start, r)
     }
 
+    async fn machine_hosts(
+        &self,
+        machine_id: &str,
+    ) -> Result<Option<Vec<OwnedHost>>, BackendError> {
+        let start = Instant::now();
+        let tag = machine_tag(machine_id);
+        let r = self
+            .api
+            .list_droplets_by_tag(&tag, Instant::now() + READ_BUDGET)
+            .await
+            .map(|found| {
+                Some(
+                    found
+                        .iter()
+                        .filter(|d| self.owns(d) && d.has_tag(&tag))
+                        .map(|d| self.owned_host(d))
+                        .collect(),
+                )
+            })
+            .map_err(|e| format!("list droplets of {machine_id}: {e}"));
+        self.timed("DescribeMachine", start, r)
+    }
+
     async fn host_present(&self, host_id: &str) -> Result<Option<bool>, BackendError> {
         let start = Instant::now();
         let r = async {

@@ -1102,6 +1102,27 @@ impl Cloud for HetznerCloud {
         .await
     }
 
+    async fn machine_hosts(
+        &self,
+        machine_id: &str,
+    ) -> Result<Option<Vec<OwnedHost>>, BackendError> {
+        self.timed("DescribeMachine", async {
+            let deadline = Instant::now() + self.timing.list_budget;
+            let servers = self
+                .machine_servers(machine_id, deadline)
+                .await
+                .map_err(|e| err(format!("list servers of {machine_id}: {e}")))?;
+            Ok(Some(
+                servers
+                    .iter()
+                    .filter(|s| s.status != models::server::Status::Deleting)
+                    .filter_map(|s| self.to_owned_host(s))
+                    .collect(),
+            ))
+        })
+        .await
+    }
+
     async fn host_present(&self, host_id: &str) -> Result<Option<bool>, BackendError> {
         let id = server_id(host_id, "read")?;
         let deadline = Instant::now() + self.timing.list_budget;

@@ -114,6 +114,12 @@ pub trait Backend: Send + Sync + 'static {
         Ok(None)
     }
 
+    /// The hosts the substrate holds for one machine, read directly for that machine;
+    /// `None` when the backend has no such read (a survey is then the fallback).
+    async fn machine_hosts(&self, _machine_id: &str) -> Result<Option<Vec<HostRef>>, BackendError> {
+        Ok(None)
+    }
+
     /// The slots the offerings allow, computed without any I/O. `None` means the backend has no
     /// quota to enforce.
     fn offered(&self) -> Option<Vec<Machine>> {

@@ -59,6 +59,16 @@ pub trait Cloud: Send + Sync + 'static {
         Ok(None)
     }
 
+    /// The hosts this instance owns for one machine, read by the machine's own label or tag (a
+    /// small answer that a concurrent deletion elsewhere cannot shift, unlike a paged listing
+    /// of every host); `None` when this cloud has no such read.
+    async fn machine_hosts(
+        &self,
+        _machine_id: &str,
+    ) -> Result<Option<Vec<OwnedHost>>, BackendError> {
+        Ok(None)
+    }
+
     /// Delivers the bootstrap blob to the host and runs the bootstrap hook; on success records
     /// the cluster binding on the host.
     async fn configure_host(

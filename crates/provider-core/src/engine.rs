@@ -715,8 +715,20 @@ impl Engine {
         result
     }
 
-    /// Every host the substrate shows for `machine_id` now.
+    /// Every host the substrate shows for `machine_id` now: read for that machine alone where
+    /// the backend can (a paged listing of every host can skip one while others are deleted),
+    /// else picked out of a survey.
     async fn hosts_of(&self, machine_id: &str) -> Result<Vec<crate::machine::HostRef>, String> {
+        let direct = tokio::time::timeout(
+            self.options.describe_timeout,
+            self.backend.machine_hosts(machine_id),
+        )
+        .await
+        .map_err(|_| "backend host read timed out".to_owned())?
+        .map_err(|e| e.0)?;
+        if let Some(hosts) = direct {
+            return Ok(hosts);
+        }
         let survey = tokio::time::timeout(self.options.describe_timeout, self.backend.survey())
             .await
             .map_err(|_| "backend Describe timed out".to_owned())?
@@ -901,6 +913,9 @@ mod instant_backend;
 
 #[cfg(test)]
 mod list_tests;
+
+#[cfg(test)]
+mod release_tests;
 
 #[cfg(test)]
 mod limits_tests;

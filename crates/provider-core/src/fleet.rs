@@ -345,6 +345,14 @@ impl Backend for Fleet {
         self.cloud.host_present(&host.id).await
     }
 
+    async fn machine_hosts(&self, machine_id: &str) -> Result<Option<Vec<HostRef>>, BackendError> {
+        Ok(self
+            .cloud
+            .machine_hosts(machine_id)
+            .await?
+            .map(|hosts| hosts.iter().map(|h| self.host_ref(h)).collect()))
+    }
+
     fn offered(&self) -> Option<Vec<Machine>> {
         Some(self.slots())
     }
