@@ -36,13 +36,12 @@ use rcgen::{
 use serde_json::Value;
 use tokio::time::Instant;
 
-use super::digitalocean_real::{Process, TOKEN, droplet_of, start_agent, start_emulator};
+use super::digitalocean_real::{Process, backend_args, droplet_of, start_agent, start_emulator};
 use super::provider_process::{self, Provider, Spec};
 use super::wire::{self, Caller, ClientSecurity, Shard, state_of};
 use crate::alerts;
 
 const SECRET: &str = "e2e-alerts-bootstrap-secret-0123456789";
-const REGION: &str = "nyc3";
 const OFFERINGS: &str = r#"[{"size": "s-1vcpu-2gb", "region": "nyc3", "count": 2, "resources": {"cpu": "1", "memory": "2Gi"}}]"#;
 /// The scrape job, and the rules' selector.
 const JOB: &str = "bigfleet-live";
@@ -575,28 +574,24 @@ fn spec(
     Spec {
         name: "digitalocean (alerts)".into(),
         binary: provider_process::target_binary(root, "debug", "digitalocean"),
-        args: vec![
-            format!("--token={TOKEN}"),
-            format!("--region={REGION}"),
-            "--image=ubuntu-24-04-x64".into(),
-            format!("--do-api-url=http://{api}"),
-            format!("--offerings={}", offerings.display()),
-            format!("--bootstrap-addr=127.0.0.1:{bootstrap}"),
-            format!("--bootstrap-endpoint=https://127.0.0.1:{bootstrap}"),
-            format!("--bootstrap-tls-cert={}", leaf.0.display()),
-            format!("--bootstrap-tls-key={}", leaf.1.display()),
-            format!("--bootstrap-ca={}", pki.ca.display()),
-            format!("--bootstrap-secret={SECRET}"),
-            "--configure-timeout=4s".into(),
-            "--reconcile-interval=1s".into(),
-            "--price-refresh=1s".into(),
-            format!("--admin-socket={}", dir.join("admin.sock").display()),
-            format!("--tls-cert={}", pem("server.pem")),
-            format!("--tls-key={}", pem("server-key.pem")),
-            format!("--tls-ca={}", pem("ca.pem")),
-            "--shutdown-grace=5s".into(),
-            "--log-level=info".into(),
-        ],
+        args: backend_args(api, bootstrap, offerings)
+            .into_iter()
+            .chain([
+                format!("--bootstrap-tls-cert={}", leaf.0.display()),
+                format!("--bootstrap-tls-key={}", leaf.1.display()),
+                format!("--bootstrap-ca={}", pki.ca.display()),
+                format!("--bootstrap-secret={SECRET}"),
+                "--configure-timeout=4s".into(),
+                "--reconcile-interval=1s".into(),
+                "--price-refresh=1s".into(),
+                format!("--admin-socket={}", dir.join("admin.sock").display()),
+                format!("--tls-cert={}", pem("server.pem")),
+                format!("--tls-key={}", pem("server-key.pem")),
+                format!("--tls-ca={}", pem("ca.pem")),
+                "--shutdown-grace=5s".into(),
+                "--log-level=info".into(),
+            ])
+            .collect(),
         metrics: true,
         security: ClientSecurity::Mtls,
         pki: grpc_pki,

@@ -114,31 +114,40 @@ pub(super) fn start_emulator(root: &Path) -> Result<(Process, SocketAddr)> {
     Ok((emulator, addr))
 }
 
+/// The flags every DigitalOcean run on the real backend against do-emulator starts with.
+pub(super) fn backend_args(api: SocketAddr, bootstrap: u16, offerings: &Path) -> Vec<String> {
+    vec![
+        format!("--token={TOKEN}"),
+        format!("--region={REGION}"),
+        "--image=ubuntu-24-04-x64".into(),
+        format!("--do-api-url=http://{api}"),
+        format!("--offerings={}", offerings.display()),
+        format!("--bootstrap-addr=127.0.0.1:{bootstrap}"),
+        format!("--bootstrap-endpoint=https://127.0.0.1:{bootstrap}"),
+    ]
+}
+
 fn spec(root: &Path, api: SocketAddr, bootstrap: u16, offerings: &Path) -> Spec {
     let pki = wire::pki_dir(root);
     let pem = |name: &str| pki.join(name).display().to_string();
     Spec {
         name: "digitalocean (real backend)".into(),
         binary: provider_process::target_binary(root, "debug", "digitalocean"),
-        args: vec![
-            format!("--token={TOKEN}"),
-            format!("--region={REGION}"),
-            "--image=ubuntu-24-04-x64".into(),
-            format!("--do-api-url=http://{api}"),
-            format!("--offerings={}", offerings.display()),
-            format!("--bootstrap-addr=127.0.0.1:{bootstrap}"),
-            format!("--bootstrap-endpoint=https://127.0.0.1:{bootstrap}"),
-            format!("--bootstrap-tls-cert={}", pem("server.pem")),
-            format!("--bootstrap-tls-key={}", pem("server-key.pem")),
-            format!("--bootstrap-ca={}", pem("ca.pem")),
-            format!("--bootstrap-secret={SECRET}"),
-            "--configure-timeout=30s".into(),
-            format!("--tls-cert={}", pem("server.pem")),
-            format!("--tls-key={}", pem("server-key.pem")),
-            format!("--tls-ca={}", pem("ca.pem")),
-            "--shutdown-grace=5s".into(),
-            "--log-level=info".into(),
-        ],
+        args: backend_args(api, bootstrap, offerings)
+            .into_iter()
+            .chain([
+                format!("--bootstrap-tls-cert={}", pem("server.pem")),
+                format!("--bootstrap-tls-key={}", pem("server-key.pem")),
+                format!("--bootstrap-ca={}", pem("ca.pem")),
+                format!("--bootstrap-secret={SECRET}"),
+                "--configure-timeout=30s".into(),
+                format!("--tls-cert={}", pem("server.pem")),
+                format!("--tls-key={}", pem("server-key.pem")),
+                format!("--tls-ca={}", pem("ca.pem")),
+                "--shutdown-grace=5s".into(),
+                "--log-level=info".into(),
+            ])
+            .collect(),
         metrics: true,
         security: ClientSecurity::Mtls,
         pki,
