@@ -1,0 +1,173 @@
+//! What `cargo xtask helm` checks: the charts with the flags their binaries accept, and the
+//! values each chart must refuse.
+
+pub(super) struct Chart {
+    /// Directory under deploy/helm and name of the provider binary.
+    pub(super) name: &'static str,
+    /// Every flag the provider binary accepts, without the leading dashes.
+    pub(super) flags: &'static [&'static str],
+    /// Flags whose value is a file or socket path inside the pod.
+    pub(super) path_flags: &'static [&'static str],
+    /// Environment variables that carry secrets and must come from a Secret.
+    pub(super) secret_env: &'static [&'static str],
+}
+
+pub(super) const COMMON_FLAGS: &[&str] = &[
+    "addr",
+    "metrics-addr",
+    "provider",
+    "use-fake-backend",
+    "offerings",
+    "seed-count",
+    "state",
+    "image",
+    "base-user-data",
+    "price-refresh",
+    "reconcile-interval",
+    "reflection",
+    "tls-cert",
+    "tls-key",
+    "tls-ca",
+    "create-timeout",
+    "configure-timeout",
+    "drain-timeout",
+    "delete-timeout",
+    "shutdown-grace",
+    "log-format",
+    "log-level",
+    "fake-latency",
+    "admin-socket",
+];
+
+/// Flags that would put a secret on the command line, visible in the pod spec.
+pub(super) const SECRET_FLAGS: &[&str] = &["token", "bootstrap-secret"];
+
+pub(super) const CHARTS: [Chart; 2] = [
+    Chart {
+        name: "hetzner",
+        flags: &[
+            "hetzner-backend",
+            "location-a",
+            "location-b",
+            "eur-usd",
+            "ssh-key",
+            "ssh-user",
+            "ssh-port",
+            "ssh-address",
+            "network",
+            "bootstrap-hook",
+            "hcloud-endpoint",
+            "readiness-command",
+        ],
+        path_flags: &[
+            "ssh-key",
+            "offerings",
+            "base-user-data",
+            "state",
+            "tls-cert",
+            "tls-key",
+            "tls-ca",
+            "admin-socket",
+        ],
+        secret_env: &["HCLOUD_TOKEN"],
+    },
+    Chart {
+        name: "digitalocean",
+        flags: &[
+            "do-backend",
+            "region",
+            "region-a",
+            "region-b",
+            "do-api-url",
+            "bootstrap-addr",
+            "bootstrap-endpoint",
+            "bootstrap-tls-cert",
+            "bootstrap-tls-key",
+            "bootstrap-ca",
+        ],
+        path_flags: &[
+            "offerings",
+            "base-user-data",
+            "state",
+            "tls-cert",
+            "tls-key",
+            "tls-ca",
+            "admin-socket",
+            "bootstrap-tls-cert",
+            "bootstrap-tls-key",
+            "bootstrap-ca",
+        ],
+        secret_env: &["DIGITALOCEAN_TOKEN", "BIGFLEET_BOOTSTRAP_SECRET"],
+    },
+];
+
+/// Values that must make the render (or the validation) fail, with part of the message.
+pub(super) struct Refusal {
+    pub(super) chart: &'static str,
+    pub(super) what: &'static str,
+    pub(super) values: &'static str,
+    pub(super) message: &'static str,
+}
+
+pub(super) const REFUSALS: &[Refusal] = &[
+    Refusal {
+        chart: "digitalocean",
+        what: "bootstrap channel without an endpoint",
+        values: "bootstrap:\n  enabled: true\n  tlsSecretName: t\n  secretName: s\n",
+        message: "bootstrap.endpoint is required",
+    },
+    Refusal {
+        chart: "digitalocean",
+        what: "bootstrap channel without its HMAC Secret",
+        values: "bootstrap:\n  enabled: true\n  endpoint: https://x:9443\n  tlsSecretName: t\n",
+        message: "bootstrap.secretName is required",
+    },
+    Refusal {
+        chart: "hetzner",
+        what: "TLS without a Secret",
+        values: "tls:\n  enabled: true\n",
+        message: "tls.secretName is required",
+    },
+    Refusal {
+        chart: "hetzner",
+        what: "mTLS without TLS",
+        values: "tls:\n  mtls: true\n",
+        message: "tls.mtls=true needs tls.enabled=true",
+    },
+    Refusal {
+        chart: "hetzner",
+        what: "an unknown log format",
+        values: "logFormat: yaml\n",
+        message: "logFormat",
+    },
+    Refusal {
+        chart: "digitalocean",
+        what: "a duration that is not Go syntax",
+        values: "timeouts:\n  drain: 15 minutes\n",
+        message: "drain",
+    },
+    Refusal {
+        chart: "hetzner",
+        what: "a misspelt top-level key",
+        values: "locaton: hel1\n",
+        message: "locaton",
+    },
+    Refusal {
+        chart: "digitalocean",
+        what: "an alert `for` that is not a Prometheus duration",
+        values: "prometheusRule:\n  enabled: true\n  alerts:\n    down: {enabled: true, for: 5 minutes, severity: critical}\n",
+        message: "5 minutes",
+    },
+    Refusal {
+        chart: "hetzner",
+        what: "an alert ratio above 1",
+        values: "prometheusRule:\n  alerts:\n    cloudAPIRateLimited: {enabled: true, window: 10m, ratio: 10, for: 15m, severity: warning}\n",
+        message: "ratio",
+    },
+    Refusal {
+        chart: "hetzner",
+        what: "an object Kubernetes would reject",
+        values: "extraEnv:\n  - name: HTTPS_PROXY\n    valu: http://proxy:3128\n",
+        message: "valu",
+    },
+];

@@ -1,0 +1,508 @@
+//! The promises the charts make about what they render: objects per case, the Deployment's
+//! security context, probes, arguments and mounts.
+
+use std::collections::BTreeSet;
+use std::path::Path;
+
+use anyhow::{Context, Result, bail, ensure};
+use serde_json::Value;
+
+use super::cases::{COMMON_FLAGS, Chart, SECRET_FLAGS};
+
+/// The runtime user of the images, which the charts' security contexts must match.
+const RUNTIME_UID: u64 = 65532;
+
+/// The promises the charts make about what they render.
+pub(super) fn check_policy(chart: &Chart, case: &str, objects: &[Value]) -> Result<()> {
+    let kinds: BTreeSet<&str> = objects.iter().filter_map(|o| o["kind"].as_str()).collect();
+    let expected: &[&str] = match (chart.name, case) {
+        (_, "default") => &["Deployment", "Service", "ServiceAccount"],
+        (_, "alerts") => &[
+            "ConfigMap",
+            "Deployment",
+            "PrometheusRule",
+            "Service",
+            "ServiceAccount",
+        ],
+        ("hetzner", _) => &[
+            "ConfigMap",
+            "Deployment",
+            "NetworkPolicy",
+            "PersistentVolumeClaim",
+            "PrometheusRule",
+            "Service",
+            "ServiceAccount",
+            "ServiceMonitor",
+        ],
+        _ => &[
+            "ConfigMap",
+            "Deployment",
+            "NetworkPolicy",
+            "PrometheusRule",
+            "Service",
+            "ServiceAccount",
+            "ServiceMonitor",
+        ],
+    };
+    ensure!(
+        kinds == expected.iter().copied().collect(),
+        "rendered kinds {kinds:?}, want {expected:?}"
+    );
+
+    let deployments: Vec<&Value> = objects
+        .iter()
+        .filter(|o| o["kind"] == "Deployment")
+        .collect();
+    ensure!(deployments.len() == 1, "want exactly one Deployment");
+    let deployment = deployments[0];
+    let args = check_deployment(chart, deployment)?;
+
+    let services: Vec<&Value> = objects.iter().filter(|o| o["kind"] == "Service").collect();
+    let main = services
+        .iter()
+        .find(|s| port_targets(s).contains("grpc"))
+        .context("no Service targets the grpc port")?;
+    ensure!(
+        main["spec"]["type"] == "ClusterIP",
+        "the gRPC Service must stay ClusterIP"
+    );
+    ensure!(
+        port_targets(main).contains("metrics"),
+        "the gRPC Service has no metrics port"
+    );
+
+    if args.iter().any(|(flag, _)| flag == "bootstrap-addr") {
+        let bootstrap = services
+            .iter()
+            .find(|s| port_targets(s).contains("bootstrap"))
+            .context("the agent channel is on but no Service publishes it")?;
+        let kind = bootstrap["spec"]["type"].as_str().unwrap_or("ClusterIP");
+        ensure!(
+            kind == "LoadBalancer" || kind == "NodePort",
+            "the agent channel Service is {kind}; Droplets outside the cluster could not reach it"
+        );
+        ensure!(
+            !port_targets(bootstrap).contains("grpc"),
+            "the public agent channel Service must not carry gRPC"
+        );
+    }
+
+    if case == "full" {
+        for flag in [
+            "admin-socket",
+            "state",
+            "tls-cert",
+            "tls-ca",
+            "offerings",
+            "base-user-data",
+        ] {
+            ensure!(
+                args.iter().any(|(f, _)| f == flag),
+                "full values do not pass --{flag}"
+            );
+        }
+        let monitor = objects
+            .iter()
+            .find(|o| o["kind"] == "ServiceMonitor")
+            .context("no ServiceMonitor")?;
+        ensure!(
+            monitor["spec"]["endpoints"][0]["port"] == "metrics",
+            "the ServiceMonitor must scrape the metrics port"
+        );
+    }
+    Ok(())
+}
+
+fn port_targets(service: &Value) -> BTreeSet<String> {
+    service["spec"]["ports"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .filter_map(|port| port["targetPort"].as_str().map(str::to_owned))
+        .collect()
+}
+
+/// Checks the Deployment and returns its container's `--flag=value` arguments.
+fn check_deployment(chart: &Chart, deployment: &Value) -> Result<Vec<(String, String)>> {
+    let spec = &deployment["spec"];
+    ensure!(spec["replicas"] == 1, "replicas must be 1");
+    ensure!(
+        spec["strategy"]["type"] == "Recreate",
+        "the strategy must be Recreate"
+    );
+    let pod = &spec["template"]["spec"];
+    let pod_security = &pod["securityContext"];
+    ensure!(
+        pod_security["runAsNonRoot"] == true,
+        "pod must run as non-root"
+    );
+    ensure!(
+        pod_security["runAsUser"] == RUNTIME_UID,
+        "pod must run as uid {RUNTIME_UID}"
+    );
+    ensure!(
+        pod_security["seccompProfile"]["type"] == "RuntimeDefault",
+        "pod seccomp must be RuntimeDefault"
+    );
+
+    let containers = pod["containers"].as_array().context("no containers")?;
+    ensure!(containers.len() == 1, "want exactly one container");
+    let container = &containers[0];
+    let security = &container["securityContext"];
+    ensure!(
+        security["readOnlyRootFilesystem"] == true,
+        "root filesystem must be read-only"
+    );
+    ensure!(
+        security["allowPrivilegeEscalation"] == false,
+        "privilege escalation must be off"
+    );
+    let dropped = security["capabilities"]["drop"]
+        .as_array()
+        .cloned()
+        .unwrap_or_default();
+    ensure!(
+        dropped.iter().any(|c| c == "ALL"),
+        "all capabilities must be dropped"
+    );
+    ensure!(
+        security["capabilities"]["add"].is_null(),
+        "no capability may be added"
+    );
+
+    let args = container_args(chart, container)?;
+    let flag = |name: &str| {
+        args.iter()
+            .find(|(f, _)| f == name)
+            .map(|(_, v)| v.as_str())
+    };
+    let ports = named_ports(container);
+    for (port_flag, port_name) in [
+        ("addr", "grpc"),
+        ("metrics-addr", "metrics"),
+        ("bootstrap-addr", "bootstrap"),
+    ] {
+        if let Some(addr) = flag(port_flag) {
+            let port: u64 = addr
+                .rsplit(':')
+                .next()
+                .unwrap_or_default()
+                .parse()
+                .with_context(|| format!("--{port_flag}={addr}"))?;
+            ensure!(
+                ports.get(port_name) == Some(&port),
+                "--{port_flag}={addr} but container port {port_name} is {:?}",
+                ports.get(port_name)
+            );
+        }
+    }
+    for (probe, path) in [("livenessProbe", "/healthz"), ("readinessProbe", "/readyz")] {
+        let get = &container[probe]["httpGet"];
+        ensure!(
+            get["path"] == path && get["port"] == "metrics",
+            "{probe} must GET {path} on the metrics port"
+        );
+    }
+
+    let grace =
+        go_duration_seconds(flag("shutdown-grace").context("--shutdown-grace is not set")?)?;
+    let termination = pod["terminationGracePeriodSeconds"]
+        .as_f64()
+        .context("terminationGracePeriodSeconds is not set")?;
+    ensure!(
+        termination > grace,
+        "terminationGracePeriodSeconds ({termination}) must exceed --shutdown-grace ({grace}s)"
+    );
+
+    for env in container["env"].as_array().into_iter().flatten() {
+        let name = env["name"].as_str().unwrap_or_default();
+        if chart.secret_env.contains(&name) {
+            ensure!(env["value"].is_null(), "{name} must not be a literal value");
+            ensure!(
+                !env["valueFrom"]["secretKeyRef"].is_null(),
+                "{name} must come from a Secret"
+            );
+        }
+    }
+
+    check_mounts(chart, pod, container, &args)?;
+    Ok(args)
+}
+
+fn named_ports(container: &Value) -> std::collections::BTreeMap<String, u64> {
+    container["ports"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .filter_map(|p| Some((p["name"].as_str()?.to_owned(), p["containerPort"].as_u64()?)))
+        .collect()
+}
+
+/// Splits the container's arguments into (flag, value) and refuses unknown or secret flags.
+fn container_args(chart: &Chart, container: &Value) -> Result<Vec<(String, String)>> {
+    ensure!(
+        container["command"].is_null(),
+        "the chart must keep the image entrypoint"
+    );
+    let mut args = Vec::new();
+    for arg in container["args"].as_array().context("no args")? {
+        let arg = arg.as_str().context("an argument is not a string")?;
+        let flag = arg
+            .strip_prefix("--")
+            .with_context(|| format!("argument {arg:?} is not a --flag"))?;
+        let (name, value) = flag.split_once('=').unwrap_or((flag, ""));
+        ensure!(
+            !SECRET_FLAGS.contains(&name),
+            "--{name} would put a secret in the pod spec"
+        );
+        ensure!(
+            COMMON_FLAGS.contains(&name) || chart.flags.contains(&name),
+            "--{name} is not a flag of the {} binary",
+            chart.name
+        );
+        args.push((name.to_owned(), value.to_owned()));
+    }
+    Ok(args)
+}
+
+/// Every path flag points into a mounted volume; state and admin socket are writable;
+/// every mount has a volume and every volume is mounted.
+fn check_mounts(
+    chart: &Chart,
+    pod: &Value,
+    container: &Value,
+    args: &[(String, String)],
+) -> Result<()> {
+    let volumes: Vec<&Value> = pod["volumes"].as_array().into_iter().flatten().collect();
+    let mounts: Vec<&Value> = container["volumeMounts"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .collect();
+    let volume_names: BTreeSet<&str> = volumes.iter().filter_map(|v| v["name"].as_str()).collect();
+    let mounted: BTreeSet<&str> = mounts.iter().filter_map(|m| m["name"].as_str()).collect();
+    ensure!(
+        volume_names == mounted,
+        "volumes {volume_names:?} and mounts {mounted:?} differ"
+    );
+
+    for (flag, value) in args
+        .iter()
+        .filter(|(flag, _)| chart.path_flags.contains(&flag.as_str()))
+    {
+        let mount = mounts
+            .iter()
+            .filter(|m| {
+                m["mountPath"]
+                    .as_str()
+                    .is_some_and(|dir| Path::new(value).starts_with(dir))
+            })
+            .max_by_key(|m| m["mountPath"].as_str().map_or(0, str::len))
+            .with_context(|| format!("--{flag}={value} is not inside any mounted volume"))?;
+        if flag == "state" || flag == "admin-socket" {
+            ensure!(
+                mount["readOnly"] != true,
+                "--{flag}={value} lies on a read-only mount"
+            );
+        }
+        if flag == "admin-socket" {
+            let volume = volumes
+                .iter()
+                .find(|v| v["name"] == mount["name"])
+                .context("admin socket volume")?;
+            ensure!(
+                !volume["emptyDir"].is_null(),
+                "the admin socket must live on an emptyDir"
+            );
+        }
+    }
+    Ok(())
+}
+
+/// Seconds in a Go duration such as `25s`, `1m30s` or `1.5h`.
+fn go_duration_seconds(text: &str) -> Result<f64> {
+    if text == "0" {
+        return Ok(0.0);
+    }
+    let mut total = 0.0;
+    let mut rest = text;
+    ensure!(!rest.is_empty(), "empty duration");
+    while !rest.is_empty() {
+        let number_len = rest
+            .find(|c: char| !(c.is_ascii_digit() || c == '.'))
+            .unwrap_or(rest.len());
+        let number: f64 = rest[..number_len]
+            .parse()
+            .with_context(|| format!("bad duration {text:?}"))?;
+        rest = &rest[number_len..];
+        let unit_len = rest
+            .find(|c: char| c.is_ascii_digit() || c == '.')
+            .unwrap_or(rest.len());
+        let scale = match &rest[..unit_len] {
+            "ns" => 1e-9,
+            "us" | "µs" => 1e-6,
+            "ms" => 1e-3,
+            "s" => 1.0,
+            "m" => 60.0,
+            "h" => 3600.0,
+            unit => bail!("bad unit {unit:?} in duration {text:?}"),
+        };
+        rest = &rest[unit_len..];
+        total += number * scale;
+    }
+    Ok(total)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::helm::cases::CHARTS;
+    use serde_json::json;
+
+    #[test]
+    fn go_durations() {
+        assert_eq!(go_duration_seconds("25s").unwrap(), 25.0);
+        assert_eq!(go_duration_seconds("1m30s").unwrap(), 90.0);
+        assert_eq!(go_duration_seconds("1.5h").unwrap(), 5400.0);
+        assert_eq!(go_duration_seconds("0").unwrap(), 0.0);
+        assert!((go_duration_seconds("250ms").unwrap() - 0.25).abs() < 1e-9);
+        for bad in ["", "25", "5 min", "m5", "3d"] {
+            assert!(go_duration_seconds(bad).is_err(), "{bad:?}");
+        }
+    }
+
+    /// A Deployment the policy accepts; tests break one thing at a time.
+    fn good_deployment() -> Value {
+        json!({
+            "kind": "Deployment",
+            "spec": {
+                "replicas": 1,
+                "strategy": {"type": "Recreate"},
+                "template": {"spec": {
+                    "terminationGracePeriodSeconds": 30,
+                    "securityContext": {"runAsNonRoot": true, "runAsUser": 65532,
+                        "seccompProfile": {"type": "RuntimeDefault"}},
+                    "volumes": [
+                        {"name": "state", "emptyDir": {}},
+                        {"name": "admin", "emptyDir": {"medium": "Memory"}},
+                        {"name": "tls", "secret": {"secretName": "t"}}
+                    ],
+                    "containers": [{
+                        "name": "provider",
+                        "args": ["--addr=:9000", "--metrics-addr=:9090", "--shutdown-grace=25s",
+                                 "--state=/var/lib/x/state.json", "--admin-socket=/run/bigfleet/admin.sock",
+                                 "--tls-cert=/etc/bigfleet/tls/tls.crt"],
+                        "env": [{"name": "HCLOUD_TOKEN",
+                                 "valueFrom": {"secretKeyRef": {"name": "s", "key": "token"}}}],
+                        "ports": [{"name": "grpc", "containerPort": 9000},
+                                  {"name": "metrics", "containerPort": 9090}],
+                        "livenessProbe": {"httpGet": {"path": "/healthz", "port": "metrics"}},
+                        "readinessProbe": {"httpGet": {"path": "/readyz", "port": "metrics"}},
+                        "securityContext": {"readOnlyRootFilesystem": true,
+                            "allowPrivilegeEscalation": false,
+                            "capabilities": {"drop": ["ALL"]}},
+                        "volumeMounts": [
+                            {"name": "state", "mountPath": "/var/lib/x"},
+                            {"name": "admin", "mountPath": "/run/bigfleet"},
+                            {"name": "tls", "mountPath": "/etc/bigfleet/tls", "readOnly": true}
+                        ]
+                    }]
+                }}
+            }
+        })
+    }
+
+    fn verdict(edit: impl FnOnce(&mut Value)) -> Result<Vec<(String, String)>> {
+        let mut deployment = good_deployment();
+        edit(&mut deployment);
+        check_deployment(&CHARTS[0], &deployment)
+    }
+
+    fn container(deployment: &mut Value) -> &mut Value {
+        &mut deployment["spec"]["template"]["spec"]["containers"][0]
+    }
+
+    #[test]
+    fn the_good_deployment_passes() {
+        let args = verdict(|_| {}).unwrap();
+        assert!(args.contains(&("shutdown-grace".to_owned(), "25s".to_owned())));
+    }
+
+    #[test]
+    fn each_broken_promise_is_caught() {
+        type Edit = fn(&mut Value);
+        let cases: &[(&str, Edit)] = &[
+            ("two replicas", |d| d["spec"]["replicas"] = json!(2)),
+            ("rolling update", |d| {
+                d["spec"]["strategy"]["type"] = json!("RollingUpdate")
+            }),
+            ("root user", |d| {
+                d["spec"]["template"]["spec"]["securityContext"]["runAsUser"] = json!(0)
+            }),
+            ("writable root", |d| {
+                container(d)["securityContext"]["readOnlyRootFilesystem"] = json!(false)
+            }),
+            ("escalation", |d| {
+                container(d)["securityContext"]["allowPrivilegeEscalation"] = json!(true)
+            }),
+            ("added capability", |d| {
+                container(d)["securityContext"]["capabilities"]["add"] = json!(["NET_ADMIN"])
+            }),
+            ("short grace", |d| {
+                d["spec"]["template"]["spec"]["terminationGracePeriodSeconds"] = json!(20)
+            }),
+            ("token flag", |d| {
+                container(d)["args"]
+                    .as_array_mut()
+                    .unwrap()
+                    .push(json!("--token=abc"))
+            }),
+            ("unknown flag", |d| {
+                container(d)["args"]
+                    .as_array_mut()
+                    .unwrap()
+                    .push(json!("--regoin=x"))
+            }),
+            ("other binary's flag", |d| {
+                container(d)["args"]
+                    .as_array_mut()
+                    .unwrap()
+                    .push(json!("--region=nyc3"))
+            }),
+            ("literal token", |d| {
+                container(d)["env"][0] = json!({"name": "HCLOUD_TOKEN", "value": "abc"})
+            }),
+            ("wrong probe", |d| {
+                container(d)["readinessProbe"]["httpGet"]["path"] = json!("/healthz")
+            }),
+            ("port mismatch", |d| {
+                container(d)["ports"][0]["containerPort"] = json!(9001)
+            }),
+            ("read-only state", |d| {
+                container(d)["volumeMounts"][0]["readOnly"] = json!(true)
+            }),
+            ("unmounted file", |d| {
+                container(d)["args"]
+                    .as_array_mut()
+                    .unwrap()
+                    .push(json!("--tls-ca=/etc/ca.crt"))
+            }),
+            ("admin socket off emptyDir", |d| {
+                d["spec"]["template"]["spec"]["volumes"][1] =
+                    json!({"name": "admin", "secret": {"secretName": "x"}})
+            }),
+            ("orphan volume", |d| {
+                d["spec"]["template"]["spec"]["volumes"]
+                    .as_array_mut()
+                    .unwrap()
+                    .push(json!({"name": "x", "emptyDir": {}}))
+            }),
+            ("command override", |d| {
+                container(d)["command"] = json!(["/bin/sh"])
+            }),
+        ];
+        for (what, edit) in cases {
+            assert!(verdict(edit).is_err(), "{what} was accepted");
+        }
+    }
+}
