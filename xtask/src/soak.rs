@@ -64,7 +64,8 @@ fn usage() -> &'static str {
     "usage: cargo xtask soak [--cloud hetzner|digitalocean] [--seed N] [--duration D (e.g. 60s, 10m)]"
 }
 
-fn parse(args: &[String]) -> Result<Options> {
+/// The options of a run, or `None` when `--help` asked for the usage.
+fn parse(args: &[String]) -> Result<Option<Options>> {
     let mut options = Options {
         clouds: vec![CloudKind::Hetzner, CloudKind::DigitalOcean],
         seed: std::time::SystemTime::now()
@@ -80,6 +81,7 @@ fn parse(args: &[String]) -> Result<Options> {
                 .with_context(|| format!("{flag} needs a value; {}", usage()))
         };
         match flag.as_str() {
+            "-h" | "--help" => return Ok(None),
             "--cloud" => {
                 options.clouds = vec![match value()?.as_str() {
                     "hetzner" => CloudKind::Hetzner,
@@ -105,7 +107,7 @@ fn parse(args: &[String]) -> Result<Options> {
         options.duration >= Duration::from_secs(10),
         "--duration must be at least 10s"
     );
-    Ok(options)
+    Ok(Some(options))
 }
 
 fn parse_duration(text: &str) -> Option<Duration> {
@@ -120,7 +122,10 @@ fn parse_duration(text: &str) -> Option<Duration> {
 }
 
 pub(crate) fn run(args: &[String]) -> Result<()> {
-    let options = parse(args)?;
+    let Some(options) = parse(args)? else {
+        println!("{}", usage());
+        return Ok(());
+    };
     let root = repo::root();
     println!(
         "soak: seed {} (replay: cargo xtask soak --seed {} --duration {}s{})",
@@ -523,4 +528,39 @@ pub(crate) fn common_flags(dir: &Path) -> Vec<String> {
         "--price-refresh=0".into(),
         "--log-level=info".into(),
     ]
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn strings(args: &[&str]) -> Vec<String> {
+        args.iter().map(|a| a.to_string()).collect()
+    }
+
+    #[test]
+    fn options() {
+        assert!(parse(&strings(&["--help"])).unwrap().is_none());
+        let options = parse(&strings(&[
+            "--cloud",
+            "digitalocean",
+            "--seed",
+            "7",
+            "--duration",
+            "10m",
+        ]))
+        .unwrap()
+        .unwrap();
+        assert_eq!(options.clouds.len(), 1);
+        assert_eq!(options.seed, 7);
+        assert_eq!(options.duration, Duration::from_secs(600));
+        for bad in [
+            &["--cloud", "aws"][..],
+            &["--seed"],
+            &["--duration", "5s"],
+            &["--fast"],
+        ] {
+            assert!(parse(&strings(bad)).is_err(), "{bad:?}");
+        }
+    }
 }
