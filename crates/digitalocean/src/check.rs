@@ -140,7 +140,12 @@ pub async fn api_checks(
             report.record(
                 format!("offering {} ssh_keys {:?}", w.label, key.value),
                 found
-                    .map(|k| format!("{k:?}"))
+                    .map(|k| match k {
+                        crate::api::SshKeyRef::Id(id) => format!("key {id}, sent by id"),
+                        crate::api::SshKeyRef::Fingerprint(fp) => {
+                            format!("key {fp}, sent by fingerprint")
+                        }
+                    })
                     .map_err(|e| format!("{}: {e}", key.describe(&w.label))),
             );
         }
