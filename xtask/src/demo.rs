@@ -65,9 +65,12 @@ pub fn run(args: &[String]) -> Result<()> {
         .build()?;
     runtime.block_on(async move {
         let provider = provider_process::start(spec).await?;
+        let metrics = provider
+            .metrics
+            .map_or_else(|| "off".to_owned(), |addr| addr.to_string());
         println!(
-            "{binary} is serving CapacityProvider on {} (mTLS), metrics on {:?}",
-            provider.grpc, provider.metrics
+            "{binary} is serving CapacityProvider on {} (mTLS), metrics on {metrics}",
+            provider.grpc
         );
         let channel = wire::channel(&pki, provider.grpc, ClientSecurity::Mtls).await?;
         let mut caller = Caller::new(channel, Shard::new("demo-shard", 1));

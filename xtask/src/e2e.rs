@@ -21,6 +21,7 @@
 //! check. [`real_backend_runs`] is where the runs against the cloud API emulators go.
 
 mod alerts_live;
+mod digitalocean_production;
 mod digitalocean_real;
 mod hetzner_real;
 pub(crate) mod provider_process;
@@ -140,6 +141,14 @@ async fn real_backend_runs(root: &Path) -> Result<()> {
         .context("e2e FAILED for digitalocean (real backend against do-emulator)")?;
     println!(
         "e2e: digitalocean on its real backend against do-emulator: ok ({:.1?})",
+        step.elapsed()
+    );
+    let step = Instant::now();
+    digitalocean_production::run(root)
+        .await
+        .context("e2e FAILED for digitalocean production-shaped (VPC, snapshot, tags, IPv6, monitoring, SSH keys, check)")?;
+    println!(
+        "e2e: digitalocean production-shaped against do-emulator: ok ({:.1?})",
         step.elapsed()
     );
     let step = Instant::now();

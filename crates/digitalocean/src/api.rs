@@ -115,6 +115,8 @@ pub struct Droplet {
     pub region: RegionRef,
     #[serde(default)]
     pub networks: Networks,
+    #[serde(default)]
+    pub vpc_uuid: Option<String>,
 }
 
 #[derive(Clone, Debug, Default, Deserialize)]
@@ -127,6 +129,8 @@ pub struct RegionRef {
 pub struct Networks {
     #[serde(default)]
     pub v4: Vec<NetworkV4>,
+    #[serde(default)]
+    pub v6: Vec<NetworkV4>,
 }
 
 #[derive(Clone, Debug, Default, Deserialize)]
@@ -143,6 +147,15 @@ impl Droplet {
             .v4
             .iter()
             .find(|n| n.kind == "public" && !n.ip_address.is_empty())
+            .map(|n| n.ip_address.clone())
+    }
+
+    /// The Droplet's address in its VPC.
+    pub fn private_ipv4(&self) -> Option<String> {
+        self.networks
+            .v4
+            .iter()
+            .find(|n| n.kind == "private" && !n.ip_address.is_empty())
             .map(|n| n.ip_address.clone())
     }
 
@@ -185,6 +198,14 @@ impl ImageRef {
     }
 }
 
+/// A login SSH key of a new Droplet: its numeric id or its fingerprint.
+#[derive(Clone, Debug, PartialEq, Eq, Hash, Serialize)]
+#[serde(untagged)]
+pub enum SshKeyRef {
+    Id(u64),
+    Fingerprint(String),
+}
+
 /// The body of `POST /v2/droplets`.
 #[derive(Clone, Serialize)]
 pub struct CreateDroplet {
@@ -192,6 +213,13 @@ pub struct CreateDroplet {
     pub region: String,
     pub size: String,
     pub image: ImageRef,
+    /// The VPC to place the Droplet in; without it DigitalOcean uses the region's default VPC.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub vpc_uuid: Option<String>,
+    pub ipv6: bool,
+    pub monitoring: bool,
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub ssh_keys: Vec<SshKeyRef>,
     pub user_data: String,
     pub tags: Vec<String>,
 }
@@ -204,9 +232,91 @@ impl std::fmt::Debug for CreateDroplet {
             .field("region", &self.region)
             .field("size", &self.size)
             .field("image", &self.image)
+            .field("vpc_uuid", &self.vpc_uuid)
+            .field("ipv6", &self.ipv6)
+            .field("monitoring", &self.monitoring)
+            .field("ssh_keys", &self.ssh_keys)
             .field("tags", &self.tags)
             .finish_non_exhaustive()
     }
+}
+
+/// `GET /v2/account`: the fields a check reports.
+#[derive(Clone, Debug, Default, Deserialize)]
+pub struct Account {
+    #[serde(default)]
+    pub uuid: String,
+    #[serde(default)]
+    pub status: String,
+    #[serde(default)]
+    pub status_message: String,
+    #[serde(default)]
+    pub droplet_limit: u64,
+}
+
+/// One region of `GET /v2/regions`.
+#[derive(Clone, Debug, Default, Deserialize)]
+pub struct Region {
+    pub slug: String,
+    #[serde(default)]
+    pub available: bool,
+    #[serde(default)]
+    pub sizes: Vec<String>,
+}
+
+/// An image: public distribution image, snapshot, custom image or backup.
+#[derive(Clone, Debug, Default, Deserialize)]
+pub struct Image {
+    pub id: i64,
+    #[serde(default)]
+    pub name: String,
+    #[serde(default)]
+    pub slug: Option<String>,
+    #[serde(default, rename = "type")]
+    pub kind: String,
+    #[serde(default)]
+    pub regions: Vec<String>,
+    #[serde(default)]
+    pub status: String,
+    #[serde(default)]
+    pub public: bool,
+    #[serde(default)]
+    pub created_at: String,
+}
+
+/// A VPC network.
+#[derive(Clone, Debug, Default, Deserialize)]
+pub struct Vpc {
+    pub id: String,
+    #[serde(default)]
+    pub name: String,
+    #[serde(default)]
+    pub region: String,
+    #[serde(default)]
+    pub ip_range: String,
+}
+
+/// An SSH key of the account.
+#[derive(Clone, Debug, Default, Deserialize)]
+pub struct SshKey {
+    pub id: u64,
+    #[serde(default)]
+    pub name: String,
+    #[serde(default)]
+    pub fingerprint: String,
+}
+
+/// A cloud firewall: it applies to the Droplets it names and to every Droplet with one of its
+/// tags.
+#[derive(Clone, Debug, Default, Deserialize)]
+pub struct Firewall {
+    pub id: String,
+    #[serde(default)]
+    pub name: String,
+    #[serde(default)]
+    pub tags: Vec<String>,
+    #[serde(default)]
+    pub status: String,
 }
 
 #[derive(Deserialize)]
@@ -483,6 +593,148 @@ impl ApiClient {
         })
         .await?;
         Ok(all)
+    }
+
+    /// Every item under `key` of the paged listing at `path` (with `query`), all pages.
+    async fn list_all<T: DeserializeOwned>(
+        &self,
+        endpoint: &'static str,
+        path: &str,
+        query: &[(&str, &str)],
+        key: &'static str,
+        deadline: Instant,
+    ) -> Result<Vec<T>, ApiError> {
+        let mut url = self.url(path);
+        {
+            let mut pairs = url.query_pairs_mut();
+            for (k, v) in query {
+                pairs.append_pair(k, v);
+            }
+            pairs.append_pair("per_page", &PER_PAGE.to_string());
+        }
+        let mut all = Vec::new();
+        self.paginate(endpoint, url, deadline, |bytes| {
+            let mut page: serde_json::Value = Self::decode(endpoint, bytes)?;
+            let items = page.get_mut(key).map(serde_json::Value::take);
+            let items: Vec<T> = match items {
+                None | Some(serde_json::Value::Null) => Vec::new(),
+                Some(items) => serde_json::from_value(items).map_err(|e| ApiError::Decode {
+                    endpoint,
+                    message: e.to_string(),
+                })?,
+            };
+            all.extend(items);
+            let links: Links = page
+                .get_mut("links")
+                .map(serde_json::Value::take)
+                .and_then(|l| serde_json::from_value(l).ok())
+                .unwrap_or_default();
+            Ok(links.pages.next)
+        })
+        .await?;
+        Ok(all)
+    }
+
+    /// One object under `key` at `/v2/{segments...}` (each segment path-escaped).
+    async fn get_one<T: DeserializeOwned>(
+        &self,
+        endpoint: &'static str,
+        segments: &[&str],
+        key: &'static str,
+        deadline: Instant,
+    ) -> Result<T, ApiError> {
+        let mut url = self.url("/v2");
+        url.path_segments_mut()
+            .map_err(|()| ApiError::BadLink("base URL cannot carry a path".into()))?
+            .extend(segments);
+        let (_, bytes) = self
+            .call(endpoint, Method::GET, url, None, deadline)
+            .await?;
+        let mut doc: serde_json::Value = Self::decode(endpoint, &bytes)?;
+        let item = doc
+            .get_mut(key)
+            .map(serde_json::Value::take)
+            .unwrap_or_default();
+        serde_json::from_value(item).map_err(|e| ApiError::Decode {
+            endpoint,
+            message: e.to_string(),
+        })
+    }
+
+    /// `GET /v2/account`: also proves the token works.
+    pub async fn get_account(&self, deadline: Instant) -> Result<Account, ApiError> {
+        self.get_one("GET /v2/account", &["account"], "account", deadline)
+            .await
+    }
+
+    pub async fn list_regions(&self, deadline: Instant) -> Result<Vec<Region>, ApiError> {
+        self.list_all("GET /v2/regions", "/v2/regions", &[], "regions", deadline)
+            .await
+    }
+
+    /// `GET /v2/images/{id or slug}`.
+    pub async fn get_image(&self, id_or_slug: &str, deadline: Instant) -> Result<Image, ApiError> {
+        self.get_one(
+            "GET /v2/images/{image}",
+            &["images", id_or_slug],
+            "image",
+            deadline,
+        )
+        .await
+    }
+
+    /// The account's own images (snapshots, custom images, backups), all pages.
+    pub async fn list_private_images(&self, deadline: Instant) -> Result<Vec<Image>, ApiError> {
+        self.list_all(
+            "GET /v2/images",
+            "/v2/images",
+            &[("private", "true")],
+            "images",
+            deadline,
+        )
+        .await
+    }
+
+    pub async fn get_vpc(&self, id: &str, deadline: Instant) -> Result<Vpc, ApiError> {
+        self.get_one("GET /v2/vpcs/{id}", &["vpcs", id], "vpc", deadline)
+            .await
+    }
+
+    /// `GET /v2/account/keys/{id or fingerprint}`.
+    pub async fn get_ssh_key(
+        &self,
+        id_or_fingerprint: &str,
+        deadline: Instant,
+    ) -> Result<SshKey, ApiError> {
+        self.get_one(
+            "GET /v2/account/keys/{key}",
+            &["account", "keys", id_or_fingerprint],
+            "ssh_key",
+            deadline,
+        )
+        .await
+    }
+
+    pub async fn list_ssh_keys(&self, deadline: Instant) -> Result<Vec<SshKey>, ApiError> {
+        self.list_all(
+            "GET /v2/account/keys",
+            "/v2/account/keys",
+            &[],
+            "ssh_keys",
+            deadline,
+        )
+        .await
+    }
+
+    pub async fn list_firewalls(&self, deadline: Instant) -> Result<Vec<Firewall>, ApiError> {
+        self.list_all(
+            "GET /v2/firewalls",
+            "/v2/firewalls",
+            &[],
+            "firewalls",
+            deadline,
+        )
+        .await
     }
 
     /// Fetches `first`, then every `links.pages.next` until there is none. A next link is

@@ -1,9 +1,9 @@
 //! The `digitalocean` command line: every flag of the reference provider with its default and
 //! environment variable, plus this provider's additions (see docs/digitalocean/configuration.md).
 
-use clap::Parser;
+use clap::{ArgAction, Parser};
 use provider_core::cli::Command;
-use provider_core::config::{BackendChoice, CommonArgs, Secret, choose_backend};
+use provider_core::config::{BackendChoice, CommonArgs, Secret, choose_backend, go_bool};
 
 /// BigFleet capacity provider for DigitalOcean Droplets.
 #[derive(Parser, Debug, Clone)]
@@ -97,6 +97,64 @@ pub struct Cli {
         value_name = "SECRET"
     )]
     pub bootstrap_secret: Secret,
+
+    /// VPC (UUID) new Droplets join, unless their offering sets vpc_uuid; without it, the
+    /// region's default VPC. Checked to exist in --region at startup.
+    #[arg(
+        long = "vpc-uuid",
+        env = "DIGITALOCEAN_VPC_UUID",
+        default_value = "",
+        value_name = "UUID"
+    )]
+    pub vpc_uuid: String,
+
+    /// Extra tag on every new Droplet (repeatable or comma-separated; an offering's tags add to
+    /// these). Cloud firewalls select Droplets by tag. The provider's own tags are reserved.
+    #[arg(
+        long = "tag",
+        env = "DIGITALOCEAN_TAGS",
+        value_delimiter = ',',
+        value_name = "TAG"
+    )]
+    pub tags: Vec<String>,
+
+    /// Give new Droplets a public IPv6 address, unless their offering sets ipv6.
+    #[arg(long, default_value = "false", value_parser = go_bool, num_args = 0..=1, require_equals = true, default_missing_value = "true", action = ArgAction::Set)]
+    pub ipv6: bool,
+
+    /// Install the DigitalOcean monitoring agent on new Droplets, unless their offering sets
+    /// monitoring.
+    #[arg(long, default_value = "false", value_parser = go_bool, num_args = 0..=1, require_equals = true, default_missing_value = "true", action = ArgAction::Set)]
+    pub monitoring: bool,
+
+    /// Login SSH key of the account added to new Droplets for operators: id, fingerprint or
+    /// name (repeatable or comma-separated); an offering's ssh_keys replace these.
+    #[arg(
+        long = "login-ssh-key",
+        env = "DIGITALOCEAN_SSH_KEYS",
+        value_delimiter = ',',
+        value_name = "KEY"
+    )]
+    pub login_ssh_keys: Vec<String>,
+}
+
+impl Cli {
+    /// The global Droplet settings, defaults of every offering.
+    pub fn droplet_defaults(&self) -> digitalocean::profile::Defaults {
+        digitalocean::profile::Defaults {
+            image: self.common.image.clone(),
+            vpc_uuid: self.vpc_uuid.trim().to_owned(),
+            tags: self.tags.iter().map(|t| t.trim().to_owned()).collect(),
+            ipv6: self.ipv6,
+            monitoring: self.monitoring,
+            ssh_keys: self
+                .login_ssh_keys
+                .iter()
+                .map(|k| k.trim().to_owned())
+                .filter(|k| !k.is_empty())
+                .collect(),
+        }
+    }
 }
 
 /// Backend selection: `auto` picks DigitalOcean only when a token and `--region` are set.
@@ -137,6 +195,29 @@ mod tests {
         assert_eq!(cli.common.seed_count, 32);
         assert_eq!(cli.common.drain_timeout.as_secs(), 900);
         assert!(cli.bootstrap_ca.is_empty());
+        assert!(cli.vpc_uuid.is_empty() && cli.tags.is_empty() && cli.login_ssh_keys.is_empty());
+        assert!(!cli.ipv6 && !cli.monitoring);
+    }
+
+    #[test]
+    fn droplet_flags() {
+        let cli = parse(&[
+            "--image=node-snap",
+            "--vpc-uuid=5a4981aa-9653-4bd1-bef5-d6bff52042e4",
+            "--tag=k8s,pool",
+            "--tag",
+            "edge",
+            "--ipv6",
+            "--monitoring=false",
+            "--login-ssh-key=512189",
+            "--login-ssh-key=ops laptop",
+        ]);
+        let d = cli.droplet_defaults();
+        assert_eq!(d.image, "node-snap");
+        assert_eq!(d.vpc_uuid, "5a4981aa-9653-4bd1-bef5-d6bff52042e4");
+        assert_eq!(d.tags, ["k8s", "pool", "edge"]);
+        assert!(d.ipv6 && !d.monitoring);
+        assert_eq!(d.ssh_keys, ["512189", "ops laptop"]);
     }
 
     #[test]

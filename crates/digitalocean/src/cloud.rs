@@ -24,6 +24,7 @@ use crate::naming::{
     CLUSTER_TAG_PREFIX, MACHINE_TAG_PREFIX, MANAGED_TAG, cluster_tag, decode_tag, droplet_name,
     machine_tag, provider_tag,
 };
+use crate::profile::DropletProfile;
 
 /// Where the on-host agent finds the provider; written into every Droplet's user_data.
 #[derive(Clone, Debug)]
@@ -44,7 +45,11 @@ pub struct CloudSettings {
     pub provider: String,
     /// `--region`: the only region this instance creates in and reads from.
     pub region: String,
+    /// The image of a size without a profile.
     pub image: ImageRef,
+    /// What a Create of each offered size sends (image, VPC, tags, IPv6, monitoring, login
+    /// keys), resolved at startup; a size without one gets `image` and nothing else.
+    pub profiles: HashMap<String, DropletProfile>,
     /// `--base-user-data` contents, merged before the agent's cloud-config. Operators keep
     /// join secrets there, so it prints as `[redacted]` and is zeroed on drop.
     pub base_user_data: Option<Secret>,
@@ -72,6 +77,7 @@ impl CloudSettings {
             provider,
             region,
             image,
+            profiles: HashMap::new(),
             base_user_data: base_user_data.map(Secret::new),
             agent,
             active_poll: Duration::from_secs(5),
@@ -79,6 +85,20 @@ impl CloudSettings {
             sizes_ttl: Duration::from_secs(60),
             create_backoff: Backoff::default(),
         }
+    }
+
+    /// The same settings with a resolved profile per size.
+    pub fn with_profiles(mut self, profiles: HashMap<String, DropletProfile>) -> CloudSettings {
+        self.profiles = profiles;
+        self
+    }
+
+    /// What a Create of `size` sends.
+    pub fn profile(&self, size: &str) -> DropletProfile {
+        self.profiles
+            .get(size)
+            .cloned()
+            .unwrap_or_else(|| DropletProfile::with_image(self.image.clone()))
     }
 }
 
@@ -174,17 +194,24 @@ impl DigitalOceanCloud {
             ));
         }
         let size = &machine.instance_type;
+        let profile = self.settings.profile(size);
+        let mut tags = vec![
+            MANAGED_TAG.to_owned(),
+            machine_tag(&machine.id),
+            self.provider_tag.clone(),
+        ];
+        tags.extend(profile.tags);
         let request = CreateDroplet {
             name: droplet_name(&machine.id),
             region: self.settings.region.clone(),
             size: size.clone(),
-            image: self.settings.image.clone(),
+            image: profile.image,
+            vpc_uuid: profile.vpc_uuid,
+            ipv6: profile.ipv6,
+            monitoring: profile.monitoring,
+            ssh_keys: profile.ssh_keys,
             user_data: self.user_data(&machine.id),
-            tags: vec![
-                MANAGED_TAG.to_owned(),
-                machine_tag(&machine.id),
-                self.provider_tag.clone(),
-            ],
+            tags,
         };
         let backoff = self.settings.create_backoff;
         let mut attempt = 0;

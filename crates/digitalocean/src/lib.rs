@@ -6,9 +6,11 @@ pub mod agent;
 pub mod api;
 pub mod catalog;
 pub mod channel;
+pub mod check;
 pub mod cloud;
 pub mod naming;
 pub mod pin;
+pub mod profile;
 pub mod setup;
 pub mod token;
 

@@ -9,8 +9,10 @@ use std::sync::Arc;
 
 use clap::Parser;
 use digitalocean::catalog;
+use digitalocean::profile::{self, Wanted};
 use provider_core::StringMap;
 use provider_core::app::{self, Launch, SideServer};
+use provider_core::check;
 use provider_core::cloud::Cloud;
 use provider_core::config::listen_addr;
 use provider_core::fake::{FakeCloud, FakeCloudProfile};
@@ -30,7 +32,29 @@ pub const RULES: OfferingRules = OfferingRules {
     metal_message: "capacity_type \"{}\" is not a DigitalOcean Droplet substrate (on-demand only)",
 };
 
-fn load_offerings(cli: &Cli, mode: Mode) -> Result<Vec<Offering>, String> {
+/// The offerings with each one's Droplet settings, checked offline.
+fn load_offerings(cli: &Cli, mode: Mode) -> Result<(Vec<Offering>, Vec<Wanted>), String> {
+    let offerings = load_offering_list(cli, mode)?;
+    let fields = if cli.common.offerings.is_empty() {
+        Vec::new()
+    } else {
+        let path = Path::new(&cli.common.offerings);
+        let text = std::fs::read_to_string(path)
+            .map_err(|e| format!("read offerings {}: {e}", path.display()))?;
+        profile::offering_fields(&text)
+            .map_err(|e| format!("parse offerings {}: {e}", path.display()))?
+    };
+    let wanted = profile::plan(
+        &offerings,
+        &fields,
+        &cli.droplet_defaults(),
+        mode == Mode::Real,
+    )
+    .map_err(|e| format!("digitalocean: {e}"))?;
+    Ok((offerings, wanted))
+}
+
+fn load_offering_list(cli: &Cli, mode: Mode) -> Result<Vec<Offering>, String> {
     let offerings = if cli.common.offerings.is_empty() {
         // One process serves one region: with the real backend the default mix lives in
         // --region only, so no advertised slot is uncreatable.
@@ -72,6 +96,25 @@ fn load_offerings(cli: &Cli, mode: Mode) -> Result<Vec<Offering>, String> {
     Ok(offerings)
 }
 
+fn real_flags(cli: &Cli, base_user_data: Option<String>) -> digitalocean::RealFlags {
+    digitalocean::RealFlags {
+        provider: cli.provider.clone(),
+        token: zeroize::Zeroizing::new(cli.token.expose().to_owned()),
+        region: cli.region.clone(),
+        image: cli.common.image.clone(),
+        api_url: cli.do_api_url.clone(),
+        base_user_data,
+        bootstrap_addr: cli.bootstrap_addr.clone(),
+        bootstrap_endpoint: cli.bootstrap_endpoint.clone(),
+        bootstrap_tls_cert: cli.bootstrap_tls_cert.clone(),
+        bootstrap_tls_key: cli.bootstrap_tls_key.clone(),
+        bootstrap_ca: cli.bootstrap_ca.clone(),
+        bootstrap_secret: zeroize::Zeroizing::new(cli.bootstrap_secret.expose().to_owned()),
+        bootstrap_max_connections: cli.bootstrap_max_connections as usize,
+        bootstrap_max_connections_per_address: cli.bootstrap_max_connections_per_address as usize,
+    }
+}
+
 fn no_extra_labels(_size: &str) -> StringMap {
     StringMap::new()
 }
@@ -79,7 +122,7 @@ fn no_extra_labels(_size: &str) -> StringMap {
 async fn launch(cli: Cli) -> Result<(), String> {
     let mode = cli::resolve_mode(&cli)?;
     let telemetry = Telemetry::new("bigfleet_digitalocean");
-    let offerings = load_offerings(&cli, mode)?;
+    let (offerings, wanted) = load_offerings(&cli, mode)?;
     let offering_count = offerings.len();
     let prices = Arc::new(PriceBook::new(|size, _region| {
         catalog::pinned_price_usd(size)
@@ -102,24 +145,10 @@ async fn launch(cli: Cli) -> Result<(), String> {
             }))
         }
         Mode::Real => {
-            let flags = digitalocean::RealFlags {
-                provider: cli.provider.clone(),
-                token: zeroize::Zeroizing::new(cli.token.expose().to_owned()),
-                region: cli.region.clone(),
-                image: cli.common.image.clone(),
-                api_url: cli.do_api_url.clone(),
-                base_user_data: cli.common.read_base_user_data()?,
-                bootstrap_addr: cli.bootstrap_addr.clone(),
-                bootstrap_endpoint: cli.bootstrap_endpoint.clone(),
-                bootstrap_tls_cert: cli.bootstrap_tls_cert.clone(),
-                bootstrap_tls_key: cli.bootstrap_tls_key.clone(),
-                bootstrap_ca: cli.bootstrap_ca.clone(),
-                bootstrap_secret: zeroize::Zeroizing::new(cli.bootstrap_secret.expose().to_owned()),
-                bootstrap_max_connections: cli.bootstrap_max_connections as usize,
-                bootstrap_max_connections_per_address: cli.bootstrap_max_connections_per_address
-                    as usize,
-            };
-            let real = digitalocean::build_real(&flags, telemetry)?;
+            let flags = real_flags(&cli, cli.common.read_base_user_data()?);
+            let real = digitalocean::build_real(&flags, telemetry)?
+                .resolve(&wanted)
+                .await?;
             let channel = real.channel.clone();
             let addr = real.bootstrap_addr.clone();
             side_servers.push(Box::new(move |stop| {
@@ -184,7 +213,69 @@ async fn launch(cli: Cli) -> Result<(), String> {
     .await
 }
 
+/// `digitalocean check [--json] <serving flags>`: every check, read-only, one line each.
+fn check_entry(cli: Cli, options: check::CheckOptions) -> ExitCode {
+    let common = cli.common.clone();
+    check::entry("digitalocean", &common, options, |mut report| async move {
+        let outcome = run_checks(&cli, &mut report).await;
+        (report, outcome)
+    })
+}
+
+async fn run_checks(cli: &Cli, report: &mut check::Report) -> Result<(), String> {
+    check::common_checks(report, &cli.common);
+    if cli.region.is_empty() {
+        report.problem("--region", "not set (one process serves one region)");
+    } else {
+        report.ok("--region", cli.region.clone());
+    }
+    report.progress("offerings");
+    let wanted = match load_offerings(cli, Mode::Real) {
+        Ok((offerings, wanted)) => {
+            let what = if cli.common.offerings.is_empty() {
+                "the default mix".to_owned()
+            } else {
+                cli.common.offerings.clone()
+            };
+            report.ok(
+                "--offerings",
+                format!("{what}: {} offerings, settings valid", offerings.len()),
+            );
+            wanted
+        }
+        Err(e) => {
+            report.problem("--offerings", e);
+            Vec::new()
+        }
+    };
+    let flags = real_flags(cli, None);
+    digitalocean::check::bootstrap_checks(report, &flags);
+    let base = match digitalocean::api::parse_base_url(&cli.do_api_url) {
+        Ok(base) => base,
+        Err(e) => {
+            report.problem("--do-api-url", e);
+            return Ok(());
+        }
+    };
+    let Some(token) = digitalocean::api::ApiToken::new(cli.token.expose()) else {
+        report.problem("token", "not set (--token or DIGITALOCEAN_TOKEN)");
+        return Ok(());
+    };
+    let api = digitalocean::api::ApiClient::new(
+        base,
+        token,
+        provider_core::retry::Backoff::default(),
+        Telemetry::new("bigfleet_digitalocean_check"),
+    )?;
+    let deadline = tokio::time::Instant::now() + digitalocean::setup::STARTUP_CHECK_BUDGET;
+    digitalocean::check::api_checks(report, &api, &wanted, &cli.provider, deadline).await;
+    Ok(())
+}
+
 fn main() -> ExitCode {
+    if let Some((options, args)) = check::split_args(std::env::args_os()) {
+        return check_entry(Cli::parse_from(args), options);
+    }
     let cli = Cli::parse();
     let (common, command) = (cli.common.clone(), cli.command.clone());
     app::main_entry("digitalocean", &common, command, || launch(cli))

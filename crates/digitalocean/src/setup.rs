@@ -16,6 +16,7 @@ use crate::api::{ApiClient, ApiToken, ImageRef, parse_base_url};
 use crate::channel::{AuthLimit, Channel, ChannelLimits, ChannelSettings, DEFAULT_POLL_HOLD};
 use crate::cloud::{AgentProvisioning, CloudSettings, DigitalOceanCloud};
 use crate::pin::Pin;
+use crate::profile::Wanted;
 use crate::token::BootstrapSecret;
 use zeroize::Zeroizing;
 
@@ -63,6 +64,36 @@ pub struct RealBackend {
     /// The bootstrap channel: bind `bootstrap_addr` and run [`Channel::serve`].
     pub channel: Channel,
     pub bootstrap_addr: String,
+    /// The API client the cloud uses.
+    pub api: ApiClient,
+    settings: CloudSettings,
+    telemetry: Telemetry,
+}
+
+/// How long the startup checks may take, retries included.
+pub const STARTUP_CHECK_BUDGET: std::time::Duration = std::time::Duration::from_secs(60);
+
+impl RealBackend {
+    /// Runs the cheap checks against the API before anything is bound: the token works, every
+    /// offering's size is sold in its region with a price, and every image, VPC and login SSH
+    /// key resolves. The cloud is rebuilt with the resolved settings, so a Create sends them
+    /// without another lookup.
+    pub async fn resolve(self, wanted: &[Wanted]) -> Result<RealBackend, String> {
+        let deadline = tokio::time::Instant::now() + STARTUP_CHECK_BUDGET;
+        let profiles = crate::check::startup(&self.api, wanted, deadline).await?;
+        let settings = self.settings.with_profiles(profiles);
+        let cloud = Arc::new(DigitalOceanCloud::new(
+            self.api.clone(),
+            self.channel.clone(),
+            settings.clone(),
+            self.telemetry,
+        ));
+        Ok(RealBackend {
+            cloud,
+            settings,
+            ..self
+        })
+    }
 }
 
 /// Shorter bootstrap secrets are accepted (the reference accepts any) but warned about.
@@ -157,15 +188,18 @@ pub fn build_real(flags: &RealFlags, telemetry: Telemetry) -> Result<RealBackend
         },
     );
     let cloud = Arc::new(DigitalOceanCloud::new(
-        api,
+        api.clone(),
         channel.clone(),
-        settings,
+        settings.clone(),
         telemetry,
     ));
     Ok(RealBackend {
         cloud,
         channel,
         bootstrap_addr: flags.bootstrap_addr.clone(),
+        api,
+        settings,
+        telemetry,
     })
 }
 

@@ -5,7 +5,13 @@
 //! a create whose response is lost after the Droplet exists, Droplets that take a while to
 //! become `active`, bad pagination links, small pages, listings during which a listed Droplet
 //! is deleted (later Droplets move up a page), oversized answers and out-of-band deletion.
+//! The resources a Droplet refers to (account, regions, images and snapshots, VPCs, SSH keys,
+//! cloud firewalls) live in [`resources`]; every create body is recorded as sent.
 //! Loopback only.
+
+mod resources;
+
+pub use resources::{EmulatedFirewall, EmulatedImage, EmulatedKey, EmulatedVpc};
 
 use std::collections::{BTreeMap, BTreeSet, VecDeque};
 use std::net::SocketAddr;
@@ -45,6 +51,14 @@ pub struct EmulatedDroplet {
     pub tags: Vec<String>,
     pub status: String,
     pub public_ipv4: String,
+    /// The VPC the Droplet is in (the region's default VPC unless the create named one).
+    pub vpc_uuid: String,
+    pub private_ipv4: String,
+    /// Set when the create asked for IPv6.
+    pub public_ipv6: Option<String>,
+    pub monitoring: bool,
+    /// Ids of the SSH keys the create named (by id or fingerprint).
+    pub ssh_key_ids: Vec<u64>,
     /// GETs of this Droplet still answered with `new` before it turns `active`.
     polls_left: u32,
     created_at: String,
@@ -84,6 +98,14 @@ struct EmulatorState {
     knobs: Knobs,
     create_requests: u32,
     requests: Vec<String>,
+    images: Vec<EmulatedImage>,
+    vpcs: Vec<EmulatedVpc>,
+    ssh_keys: Vec<EmulatedKey>,
+    firewalls: Vec<EmulatedFirewall>,
+    create_bodies: Vec<Value>,
+    next_image: u64,
+    next_key: u64,
+    next_uuid: u64,
 }
 
 /// The emulator: clone it freely; all clones share one state.
@@ -189,19 +211,29 @@ fn valid_name(name: &str) -> bool {
 impl Emulator {
     /// An empty account whose API accepts `token`.
     pub fn new(token: &str) -> Emulator {
+        let mut state = EmulatorState {
+            token: token.to_owned(),
+            next_droplet: 400_000_001,
+            next_action: 2_000_000_001,
+            droplets: BTreeMap::new(),
+            tags: BTreeSet::new(),
+            sizes: default_sizes(),
+            actions: Vec::new(),
+            knobs: Knobs::default(),
+            create_requests: 0,
+            requests: Vec::new(),
+            images: Vec::new(),
+            vpcs: Vec::new(),
+            ssh_keys: Vec::new(),
+            firewalls: Vec::new(),
+            create_bodies: Vec::new(),
+            next_image: 160_000_000,
+            next_key: 41_000_000,
+            next_uuid: 0,
+        };
+        resources::fresh(&mut state);
         Emulator {
-            state: Arc::new(Mutex::new(EmulatorState {
-                token: token.to_owned(),
-                next_droplet: 400_000_001,
-                next_action: 2_000_000_001,
-                droplets: BTreeMap::new(),
-                tags: BTreeSet::new(),
-                sizes: default_sizes(),
-                actions: Vec::new(),
-                knobs: Knobs::default(),
-                create_requests: 0,
-                requests: Vec::new(),
-            })),
+            state: Arc::new(Mutex::new(state)),
         }
     }
 
@@ -267,6 +299,10 @@ impl Emulator {
         for t in tags {
             state.tags.insert((*t).to_owned());
         }
+        let vpc_uuid = state
+            .default_vpc(region)
+            .map(|v| v.id.clone())
+            .unwrap_or_default();
         state.droplets.insert(
             id,
             EmulatedDroplet {
@@ -279,6 +315,11 @@ impl Emulator {
                 tags: tags.iter().map(|t| (*t).to_owned()).collect(),
                 status: "active".into(),
                 public_ipv4: format!("192.0.2.{}", id % 250 + 1),
+                vpc_uuid,
+                private_ipv4: format!("10.0.0.{}", id % 250 + 2),
+                public_ipv6: None,
+                monitoring: false,
+                ssh_key_ids: Vec::new(),
                 polls_left: 0,
                 created_at: now_rfc3339(),
             },
@@ -320,12 +361,29 @@ impl Emulator {
                 post(tag_resources).delete(untag_resources),
             )
             .route("/v2/sizes", get(list_sizes))
+            .route("/v2/account", get(resources::get_account))
+            .route("/v2/account/keys", get(resources::list_keys))
+            .route("/v2/account/keys/{key}", get(resources::get_key))
+            .route("/v2/regions", get(resources::list_regions))
+            .route("/v2/images", get(resources::list_images))
+            .route("/v2/images/{key}", get(resources::get_image))
+            .route("/v2/snapshots", get(resources::list_snapshots))
+            .route("/v2/snapshots/{id}", get(resources::get_snapshot))
+            .route("/v2/vpcs", get(resources::list_vpcs))
+            .route("/v2/vpcs/{id}", get(resources::get_vpc))
+            .route("/v2/firewalls", get(resources::list_firewalls))
+            .route("/v2/firewalls/{id}", get(resources::get_firewall))
             .layer(axum::middleware::from_fn_with_state(self.clone(), gate));
         let admin = Router::new()
             .route("/_emulator/droplets", get(admin_droplets))
             .route("/_emulator/droplets/{id}", delete(admin_delete))
             .route("/_emulator/faults", post(admin_faults))
-            .route("/_emulator/stats", get(admin_stats));
+            .route("/_emulator/stats", get(admin_stats))
+            .route("/_emulator/seed", post(resources::admin_seed))
+            .route(
+                "/_emulator/create-requests",
+                get(resources::admin_create_requests),
+            );
         api.merge(admin).with_state(self.clone())
     }
 
@@ -456,19 +514,31 @@ fn size_json(s: &EmulatedSize) -> Value {
 fn droplet_json(state: &EmulatorState, d: &EmulatedDroplet) -> Value {
     let size = state.sizes.iter().find(|s| s.slug == d.size);
     let (vcpus, memory, disk) = size.map_or((1, 1024, 25), |s| (s.vcpus, s.memory_mb, s.disk_gb));
-    let image = match &d.image {
-        Value::Number(n) => {
-            json!({ "id": n, "name": "snapshot", "distribution": "Unknown", "slug": null, "public": false, "regions": [d.region], "type": "snapshot" })
-        }
-        slug => {
-            json!({ "id": 191_457_505, "name": "24.04 (LTS) x64", "distribution": "Ubuntu", "slug": slug, "public": true, "regions": REGIONS, "type": "base" })
-        }
+    let found = match &d.image {
+        Value::Number(n) => n.as_u64().and_then(|id| state.image_by_id(id)),
+        Value::String(slug) => state.image_by_slug(slug),
+        _ => None,
     };
-    let public = if d.status == "new" {
-        json!([])
+    let image = found.map_or(Value::Null, resources::image_json);
+    let (v4, v6) = if d.status == "new" {
+        (json!([]), json!([]))
     } else {
-        json!([{ "ip_address": d.public_ipv4, "netmask": "255.255.255.0", "gateway": "192.0.2.254", "type": "public" }])
+        let v4 = json!([
+            { "ip_address": d.private_ipv4, "netmask": "255.255.240.0", "gateway": "nil", "type": "private" },
+            { "ip_address": d.public_ipv4, "netmask": "255.255.255.0", "gateway": "192.0.2.254", "type": "public" }
+        ]);
+        let v6 = d.public_ipv6.as_ref().map_or(json!([]), |ip| {
+            json!([{ "ip_address": ip, "netmask": 64, "gateway": "2001:db8:0:d0::1", "type": "public" }])
+        });
+        (v4, v6)
     };
+    let mut features = vec!["droplet_agent", "private_networking"];
+    if d.public_ipv6.is_some() {
+        features.push("ipv6");
+    }
+    if d.monitoring {
+        features.push("monitoring");
+    }
     json!({
         "id": d.id,
         "name": d.name,
@@ -479,7 +549,7 @@ fn droplet_json(state: &EmulatorState, d: &EmulatedDroplet) -> Value {
         "status": d.status,
         "kernel": null,
         "created_at": d.created_at,
-        "features": ["droplet_agent", "private_networking"],
+        "features": features,
         "backup_ids": [],
         "next_backup_window": null,
         "snapshot_ids": [],
@@ -488,8 +558,8 @@ fn droplet_json(state: &EmulatorState, d: &EmulatedDroplet) -> Value {
         "size": size.map(size_json).unwrap_or(Value::Null),
         "size_slug": d.size,
         "networks": {
-            "v4": public,
-            "v6": []
+            "v4": v4,
+            "v6": v6
         },
         "region": {
             "name": d.region.to_uppercase(),
@@ -499,7 +569,7 @@ fn droplet_json(state: &EmulatorState, d: &EmulatedDroplet) -> Value {
             "sizes": state.sizes.iter().map(|s| s.slug).collect::<Vec<_>>()
         },
         "tags": d.tags,
-        "vpc_uuid": "5a4981aa-9653-4bd1-bef5-d6bff52042e4"
+        "vpc_uuid": d.vpc_uuid
     })
 }
 
@@ -583,14 +653,109 @@ struct CreateBody {
     user_data: String,
     #[serde(default)]
     tags: Vec<String>,
+    #[serde(default)]
+    vpc_uuid: Option<String>,
+    #[serde(default)]
+    ipv6: bool,
+    #[serde(default)]
+    monitoring: bool,
+    #[serde(default)]
+    ssh_keys: Vec<Value>,
+}
+
+/// What a valid create resolves to besides its plain fields.
+struct Placement {
+    vpc: EmulatedVpc,
+    ssh_key_ids: Vec<u64>,
+}
+
+/// Checks image, VPC and SSH keys of a create against the account, with the API's answers.
+fn place(
+    state: &EmulatorState,
+    body: &CreateBody,
+    region: &str,
+    image: &Value,
+) -> Result<Placement, String> {
+    if !REGIONS.contains(&region) {
+        return Err("You specified an invalid region for Droplet creation.".into());
+    }
+    if !state
+        .sizes
+        .iter()
+        .any(|s| Some(s.slug) == body.size.as_deref())
+    {
+        return Err("You specified an invalid size for Droplet creation.".into());
+    }
+    let found = match image {
+        Value::Number(n) => n.as_u64().and_then(|id| state.image_by_id(id)),
+        Value::String(slug) => state.image_by_slug(slug),
+        _ => None,
+    };
+    let Some(found) = found else {
+        return Err("You specified an invalid image for Droplet creation.".into());
+    };
+    if !found.regions.iter().any(|r| r == region) {
+        return Err(format!(
+            "The image {} is not available in the region {region}.",
+            found.id
+        ));
+    }
+    let vpc = match body.vpc_uuid.as_deref() {
+        None | Some("") => state.default_vpc(region).cloned(),
+        Some(id) => {
+            let vpc = state
+                .vpc(id)
+                .ok_or_else(|| format!("The VPC {id} could not be found."))?;
+            if vpc.region != region {
+                return Err(format!(
+                    "The VPC {id} is in {}, not in the Droplet's region {region}.",
+                    vpc.region
+                ));
+            }
+            Some(vpc.clone())
+        }
+    };
+    let vpc = vpc.ok_or_else(|| format!("No default VPC in {region}."))?;
+    let mut ssh_key_ids = Vec::new();
+    for key in &body.ssh_keys {
+        let text = match key {
+            Value::Number(n) => n.to_string(),
+            Value::String(s) => s.clone(),
+            other => {
+                return Err(format!(
+                    "ssh_keys: {other} is neither an id nor a fingerprint"
+                ));
+            }
+        };
+        let k = state
+            .key(&text)
+            .ok_or_else(|| format!("You specified an invalid SSH key: {text}."))?;
+        ssh_key_ids.push(k.id);
+    }
+    Ok(Placement { vpc, ssh_key_ids })
+}
+
+/// The address of host `n` in a VPC's IPv4 range (`a.b.c.d/len`).
+fn private_address(ip_range: &str, n: u64) -> String {
+    let base = ip_range
+        .split('/')
+        .next()
+        .and_then(|a| a.parse::<std::net::Ipv4Addr>().ok())
+        .unwrap_or(std::net::Ipv4Addr::new(10, 0, 0, 0));
+    let host = u32::from(base) + 2 + (n % 250) as u32;
+    std::net::Ipv4Addr::from(host).to_string()
 }
 
 async fn create_droplet(
     State(emu): State<Emulator>,
     Extension(kill): Extension<ConnectionKill>,
-    body: Result<Json<CreateBody>, axum::extract::rejection::JsonRejection>,
+    raw: axum::body::Bytes,
 ) -> Response {
-    let Ok(Json(body)) = body else {
+    let parsed = serde_json::from_slice::<Value>(&raw).ok();
+    if let Some(value) = &parsed {
+        lock(&emu.state).create_bodies.push(value.clone());
+    }
+    let Some(Ok(body)) = parsed.map(serde_json::from_value::<CreateBody>) else {
         return api_error(
             StatusCode::BAD_REQUEST,
             "bad_request",
@@ -599,9 +764,12 @@ async fn create_droplet(
     };
     let unprocessable =
         |m: &str| api_error(StatusCode::UNPROCESSABLE_ENTITY, "unprocessable_entity", m);
-    let (Some(name), Some(region), Some(size), Some(image)) =
-        (body.name, body.region, body.size, body.image)
-    else {
+    let (Some(name), Some(region), Some(size), Some(image)) = (
+        body.name.clone(),
+        body.region.clone(),
+        body.size.clone(),
+        body.image.clone(),
+    ) else {
         return unprocessable("name, region, size and image are required");
     };
     if !valid_name(&name) {
@@ -615,12 +783,7 @@ async fn create_droplet(
     }
     let created = (|| {
         let mut state = lock(&emu.state);
-        if !REGIONS.contains(&region.as_str()) {
-            return Err("You specified an invalid region for Droplet creation.");
-        }
-        if !state.sizes.iter().any(|s| s.slug == size) {
-            return Err("You specified an invalid size for Droplet creation.");
-        }
+        let placement = place(&state, &body, &region, &image)?;
         let id = state.next_droplet;
         state.next_droplet += 1;
         let action_id = state.next_action;
@@ -643,6 +806,13 @@ async fn create_droplet(
                 "new".into()
             },
             public_ipv4: format!("192.0.2.{}", id % 250 + 1),
+            private_ipv4: private_address(&placement.vpc.ip_range, id),
+            vpc_uuid: placement.vpc.id,
+            public_ipv6: body
+                .ipv6
+                .then(|| format!("2001:db8:0:d0::{:x}", id % 0xffff + 2)),
+            monitoring: body.monitoring,
+            ssh_key_ids: placement.ssh_key_ids,
             polls_left,
             created_at: now_rfc3339(),
         };
@@ -653,16 +823,17 @@ async fn create_droplet(
         let mut view = droplet_json(&state, &droplet);
         view["status"] = json!("new");
         view["networks"]["v4"] = json!([]);
+        view["networks"]["v6"] = json!([]);
         state.droplets.insert(id, droplet);
         let lose_response = state.knobs.drop_create_responses > 0;
         if lose_response {
             state.knobs.drop_create_responses -= 1;
         }
-        Ok((view, action_id, lose_response))
+        Ok::<_, String>((view, action_id, lose_response))
     })();
     let (view, action_id, lose_response) = match created {
         Ok(created) => created,
-        Err(message) => return unprocessable(message),
+        Err(message) => return unprocessable(&message),
     };
     if lose_response {
         kill.0.cancel();

@@ -28,8 +28,8 @@ use super::provider_process::{self, Provider, Spec};
 use super::wire::{self, Caller, ClientSecurity, Shard, acked, state_of};
 
 pub(super) const TOKEN: &str = "dop_v1_e2e_api_token_0123456789";
-const SECRET: &str = "e2e-bootstrap-secret-0123456789abcdef";
-const REGION: &str = "nyc3";
+pub(super) const SECRET: &str = "e2e-bootstrap-secret-0123456789abcdef";
+pub(super) const REGION: &str = "nyc3";
 const OFFERINGS: &str = r#"[
   {"size": "s-2vcpu-4gb", "region": "nyc3", "count": 2, "resources": {"cpu": "2", "memory": "4Gi"}},
   {"size": "s-1vcpu-2gb", "region": "nyc3", "count": 1, "resources": {"cpu": "1", "memory": "2Gi"}}
@@ -38,7 +38,7 @@ const CLUSTER: &str = "e2e-do-cluster";
 /// The join blob, with bytes that are not UTF-8, to check it arrives byte for byte.
 const BLOB: &[u8] = b"kubeadm join 10.0.0.1:6443 --token e2e.doblob\n\x00\xff\xfe\x01";
 /// How long a real-backend transition may take (emulator round trips, agent long-poll).
-const SETTLE: Duration = Duration::from_secs(15);
+pub(super) const SETTLE: Duration = Duration::from_secs(15);
 /// How many bootstrap ports to try when the one picked was taken meanwhile.
 const BOOTSTRAP_PORT_ATTEMPTS: usize = 3;
 
@@ -127,7 +127,7 @@ pub(super) fn backend_args(api: SocketAddr, bootstrap: u16, offerings: &Path) ->
     ]
 }
 
-fn spec(root: &Path, api: SocketAddr, bootstrap: u16, offerings: &Path) -> Spec {
+fn spec(root: &Path, api: SocketAddr, bootstrap: u16, offerings: &Path, extra: &[String]) -> Spec {
     let pki = wire::pki_dir(root);
     let pem = |name: &str| pki.join(name).display().to_string();
     Spec {
@@ -147,6 +147,7 @@ fn spec(root: &Path, api: SocketAddr, bootstrap: u16, offerings: &Path) -> Spec 
                 "--shutdown-grace=5s".into(),
                 "--log-level=info".into(),
             ])
+            .chain(extra.iter().cloned())
             .collect(),
         metrics: true,
         security: ClientSecurity::Mtls,
@@ -154,12 +155,18 @@ fn spec(root: &Path, api: SocketAddr, bootstrap: u16, offerings: &Path) -> Spec 
     }
 }
 
-/// Starts the provider; a bootstrap port lost to another process gets a fresh pick.
-async fn start_provider(root: &Path, api: SocketAddr, offerings: &Path) -> Result<Provider> {
+/// Starts the provider with `extra` flags; a bootstrap port lost to another process gets a
+/// fresh pick.
+pub(super) async fn start_provider(
+    root: &Path,
+    api: SocketAddr,
+    offerings: &Path,
+    extra: &[String],
+) -> Result<Provider> {
     let mut last = None;
     for _ in 0..BOOTSTRAP_PORT_ATTEMPTS {
         let bootstrap = provider_process::free_port()?;
-        match provider_process::start(spec(root, api, bootstrap, offerings)).await {
+        match provider_process::start(spec(root, api, bootstrap, offerings, extra)).await {
             Ok(provider) => return Ok(provider),
             Err(e)
                 if format!("{e:#}")
@@ -269,7 +276,7 @@ pub(super) fn start_agent(root: &Path, dir: &Path, config: &Value) -> Result<Pro
 }
 
 /// Polls `check` until it yields a value or `within` passes.
-async fn eventually<T>(
+pub(super) async fn eventually<T>(
     within: Duration,
     what: &str,
     mut check: impl FnMut() -> Result<Option<T>>,
@@ -304,7 +311,7 @@ pub(crate) async fn run(root: &Path) -> Result<()> {
 }
 
 async fn exercise(root: &Path, api: SocketAddr, dir: &Path, offerings: &Path) -> Result<()> {
-    let mut provider = start_provider(root, api, offerings).await?;
+    let mut provider = start_provider(root, api, offerings, &[]).await?;
     let mut agent: Option<Process> = None;
     let result = walk(root, &provider, api, dir, &mut agent).await;
     let agent_log = agent.as_ref().map(Process::logs).unwrap_or_default();

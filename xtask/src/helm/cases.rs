@@ -84,6 +84,11 @@ pub(super) const CHARTS: [Chart; 2] = [
             "bootstrap-tls-cert",
             "bootstrap-tls-key",
             "bootstrap-ca",
+            "vpc-uuid",
+            "tag",
+            "ipv6",
+            "monitoring",
+            "login-ssh-key",
         ],
         path_flags: &[
             "offerings",
@@ -110,6 +115,24 @@ pub(super) struct Refusal {
 }
 
 pub(super) const REFUSALS: &[Refusal] = &[
+    Refusal {
+        chart: "digitalocean",
+        what: "a VPC UUID that is not one",
+        values: "digitalocean:\n  vpcUUID: prod-vpc\n",
+        message: "vpcUUID",
+    },
+    Refusal {
+        chart: "digitalocean",
+        what: "a tag DigitalOcean refuses",
+        values: "digitalocean:\n  tags: [\"k8s node\"]\n",
+        message: "tags",
+    },
+    Refusal {
+        chart: "digitalocean",
+        what: "a tag reserved for the provider's own",
+        values: "digitalocean:\n  tags: [bigfleet-managed]\n",
+        message: "is reserved for the provider's own tags",
+    },
     Refusal {
         chart: "digitalocean",
         what: "bootstrap channel without an endpoint",

@@ -10,4 +10,5 @@ mod channel;
 mod cloud;
 mod lifecycle;
 mod pin;
+mod production;
 mod support;

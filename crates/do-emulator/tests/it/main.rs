@@ -227,3 +227,154 @@ async fn fault_knobs_through_the_admin_endpoints() {
         .unwrap();
     assert_eq!(stats["create_requests"], 1);
 }
+
+#[tokio::test]
+async fn images_vpcs_keys_firewalls_and_create_bodies() {
+    let (emulator, base, _stop) = start().await;
+    let http = reqwest::Client::new();
+    let get = |path: &str| {
+        let request = http.get(format!("{base}{path}")).bearer_auth(TOKEN);
+        async move {
+            let r = request.send().await.unwrap();
+            (r.status().as_u16(), r.json::<Value>().await.unwrap())
+        }
+    };
+    let snapshot = emulator.add_snapshot("node-snap", &["nyc3"]);
+    let vpc = emulator.add_vpc("prod", "nyc3", "10.40.0.0/20");
+    let (key_id, fingerprint) = emulator.add_ssh_key("ops");
+    emulator.add_firewall("k8s", &["k8s-node"]);
+
+    let (status, body) = get("/v2/account").await;
+    assert_eq!(
+        (status, body["account"]["status"].clone()),
+        (200, json!("active"))
+    );
+    let (_, body) = get("/v2/images/ubuntu-24-04-x64").await;
+    assert_eq!(body["image"]["slug"], "ubuntu-24-04-x64");
+    assert_eq!(body["image"]["public"], true);
+    let (_, body) = get(&format!("/v2/images/{snapshot}")).await;
+    assert_eq!(body["image"]["type"], "snapshot");
+    assert_eq!(body["image"]["regions"], json!(["nyc3"]));
+    let (status, body) = get("/v2/images/no-such-slug").await;
+    assert_eq!((status, body["id"].clone()), (404, json!("not_found")));
+    let (_, body) = get("/v2/images?private=true").await;
+    assert_eq!(body["images"].as_array().unwrap().len(), 1);
+    assert_eq!(body["images"][0]["name"], "node-snap");
+    let (_, body) = get("/v2/snapshots?resource_type=droplet").await;
+    assert_eq!(body["snapshots"][0]["id"], json!(snapshot.to_string()));
+    let (_, body) = get(&format!("/v2/vpcs/{vpc}")).await;
+    assert_eq!(body["vpc"]["region"], "nyc3");
+    assert_eq!(body["vpc"]["ip_range"], "10.40.0.0/20");
+    let (status, _) = get("/v2/vpcs/00000000-0000-4000-8000-000000000000").await;
+    assert_eq!(status, 404);
+    let (_, body) = get("/v2/vpcs").await;
+    assert_eq!(
+        body["meta"]["total"], 9,
+        "a default VPC per region plus ours"
+    );
+    let (_, body) = get(&format!("/v2/account/keys/{key_id}")).await;
+    assert_eq!(body["ssh_key"]["fingerprint"], json!(fingerprint));
+    let (_, body) = get(&format!("/v2/account/keys/{fingerprint}")).await;
+    assert_eq!(body["ssh_key"]["id"], key_id);
+    let (status, _) = get("/v2/account/keys/1").await;
+    assert_eq!(status, 404);
+    let (_, body) = get("/v2/firewalls").await;
+    assert_eq!(body["firewalls"][0]["tags"], json!(["k8s-node"]));
+    let (_, body) = get("/v2/regions").await;
+    assert!(
+        body["regions"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .any(|r| r["slug"] == "nyc3")
+    );
+
+    // A create with every field is recorded as sent and shapes the Droplet.
+    let create = json!({
+        "name": "prod-1", "region": "nyc3", "size": "s-2vcpu-4gb", "image": snapshot,
+        "vpc_uuid": vpc, "ipv6": true, "monitoring": true, "ssh_keys": [key_id, fingerprint],
+        "tags": ["k8s-node"], "user_data": "#cloud-config\n"
+    });
+    let r = http
+        .post(format!("{base}/v2/droplets"))
+        .bearer_auth(TOKEN)
+        .json(&create)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 202);
+    assert_eq!(emulator.create_bodies(), vec![create.clone()]);
+    let id = r.json::<Value>().await.unwrap()["droplet"]["id"]
+        .as_u64()
+        .unwrap();
+    let (_, body) = get(&format!("/v2/droplets/{id}")).await;
+    let d = &body["droplet"];
+    assert_eq!(d["vpc_uuid"], json!(vpc));
+    assert_eq!(d["image"]["id"], snapshot);
+    let v4 = d["networks"]["v4"].as_array().unwrap();
+    assert!(v4.iter().any(
+        |n| n["type"] == "private" && n["ip_address"].as_str().unwrap().starts_with("10.40.0.")
+    ));
+    assert!(v4.iter().any(|n| n["type"] == "public"));
+    assert_eq!(d["networks"]["v6"][0]["type"], "public");
+    assert!(
+        d["features"]
+            .as_array()
+            .unwrap()
+            .contains(&json!("monitoring"))
+    );
+    let (_, recorded) = get("/_emulator/create-requests").await;
+    assert_eq!(recorded["requests"][0], create);
+
+    // Each refused reference is a 422 unprocessable_entity.
+    let other = emulator.add_vpc("ams", "ams3", "10.50.0.0/20");
+    let elsewhere = emulator.add_snapshot("sfo", &["sfo3"]);
+    for (field, value) in [
+        ("image", json!("no-such-slug")),
+        ("image", json!(elsewhere)),
+        ("vpc_uuid", json!(other)),
+        ("vpc_uuid", json!("00000000-0000-4000-8000-000000000000")),
+        ("ssh_keys", json!([1])),
+    ] {
+        let mut body = create.clone();
+        body[field] = value.clone();
+        let r = http
+            .post(format!("{base}/v2/droplets"))
+            .bearer_auth(TOKEN)
+            .json(&body)
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(r.status(), 422, "{field} {value}");
+        assert_eq!(
+            r.json::<Value>().await.unwrap()["id"],
+            "unprocessable_entity"
+        );
+    }
+
+    // The admin seed makes the same resources for a separate process.
+    let r = http
+        .post(format!("{base}/_emulator/seed"))
+        .json(&json!({
+            "vpcs": [{"name": "seeded", "region": "nyc3", "ip_range": "10.60.0.0/20"}],
+            "snapshots": [{"name": "seeded-snap", "regions": ["nyc3"]}],
+            "ssh_keys": ["seeded-key"],
+            "firewalls": [{"name": "seeded-fw", "tags": ["x"]}]
+        }))
+        .send()
+        .await
+        .unwrap();
+    let seeded: Value = r.json().await.unwrap();
+    let (status, _) = get(&format!(
+        "/v2/vpcs/{}",
+        seeded["vpcs"][0]["id"].as_str().unwrap()
+    ))
+    .await;
+    assert_eq!(status, 200);
+    let (status, _) = get(&format!(
+        "/v2/account/keys/{}",
+        seeded["ssh_keys"][0]["fingerprint"].as_str().unwrap()
+    ))
+    .await;
+    assert_eq!(status, 200);
+}
