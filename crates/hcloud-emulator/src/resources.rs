@@ -24,8 +24,8 @@ use axum::routing::{get, post};
 use hcloud::models;
 
 use crate::{
-    Emulator, LabelSelector, Shared, World, check_labels, error, gate, lock, now_rfc3339,
-    paginate, query_string, record_status,
+    Emulator, LabelSelector, Shared, World, check_labels, error, gate, lock, now_rfc3339, paginate,
+    query_string, record_status,
 };
 
 /// Servers per spread placement group on the real API.
@@ -45,16 +45,15 @@ fn subnet(ip_range: &str, gateway: &str) -> models::SubnetWithGateway {
 }
 
 pub(crate) fn fixture_networks() -> Vec<models::Network> {
-    let network = |id: i64, name: &str, range: &str, sub: models::SubnetWithGateway| {
-        models::Network {
+    let network =
+        |id: i64, name: &str, range: &str, sub: models::SubnetWithGateway| models::Network {
             id,
             name: name.into(),
             ip_range: range.into(),
             subnets: vec![sub],
             created: "2024-01-01T00:00:00+00:00".into(),
             ..Default::default()
-        }
-    };
+        };
     vec![
         network(
             9001,
@@ -90,7 +89,10 @@ pub(crate) fn fixture_ssh_keys() -> Vec<models::SshKey> {
         .map(|(id, name)| models::SshKey {
             id,
             name: name.into(),
-            fingerprint: format!("b7:2f:30:a0:2f:6c:58:6c:21:04:58:61:ba:06:3b:{:02x}", id % 256),
+            fingerprint: format!(
+                "b7:2f:30:a0:2f:6c:58:6c:21:04:58:61:ba:06:3b:{:02x}",
+                id % 256
+            ),
             public_key: format!("ssh-ed25519 AAAAC3NzaC1lZDI1NTE5AAAAI{id} {name}"),
             created: "2024-01-01T00:00:00+00:00".into(),
             ..Default::default()
@@ -239,7 +241,10 @@ pub(crate) fn detach_server(w: &mut World, id: i64) {
     }
 }
 
-fn parse_selector(world: &Shared, q: &HashMap<String, String>) -> Result<Option<LabelSelector>, Response> {
+fn parse_selector(
+    world: &Shared,
+    q: &HashMap<String, String>,
+) -> Result<Option<LabelSelector>, Response> {
     q.get("label_selector")
         .map(|s| LabelSelector::parse(s))
         .transpose()
@@ -255,7 +260,11 @@ fn parse_selector(world: &Shared, q: &HashMap<String, String>) -> Result<Option<
 
 fn not_found(world: &Shared, what: &str) -> Response {
     record_status(world, StatusCode::NOT_FOUND);
-    error(StatusCode::NOT_FOUND, "not_found", &format!("{what} not found"))
+    error(
+        StatusCode::NOT_FOUND,
+        "not_found",
+        &format!("{what} not found"),
+    )
 }
 
 async fn list_firewalls(
@@ -368,7 +377,13 @@ async fn list_placement_groups(
     headers: HeaderMap,
     Query(q): Query<HashMap<String, String>>,
 ) -> Response {
-    if let Err(r) = gate(&world, &headers, "GET", "/placement_groups", &query_string(&q)) {
+    if let Err(r) = gate(
+        &world,
+        &headers,
+        "GET",
+        "/placement_groups",
+        &query_string(&q),
+    ) {
         return r;
     }
     let selector = match parse_selector(&world, &q) {
@@ -401,7 +416,13 @@ async fn get_placement_group(
     headers: HeaderMap,
     Path(id): Path<i64>,
 ) -> Response {
-    if let Err(r) = gate(&world, &headers, "GET", &format!("/placement_groups/{id}"), "") {
+    if let Err(r) = gate(
+        &world,
+        &headers,
+        "GET",
+        &format!("/placement_groups/{id}"),
+        "",
+    ) {
         return r;
     }
     let found = lock(&world).placement_groups.get(&id).cloned();
@@ -479,7 +500,13 @@ async fn delete_placement_group(
     headers: HeaderMap,
     Path(id): Path<i64>,
 ) -> Response {
-    if let Err(r) = gate(&world, &headers, "DELETE", &format!("/placement_groups/{id}"), "") {
+    if let Err(r) = gate(
+        &world,
+        &headers,
+        "DELETE",
+        &format!("/placement_groups/{id}"),
+        "",
+    ) {
         return r;
     }
     let mut w = lock(&world);
@@ -637,7 +664,11 @@ impl Emulator {
 
     /// Every placement group.
     pub fn placement_groups(&self) -> Vec<models::PlacementGroup> {
-        lock(&self.world).placement_groups.values().cloned().collect()
+        lock(&self.world)
+            .placement_groups
+            .values()
+            .cloned()
+            .collect()
     }
 
     /// Adds a placement group behind the provider's back (another owner's); returns its id.
