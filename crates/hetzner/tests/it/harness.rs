@@ -269,6 +269,18 @@ impl Env {
         .unwrap()
     }
 
+    /// Moves the reserved SSH port to the IPv6 loopback `[::1]` (same port number).
+    pub async fn listen_on_ipv6(&mut self) {
+        let port = self
+            .ssh_listener
+            .as_ref()
+            .expect("the reserved SSH port")
+            .local_addr()
+            .unwrap()
+            .port();
+        self.ssh_listener = Some(TcpListener::bind(("::1", port)).await.unwrap());
+    }
+
     /// Closes the reserved SSH port: connections are refused from now on.
     pub fn refuse_ssh(&mut self) {
         self.ssh_listener.take();
