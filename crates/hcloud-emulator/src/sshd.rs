@@ -468,6 +468,20 @@ impl Sshd {
         )
     }
 
+    /// [`Sshd::for_emulator`] with the client key as an OpenSSH public-key line
+    /// (`ssh-ed25519 AAAA... comment`).
+    pub fn for_emulator_openssh(
+        listener: TcpListener,
+        emulator: Emulator,
+        base: PathBuf,
+        authorized: &str,
+        user: &str,
+    ) -> std::io::Result<Sshd> {
+        let authorized = PublicKey::from_openssh(authorized.trim())
+            .map_err(|e| std::io::Error::new(std::io::ErrorKind::InvalidInput, e.to_string()))?;
+        Sshd::for_emulator(listener, emulator, base, authorized, user)
+    }
+
     pub fn addr(&self) -> std::net::SocketAddr {
         self.addr
     }

@@ -318,7 +318,11 @@ async fn production_resources_round_trip_through_the_generated_client() {
     let mut ids: Vec<i64> = images.iter().map(|i| i.id).collect();
     ids.sort();
     assert_eq!(ids, vec![3001, 3002]);
-    assert!(images.iter().all(|i| i.r#type == models::image::Type::Snapshot));
+    assert!(
+        images
+            .iter()
+            .all(|i| i.r#type == models::image::Type::Snapshot)
+    );
     // Firewalls and SSH keys by name and id.
     let fw = firewalls_api::list_firewalls(
         &c,
@@ -352,22 +356,44 @@ async fn production_resources_round_trip_through_the_generated_client() {
     .placement_group;
     let mut request = create_request("pg-1", "cx22", &[]);
     request.create_server_request.placement_group = Some(group.id);
-    request.create_server_request.firewalls =
-        Some(vec![models::CreateServerRequestFirewalls { firewall: 7001 }]);
+    request.create_server_request.firewalls = Some(vec![models::CreateServerRequestFirewalls {
+        firewall: 7001,
+    }]);
     request.create_server_request.ssh_keys = Some(vec!["ops-alice".into(), "5002".into()]);
     request.create_server_request.networks = Some(vec![9002]);
-    request.create_server_request.public_net = Some(Box::new(models::CreateServerRequestPublicNet {
-        enable_ipv4: Some(false),
-        enable_ipv6: Some(true),
-        ipv4: None,
-        ipv6: None,
-    }));
-    let server = servers_api::create_server(&c, request).await.unwrap().server;
+    request.create_server_request.public_net =
+        Some(Box::new(models::CreateServerRequestPublicNet {
+            enable_ipv4: Some(false),
+            enable_ipv6: Some(true),
+            ipv4: None,
+            ipv6: None,
+        }));
+    let server = servers_api::create_server(&c, request)
+        .await
+        .unwrap()
+        .server;
     assert!(server.public_net.ipv4.is_none());
-    assert!(server.public_net.ipv6.as_ref().unwrap().ip.ends_with("::/64"));
-    assert_eq!(server.public_net.firewalls.as_ref().unwrap()[0].id, Some(7001));
+    assert!(
+        server
+            .public_net
+            .ipv6
+            .as_ref()
+            .unwrap()
+            .ip
+            .ends_with("::/64")
+    );
     assert_eq!(
-        server.placement_group.as_ref().unwrap().as_ref().unwrap().id,
+        server.public_net.firewalls.as_ref().unwrap()[0].id,
+        Some(7001)
+    );
+    assert_eq!(
+        server
+            .placement_group
+            .as_ref()
+            .unwrap()
+            .as_ref()
+            .unwrap()
+            .id,
         group.id
     );
     assert_eq!(emulator.create_bodies()[0]["ssh_keys"][1], "5002");
@@ -376,7 +402,11 @@ async fn production_resources_round_trip_through_the_generated_client() {
     match servers_api::create_server(&c, second).await {
         Err(Error::ResponseError(r)) => {
             assert_eq!(r.status.as_u16(), 422);
-            assert!(r.content.contains(hcloud_emulator::GROUP_FULL), "{}", r.content);
+            assert!(
+                r.content.contains(hcloud_emulator::GROUP_FULL),
+                "{}",
+                r.content
+            );
         }
         other => panic!("want the full-group error, got {other:?}"),
     }
@@ -395,7 +425,11 @@ async fn production_resources_round_trip_through_the_generated_client() {
     .await
     .unwrap();
     let stored = emulator.server(server.id).unwrap();
-    let mgmt = stored.private_net.iter().find(|p| p.network == Some(9001)).unwrap();
+    let mgmt = stored
+        .private_net
+        .iter()
+        .find(|p| p.network == Some(9001))
+        .unwrap();
     assert!(mgmt.ip.as_deref().unwrap().starts_with("10.0.1."));
     // A group with a server cannot go; an empty one can.
     assert!(
