@@ -84,6 +84,7 @@ pub struct Cli {
     #[arg(
         long = "network",
         env = "HCLOUD_NETWORK",
+        hide_env_values = true,
         value_delimiter = ',',
         value_name = "NETWORK[=SUBNET]"
     )]
@@ -94,17 +95,18 @@ pub struct Cli {
     #[arg(
         long = "firewall",
         env = "HCLOUD_FIREWALL",
+        hide_env_values = true,
         value_delimiter = ',',
         value_name = "FIREWALL"
     )]
     pub firewall: Vec<String>,
 
     /// Give new servers a public IPv4 (Hetzner bills it).
-    #[arg(long = "public-ipv4", env = "HCLOUD_PUBLIC_IPV4", default_value = "true", value_parser = go_bool, num_args = 0..=1, require_equals = true, default_missing_value = "true", action = ArgAction::Set, value_name = "BOOL")]
+    #[arg(long = "public-ipv4", env = "HCLOUD_PUBLIC_IPV4", hide_env_values = true, default_value = "true", value_parser = go_bool, num_args = 0..=1, require_equals = true, default_missing_value = "true", action = ArgAction::Set, value_name = "BOOL")]
     pub public_ipv4: bool,
 
     /// Give new servers a public IPv6 network.
-    #[arg(long = "public-ipv6", env = "HCLOUD_PUBLIC_IPV6", default_value = "true", value_parser = go_bool, num_args = 0..=1, require_equals = true, default_missing_value = "true", action = ArgAction::Set, value_name = "BOOL")]
+    #[arg(long = "public-ipv6", env = "HCLOUD_PUBLIC_IPV6", hide_env_values = true, default_value = "true", value_parser = go_bool, num_args = 0..=1, require_equals = true, default_missing_value = "true", action = ArgAction::Set, value_name = "BOOL")]
     pub public_ipv6: bool,
 
     /// Server address SSH connects to: public (its public IPv4), private (its address on the
@@ -131,6 +133,7 @@ pub struct Cli {
     #[arg(
         long = "login-ssh-key",
         env = "HCLOUD_SSH_KEY",
+        hide_env_values = true,
         value_delimiter = ',',
         value_name = "KEY"
     )]
