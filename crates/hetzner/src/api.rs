@@ -590,7 +590,8 @@ impl HcloudApi {
     }
 
     /// A resource by numeric id (`GET /<kind>/{id}`, 404 is `None`) or else by name
-    /// (`GET /<kind>?name=`); `pick` takes the resource out of either answer.
+    /// (`GET /<kind>?name=`); `one` and `many` take the resource out of either answer.
+    #[allow(clippy::too_many_arguments)]
     async fn by_name_or_id<G: DeserializeOwned, L: DeserializeOwned, T>(
         &self,
         endpoints: (&'static str, &'static str),

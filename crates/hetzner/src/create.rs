@@ -183,8 +183,6 @@ impl HetznerCloud {
         Ok(live.into_iter().next())
     }
 
-    /// The id of `--network`, resolved once (by id or by name).
-
     async fn wait_running(
         &self,
         id: i64,
