@@ -23,6 +23,7 @@
 mod alerts_live;
 mod digitalocean_production;
 mod digitalocean_real;
+mod hetzner_production;
 mod hetzner_real;
 pub(crate) mod provider_process;
 pub(crate) mod wire;
@@ -133,6 +134,14 @@ async fn real_backend_runs(root: &Path) -> Result<()> {
         .context("e2e FAILED for hetzner (real backend against hcloud-emulator)")?;
     println!(
         "e2e: hetzner on its real backend against hcloud-emulator: ok ({:.1?})",
+        step.elapsed()
+    );
+    let step = Instant::now();
+    hetzner_production::run(root)
+        .await
+        .context("e2e FAILED for hetzner (production-shaped servers against hcloud-emulator)")?;
+    println!(
+        "e2e: hetzner production-shaped servers against hcloud-emulator: ok ({:.1?})",
         step.elapsed()
     );
     let step = Instant::now();

@@ -1,7 +1,10 @@
 //! A local, stateful emulator of the Hetzner Cloud API (the subset a capacity provider uses),
 //! for tests and `cargo xtask e2e`: servers with labels and label selectors, server types with
 //! per-location prices, images per architecture, locations, private networks, actions,
-//! pagination, Hetzner-style error bodies and bearer-token auth. Every response is built from
+//! pagination, Hetzner-style error bodies and bearer-token auth; the resources a
+//! production-shaped server refers to (networks and subnets, firewalls, SSH keys, labelled
+//! snapshots, spread placement groups with their server limit, `public_net` switches) live in
+//! `resources`, and every create request body is recorded as received. Every response is built from
 //! `hcloud::models` types, so the real client parses it exactly as it parses Hetzner's.
 //!
 //! Test knobs ([`Emulator`] methods): 429 storms with `Retry-After` or `RateLimit-Reset`,
@@ -32,10 +35,12 @@ use axum::routing::get;
 use hcloud::models;
 use tokio::net::TcpListener;
 
+mod resources;
 mod selector;
 pub mod sshd;
 
-pub use sshd::{HostKeySource, Observed, Root, Sshd, SshdSetup};
+pub use resources::{GROUP_FULL, SPREAD_GROUP_LIMIT, snapshot};
+pub use sshd::{HostKeySource, Observed, Root, Sshd, SshdSetup, first_address};
 
 pub use selector::{LabelSelector, SelectorError};
 
@@ -94,6 +99,14 @@ struct World {
     images: Vec<models::Image>,
     locations: Vec<models::Location>,
     networks: Vec<models::Network>,
+    firewalls: Vec<models::Firewall>,
+    ssh_keys: Vec<models::SshKey>,
+    placement_groups: BTreeMap<i64, models::PlacementGroup>,
+    /// Servers a spread placement group holds at most (Hetzner: 10).
+    placement_limit: usize,
+    /// The JSON bodies of every `POST /servers`, in order, as received.
+    create_bodies: Vec<serde_json::Value>,
+    new_server_ipv6_net: Option<String>,
     faults: VecDeque<Fault>,
     create_faults: VecDeque<CreateFault>,
     polls_to_running: u32,
@@ -182,6 +195,14 @@ impl World {
                     price("nbg1", *eur),
                     price("hel1", *eur * 0.9),
                 ],
+                locations: locations
+                    .iter()
+                    .map(|l| models::ServerTypeLocation {
+                        id: l.id,
+                        name: l.name.clone(),
+                        deprecation: None,
+                    })
+                    .collect(),
                 ..Default::default()
             })
             .collect();
@@ -203,18 +224,22 @@ impl World {
             next_id: 4_200_001,
             servers: BTreeMap::new(),
             server_types,
-            images: vec![
-                image(161_547_269, models::Architecture::X86),
-                image(161_547_270, models::Architecture::Arm),
-            ],
+            images: {
+                let mut images = vec![
+                    image(161_547_269, models::Architecture::X86),
+                    image(161_547_270, models::Architecture::Arm),
+                ];
+                images.extend(resources::fixture_snapshots());
+                images
+            },
             locations,
-            networks: vec![models::Network {
-                id: 9001,
-                name: "bigfleet-mgmt".into(),
-                ip_range: "10.0.0.0/16".into(),
-                created: "2024-01-01T00:00:00+00:00".into(),
-                ..Default::default()
-            }],
+            networks: resources::fixture_networks(),
+            firewalls: resources::fixture_firewalls(),
+            ssh_keys: resources::fixture_ssh_keys(),
+            placement_groups: BTreeMap::new(),
+            placement_limit: resources::SPREAD_GROUP_LIMIT,
+            create_bodies: Vec::new(),
+            new_server_ipv6_net: None,
             faults: VecDeque::new(),
             create_faults: VecDeque::new(),
             polls_to_running: 0,
@@ -600,6 +625,9 @@ async fn create_server(State(world): State<Shared>, headers: HeaderMap, body: St
         Ok(r) => r,
         Err(e) => return reject(StatusCode::BAD_REQUEST, "json_error", &e.to_string()),
     };
+    if let Ok(raw) = serde_json::from_str::<serde_json::Value>(&body) {
+        lock(&world).create_bodies.push(raw);
+    }
     let labels = request.labels.clone().unwrap_or_default();
     if let Err(r) = check_labels(&labels) {
         record_status(&world, r.status());
@@ -689,6 +717,13 @@ async fn create_server(State(world): State<Shared>, headers: HeaderMap, body: St
                 &format!("network {missing} not found"),
             );
         }
+        let attached = match resources::check_create(&w, &request) {
+            Ok(attached) => attached,
+            Err((status, code, message)) => {
+                drop(w);
+                return reject(status, code, &message);
+            }
+        };
         let id = w.next_id();
         let private_net: Vec<models::ServerPrivateNet> = networks
             .iter()
@@ -712,6 +747,28 @@ async fn create_server(State(world): State<Shared>, headers: HeaderMap, body: St
             .new_server_ipv4
             .clone()
             .unwrap_or_else(|| format!("198.51.100.{}", id % 250 + 1));
+        let ipv6_net = w
+            .new_server_ipv6_net
+            .clone()
+            .unwrap_or_else(|| format!("2001:db8:{:x}::/64", id % 0xffff));
+        let placement_group = attached.placement_group.map(|group| {
+            let stored = w.placement_groups.get_mut(&group).expect("checked above");
+            stored.servers.push(id);
+            Box::new(stored.clone())
+        });
+        let public_firewalls: Vec<models::ServerPublicNetFirewall> = attached
+            .firewalls
+            .iter()
+            .map(|f| models::ServerPublicNetFirewall {
+                id: Some(*f),
+                status: Some(models::server_public_net_firewall::Status::Applied),
+            })
+            .collect();
+        for firewall in &attached.firewalls {
+            if let Some(f) = w.firewalls.iter_mut().find(|k| k.id == *firewall) {
+                f.applied_to.push(resources::applied_to_server(id));
+            }
+        }
         let server = models::Server {
             id,
             name: request.name.clone(),
@@ -724,16 +781,26 @@ async fn create_server(State(world): State<Shared>, headers: HeaderMap, body: St
             primary_disk_size: 40,
             private_net,
             public_net: Box::new(models::ServerPublicNet {
-                ipv4: Some(Box::new(models::Ipv4 {
-                    ip,
-                    dns_ptr: format!("static.{id}.example"),
-                    blocked: false,
-                    id: Some(id + 1_000_000),
-                })),
-                ipv6: None,
+                ipv4: attached.ipv4.then(|| {
+                    Box::new(models::Ipv4 {
+                        ip,
+                        dns_ptr: format!("static.{id}.example"),
+                        blocked: false,
+                        id: Some(id + 1_000_000),
+                    })
+                }),
+                ipv6: attached.ipv6.then(|| {
+                    Box::new(models::Ipv6 {
+                        ip: ipv6_net,
+                        dns_ptr: Some(Vec::new()),
+                        blocked: false,
+                        id: Some(id + 2_000_000),
+                    })
+                }),
                 floating_ips: Vec::new(),
-                firewalls: Some(Vec::new()),
+                firewalls: Some(public_firewalls),
             }),
+            placement_group: Some(placement_group),
             protection: Box::new(models::ServerProtection {
                 delete: false,
                 rebuild: false,
@@ -839,6 +906,12 @@ async fn delete_server(
     }
     let mut w = lock(&world);
     let reads = w.deleting_reads;
+    if !w.servers.contains_key(&id) {
+        drop(w);
+        record_status(&world, StatusCode::NOT_FOUND);
+        return error(StatusCode::NOT_FOUND, "not_found", "server not found");
+    }
+    resources::detach_server(&mut w, id);
     let Some(stored) = w.servers.get_mut(&id) else {
         drop(w);
         record_status(&world, StatusCode::NOT_FOUND);
@@ -892,14 +965,43 @@ async fn list_images(
     if let Err(r) = gate(&world, &headers, "GET", "/images", &query_string(&q)) {
         return r;
     }
+    let selector = match q
+        .get("label_selector")
+        .map(|s| LabelSelector::parse(s))
+        .transpose()
+    {
+        Ok(s) => s,
+        Err(e) => {
+            record_status(&world, StatusCode::BAD_REQUEST);
+            return error(
+                StatusCode::BAD_REQUEST,
+                "invalid_input",
+                &format!("invalid label_selector: {e}"),
+            );
+        }
+    };
     let w = lock(&world);
     let arch = |a: models::Architecture| match a {
         models::Architecture::Arm => "arm",
         models::Architecture::X86 => "x86",
     };
+    let kind = |t: models::image::Type| match t {
+        models::image::Type::System => "system",
+        models::image::Type::App => "app",
+        models::image::Type::Snapshot => "snapshot",
+        models::image::Type::Backup => "backup",
+    };
+    // `type` and `architecture` may repeat or list several values; one must match.
+    let wanted = |key: &str, value: &str| {
+        q.get(key)
+            .is_none_or(|list| list.split(',').any(|v| v.trim() == value))
+    };
     let images: Vec<models::Image> = w
         .images
         .iter()
+        .filter(|i| selector.as_ref().is_none_or(|s| s.matches(&i.labels)))
+        .filter(|i| wanted("type", kind(i.r#type)))
+        .filter(|i| i.status == models::image::Status::Available || q.contains_key("status"))
         .filter(|i| {
             q.get("name")
                 .is_none_or(|n| i.name.as_deref() == Some(n.as_str()))
@@ -1045,6 +1147,7 @@ fn router(world: Shared) -> Router {
         .route("/v1/locations", get(list_locations))
         .route("/v1/networks", get(list_networks))
         .route("/v1/networks/{id}", get(get_network))
+        .merge(resources::routes())
         .fallback(fallback)
         .with_state(world)
 }

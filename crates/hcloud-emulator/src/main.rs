@@ -23,6 +23,15 @@ struct Args {
     /// Public IPv4 given to new servers (e.g. 127.0.0.1 to reach a local SSH server).
     #[arg(long)]
     server_ipv4: Option<String>,
+    /// The address new servers get on the private networks they join (e.g. 127.0.0.1).
+    #[arg(long)]
+    server_private_ip: Option<String>,
+    /// The IPv6 network of new servers (`::/64` gives them the address ::1).
+    #[arg(long)]
+    server_ipv6_net: Option<String>,
+    /// Servers a spread placement group holds at most.
+    #[arg(long, default_value_t = hcloud_emulator::SPREAD_GROUP_LIMIT)]
+    placement_group_limit: usize,
     /// Reads before a new server reports `running`.
     #[arg(long, default_value_t = 1)]
     polls_to_running: u32,
@@ -54,6 +63,13 @@ async fn main() -> anyhow::Result<()> {
     if let Some(ip) = &args.server_ipv4 {
         emulator.set_new_server_ipv4(ip);
     }
+    if let Some(ip) = &args.server_private_ip {
+        emulator.set_new_server_private_ip(ip);
+    }
+    if let Some(net) = &args.server_ipv6_net {
+        emulator.set_new_server_ipv6_net(net);
+    }
+    emulator.set_placement_group_limit(args.placement_group_limit);
     // The line xtask reads to find the endpoint.
     println!("listening on {}", emulator.endpoint());
     let _ssh = match args.ssh_listen {

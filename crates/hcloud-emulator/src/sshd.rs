@@ -14,7 +14,8 @@
 //! - [`Sshd::start`] with [`HostKeySource::Given`] and [`Root::Given`]: one fixed host key and
 //!   one working directory (what the hetzner crate's tests use to stage MITMs and failures);
 //! - [`Sshd::for_emulator`] (what `hcloud-emulator --ssh-listen` runs): a connection is for the
-//!   newest live emulated server whose public IPv4 or private IP is the address it arrived on;
+//!   newest live emulated server whose public IPv4, private IP or first IPv6 address is the
+//!   address it arrived on;
 //!   the server presents the ed25519 host key the provider injected into that server's
 //!   user-data (as cloud-init would install it) and runs commands in a per-server root
 //!   `<base>/<server id>`, seeded with stand-in `bin/kubectl` (appends its arguments to
@@ -121,13 +122,22 @@ pub fn injected_host_key(user_data: &str) -> Option<PrivateKey> {
     PrivateKey::from_openssh(pem).ok()
 }
 
+/// The first host address of an IPv6 network `prefix/len` (`2001:db8::/64` -> `2001:db8::1`),
+/// the address Hetzner configures on a server.
+pub fn first_address(net: &str) -> Option<std::net::Ipv6Addr> {
+    let (prefix, _) = net.split_once('/').unwrap_or((net, ""));
+    let base: std::net::Ipv6Addr = prefix.parse().ok()?;
+    Some(std::net::Ipv6Addr::from(u128::from(base) | 1))
+}
+
 impl Emulator {
     /// The host key the provider injected into `server`'s user-data, if any.
     pub fn injected_host_key(&self, server: i64) -> Option<PrivateKey> {
         injected_host_key(&self.user_data(server)?)
     }
 
-    /// The newest live (not deleting) server reachable at `ip` (public IPv4 or private IP).
+    /// The newest live (not deleting) server reachable at `ip` (public IPv4, private IP, or the
+    /// first address of its IPv6 network).
     pub fn server_at(&self, ip: &str) -> Option<i64> {
         self.servers()
             .into_iter()
@@ -135,6 +145,9 @@ impl Emulator {
             .filter(|s| {
                 s.public_net.ipv4.as_ref().is_some_and(|v4| v4.ip == ip)
                     || s.private_net.iter().any(|n| n.ip.as_deref() == Some(ip))
+                    || s.public_net.ipv6.as_ref().is_some_and(|v6| {
+                        first_address(&v6.ip).is_some_and(|a| Some(a) == ip.parse().ok())
+                    })
             })
             .map(|s| s.id)
             .max()
@@ -453,6 +466,20 @@ impl Sshd {
                 emulator: Some(emulator),
             },
         )
+    }
+
+    /// [`Sshd::for_emulator`] with the client key as an OpenSSH public-key line
+    /// (`ssh-ed25519 AAAA... comment`).
+    pub fn for_emulator_openssh(
+        listener: TcpListener,
+        emulator: Emulator,
+        base: PathBuf,
+        authorized: &str,
+        user: &str,
+    ) -> std::io::Result<Sshd> {
+        let authorized = PublicKey::from_openssh(authorized.trim())
+            .map_err(|e| std::io::Error::new(std::io::ErrorKind::InvalidInput, e.to_string()))?;
+        Sshd::for_emulator(listener, emulator, base, authorized, user)
     }
 
     pub fn addr(&self) -> std::net::SocketAddr {

@@ -589,6 +589,283 @@ impl HcloudApi {
         Ok(response.networks.into_iter().find(|n| n.name == name_or_id))
     }
 
+    /// A resource by numeric id (`GET /<kind>/{id}`, 404 is `None`) or else by name
+    /// (`GET /<kind>?name=`); `one` and `many` take the resource out of either answer.
+    #[allow(clippy::too_many_arguments)]
+    async fn by_name_or_id<G: DeserializeOwned, L: DeserializeOwned, T>(
+        &self,
+        endpoints: (&'static str, &'static str),
+        kind: &str,
+        name_or_id: &str,
+        deadline: Option<Instant>,
+        one: impl Fn(G) -> Option<T>,
+        many: impl Fn(L) -> Vec<T>,
+        name_of: impl Fn(&T) -> &str,
+    ) -> Result<Option<T>, ApiError> {
+        if let Ok(id) = name_or_id.parse::<i64>() {
+            let path = format!("/{kind}/{id}");
+            let result: Result<G, _> = self
+                .call(
+                    endpoints.0,
+                    Method::GET,
+                    &path,
+                    &[],
+                    None,
+                    deadline,
+                    Repeat::Idempotent,
+                )
+                .await;
+            match result {
+                Ok(response) => {
+                    if let Some(found) = one(response) {
+                        return Ok(Some(found));
+                    }
+                }
+                Err(e) if e.status() == Some(404) => {}
+                Err(e) => return Err(e),
+            }
+        }
+        let query = [("name", name_or_id.to_owned())];
+        let response: L = self
+            .call(
+                endpoints.1,
+                Method::GET,
+                &format!("/{kind}"),
+                &query,
+                None,
+                deadline,
+                Repeat::Idempotent,
+            )
+            .await?;
+        Ok(many(response)
+            .into_iter()
+            .find(|t| name_of(t) == name_or_id))
+    }
+
+    /// A firewall by numeric id or by name.
+    pub async fn firewall(
+        &self,
+        name_or_id: &str,
+        deadline: Option<Instant>,
+    ) -> Result<Option<models::Firewall>, ApiError> {
+        self.by_name_or_id(
+            ("GET /firewalls/{id}", "GET /firewalls"),
+            "firewalls",
+            name_or_id,
+            deadline,
+            |r: models::GetFirewallResponse| Some(*r.firewall),
+            |r: models::ListFirewallsResponse| r.firewalls,
+            |f| &f.name,
+        )
+        .await
+    }
+
+    /// An SSH key by numeric id or by name.
+    pub async fn ssh_key(
+        &self,
+        name_or_id: &str,
+        deadline: Option<Instant>,
+    ) -> Result<Option<models::SshKey>, ApiError> {
+        self.by_name_or_id(
+            ("GET /ssh_keys/{id}", "GET /ssh_keys"),
+            "ssh_keys",
+            name_or_id,
+            deadline,
+            |r: models::GetSshKeyResponse| Some(*r.ssh_key),
+            |r: models::ListSshKeysResponse| r.ssh_keys,
+            |k| &k.name,
+        )
+        .await
+    }
+
+    /// Every available image or snapshot matching `selector` built for `architecture`
+    /// (one page of up to 50, newest first as the API sorts them on request).
+    pub async fn images_by_selector(
+        &self,
+        selector: &str,
+        architecture: models::Architecture,
+        deadline: Option<Instant>,
+    ) -> Result<Vec<models::Image>, ApiError> {
+        let arch = match architecture {
+            models::Architecture::Arm => "arm",
+            models::Architecture::X86 => "x86",
+        };
+        let mut images = Vec::new();
+        let mut page = 1;
+        loop {
+            let query = [
+                ("label_selector", selector.to_owned()),
+                ("architecture", arch.to_owned()),
+                ("status", "available".to_owned()),
+                ("page", page.to_string()),
+                ("per_page", PER_PAGE.to_string()),
+            ];
+            let response: models::ListImagesResponse = self
+                .call(
+                    "GET /images",
+                    Method::GET,
+                    "/images",
+                    &query,
+                    None,
+                    deadline,
+                    Repeat::Idempotent,
+                )
+                .await?;
+            images.extend(response.images.into_iter().filter(|i| {
+                i.architecture == architecture && i.status == models::image::Status::Available
+            }));
+            match response.meta.pagination.next_page {
+                Some(next) if next > page => page = next,
+                _ => break,
+            }
+        }
+        Ok(images)
+    }
+
+    /// Every placement group matching `selector`.
+    pub async fn placement_groups(
+        &self,
+        selector: &str,
+        deadline: Option<Instant>,
+    ) -> Result<Vec<models::PlacementGroup>, ApiError> {
+        let mut groups = Vec::new();
+        let mut page = 1;
+        loop {
+            let query = [
+                ("label_selector", selector.to_owned()),
+                ("page", page.to_string()),
+                ("per_page", PER_PAGE.to_string()),
+            ];
+            let response: models::ListPlacementGroupsResponse = self
+                .call(
+                    "GET /placement_groups",
+                    Method::GET,
+                    "/placement_groups",
+                    &query,
+                    None,
+                    deadline,
+                    Repeat::Idempotent,
+                )
+                .await?;
+            groups.extend(response.placement_groups);
+            match response.meta.pagination.next_page {
+                Some(next) if next > page => page = next,
+                Some(next) => {
+                    return Err(ApiError::Decode(format!(
+                        "pagination went backwards (page {page}, next_page {next})"
+                    )));
+                }
+                None => break,
+            }
+        }
+        Ok(groups)
+    }
+
+    /// Creates a spread placement group (a 429 is repeated; a name clash is the caller's).
+    pub async fn create_placement_group(
+        &self,
+        name: &str,
+        labels: HashMap<String, String>,
+        deadline: Option<Instant>,
+    ) -> Result<models::PlacementGroup, ApiError> {
+        let request = models::CreatePlacementgroupRequest {
+            name: name.to_owned(),
+            labels: Some(labels),
+            r#type: models::create_placementgroup_request::Type::Spread,
+        };
+        let body = to_json(&request)?;
+        let response: models::CreatePlacementgroupResponse = self
+            .call(
+                "POST /placement_groups",
+                Method::POST,
+                "/placement_groups",
+                &[],
+                Some(body),
+                deadline,
+                Repeat::RefusedOnly,
+            )
+            .await?;
+        Ok(*response.placement_group)
+    }
+
+    /// Deletes a placement group; one that does not exist counts as deleted.
+    pub async fn delete_placement_group(
+        &self,
+        id: i64,
+        deadline: Option<Instant>,
+    ) -> Result<(), ApiError> {
+        let path = format!("/placement_groups/{id}");
+        let result: Result<serde_json::Value, _> = self
+            .call(
+                "DELETE /placement_groups/{id}",
+                Method::DELETE,
+                &path,
+                &[],
+                None,
+                deadline,
+                Repeat::Idempotent,
+            )
+            .await;
+        match result {
+            Ok(_) => Ok(()),
+            Err(e) if e.status() == Some(404) => Ok(()),
+            Err(e) => Err(e),
+        }
+    }
+
+    /// Attaches a server to a network in the subnet `ip_range`; already attached counts as done.
+    pub async fn attach_to_network(
+        &self,
+        server: i64,
+        network: i64,
+        ip_range: Option<&str>,
+        deadline: Option<Instant>,
+    ) -> Result<(), ApiError> {
+        let request = models::AttachServerToNetworkRequest {
+            network,
+            ip_range: ip_range.map(str::to_owned),
+            ..Default::default()
+        };
+        let body = to_json(&request)?;
+        let path = format!("/servers/{server}/actions/attach_to_network");
+        let result: Result<serde_json::Value, _> = self
+            .call(
+                "POST /servers/{id}/actions/attach_to_network",
+                Method::POST,
+                &path,
+                &[],
+                Some(body),
+                deadline,
+                Repeat::Idempotent,
+            )
+            .await;
+        match result {
+            Ok(_) => Ok(()),
+            Err(e) if e.code() == Some("server_already_attached") => Ok(()),
+            Err(e) => Err(e),
+        }
+    }
+
+    /// Every location (the cheapest read that proves the token works).
+    pub async fn locations(
+        &self,
+        deadline: Option<Instant>,
+    ) -> Result<Vec<models::Location>, ApiError> {
+        let query = [("per_page", PER_PAGE.to_string())];
+        let response: models::ListLocationsResponse = self
+            .call(
+                "GET /locations",
+                Method::GET,
+                "/locations",
+                &query,
+                None,
+                deadline,
+                Repeat::Idempotent,
+            )
+            .await?;
+        Ok(response.locations)
+    }
+
     /// A location by name.
     pub async fn location(
         &self,

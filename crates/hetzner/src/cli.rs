@@ -1,9 +1,9 @@
 //! The `hetzner` command line: every flag of the reference provider with its default and
 //! environment variable, plus this provider's additions (see docs/hetzner/configuration.md).
 
-use clap::Parser;
+use clap::{ArgAction, Parser};
 use provider_core::cli::Command;
-use provider_core::config::{BackendChoice, CommonArgs, Secret, choose_backend};
+use provider_core::config::{BackendChoice, CommonArgs, Secret, choose_backend, go_bool};
 
 /// BigFleet capacity provider for Hetzner Cloud servers.
 #[derive(Parser, Debug, Clone)]
@@ -70,21 +70,74 @@ pub struct Cli {
     #[arg(long = "ssh-user", default_value = "root", value_name = "USER")]
     pub ssh_user: String,
 
-    /// SSH port on the server (its public IPv4, or its --network address with --ssh-address private).
+    /// SSH port on the server (at the address --ssh-address picks).
     #[arg(long = "ssh-port", default_value_t = 22, value_name = "PORT")]
     pub ssh_port: u16,
 
-    /// Hetzner private network (name or id) every new server is attached to; empty for none.
-    #[arg(long = "network", default_value = "", value_name = "NETWORK")]
-    pub network: String,
+    /// Label selector (k=v,k2=v2) picking the image: the newest snapshot or image matching it
+    /// built for the server type's architecture. Replaces --image.
+    #[arg(long = "image-selector", default_value = "", value_name = "SELECTOR")]
+    pub image_selector: String,
 
-    /// Server address SSH connects to: public (its public IPv4) or private (its address on --network).
+    /// Hetzner private network (name or id) new servers join, optionally in one of its subnets
+    /// (NETWORK=10.0.1.0/24). Repeatable or comma-separated; empty for none.
+    #[arg(
+        long = "network",
+        env = "HCLOUD_NETWORK",
+        hide_env_values = true,
+        value_delimiter = ',',
+        value_name = "NETWORK[=SUBNET]"
+    )]
+    pub network: Vec<String>,
+
+    /// Hetzner firewall (name or id) applied to new servers at create. Repeatable or
+    /// comma-separated.
+    #[arg(
+        long = "firewall",
+        env = "HCLOUD_FIREWALL",
+        hide_env_values = true,
+        value_delimiter = ',',
+        value_name = "FIREWALL"
+    )]
+    pub firewall: Vec<String>,
+
+    /// Give new servers a public IPv4 (Hetzner bills it).
+    #[arg(long = "public-ipv4", env = "HCLOUD_PUBLIC_IPV4", hide_env_values = true, default_value = "true", value_parser = go_bool, num_args = 0..=1, require_equals = true, default_missing_value = "true", action = ArgAction::Set, value_name = "BOOL")]
+    pub public_ipv4: bool,
+
+    /// Give new servers a public IPv6 network.
+    #[arg(long = "public-ipv6", env = "HCLOUD_PUBLIC_IPV6", hide_env_values = true, default_value = "true", value_parser = go_bool, num_args = 0..=1, require_equals = true, default_missing_value = "true", action = ArgAction::Set, value_name = "BOOL")]
+    pub public_ipv6: bool,
+
+    /// Server address SSH connects to: public (its public IPv4), private (its address on the
+    /// first --network) or ipv6 (its public IPv6 address).
     #[arg(
         long = "ssh-address",
         default_value = "public",
-        value_name = "public|private"
+        value_name = "public|private|ipv6"
     )]
     pub ssh_address: String,
+
+    /// Placement of new servers: none, or spread (provider-owned spread placement groups per
+    /// offering, a new group when one is full, empty ones deleted).
+    #[arg(long = "placement", default_value = "none", value_name = "none|spread")]
+    pub placement: String,
+
+    /// Operator label (key=value) on every new server; repeatable. Keys starting with
+    /// bigfleet- are reserved.
+    #[arg(long = "server-label", value_name = "KEY=VALUE")]
+    pub server_label: Vec<String>,
+
+    /// Hetzner SSH key (name or id) added to new servers for operator logins (not the
+    /// provider's own --ssh-key). Repeatable or comma-separated.
+    #[arg(
+        long = "login-ssh-key",
+        env = "HCLOUD_SSH_KEY",
+        hide_env_values = true,
+        value_delimiter = ',',
+        value_name = "KEY"
+    )]
+    pub login_ssh_key: Vec<String>,
 
     /// On-host executable that consumes the bootstrap blob (<hook>.blob) as `<hook> <cluster-id>`.
     #[arg(
@@ -150,6 +203,35 @@ mod tests {
         assert!(cli.common.reflection);
         assert!(!cli.common.use_fake_backend);
         assert_eq!(cli.eur_usd(), 1.08);
+        assert!(cli.public_ipv4 && cli.public_ipv6);
+        assert_eq!(cli.ssh_address, "public");
+        assert_eq!(cli.placement, "none");
+        assert!(cli.network.is_empty() && cli.firewall.is_empty());
+    }
+
+    #[test]
+    fn production_flags() {
+        let cli = parse(&[
+            "--network=mgmt=10.0.1.0/24,storage",
+            "--network",
+            "9003",
+            "--firewall=fw-a,fw-b",
+            "--public-ipv4=false",
+            "--public-ipv6",
+            "--server-label=team=core",
+            "--server-label",
+            "env=prod",
+            "--login-ssh-key=ops-alice",
+            "--placement=spread",
+            "--image-selector=role=node",
+        ]);
+        assert_eq!(cli.network, vec!["mgmt=10.0.1.0/24", "storage", "9003"]);
+        assert_eq!(cli.firewall, vec!["fw-a", "fw-b"]);
+        assert!(!cli.public_ipv4 && cli.public_ipv6);
+        assert_eq!(cli.server_label, vec!["team=core", "env=prod"]);
+        assert_eq!(cli.login_ssh_key, vec!["ops-alice"]);
+        assert_eq!(cli.placement, "spread");
+        assert_eq!(cli.image_selector, "role=node");
     }
 
     #[test]

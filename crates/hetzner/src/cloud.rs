@@ -43,13 +43,16 @@ use provider_core::telemetry::Telemetry;
 use tokio::time::Instant;
 
 use crate::api::{ApiError, ClientTiming, HcloudApi};
-use crate::hostkey::HostKey;
 use crate::labels;
-use crate::ssh::{self, PinnedSession, SshConfig, SshIdentity, SshTiming};
+use crate::resolve::Plan;
+use crate::settings::{OfferingSpec, Placement, ServerSpec};
+use crate::ssh::{PinnedSession, SshConfig, SshIdentity, SshTiming};
 use provider_core::config::Secret;
 
 /// The reference's default `--eur-usd`.
 pub const DEFAULT_EUR_USD: f64 = 1.08;
+
+pub use crate::settings::SshAddress;
 
 /// Everything the real backend needs, as parsed from the command line. Its Debug output
 /// leaves out the token, the SSH key and the base user-data (which may carry secrets of the
@@ -61,16 +64,15 @@ pub struct HetznerConfig {
     pub endpoint: String,
     /// `--provider`: the instance whose servers this process owns.
     pub provider_instance: String,
-    /// `--image`: name or numeric id.
-    pub image: String,
+    /// The server settings given by flags (`--image`, `--network`, `--ssh-address`, ...):
+    /// used as they are for a server type and location no offering names.
+    pub server: ServerSpec,
+    /// Every offering's effective settings (flags overridden by its fields); may be empty.
+    pub offerings: Vec<OfferingSpec>,
     /// The locations of the offerings; inventory is limited to them.
     pub locations: Vec<String>,
     /// `--ssh-key` / `--ssh-user` / `--ssh-port`; `None` disables Configure and Drain.
     pub ssh: Option<SshConfig>,
-    /// `--network`: a Hetzner private network (name or id) every new server is attached to.
-    pub network: Option<String>,
-    /// `--ssh-address`: which server address SSH connects to.
-    pub ssh_address: SshAddress,
     /// `--bootstrap-hook`.
     pub bootstrap_hook: String,
     /// The contents of `--base-user-data`.
@@ -93,11 +95,10 @@ impl std::fmt::Debug for HetznerConfig {
             .field("token", &self.token)
             .field("endpoint", &self.endpoint)
             .field("provider_instance", &self.provider_instance)
-            .field("image", &self.image)
+            .field("server", &self.server)
+            .field("offerings", &self.offerings)
             .field("locations", &self.locations)
             .field("ssh", &self.ssh)
-            .field("network", &self.network)
-            .field("ssh_address", &self.ssh_address)
             .field("bootstrap_hook", &self.bootstrap_hook)
             .field("base_user_data", &user_data)
             .field("readiness_command", &self.readiness_command)
@@ -105,30 +106,6 @@ impl std::fmt::Debug for HetznerConfig {
             .field("telemetry", &self.telemetry)
             .field("timing", &self.timing)
             .finish()
-    }
-}
-
-/// Which address of a server the provider's SSH connection goes to.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub enum SshAddress {
-    /// The public IPv4, exactly as the API reports it (the reference's behaviour).
-    #[default]
-    Public,
-    /// The server's address on `--network`, for a management network the control plane
-    /// trusts; the public address is then never used for SSH.
-    Private,
-}
-
-impl SshAddress {
-    /// Parses `--ssh-address`.
-    pub fn parse(value: &str) -> Result<SshAddress, String> {
-        match value.trim().to_ascii_lowercase().as_str() {
-            "" | "public" => Ok(SshAddress::Public),
-            "private" => Ok(SshAddress::Private),
-            other => Err(format!(
-                "--ssh-address must be public or private (got {other:?})"
-            )),
-        }
     }
 }
 
@@ -165,43 +142,47 @@ impl Default for Timing {
 
 /// The real Hetzner Cloud backend.
 pub struct HetznerCloud {
-    api: HcloudApi,
-    provider: String,
-    image: String,
-    locations: HashSet<String>,
-    ssh: Option<SshIdentity>,
-    network: Option<String>,
-    ssh_address: SshAddress,
-    /// The numeric id of `network`, once resolved.
-    network_id: tokio::sync::OnceCell<i64>,
-    hook: String,
-    base_user_data: Option<Secret>,
-    readiness_command: Option<String>,
-    eur_usd: f64,
-    telemetry: Telemetry,
-    timing: Timing,
-    label_locks: Mutex<HashMap<i64, Arc<tokio::sync::Mutex<()>>>>,
+    pub(crate) api: HcloudApi,
+    pub(crate) provider: String,
+    /// The flags' settings, for a server type and location no offering names.
+    pub(crate) server: ServerSpec,
+    pub(crate) offerings: Vec<OfferingSpec>,
+    pub(crate) locations: HashSet<String>,
+    pub(crate) ssh: Option<SshIdentity>,
+    /// Resolved settings per (server type, location), each resolved once.
+    pub(crate) plans: PlanCache,
+    pub(crate) spread: crate::placement::SpreadGroups,
+    pub(crate) hook: String,
+    pub(crate) base_user_data: Option<Secret>,
+    pub(crate) readiness_command: Option<String>,
+    pub(crate) eur_usd: f64,
+    pub(crate) telemetry: Telemetry,
+    pub(crate) timing: Timing,
+    pub(crate) label_locks: Mutex<HashMap<i64, Arc<tokio::sync::Mutex<()>>>>,
     /// Connections kept from a successful configure for the readiness gate, by server id.
-    ready_sessions: tokio::sync::Mutex<HashMap<i64, PinnedSession>>,
+    pub(crate) ready_sessions: tokio::sync::Mutex<HashMap<i64, PinnedSession>>,
 }
+
+/// One lazily resolved plan per (server type, location).
+pub(crate) type PlanCache = Mutex<HashMap<(String, String), Arc<tokio::sync::OnceCell<Arc<Plan>>>>>;
 
 impl std::fmt::Debug for HetznerCloud {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("HetznerCloud")
             .field("api", &self.api)
             .field("provider", &self.provider)
-            .field("image", &self.image)
+            .field("server", &self.server)
             .field("locations", &self.locations)
             .field("ssh", &self.ssh)
             .finish_non_exhaustive()
     }
 }
 
-fn err(message: impl Into<String>) -> BackendError {
+pub(crate) fn err(message: impl Into<String>) -> BackendError {
     BackendError::new(message)
 }
 
-fn server_id(host_id: &str, what: &str) -> Result<i64, BackendError> {
+pub(crate) fn server_id(host_id: &str, what: &str) -> Result<i64, BackendError> {
     host_id
         .trim()
         .parse::<i64>()
@@ -210,7 +191,7 @@ fn server_id(host_id: &str, what: &str) -> Result<i64, BackendError> {
 
 /// Whether a failed call may well succeed when repeated later (rate limit, server error, lost
 /// connection).
-fn is_passing(e: &ApiError) -> bool {
+pub(crate) fn is_passing(e: &ApiError) -> bool {
     match e {
         ApiError::Status { status, .. } => *status == 429 || *status >= 500,
         ApiError::Transport(_) => true,
@@ -218,7 +199,7 @@ fn is_passing(e: &ApiError) -> bool {
     }
 }
 
-fn is_running(status: models::server::Status) -> bool {
+pub(crate) fn is_running(status: models::server::Status) -> bool {
     use models::server::Status;
     matches!(
         status,
@@ -226,7 +207,7 @@ fn is_running(status: models::server::Status) -> bool {
     )
 }
 
-fn ipv4_of(server: &models::Server) -> Option<String> {
+pub(crate) fn ipv4_of(server: &models::Server) -> Option<String> {
     server
         .public_net
         .ipv4
@@ -236,14 +217,21 @@ fn ipv4_of(server: &models::Server) -> Option<String> {
 }
 
 impl HetznerCloud {
-    /// Validates the configuration (token, image, endpoint, SSH key) and builds the backend.
-    /// Makes no network call.
+    /// Validates the configuration (token, settings, endpoint, SSH key) and builds the
+    /// backend. Makes no network call; [`HetznerCloud::resolve`] resolves the settings.
     pub fn new(config: HetznerConfig) -> Result<HetznerCloud, String> {
         if config.token.expose().trim().is_empty() {
             return Err("hcloud: token is required for the hetzner backend".into());
         }
-        if config.image.trim().is_empty() {
-            return Err("hcloud: --image is required for the hetzner backend".into());
+        let no_image = |s: &ServerSpec| s.image.trim().is_empty() && s.image_selector.is_empty();
+        if no_image(&config.server)
+            && (config.offerings.is_empty() || config.offerings.iter().any(|o| no_image(&o.spec)))
+        {
+            return Err(
+                "hcloud: --image is required for the hetzner backend (or --image-selector, or \
+                 an image per offering)"
+                    .into(),
+            );
         }
         if config.provider_instance.is_empty() {
             return Err("hcloud: --provider must not be empty".into());
@@ -271,15 +259,21 @@ impl HetznerCloud {
             DEFAULT_EUR_USD
         };
         let ssh = config.ssh.as_ref().map(SshIdentity::parse).transpose()?;
-        let network = config
-            .network
-            .map(|n| n.trim().to_owned())
-            .filter(|n| !n.is_empty());
-        if config.ssh_address == SshAddress::Private && network.is_none() {
-            return Err(
-                "--ssh-address private needs --network (the private network to reach servers on)"
-                    .into(),
-            );
+        let mut server = config.server;
+        server.image = server.image.trim().to_owned();
+        if config.offerings.is_empty() {
+            let flags = OfferingSpec {
+                server_type: "*".into(),
+                location: "*".into(),
+                spec: server.clone(),
+                overrides: Default::default(),
+            };
+            crate::settings::check_images(&flags)?;
+            flags.validate()?;
+        }
+        for offering in &config.offerings {
+            crate::settings::check_images(offering)?;
+            offering.validate()?;
         }
         let api = HcloudApi::new(
             &config.endpoint,
@@ -289,13 +283,13 @@ impl HetznerCloud {
         )?;
         Ok(HetznerCloud {
             api,
-            provider: config.provider_instance,
-            image: config.image.trim().to_owned(),
+            provider: config.provider_instance.clone(),
+            server,
+            offerings: config.offerings,
             locations,
             ssh,
-            network,
-            ssh_address: config.ssh_address,
-            network_id: tokio::sync::OnceCell::new(),
+            plans: Mutex::new(HashMap::new()),
+            spread: crate::placement::SpreadGroups::new(&config.provider_instance),
             hook: config.bootstrap_hook,
             base_user_data: config.base_user_data.map(Secret::new),
             readiness_command: config.readiness_command.filter(|c| !c.trim().is_empty()),
@@ -305,6 +299,84 @@ impl HetznerCloud {
             label_locks: Mutex::new(HashMap::new()),
             ready_sessions: tokio::sync::Mutex::new(HashMap::new()),
         })
+    }
+
+    /// Resolves every offering's settings now (server types, locations, prices, images,
+    /// networks, firewalls, login keys) and removes owned spread groups left empty. Called at
+    /// startup so a broken setting fails before any port binds; the answer is cached.
+    pub async fn resolve(&self) -> Result<(), String> {
+        let deadline = Instant::now() + self.timing.lookup_budget;
+        let mut problems = crate::resolve::Problems::default();
+        let mut resolver = crate::resolve::Resolver::new(&self.api, deadline);
+        for offering in &self.offerings {
+            if let Some(plan) = resolver.resolve(offering, &mut problems).await {
+                let cell = self.plan_cell(&offering.server_type, &offering.location);
+                let _ = cell.set(Arc::new(plan));
+            }
+        }
+        if !problems.0.is_empty() {
+            return Err(format!("hcloud: {}", problems.0.join("; ")));
+        }
+        for offering in self
+            .offerings
+            .iter()
+            .filter(|o| o.spec.placement == Placement::Spread)
+        {
+            if let Err(e) = self
+                .sweep_groups(&offering.server_type, &offering.location, deadline)
+                .await
+            {
+                tracing::warn!(offering = %offering.key(), err = %e, "could not remove empty spread placement groups");
+            }
+        }
+        Ok(())
+    }
+
+    pub(crate) fn plan_cell(
+        &self,
+        server_type: &str,
+        location: &str,
+    ) -> Arc<tokio::sync::OnceCell<Arc<Plan>>> {
+        let mut plans = self.plans.lock().unwrap_or_else(|e| e.into_inner());
+        plans
+            .entry((server_type.to_owned(), location.to_owned()))
+            .or_default()
+            .clone()
+    }
+
+    /// The settings of the offering of `server_type` in `location` (the flags' settings when no
+    /// offering names them).
+    pub(crate) fn spec_of(&self, server_type: &str, location: &str) -> OfferingSpec {
+        self.offerings
+            .iter()
+            .find(|o| o.server_type == server_type && o.location == location)
+            .cloned()
+            .unwrap_or_else(|| OfferingSpec {
+                server_type: server_type.to_owned(),
+                location: location.to_owned(),
+                spec: self.server.clone(),
+                overrides: Default::default(),
+            })
+    }
+
+    /// The resolved plan of `server_type` in `location`, resolved on first use and cached.
+    pub(crate) async fn plan(
+        &self,
+        server_type: &str,
+        location: &str,
+        deadline: Instant,
+    ) -> Result<Arc<Plan>, String> {
+        let cell = self.plan_cell(server_type, location);
+        cell.get_or_try_init(|| async {
+            let spec = self.spec_of(server_type, location);
+            let mut problems = crate::resolve::Problems::default();
+            let plan = crate::resolve::Resolver::new(&self.api, deadline)
+                .resolve(&spec, &mut problems)
+                .await;
+            plan.map(Arc::new).ok_or_else(|| problems.0.join("; "))
+        })
+        .await
+        .cloned()
     }
 
     /// Whether Configure and Drain can reach servers (an `--ssh-key` was given).
@@ -325,7 +397,7 @@ impl HetznerCloud {
     }
 
     /// Whether `server`'s labels prove that this provider instance owns it.
-    fn is_ours(&self, server: &models::Server) -> bool {
+    pub(crate) fn is_ours(&self, server: &models::Server) -> bool {
         server.labels.get(labels::MANAGED).map(String::as_str) == Some("true")
             && match labels::text_of(&server.labels, labels::PROVIDER) {
                 Some(provider) => provider == self.provider,
@@ -336,7 +408,7 @@ impl HetznerCloud {
     /// A server made by the reference provider (or an older version) has no provider label.
     /// It is ours when its machine id is one of this instance's slot ids (`<provider>/…`) and
     /// it runs in one of our locations; it is claimed (labelled) on first use.
-    fn is_legacy_ours(&self, server: &models::Server) -> bool {
+    pub(crate) fn is_legacy_ours(&self, server: &models::Server) -> bool {
         !server.labels.contains_key(labels::PROVIDER)
             && self.locations.contains(&server.location.name)
             && labels::machine_id_of(&server.labels)
@@ -345,7 +417,7 @@ impl HetznerCloud {
 
     /// Stamps this instance's provider label on a server adopted from an earlier version, so
     /// every later read selects it directly.
-    async fn claim_if_legacy(
+    pub(crate) async fn claim_if_legacy(
         &self,
         server: &models::Server,
         deadline: Instant,
@@ -363,7 +435,7 @@ impl HetznerCloud {
 
     /// Whether `server` is ours and carries `machine_id` (or, for an adopted orphan without a
     /// machine-id label, is recorded under its own server id).
-    fn is_machines(&self, server: &models::Server, machine_id: &str) -> bool {
+    pub(crate) fn is_machines(&self, server: &models::Server, machine_id: &str) -> bool {
         self.is_ours(server)
             && match labels::machine_id_of(&server.labels) {
                 Some(id) => id == machine_id,
@@ -371,7 +443,7 @@ impl HetznerCloud {
             }
     }
 
-    fn to_owned_host(&self, server: &models::Server) -> Option<OwnedHost> {
+    pub(crate) fn to_owned_host(&self, server: &models::Server) -> Option<OwnedHost> {
         let machine_id = match labels::machine_id_of(&server.labels) {
             Some(id) => id,
             // An owned server without a decodable machine id is reported under its server id,
@@ -390,67 +462,6 @@ impl HetznerCloud {
         })
     }
 
-    /// Every server of ours labelled as `machine_id`, oldest first, whatever its status.
-    async fn machine_servers(
-        &self,
-        machine_id: &str,
-        deadline: Instant,
-    ) -> Result<Vec<models::Server>, ApiError> {
-        // No provider label in the selector: servers of earlier versions lack it, and
-        // `is_ours` decides ownership either way.
-        let mut pairs = vec![(labels::MANAGED.to_owned(), "true".to_owned())];
-        pairs.extend(labels::machine_id_labels(machine_id));
-        let mut found: Vec<models::Server> = self
-            .api
-            .list_servers(&labels::selector(&pairs), Some(deadline))
-            .await?
-            .into_iter()
-            .filter(|s| {
-                self.is_ours(s) && labels::machine_id_of(&s.labels).as_deref() == Some(machine_id)
-            })
-            .collect();
-        found.sort_by_key(|s| s.id);
-        Ok(found)
-    }
-
-    /// The live server a previous Create made for `machine_id`, if any.
-    async fn find_machine_server(
-        &self,
-        machine_id: &str,
-        deadline: Instant,
-    ) -> Result<Option<models::Server>, ApiError> {
-        let live: Vec<models::Server> = self
-            .machine_servers(machine_id, deadline)
-            .await?
-            .into_iter()
-            .filter(|s| s.status != models::server::Status::Deleting)
-            .collect();
-        if live.len() > 1 {
-            let ids: Vec<i64> = live.iter().map(|s| s.id).collect();
-            tracing::warn!(machine = machine_id, servers = ?ids, "several servers carry one machine id; using the oldest");
-        }
-        Ok(live.into_iter().next())
-    }
-
-    /// The id of `--network`, resolved once (by id or by name).
-    async fn network_id(&self, deadline: Instant) -> Result<Option<i64>, String> {
-        let Some(network) = &self.network else {
-            return Ok(None);
-        };
-        let id = self
-            .network_id
-            .get_or_try_init(|| async {
-                self.api
-                    .network(network, Some(deadline))
-                    .await
-                    .map_err(|e| format!("resolve network {network}: {e}"))?
-                    .map(|n| n.id)
-                    .ok_or_else(|| format!("unknown network {network:?}"))
-            })
-            .await?;
-        Ok(Some(*id))
-    }
-
     /// The per-server lock that serialises this process's label writes on one server.
     fn label_lock(&self, id: i64) -> Arc<tokio::sync::Mutex<()>> {
         let mut locks = self.label_locks.lock().unwrap_or_else(|e| e.into_inner());
@@ -459,7 +470,7 @@ impl HetznerCloud {
     }
 
     /// Applies `change` to the server's labels: read, modify, write, re-read and verify.
-    async fn update_labels(
+    pub(crate) async fn update_labels(
         &self,
         id: i64,
         deadline: Instant,
@@ -504,469 +515,6 @@ impl HetznerCloud {
         ))
     }
 
-    async fn wait_running(
-        &self,
-        id: i64,
-        ctx: &TransitionContext,
-    ) -> Result<models::Server, BackendError> {
-        let cap = Instant::now() + self.timing.running_cap;
-        let deadline = ctx.deadline.min(cap);
-        loop {
-            // The server exists: a run of 429s or 5xx answers while polling is no reason to
-            // give up on it (and leave it running untracked) while the deadline allows more.
-            let polled = self.api.get_server(id, Some(deadline)).await;
-            let left = deadline.saturating_duration_since(Instant::now());
-            let server = match polled {
-                Ok(Some(server)) => Some(server),
-                Ok(None) => return Err(err(format!("server {id} vanished while creating"))),
-                Err(e) if is_passing(&e) && !left.is_zero() => {
-                    tracing::warn!(server = id, err = %e, "polling the new server failed; polling on");
-                    None
-                }
-                Err(e) => return Err(err(format!("poll server {id}: {e}"))),
-            };
-            if let Some(server) = server
-                && server.status == models::server::Status::Running
-            {
-                return Ok(server);
-            }
-            if left.is_zero() {
-                return Err(if cap <= ctx.deadline {
-                    err(format!(
-                        "server {id} did not reach running within {:?}",
-                        self.timing.running_cap
-                    ))
-                } else {
-                    err(format!("waiting for server {id} to run: deadline exceeded"))
-                });
-            }
-            tokio::select! {
-                _ = tokio::time::sleep(self.timing.running_poll.min(left)) => {}
-                _ = ctx.cancel.cancelled() => {
-                    return Err(err(format!("waiting for server {id} to run: cancelled")));
-                }
-            }
-        }
-    }
-
-    async fn create(
-        &self,
-        machine: &Machine,
-        ctx: &TransitionContext,
-    ) -> Result<OwnedHost, BackendError> {
-        let deadline = ctx.deadline;
-        let server_type = &machine.instance_type;
-        let owned = |server: &models::Server| {
-            self.to_owned_host(server)
-                .ok_or_else(|| err(format!("server {} has no machine-id label", server.id)))
-        };
-        if let Some(existing) = self
-            .find_machine_server(&machine.id, deadline)
-            .await
-            .map_err(|e| err(format!("look up existing servers: {e}")))?
-        {
-            tracing::info!(machine = %machine.id, server = existing.id, "adopting the server a previous Create made");
-            self.claim_if_legacy(&existing, deadline)
-                .await
-                .map_err(|e| err(format!("claim server {}: {e}", existing.id)))?;
-            let server = self.wait_running(existing.id, ctx).await?;
-            return owned(&server);
-        }
-        if !self.locations.contains(&machine.zone) {
-            let mut known: Vec<&String> = self.locations.iter().collect();
-            known.sort();
-            return Err(err(format!(
-                "location {:?} is not one of this provider's locations {known:?}",
-                machine.zone
-            )));
-        }
-        let kind = self
-            .api
-            .server_type(server_type, Some(deadline))
-            .await
-            .map_err(|e| err(format!("resolve server type {server_type}: {e}")))?
-            .ok_or_else(|| err(format!("unknown server type {server_type:?}")))?;
-        let image = self
-            .api
-            .image(&self.image, kind.architecture, Some(deadline))
-            .await
-            .map_err(|e| err(format!("resolve image {}: {e}", self.image)))?
-            .ok_or_else(|| {
-                err(format!(
-                    "unknown image {:?} for architecture {}",
-                    self.image,
-                    arch_name(kind.architecture)
-                ))
-            })?;
-        let location = self
-            .api
-            .location(&machine.zone, Some(deadline))
-            .await
-            .map_err(|e| err(format!("resolve location {}: {e}", machine.zone)))?
-            .ok_or_else(|| err(format!("unknown location {:?}", machine.zone)))?;
-        let network = self.network_id(deadline).await.map_err(err)?;
-        let host_key = HostKey::generate().map_err(err)?;
-        let user_data = provider_core::userdata::assemble(
-            self.base_user_data.as_ref().map(Secret::expose),
-            &host_key.cloud_config(),
-        );
-        let mut server_labels: HashMap<String, String> = HashMap::new();
-        server_labels.insert(labels::MANAGED.into(), "true".into());
-        server_labels.extend(labels::machine_id_labels(&machine.id));
-        server_labels.extend(labels::text_labels(labels::PROVIDER, &self.provider));
-        server_labels.insert(
-            labels::HOST_KEY_FP.into(),
-            host_key.fingerprint().to_owned(),
-        );
-        let name = labels::server_name(&machine.id);
-        let request = models::CreateServerRequest {
-            name: name.clone(),
-            server_type: kind.name.clone(),
-            image: image.id.to_string(),
-            location: Some(location.name.clone()),
-            user_data: Some(user_data),
-            labels: Some(server_labels),
-            networks: network.map(|id| vec![id]),
-            ..Default::default()
-        };
-        let mut attempt = 0u32;
-        let created = loop {
-            attempt += 1;
-            match self.api.create_server(&request, Some(deadline)).await {
-                Ok(server) => break server,
-                Err(e) if e.code() == Some("uniqueness_error") || e.is_ambiguous() => {
-                    // The name is taken or the response was lost: the server may exist. Adopt
-                    // it only if its labels say it is this machine's.
-                    let found = self.machine_servers(&machine.id, deadline).await.map_err(
-                        |le| {
-                            err(format!(
-                                "create server {server_type}: {e}; look up after the failure: {le}"
-                            ))
-                        },
-                    )?;
-                    if let Some(server) = found
-                        .into_iter()
-                        .find(|s| s.status != models::server::Status::Deleting)
-                    {
-                        tracing::info!(machine = %machine.id, server = server.id, err = %e, "create failed but the server exists; adopting it");
-                        break server;
-                    }
-                    // Who holds the name? Only this machine's previous server, still being
-                    // deleted, is worth waiting for (as is a name freed in the meantime).
-                    if e.code() == Some("uniqueness_error") {
-                        let holder = self.api.server_by_name(&name, Some(deadline)).await.map_err(|le| {
-                            err(format!("create server {server_type}: {e}; look up the name's holder: {le}"))
-                        })?;
-                        if let Some(holder) = holder
-                            && !(self.is_machines(&holder, &machine.id)
-                                && holder.status == models::server::Status::Deleting)
-                        {
-                            return Err(err(format!(
-                                "create server {server_type}: the name {name} is taken by server {} \
-                                 that is not labelled as machine {:?} of provider {:?}; refusing to adopt it",
-                                holder.id, machine.id, self.provider
-                            )));
-                        }
-                    }
-                    let wait = self.timing.client.backoff.delay(attempt, None);
-                    if Instant::now() + wait >= deadline
-                        || attempt >= self.timing.client.backoff.max_attempts
-                    {
-                        return Err(err(format!("create server {server_type}: {e}")));
-                    }
-                    tracing::warn!(machine = %machine.id, err = %e, "create failed without a server; retrying");
-                    tokio::select! {
-                        _ = tokio::time::sleep(wait) => {}
-                        _ = ctx.cancel.cancelled() => return Err(err(format!("create server {server_type}: {e}"))),
-                    }
-                }
-                Err(e) => return Err(err(format!("create server {server_type}: {e}"))),
-            }
-        };
-        tracing::info!(machine = %machine.id, server = created.id, name = %name, "server created");
-        let server = self.wait_running(created.id, ctx).await?;
-        owned(&server)
-    }
-
-    /// The server behind `host_id`, checked to belong to `machine`, and the address SSH goes
-    /// to (`--ssh-address`).
-    async fn resolve_host(
-        &self,
-        what: &str,
-        machine: &Machine,
-        host_id: &str,
-        deadline: Instant,
-    ) -> Result<(models::Server, String), BackendError> {
-        let id = server_id(host_id, what)?;
-        let server = self
-            .api
-            .get_server(id, Some(deadline))
-            .await
-            .map_err(|e| err(format!("{what}: look up server {id}: {e}")))?
-            .ok_or_else(|| err(format!("{what}: server {id} not found")))?;
-        if !self.is_machines(&server, &machine.id) {
-            return Err(err(format!(
-                "{what}: server {id} is not labelled as machine {:?} of provider {:?}; refusing to touch it",
-                machine.id, self.provider
-            )));
-        }
-        self.claim_if_legacy(&server, deadline)
-            .await
-            .map_err(|e| err(format!("{what}: claim server {id}: {e}")))?;
-        let ip = match self.ssh_address {
-            SshAddress::Public => ipv4_of(&server).ok_or_else(|| {
-                err(format!(
-                    "{what}: server {id} has no public IPv4 for SSH delivery"
-                ))
-            })?,
-            SshAddress::Private => {
-                let network = self
-                    .network_id(deadline)
-                    .await
-                    .map_err(|e| err(format!("{what}: {e}")))?;
-                server
-                    .private_net
-                    .iter()
-                    .find(|p| p.network == network)
-                    .and_then(|p| p.ip.clone())
-                    .filter(|ip| !ip.is_empty())
-                    .ok_or_else(|| {
-                        err(format!(
-                            "{what}: server {id} has no address on network {} for SSH delivery",
-                            self.network.as_deref().unwrap_or_default()
-                        ))
-                    })?
-            }
-        };
-        Ok((server, ip))
-    }
-
-    /// Opens the pinned SSH connection, pinning on first use when the server has no pin.
-    ///
-    /// A key trusted on first use is recorded in the `bigfleet-host-key-fp` label before the
-    /// connection is handed out: an unrecorded pin would leave every later connection on
-    /// trust-on-first-use, so nothing is sent until the label write has succeeded. While it
-    /// fails, the connection is closed and the write retried until the transition's deadline;
-    /// once recorded, a fresh connection is opened and verified against that pin.
-    async fn open_ssh(
-        &self,
-        identity: &SshIdentity,
-        server: &models::Server,
-        ip: &str,
-        ctx: &TransitionContext,
-    ) -> Result<PinnedSession, BackendError> {
-        let pin = server
-            .labels
-            .get(labels::HOST_KEY_FP)
-            .filter(|p| !p.is_empty());
-        let session = ssh::connect(
-            identity,
-            ip,
-            pin.map(String::as_str),
-            self.timing.ssh,
-            ctx.deadline,
-            &ctx.cancel,
-        )
-        .await
-        .map_err(|e| err(e.to_string()))?;
-        if !session.first_use {
-            return Ok(session);
-        }
-        tracing::warn!(server = server.id, fingerprint = %session.observed, "pinning SSH host key on first use (no pre-injected key)");
-        let observed = session.observed.clone();
-        let record = || {
-            self.update_labels(server.id, ctx.deadline, |l| {
-                l.insert(labels::HOST_KEY_FP.to_owned(), observed.clone());
-            })
-        };
-        let mut last = match record().await {
-            Ok(()) => return Ok(session),
-            Err(e) => e,
-        };
-        // Nothing has been sent over this connection; do not hold it while the write is retried.
-        session.close().await;
-        loop {
-            tracing::warn!(server = server.id, err = %last, "failed to persist TOFU host-key pin; nothing is sent to the server until it is recorded");
-            let left = ctx.deadline.saturating_duration_since(Instant::now());
-            if left.is_zero() || ctx.cancel.is_cancelled() {
-                return Err(err(format!(
-                    "ssh {ip}: server {id} presented host key {observed} on first use, but it \
-                     could not be recorded in label {label} before the deadline ({last}); \
-                     nothing was sent over an unrecorded pin",
-                    id = server.id,
-                    label = labels::HOST_KEY_FP,
-                )));
-            }
-            tokio::select! {
-                _ = tokio::time::sleep(self.timing.ssh.retry_interval.min(left)) => {}
-                _ = ctx.cancel.cancelled() => {}
-            }
-            if ctx.cancel.is_cancelled() {
-                continue;
-            }
-            match record().await {
-                Ok(()) => break,
-                Err(e) => last = e,
-            }
-        }
-        ssh::connect(
-            identity,
-            ip,
-            Some(&observed),
-            self.timing.ssh,
-            ctx.deadline,
-            &ctx.cancel,
-        )
-        .await
-        .map_err(|e| err(e.to_string()))
-    }
-
-    async fn configure(
-        &self,
-        machine: &Machine,
-        host_id: &str,
-        order: &ConfigureOrder,
-        ctx: &TransitionContext,
-    ) -> Result<(), BackendError> {
-        let Some(identity) = &self.ssh else {
-            return Err(err(format!(
-                "configure: SSH delivery disabled (set --ssh-key); cannot deliver bootstrap to {host_id}"
-            )));
-        };
-        let (server, ip) = self
-            .resolve_host("configure", machine, host_id, ctx.deadline)
-            .await?;
-        let session = self.open_ssh(identity, &server, &ip, ctx).await?;
-        let script = ssh::configure_script(&self.hook, &order.cluster_id, order.blob.0.len());
-        let exit = session
-            .run(&script, &order.blob.0, ctx.deadline, &ctx.cancel)
-            .await
-            .map_err(|e| err(e.to_string()))?;
-        if exit.status != 0 {
-            session.close().await;
-            return Err(err(format!(
-                "ssh command on {ip} failed: Process exited with status {}",
-                exit.status
-            )));
-        }
-        let binding = labels::text_labels(labels::CLUSTER, &order.cluster_id);
-        if let Err(e) = self
-            .update_labels(server.id, ctx.deadline, |l| {
-                labels::set_chunked(l, labels::CLUSTER, binding.clone())
-            })
-            .await
-        {
-            session.close().await;
-            return Err(err(format!("label cluster binding: {e}")));
-        }
-        tracing::info!(machine = %machine.id, server = server.id, "bootstrap delivered and hook succeeded");
-        if self.readiness_command.is_some() {
-            self.ready_sessions.lock().await.insert(server.id, session);
-        } else {
-            session.close().await;
-        }
-        Ok(())
-    }
-
-    async fn ready(
-        &self,
-        machine: &Machine,
-        host_id: &str,
-        ctx: &TransitionContext,
-    ) -> Result<(), BackendError> {
-        let Some(command) = &self.readiness_command else {
-            return Ok(());
-        };
-        let id = server_id(host_id, "readiness")?;
-        let kept = self.ready_sessions.lock().await.remove(&id);
-        let session = match kept {
-            Some(session) => session,
-            None => {
-                let Some(identity) = &self.ssh else {
-                    return Err(err("readiness: SSH delivery disabled (set --ssh-key)"));
-                };
-                let (server, ip) = self
-                    .resolve_host("readiness", machine, host_id, ctx.deadline)
-                    .await?;
-                self.open_ssh(identity, &server, &ip, ctx).await?
-            }
-        };
-        let ip = session.ip().to_owned();
-        let mut last: Option<String> = None;
-        let last = loop {
-            match session.run(command, b"", ctx.deadline, &ctx.cancel).await {
-                Ok(exit) if exit.status == 0 => {
-                    session.close().await;
-                    return Ok(());
-                }
-                Ok(exit) => last = Some(format!("last exit status {}", exit.status)),
-                // A run cut short by the deadline says less than the one before it.
-                Err(e) if last.is_none() || Instant::now() < ctx.deadline => {
-                    last = Some(e.to_string())
-                }
-                Err(_) => {}
-            }
-            let last = last.clone().unwrap_or_default();
-            let left = ctx.deadline.saturating_duration_since(Instant::now());
-            if left.is_zero() || ctx.cancel.is_cancelled() {
-                break last;
-            }
-            tokio::select! {
-                _ = tokio::time::sleep(self.timing.readiness_poll.min(left)) => {}
-                _ = ctx.cancel.cancelled() => break last,
-            }
-        };
-        session.close().await;
-        Err(err(format!(
-            "readiness: --readiness-command did not succeed on {ip} before the Configure deadline ({last})"
-        )))
-    }
-
-    async fn drain(
-        &self,
-        machine: &Machine,
-        host_id: &str,
-        grace_period_seconds: i64,
-        ctx: &TransitionContext,
-    ) -> Result<(), BackendError> {
-        let Some(identity) = &self.ssh else {
-            return Err(err(format!(
-                "drain: server {host_id} cannot be drained without --ssh-key: the node would stay \
-                 joined to its cluster, so the binding is kept; set --ssh-key and retry"
-            )));
-        };
-        let (server, ip) = self
-            .resolve_host("drain", machine, host_id, ctx.deadline)
-            .await?;
-        if let Some(stale) = self.ready_sessions.lock().await.remove(&server.id) {
-            stale.close().await;
-        }
-        let session = self.open_ssh(identity, &server, &ip, ctx).await?;
-        let grace = if grace_period_seconds <= 0 {
-            1
-        } else {
-            grace_period_seconds
-        };
-        let exit = session
-            .run(&ssh::drain_script(grace), b"", ctx.deadline, &ctx.cancel)
-            .await;
-        session.close().await;
-        let exit = exit.map_err(|e| err(e.to_string()))?;
-        if exit.status != 0 {
-            return Err(err(format!(
-                "ssh command on {ip} failed: Process exited with status {}",
-                exit.status
-            )));
-        }
-        self.update_labels(server.id, ctx.deadline, |l| {
-            labels::remove_chunked(l, labels::CLUSTER)
-        })
-        .await
-        .map_err(|e| err(format!("drain: clear cluster binding: {e}")))?;
-        tracing::info!(machine = %machine.id, server = server.id, "node drained and binding cleared");
-        Ok(())
-    }
-
     async fn delete(&self, host_id: &str, ctx: &TransitionContext) -> Result<(), BackendError> {
         let id = server_id(host_id, "delete")?;
         let Some(server) = self
@@ -991,6 +539,7 @@ impl HetznerCloud {
             .await
             .map_err(|e| err(format!("delete: delete server {id}: {e}")))?;
         tracing::info!(server = id, "server deleted");
+        self.release_group(&server, ctx.deadline).await;
         Ok(())
     }
 
@@ -1049,13 +598,6 @@ impl HetznerCloud {
             );
         }
         Ok(out)
-    }
-}
-
-fn arch_name(arch: models::Architecture) -> &'static str {
-    match arch {
-        models::Architecture::Arm => "arm",
-        models::Architecture::X86 => "x86",
     }
 }
 
@@ -1207,11 +749,13 @@ mod tests {
             token: Secret::new("unit-token"),
             endpoint,
             provider_instance: "unit".into(),
-            image: "ubuntu-24.04".into(),
+            server: ServerSpec {
+                image: "ubuntu-24.04".into(),
+                ..Default::default()
+            },
+            offerings: Vec::new(),
             locations: vec!["nbg1".into()],
             ssh: None,
-            network: None,
-            ssh_address: SshAddress::Public,
             bootstrap_hook: "/opt/bigfleet/bootstrap".into(),
             base_user_data: None,
             readiness_command: None,
@@ -1264,8 +808,8 @@ mod tests {
                 "hcloud: token is required for the hetzner backend",
             ),
             (
-                Box::new(|c| c.image = " ".into()),
-                "hcloud: --image is required for the hetzner backend",
+                Box::new(|c| c.server.image = " ".into()),
+                "hcloud: --image is required for the hetzner backend (or --image-selector, or an image per offering)",
             ),
             (
                 Box::new(|c| c.locations.clear()),
@@ -1276,8 +820,12 @@ mod tests {
                 "hcloud: --bootstrap-hook must not be empty",
             ),
             (
-                Box::new(|c| c.ssh_address = SshAddress::Private),
-                "--ssh-address private needs --network (the private network to reach servers on)",
+                Box::new(|c| c.server.ssh_address = SshAddress::Private),
+                "offering */* --ssh-address \"private\" needs a private network, but offering */* --network is empty",
+            ),
+            (
+                Box::new(|c| c.server.public_ipv4 = false),
+                "offering */* --ssh-address \"public\" needs a public IPv4, but offering */* --public-ipv4 is false (use \"private\" with a network or \"ipv6\")",
             ),
         ];
         for (breaker, message) in cases {

@@ -4,8 +4,14 @@
 
 pub mod api;
 pub mod catalog;
+pub mod check;
 pub mod cloud;
+pub mod create;
 pub mod hostkey;
 pub mod labels;
+pub mod placement;
 pub mod real;
+pub mod remote;
+pub mod resolve;
+pub mod settings;
 pub mod ssh;

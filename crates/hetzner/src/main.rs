@@ -27,6 +27,14 @@ pub const RULES: OfferingRules = OfferingRules {
     metal_message: "capacity_type \"{}\" is not a Hetzner Cloud substrate (on-demand only; bare-metal is the separate Robot provider)",
 };
 
+/// The server-settings fields of `--offerings` (none for the default mix).
+fn load_overrides(cli: &Cli) -> Result<Vec<hetzner::settings::Overrides>, String> {
+    if cli.common.offerings.is_empty() {
+        return Ok(Vec::new());
+    }
+    hetzner::settings::load_overrides(Path::new(&cli.common.offerings))
+}
+
 fn load_offerings(cli: &Cli) -> Result<Vec<Offering>, String> {
     let offerings = if cli.common.offerings.is_empty() {
         offerings::default_mix(
@@ -66,7 +74,7 @@ async fn launch(cli: Cli) -> Result<(), String> {
                 capacity: catalog::pinned_capacity,
             }))
         }
-        Mode::Real => real_cloud(&cli, &offerings, telemetry)?,
+        Mode::Real => real_cloud(&cli, &offerings, telemetry).await?,
     };
     let fleet = Arc::new(Fleet::new(
         cloud,
@@ -109,17 +117,20 @@ async fn launch(cli: Cli) -> Result<(), String> {
     .await
 }
 
-/// The real Hetzner Cloud backend.
-fn real_cloud(
+/// The real Hetzner Cloud backend, its offerings' settings resolved against the API (a
+/// broken setting fails here, before any port binds).
+async fn real_cloud(
     cli: &Cli,
     offerings: &[Offering],
     telemetry: Telemetry,
 ) -> Result<Arc<dyn provider_core::cloud::Cloud>, String> {
-    hetzner::real::build(cli_to_real(cli), offerings, telemetry)
+    let cloud = hetzner::real::build_cloud(cli_to_real(cli)?, offerings, telemetry)?;
+    cloud.resolve().await?;
+    Ok(Arc::new(cloud))
 }
 
-fn cli_to_real(cli: &Cli) -> hetzner::real::RealArgs {
-    hetzner::real::RealArgs {
+fn cli_to_real(cli: &Cli) -> Result<hetzner::real::RealArgs, String> {
+    Ok(hetzner::real::RealArgs {
         token: cli.token.clone(),
         endpoint: cli.hcloud_endpoint.clone(),
         provider: cli.provider.clone(),
@@ -127,16 +138,48 @@ fn cli_to_real(cli: &Cli) -> hetzner::real::RealArgs {
         ssh_key: cli.ssh_key.clone(),
         ssh_user: cli.ssh_user.clone(),
         ssh_port: cli.ssh_port,
-        network: cli.network.clone(),
+        image_selector: cli.image_selector.clone(),
+        networks: cli.network.clone(),
+        firewalls: cli.firewall.clone(),
+        public_ipv4: cli.public_ipv4,
+        public_ipv6: cli.public_ipv6,
         ssh_address: cli.ssh_address.clone(),
+        placement: cli.placement.clone(),
+        server_labels: cli.server_label.clone(),
+        login_ssh_keys: cli.login_ssh_key.clone(),
+        overrides: load_overrides(cli)?,
         bootstrap_hook: cli.bootstrap_hook.clone(),
         readiness_command: cli.readiness_command.clone(),
         base_user_data: cli.common.base_user_data.clone(),
         eur_usd: cli.eur_usd(),
-    }
+    })
+}
+
+/// `hetzner check [--json] <serving flags>`.
+fn check(options: provider_core::check::CheckOptions, cli: Cli) -> ExitCode {
+    let common = cli.common.clone();
+    provider_core::check::entry("hetzner", &common, options, |mut report| async move {
+        provider_core::check::common_checks(&mut report, &cli.common);
+        report.progress("offerings");
+        let offerings = match load_offerings(&cli) {
+            Ok(o) => o,
+            Err(e) => {
+                report.problem("--offerings", e);
+                return (report, Ok(()));
+            }
+        };
+        match cli_to_real(&cli) {
+            Ok(args) => hetzner::check::run(&mut report, &args, &offerings).await,
+            Err(e) => report.problem("--offerings", e),
+        }
+        (report, Ok(()))
+    })
 }
 
 fn main() -> ExitCode {
+    if let Some((options, args)) = provider_core::check::split_args(std::env::args_os()) {
+        return check(options, Cli::parse_from(args));
+    }
     let cli = Cli::parse();
     let (common, command) = (cli.common.clone(), cli.command.clone());
     app::main_entry("hetzner", &common, command, || launch(cli))

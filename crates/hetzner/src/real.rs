@@ -1,6 +1,8 @@
 //! Wiring point between the `hetzner` binary's flags and the real Hetzner Cloud backend.
 //! `build` reads the files the flags name (`--ssh-key`, `--base-user-data`), validates the
-//! real-backend flags and constructs the `Cloud` implementation; it makes no network call.
+//! real-backend flags and the offerings' server settings and constructs the `Cloud`
+//! implementation; it makes no network call ([`crate::cloud::HetznerCloud::resolve`] does,
+//! at startup).
 
 use std::sync::Arc;
 
@@ -9,7 +11,10 @@ use provider_core::config::Secret;
 use provider_core::offerings::Offering;
 use provider_core::telemetry::Telemetry;
 
-use crate::cloud::{HetznerCloud, HetznerConfig, SshAddress, Timing};
+use crate::cloud::{HetznerCloud, HetznerConfig, Timing};
+use crate::settings::{
+    self, NetworkRef, OfferingSpec, Overrides, Placement, ServerSpec, SshAddress,
+};
 use crate::ssh::{SshConfig, SshIdentity};
 
 /// The flags the real backend needs, as given on the command line.
@@ -23,16 +28,85 @@ pub struct RealArgs {
     pub ssh_key: String,
     pub ssh_user: String,
     pub ssh_port: u16,
-    /// `--network`: private network (name or id) new servers are attached to; empty for none.
-    pub network: String,
-    /// `--ssh-address`: `public` (default) or `private` (the address on `--network`).
+    /// `--image-selector`.
+    pub image_selector: String,
+    /// `--network` (each `NAME_OR_ID[=SUBNET]`); empty entries are ignored.
+    pub networks: Vec<String>,
+    /// `--firewall`.
+    pub firewalls: Vec<String>,
+    pub public_ipv4: bool,
+    pub public_ipv6: bool,
+    /// `--ssh-address`: `public` (default), `private` or `ipv6`.
     pub ssh_address: String,
+    /// `--placement`: `none` or `spread`.
+    pub placement: String,
+    /// `--server-label` (each `key=value`).
+    pub server_labels: Vec<String>,
+    /// `--login-ssh-key`.
+    pub login_ssh_keys: Vec<String>,
+    /// The server-settings fields of the `--offerings` document, in document order.
+    pub overrides: Vec<Overrides>,
     pub bootstrap_hook: String,
     /// Empty: the hook's success is taken as readiness.
     pub readiness_command: String,
     /// Path of the operator's cloud-init; empty for none.
     pub base_user_data: String,
     pub eur_usd: f64,
+}
+
+fn nonempty(values: &[String]) -> Vec<String> {
+    values
+        .iter()
+        .map(|v| v.trim().to_owned())
+        .filter(|v| !v.is_empty())
+        .collect()
+}
+
+/// The server settings the flags give (every offering's defaults).
+pub fn server_spec(args: &RealArgs) -> Result<ServerSpec, String> {
+    let image_selector = if args.image_selector.trim().is_empty() {
+        String::new()
+    } else {
+        settings::parse_image_selector(&args.image_selector)
+            .map_err(|e| format!("--image-selector {e}"))?
+    };
+    let image = args.image.trim().to_owned();
+    if !image.is_empty() && !image_selector.is_empty() {
+        return Err(format!(
+            "set either --image ({image:?}) or --image-selector ({image_selector:?}), not both"
+        ));
+    }
+    let networks = nonempty(&args.networks)
+        .iter()
+        .map(|n| NetworkRef::parse(n).map_err(|e| format!("--network {e}")))
+        .collect::<Result<Vec<_>, _>>()?;
+    let mut labels = std::collections::BTreeMap::new();
+    for label in nonempty(&args.server_labels) {
+        let (k, v) = settings::parse_label(&label).map_err(|e| format!("--server-label {e}"))?;
+        labels.insert(k, v);
+    }
+    Ok(ServerSpec {
+        image,
+        image_selector,
+        networks,
+        firewalls: nonempty(&args.firewalls),
+        public_ipv4: args.public_ipv4,
+        public_ipv6: args.public_ipv6,
+        ssh_address: SshAddress::parse(&args.ssh_address)?,
+        placement: Placement::parse(&args.placement).map_err(|e| format!("--placement {e}"))?,
+        labels,
+        login_keys: nonempty(&args.login_ssh_keys),
+    })
+}
+
+/// The flags' settings and every offering's effective settings, validated.
+pub fn specs(
+    args: &RealArgs,
+    offerings: &[Offering],
+) -> Result<(ServerSpec, Vec<OfferingSpec>), String> {
+    let server = server_spec(args)?;
+    let specs = settings::offering_specs(&server, offerings, &args.overrides)?;
+    Ok((server, specs))
 }
 
 /// Validates the real-backend flags and builds the Hetzner Cloud backend.
@@ -44,6 +118,25 @@ pub fn build(
     Ok(Arc::new(build_cloud(args, offerings, telemetry)?))
 }
 
+/// Reads and parses `--ssh-key`; `None` when it is not set.
+pub fn ssh_config(args: &RealArgs) -> Result<Option<SshConfig>, String> {
+    if args.ssh_key.is_empty() {
+        return Ok(None);
+    }
+    let path = &args.ssh_key;
+    let key = std::fs::read_to_string(path).map_err(|e| format!("read --ssh-key {path}: {e}"))?;
+    let config = SshConfig {
+        user: args.ssh_user.clone(),
+        key,
+        port: args.ssh_port,
+    };
+    SshIdentity::parse(&config).map_err(|e| match e.strip_prefix("parse --ssh-key: ") {
+        Some(reason) => format!("parse --ssh-key {path}: {reason}"),
+        None => e,
+    })?;
+    Ok(Some(config))
+}
+
 /// [`build`], returning the concrete type.
 pub fn build_cloud(
     args: RealArgs,
@@ -53,30 +146,14 @@ pub fn build_cloud(
     if args.token.is_empty() {
         return Err("hcloud: token is required for the hetzner backend".into());
     }
-    if args.image.trim().is_empty() {
-        return Err("hcloud: --image is required for the hetzner backend".into());
-    }
-    let ssh = if args.ssh_key.is_empty() {
+    let (server, specs) = specs(&args, offerings)?;
+    let ssh = ssh_config(&args)?;
+    if ssh.is_none() {
         tracing::warn!(
             "no --ssh-key set: Configure cannot deliver the bootstrap blob and Drain cannot drain \
              nodes; both transitions will fail until --ssh-key is set"
         );
-        None
-    } else {
-        let path = &args.ssh_key;
-        let key =
-            std::fs::read_to_string(path).map_err(|e| format!("read --ssh-key {path}: {e}"))?;
-        let config = SshConfig {
-            user: args.ssh_user.clone(),
-            key,
-            port: args.ssh_port,
-        };
-        SshIdentity::parse(&config).map_err(|e| match e.strip_prefix("parse --ssh-key: ") {
-            Some(reason) => format!("parse --ssh-key {path}: {reason}"),
-            None => e,
-        })?;
-        Some(config)
-    };
+    }
     let base_user_data = if args.base_user_data.is_empty() {
         None
     } else {
@@ -100,11 +177,10 @@ pub fn build_cloud(
         token: args.token,
         endpoint: args.endpoint,
         provider_instance: args.provider,
-        image: args.image,
+        server,
+        offerings: specs,
         locations,
         ssh,
-        network: Some(args.network).filter(|n| !n.trim().is_empty()),
-        ssh_address: SshAddress::parse(&args.ssh_address)?,
         bootstrap_hook: args.bootstrap_hook,
         base_user_data,
         readiness_command,

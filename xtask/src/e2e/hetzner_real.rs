@@ -39,7 +39,7 @@ const OFFERINGS: &str = r#"[
 
 /// Where the provider finds the hook, relative to the SSH command's working directory (the
 /// server's root).
-const HOOK: &str = "opt/bigfleet/bootstrap";
+pub(super) const HOOK: &str = "opt/bigfleet/bootstrap";
 const CLUSTER: &str = "e2e-cluster";
 
 /// The emulator process; killed when dropped.
@@ -120,7 +120,7 @@ impl Emulator {
 }
 
 /// A fresh ed25519 client key (`<dir>/id_ed25519`, public half `.pub`), via `ssh-keygen`.
-fn client_key(dir: &Path) -> Result<PathBuf> {
+pub(super) fn client_key(dir: &Path) -> Result<PathBuf> {
     let key = dir.join("id_ed25519");
     let out = Command::new("ssh-keygen")
         .args(["-q", "-t", "ed25519", "-N", "", "-C", "bigfleet-e2e", "-f"])
@@ -138,12 +138,12 @@ fn client_key(dir: &Path) -> Result<PathBuf> {
 }
 
 /// Server `host`'s root, where the emulator's sshd runs its commands.
-fn server_root(dir: &Path, host: &str) -> PathBuf {
+pub(super) fn server_root(dir: &Path, host: &str) -> PathBuf {
     dir.join("servers").join(host)
 }
 
 /// Installs the stand-in bootstrap hook in `host`'s root: it records its arguments.
-fn install_hook(dir: &Path, host: &str) -> Result<()> {
+pub(super) fn install_hook(dir: &Path, host: &str) -> Result<()> {
     use std::os::unix::fs::PermissionsExt;
     let hook = server_root(dir, host).join(HOOK);
     let parent = hook.parent().context("hook parent")?;
@@ -154,7 +154,7 @@ fn install_hook(dir: &Path, host: &str) -> Result<()> {
         .with_context(|| format!("chmod {}", hook.display()))
 }
 
-fn read_text(path: &Path) -> Result<String> {
+pub(super) fn read_text(path: &Path) -> Result<String> {
     std::fs::read_to_string(path).with_context(|| format!("read {}", path.display()))
 }
 
@@ -186,7 +186,7 @@ fn spec(root: &Path, emulator: &Emulator, offerings: &Path, key: &Path) -> Spec 
     }
 }
 
-fn host_of(machine: &pb::Machine) -> String {
+pub(super) fn host_of(machine: &pb::Machine) -> String {
     machine
         .host
         .as_ref()

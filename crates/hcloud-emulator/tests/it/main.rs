@@ -296,3 +296,158 @@ async fn errors_come_in_hetzners_format() {
     );
     assert!(!emulator.seen()[0].authorized && emulator.seen()[1].authorized);
 }
+
+#[tokio::test]
+async fn production_resources_round_trip_through_the_generated_client() {
+    use hcloud::apis::{firewalls_api, placement_groups_api, ssh_keys_api};
+    let emulator = Emulator::start(TOKEN).await.unwrap();
+    emulator.set_placement_group_limit(1);
+    let c = config(&emulator, TOKEN);
+    // Images by label selector: only the matching snapshots.
+    let images = images_api::list_images(
+        &c,
+        images_api::ListImagesParams {
+            label_selector: Some("k8s-version=1.31,role=node".into()),
+            r#type: Some(vec!["snapshot".into()]),
+            ..Default::default()
+        },
+    )
+    .await
+    .unwrap()
+    .images;
+    let mut ids: Vec<i64> = images.iter().map(|i| i.id).collect();
+    ids.sort();
+    assert_eq!(ids, vec![3001, 3002]);
+    assert!(
+        images
+            .iter()
+            .all(|i| i.r#type == models::image::Type::Snapshot)
+    );
+    // Firewalls and SSH keys by name and id.
+    let fw = firewalls_api::list_firewalls(
+        &c,
+        firewalls_api::ListFirewallsParams {
+            name: Some("bigfleet-nodes".into()),
+            ..Default::default()
+        },
+    )
+    .await
+    .unwrap()
+    .firewalls;
+    assert_eq!(fw[0].id, 7001);
+    let key = ssh_keys_api::get_ssh_key(&c, ssh_keys_api::GetSshKeyParams { id: 5002 })
+        .await
+        .unwrap()
+        .ssh_key;
+    assert_eq!(key.name, "ops-bob");
+    // A spread group, a server in it, and the full group's answer.
+    let group = placement_groups_api::create_placementgroup(
+        &c,
+        placement_groups_api::CreatePlacementgroupParams {
+            create_placementgroup_request: models::CreatePlacementgroupRequest {
+                name: "spread-1".into(),
+                labels: Some(HashMap::from([("owner".into(), "it".into())])),
+                r#type: models::create_placementgroup_request::Type::Spread,
+            },
+        },
+    )
+    .await
+    .unwrap()
+    .placement_group;
+    let mut request = create_request("pg-1", "cx22", &[]);
+    request.create_server_request.placement_group = Some(group.id);
+    request.create_server_request.firewalls = Some(vec![models::CreateServerRequestFirewalls {
+        firewall: 7001,
+    }]);
+    request.create_server_request.ssh_keys = Some(vec!["ops-alice".into(), "5002".into()]);
+    request.create_server_request.networks = Some(vec![9002]);
+    request.create_server_request.public_net =
+        Some(Box::new(models::CreateServerRequestPublicNet {
+            enable_ipv4: Some(false),
+            enable_ipv6: Some(true),
+            ipv4: None,
+            ipv6: None,
+        }));
+    let server = servers_api::create_server(&c, request)
+        .await
+        .unwrap()
+        .server;
+    assert!(server.public_net.ipv4.is_none());
+    assert!(
+        server
+            .public_net
+            .ipv6
+            .as_ref()
+            .unwrap()
+            .ip
+            .ends_with("::/64")
+    );
+    assert_eq!(
+        server.public_net.firewalls.as_ref().unwrap()[0].id,
+        Some(7001)
+    );
+    assert_eq!(
+        server
+            .placement_group
+            .as_ref()
+            .unwrap()
+            .as_ref()
+            .unwrap()
+            .id,
+        group.id
+    );
+    assert_eq!(emulator.create_bodies()[0]["ssh_keys"][1], "5002");
+    let mut second = create_request("pg-2", "cx22", &[]);
+    second.create_server_request.placement_group = Some(group.id);
+    match servers_api::create_server(&c, second).await {
+        Err(Error::ResponseError(r)) => {
+            assert_eq!(r.status.as_u16(), 422);
+            assert!(
+                r.content.contains(hcloud_emulator::GROUP_FULL),
+                "{}",
+                r.content
+            );
+        }
+        other => panic!("want the full-group error, got {other:?}"),
+    }
+    // Subnet placement after create.
+    servers_api::attach_server_to_network(
+        &c,
+        servers_api::AttachServerToNetworkParams {
+            id: server.id,
+            attach_server_to_network_request: models::AttachServerToNetworkRequest {
+                network: 9001,
+                ip_range: Some("10.0.1.0/24".into()),
+                ..Default::default()
+            },
+        },
+    )
+    .await
+    .unwrap();
+    let stored = emulator.server(server.id).unwrap();
+    let mgmt = stored
+        .private_net
+        .iter()
+        .find(|p| p.network == Some(9001))
+        .unwrap();
+    assert!(mgmt.ip.as_deref().unwrap().starts_with("10.0.1."));
+    // A group with a server cannot go; an empty one can.
+    assert!(
+        placement_groups_api::delete_placementgroup(
+            &c,
+            placement_groups_api::DeletePlacementgroupParams { id: group.id }
+        )
+        .await
+        .is_err()
+    );
+    servers_api::delete_server(&c, servers_api::DeleteServerParams { id: server.id })
+        .await
+        .unwrap();
+    placement_groups_api::delete_placementgroup(
+        &c,
+        placement_groups_api::DeletePlacementgroupParams { id: group.id },
+    )
+    .await
+    .unwrap();
+    assert!(emulator.placement_groups().is_empty());
+}

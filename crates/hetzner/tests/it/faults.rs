@@ -261,11 +261,13 @@ async fn the_token_never_shows_in_errors_or_debug_output() {
         token: provider_core::config::Secret::new("wrong-token-value-123"),
         endpoint: env.emulator.endpoint(),
         provider_instance: PROVIDER.into(),
-        image: "ubuntu-24.04".into(),
+        server: hetzner::settings::ServerSpec {
+            image: "ubuntu-24.04".into(),
+            ..Default::default()
+        },
+        offerings: Vec::new(),
         locations: vec!["nbg1".into()],
         ssh: None,
-        network: None,
-        ssh_address: hetzner::cloud::SshAddress::Public,
         bootstrap_hook: "/opt/bigfleet/bootstrap".into(),
         base_user_data: None,
         readiness_command: None,
@@ -432,11 +434,13 @@ async fn a_server_error_is_retried_without_waiting_for_the_rate_limit_reset() {
         token: provider_core::config::Secret::new(TOKEN),
         endpoint: env.emulator.endpoint(),
         provider_instance: PROVIDER.into(),
-        image: "ubuntu-24.04".into(),
+        server: hetzner::settings::ServerSpec {
+            image: "ubuntu-24.04".into(),
+            ..Default::default()
+        },
+        offerings: Vec::new(),
         locations: vec!["nbg1".into()],
         ssh: None,
-        network: None,
-        ssh_address: hetzner::cloud::SshAddress::Public,
         bootstrap_hook: "/opt/bigfleet/bootstrap".into(),
         base_user_data: None,
         readiness_command: None,

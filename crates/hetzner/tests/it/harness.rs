@@ -63,6 +63,10 @@ pub struct Options {
     pub telemetry_prefix: &'static str,
     pub network: Option<String>,
     pub ssh_address: hetzner::cloud::SshAddress,
+    /// Further server settings of the flags (image, networks and SSH address come from above).
+    pub server: hetzner::settings::ServerSpec,
+    /// Per-offering settings.
+    pub offerings: Vec<hetzner::settings::OfferingSpec>,
 }
 
 impl Default for Options {
@@ -76,6 +80,8 @@ impl Default for Options {
             telemetry_prefix: "bigfleet_hetzner_it",
             network: None,
             ssh_address: hetzner::cloud::SshAddress::Public,
+            server: hetzner::settings::ServerSpec::default(),
+            offerings: Vec::new(),
         }
     }
 }
@@ -177,11 +183,19 @@ impl Env {
             token: Secret::new(TOKEN),
             endpoint: emulator.endpoint(),
             provider_instance: PROVIDER.into(),
-            image: "ubuntu-24.04".into(),
+            server: hetzner::settings::ServerSpec {
+                image: "ubuntu-24.04".into(),
+                networks: options
+                    .network
+                    .iter()
+                    .map(|n| hetzner::settings::NetworkRef::parse(n).unwrap())
+                    .collect(),
+                ssh_address: options.ssh_address,
+                ..options.server.clone()
+            },
+            offerings: options.offerings.clone(),
             locations: vec!["nbg1".into(), "fsn1".into()],
             ssh,
-            network: options.network,
-            ssh_address: options.ssh_address,
             bootstrap_hook: hook.to_str().unwrap().to_owned(),
             base_user_data: options.base_user_data,
             readiness_command: options.readiness_command,
@@ -253,6 +267,18 @@ impl Env {
             "root",
         )
         .unwrap()
+    }
+
+    /// Moves the reserved SSH port to the IPv6 loopback `[::1]` (same port number).
+    pub async fn listen_on_ipv6(&mut self) {
+        let port = self
+            .ssh_listener
+            .as_ref()
+            .expect("the reserved SSH port")
+            .local_addr()
+            .unwrap()
+            .port();
+        self.ssh_listener = Some(TcpListener::bind(("::1", port)).await.unwrap());
     }
 
     /// Closes the reserved SSH port: connections are refused from now on.

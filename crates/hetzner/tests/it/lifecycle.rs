@@ -206,7 +206,10 @@ async fn create_errors_name_what_is_wrong() {
         .create_host(&env.machine("cx99", "nbg1", 0), &ctx(10))
         .await
         .unwrap_err();
-    assert_eq!(err.0, "create server cx99: unknown server type \"cx99\"");
+    assert_eq!(
+        err.0,
+        "create server cx99: offering cx99/nbg1 server_type \"cx99\" does not exist"
+    );
     let err = env
         .cloud
         .create_host(&env.machine("cx22", "hel1", 0), &ctx(10))

@@ -9,6 +9,7 @@ mod etcd_state;
 mod faults;
 mod harness;
 mod lifecycle;
+mod production;
 mod real_build;
 mod secrets;
 mod ssh_delivery;

@@ -17,8 +17,16 @@ fn args() -> RealArgs {
         ssh_key: String::new(),
         ssh_user: "root".into(),
         ssh_port: 22,
-        network: String::new(),
+        image_selector: String::new(),
+        networks: Vec::new(),
+        firewalls: Vec::new(),
+        public_ipv4: true,
+        public_ipv6: true,
         ssh_address: "public".into(),
+        placement: "none".into(),
+        server_labels: Vec::new(),
+        login_ssh_keys: Vec::new(),
+        overrides: Vec::new(),
         bootstrap_hook: "/opt/bigfleet/bootstrap".into(),
         readiness_command: String::new(),
         base_user_data: String::new(),
@@ -58,7 +66,7 @@ fn required_flags() {
             image: String::new(),
             ..args()
         }),
-        "hcloud: --image is required for the hetzner backend"
+        "hcloud: --image is required for the hetzner backend (or --image-selector, or an image per offering)"
     );
     let err = error(RealArgs {
         endpoint: "http://mirror.example.com/v1".into(),
@@ -132,7 +140,7 @@ fn private_ssh_needs_a_network() {
     });
     assert_eq!(
         err,
-        "--ssh-address private needs --network (the private network to reach servers on)"
+        "offering cx22/nbg1 --ssh-address \"private\" needs a private network, but offering cx22/nbg1 --network is empty"
     );
     let err = error(RealArgs {
         ssh_address: "bastion".into(),
@@ -140,12 +148,12 @@ fn private_ssh_needs_a_network() {
     });
     assert_eq!(
         err,
-        "--ssh-address must be public or private (got \"bastion\")"
+        "--ssh-address must be public, private or ipv6 (got \"bastion\")"
     );
     let ok = build(
         RealArgs {
             ssh_address: "private".into(),
-            network: "mgmt".into(),
+            networks: vec!["mgmt".into()],
             ..args()
         },
         &offerings(),
@@ -163,5 +171,83 @@ fn base_user_data_must_be_readable() {
     assert!(
         err.starts_with("read --base-user-data: /nonexistent/cloud-init: "),
         "{err}"
+    );
+}
+
+#[test]
+fn production_settings_are_validated_with_flag_and_value() {
+    let cases: Vec<(RealArgs, &str)> = vec![
+        (
+            RealArgs {
+                image_selector: "role=node".into(),
+                ..args()
+            },
+            "set either --image (\"ubuntu-24.04\") or --image-selector (\"role=node\"), not both",
+        ),
+        (
+            RealArgs {
+                image: String::new(),
+                image_selector: "role".into(),
+                ..args()
+            },
+            "--image-selector \"role\": \"role\" is not key=value",
+        ),
+        (
+            RealArgs {
+                networks: vec!["mgmt=10.0.1.0".into()],
+                ..args()
+            },
+            "--network \"mgmt=10.0.1.0\": subnet \"10.0.1.0\" is not an IPv4 range like 10.0.1.0/24",
+        ),
+        (
+            RealArgs {
+                server_labels: vec!["bigfleet-managed=false".into()],
+                ..args()
+            },
+            "--server-label label key \"bigfleet-managed\" is reserved",
+        ),
+        (
+            RealArgs {
+                server_labels: vec!["team=a b".into()],
+                ..args()
+            },
+            "--server-label label value \"a b\" (key \"team\") is not a Hetzner label value",
+        ),
+        (
+            RealArgs {
+                placement: "pack".into(),
+                ..args()
+            },
+            "--placement must be none or spread (got \"pack\")",
+        ),
+        (
+            RealArgs {
+                public_ipv6: false,
+                ssh_address: "ipv6".into(),
+                ..args()
+            },
+            "offering cx22/nbg1 --ssh-address \"ipv6\" needs a public IPv6, but offering cx22/nbg1 --public-ipv6 is false",
+        ),
+    ];
+    for (args, want) in cases {
+        let err = error(args);
+        assert!(err.starts_with(want), "want {want:?}, got {err:?}");
+        assert!(!err.contains("t0k3n"), "{err}");
+    }
+}
+
+#[test]
+fn an_offering_field_is_named_in_its_error() {
+    let overrides = hetzner::settings::parse_overrides(
+        r#"[{"server_type":"cx22","location":"nbg1","public_ipv4":false}]"#,
+    )
+    .unwrap();
+    let err = error(RealArgs {
+        overrides,
+        ..args()
+    });
+    assert_eq!(
+        err,
+        "offering cx22/nbg1 --ssh-address \"public\" needs a public IPv4, but offering cx22/nbg1 field \"public_ipv4\" is false (use \"private\" with a network or \"ipv6\")"
     );
 }

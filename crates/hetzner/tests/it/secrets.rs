@@ -1,7 +1,7 @@
 //! Secrets stay out of Debug output: the real backend's configuration prints neither the
 //! token, nor the SSH private key, nor the operator's base user-data.
 
-use hetzner::cloud::{HetznerConfig, SshAddress, Timing};
+use hetzner::cloud::{HetznerConfig, Timing};
 use hetzner::ssh::SshConfig;
 use provider_core::config::Secret;
 use provider_core::telemetry::Telemetry;
@@ -18,15 +18,17 @@ fn the_config_debug_output_holds_no_user_data_token_or_key_material() {
         token: Secret::new("hcloud-token-a9d3e2"),
         endpoint: "http://127.0.0.1:1/v1".into(),
         provider_instance: "hz".into(),
-        image: "ubuntu-24.04".into(),
+        server: hetzner::settings::ServerSpec {
+            image: "ubuntu-24.04".into(),
+            ..Default::default()
+        },
+        offerings: Vec::new(),
         locations: vec!["nbg1".into()],
         ssh: Some(SshConfig {
             user: "root".into(),
             key: key.clone(),
             port: 22,
         }),
-        network: None,
-        ssh_address: SshAddress::Public,
         bootstrap_hook: "/opt/bigfleet/bootstrap".into(),
         base_user_data: Some(user_data.into()),
         readiness_command: None,

@@ -399,7 +399,10 @@ async fn an_unknown_network_fails_create_before_any_server_exists() {
         .create_host(&env.machine("cx22", "nbg1", 0), &ctx(10))
         .await
         .unwrap_err();
-    assert_eq!(err.0, "create server cx22: unknown network \"nope\"");
+    assert_eq!(
+        err.0,
+        "create server cx22: offering cx22/nbg1 --network: network \"nope\" does not exist"
+    );
     assert!(env.emulator.servers().is_empty());
 }
 

@@ -13,7 +13,7 @@ use axum::extract::State;
 use axum::http::{HeaderMap, Method, StatusCode, Uri, header};
 use axum::response::{IntoResponse, Response};
 use hcloud_emulator::{HostKeySource, Root, Sshd, SshdSetup};
-use hetzner::cloud::{HetznerCloud, HetznerConfig, SshAddress};
+use hetzner::cloud::{HetznerCloud, HetznerConfig};
 use hetzner::hostkey;
 use hetzner::labels;
 use hetzner::ssh::SshConfig;
@@ -167,7 +167,11 @@ fn cloud(env: &Env, endpoint: String, ssh_port: u16) -> HetznerCloud {
         token: Secret::new(TOKEN),
         endpoint,
         provider_instance: PROVIDER.into(),
-        image: "ubuntu-24.04".into(),
+        server: hetzner::settings::ServerSpec {
+            image: "ubuntu-24.04".into(),
+            ..Default::default()
+        },
+        offerings: Vec::new(),
         locations: vec!["nbg1".into(), "fsn1".into()],
         ssh: Some(SshConfig {
             user: "root".into(),
@@ -178,8 +182,6 @@ fn cloud(env: &Env, endpoint: String, ssh_port: u16) -> HetznerCloud {
                 .to_string(),
             port: ssh_port,
         }),
-        network: None,
-        ssh_address: SshAddress::Public,
         bootstrap_hook: env.hook.to_str().unwrap().to_owned(),
         base_user_data: None,
         readiness_command: None,

@@ -1,0 +1,341 @@
+//! The create path of the real backend: adopt the server a previous attempt made, else build
+//! the create request from the offering's resolved [`Plan`] (image, networks, firewalls,
+//! placement group, public IPs, operator labels, login keys), create it (in a spread group
+//! when the offering asks for one), wait for `running` and join the subnets chosen per
+//! network. A create error (name taken, lost response) is resolved by looking the server up by
+//! its labels, never by the name alone.
+
+use std::collections::HashMap;
+
+use hcloud::models;
+use provider_core::backend::{BackendError, TransitionContext};
+use provider_core::cloud::OwnedHost;
+use provider_core::config::Secret;
+use provider_core::machine::Machine;
+use tokio::time::Instant;
+
+use crate::api::ApiError;
+use crate::cloud::{HetznerCloud, err, is_passing};
+use crate::hostkey::HostKey;
+use crate::labels;
+use crate::resolve::Plan;
+
+/// The labels of a new server: the operator's, then ours (which the settings keep apart).
+pub fn server_labels(
+    plan: &Plan,
+    machine_id: &str,
+    provider: &str,
+    host_key_fp: &str,
+) -> HashMap<String, String> {
+    let mut out: HashMap<String, String> = plan
+        .labels
+        .iter()
+        .map(|(k, v)| (k.clone(), v.clone()))
+        .collect();
+    out.insert(labels::MANAGED.into(), "true".into());
+    out.extend(labels::machine_id_labels(machine_id));
+    out.extend(labels::text_labels(labels::PROVIDER, provider));
+    out.insert(labels::HOST_KEY_FP.into(), host_key_fp.to_owned());
+    out
+}
+
+/// The create request of a server of `plan` (the placement group is set per attempt).
+pub fn create_request(
+    plan: &Plan,
+    name: &str,
+    labels: HashMap<String, String>,
+    user_data: String,
+) -> models::CreateServerRequest {
+    models::CreateServerRequest {
+        name: name.to_owned(),
+        server_type: plan.server_type.clone(),
+        image: plan.image.to_string(),
+        location: Some(plan.location.clone()),
+        user_data: Some(user_data),
+        labels: Some(labels),
+        networks: (!plan.create_networks.is_empty()).then(|| plan.create_networks.clone()),
+        firewalls: (!plan.firewalls.is_empty()).then(|| {
+            plan.firewalls
+                .iter()
+                .map(|id| models::CreateServerRequestFirewalls { firewall: *id })
+                .collect()
+        }),
+        public_net: Some(Box::new(models::CreateServerRequestPublicNet {
+            enable_ipv4: Some(plan.public_ipv4),
+            enable_ipv6: Some(plan.public_ipv6),
+            ipv4: None,
+            ipv6: None,
+        })),
+        ssh_keys: (!plan.login_keys.is_empty()).then(|| plan.login_keys.clone()),
+        ..Default::default()
+    }
+}
+
+/// The plan of an existing server's offering.
+async fn existing_plan(
+    cloud: &HetznerCloud,
+    server: &models::Server,
+    deadline: Instant,
+) -> Result<std::sync::Arc<Plan>, BackendError> {
+    cloud
+        .plan(&server.server_type.name, &server.location.name, deadline)
+        .await
+        .map_err(err)
+}
+
+impl HetznerCloud {
+    /// One create call: straight, or into a spread group of the offering.
+    async fn create_server(
+        &self,
+        plan: &Plan,
+        request: &mut models::CreateServerRequest,
+        deadline: Instant,
+    ) -> Result<models::Server, ApiError> {
+        if plan.spread {
+            self.create_in_spread_group(plan, request, deadline).await
+        } else {
+            self.api.create_server(request, Some(deadline)).await
+        }
+    }
+
+    /// Joins the networks the plan places in a chosen subnet, then re-reads the server.
+    async fn attach_subnets(
+        &self,
+        plan: &Plan,
+        server: models::Server,
+        ctx: &TransitionContext,
+    ) -> Result<models::Server, BackendError> {
+        let missing: Vec<&(i64, String)> = plan
+            .attach
+            .iter()
+            .filter(|(network, _)| {
+                !server
+                    .private_net
+                    .iter()
+                    .any(|p| p.network == Some(*network))
+            })
+            .collect();
+        if missing.is_empty() {
+            return Ok(server);
+        }
+        for (network, range) in missing {
+            self.api
+                .attach_to_network(server.id, *network, Some(range), Some(ctx.deadline))
+                .await
+                .map_err(|e| {
+                    err(format!(
+                        "attach server {} to network {network} subnet {range}: {e}",
+                        server.id
+                    ))
+                })?;
+            tracing::info!(server = server.id, network, subnet = %range, "server joined its subnet");
+        }
+        self.api
+            .get_server(server.id, Some(ctx.deadline))
+            .await
+            .map_err(|e| err(format!("read server {}: {e}", server.id)))?
+            .ok_or_else(|| {
+                err(format!(
+                    "server {} vanished while joining its networks",
+                    server.id
+                ))
+            })
+    }
+
+    pub(crate) async fn machine_servers(
+        &self,
+        machine_id: &str,
+        deadline: Instant,
+    ) -> Result<Vec<models::Server>, ApiError> {
+        // No provider label in the selector: servers of earlier versions lack it, and
+        // `is_ours` decides ownership either way.
+        let mut pairs = vec![(labels::MANAGED.to_owned(), "true".to_owned())];
+        pairs.extend(labels::machine_id_labels(machine_id));
+        let mut found: Vec<models::Server> = self
+            .api
+            .list_servers(&labels::selector(&pairs), Some(deadline))
+            .await?
+            .into_iter()
+            .filter(|s| {
+                self.is_ours(s) && labels::machine_id_of(&s.labels).as_deref() == Some(machine_id)
+            })
+            .collect();
+        found.sort_by_key(|s| s.id);
+        Ok(found)
+    }
+
+    /// The live server a previous Create made for `machine_id`, if any.
+    async fn find_machine_server(
+        &self,
+        machine_id: &str,
+        deadline: Instant,
+    ) -> Result<Option<models::Server>, ApiError> {
+        let live: Vec<models::Server> = self
+            .machine_servers(machine_id, deadline)
+            .await?
+            .into_iter()
+            .filter(|s| s.status != models::server::Status::Deleting)
+            .collect();
+        if live.len() > 1 {
+            let ids: Vec<i64> = live.iter().map(|s| s.id).collect();
+            tracing::warn!(machine = machine_id, servers = ?ids, "several servers carry one machine id; using the oldest");
+        }
+        Ok(live.into_iter().next())
+    }
+
+    async fn wait_running(
+        &self,
+        id: i64,
+        ctx: &TransitionContext,
+    ) -> Result<models::Server, BackendError> {
+        let cap = Instant::now() + self.timing.running_cap;
+        let deadline = ctx.deadline.min(cap);
+        loop {
+            // The server exists: a run of 429s or 5xx answers while polling is no reason to
+            // give up on it (and leave it running untracked) while the deadline allows more.
+            let polled = self.api.get_server(id, Some(deadline)).await;
+            let left = deadline.saturating_duration_since(Instant::now());
+            let server = match polled {
+                Ok(Some(server)) => Some(server),
+                Ok(None) => return Err(err(format!("server {id} vanished while creating"))),
+                Err(e) if is_passing(&e) && !left.is_zero() => {
+                    tracing::warn!(server = id, err = %e, "polling the new server failed; polling on");
+                    None
+                }
+                Err(e) => return Err(err(format!("poll server {id}: {e}"))),
+            };
+            if let Some(server) = server
+                && server.status == models::server::Status::Running
+            {
+                return Ok(server);
+            }
+            if left.is_zero() {
+                return Err(if cap <= ctx.deadline {
+                    err(format!(
+                        "server {id} did not reach running within {:?}",
+                        self.timing.running_cap
+                    ))
+                } else {
+                    err(format!("waiting for server {id} to run: deadline exceeded"))
+                });
+            }
+            tokio::select! {
+                _ = tokio::time::sleep(self.timing.running_poll.min(left)) => {}
+                _ = ctx.cancel.cancelled() => {
+                    return Err(err(format!("waiting for server {id} to run: cancelled")));
+                }
+            }
+        }
+    }
+
+    pub(crate) async fn create(
+        &self,
+        machine: &Machine,
+        ctx: &TransitionContext,
+    ) -> Result<OwnedHost, BackendError> {
+        let deadline = ctx.deadline;
+        let server_type = &machine.instance_type;
+        let owned = |server: &models::Server| {
+            self.to_owned_host(server)
+                .ok_or_else(|| err(format!("server {} has no machine-id label", server.id)))
+        };
+        if let Some(existing) = self
+            .find_machine_server(&machine.id, deadline)
+            .await
+            .map_err(|e| err(format!("look up existing servers: {e}")))?
+        {
+            tracing::info!(machine = %machine.id, server = existing.id, "adopting the server a previous Create made");
+            self.claim_if_legacy(&existing, deadline)
+                .await
+                .map_err(|e| err(format!("claim server {}: {e}", existing.id)))?;
+            let server = self.wait_running(existing.id, ctx).await?;
+            let server = match existing_plan(self, &server, deadline).await {
+                Ok(plan) => self.attach_subnets(&plan, server, ctx).await?,
+                Err(_) => server,
+            };
+            return owned(&server);
+        }
+        if !self.locations.contains(&machine.zone) {
+            let mut known: Vec<&String> = self.locations.iter().collect();
+            known.sort();
+            return Err(err(format!(
+                "location {:?} is not one of this provider's locations {known:?}",
+                machine.zone
+            )));
+        }
+        let plan = self
+            .plan(server_type, &machine.zone, deadline)
+            .await
+            .map_err(err)?;
+        let host_key = HostKey::generate().map_err(err)?;
+        let user_data = provider_core::userdata::assemble(
+            self.base_user_data.as_ref().map(Secret::expose),
+            &host_key.cloud_config(),
+        );
+        let name = labels::server_name(&machine.id);
+        let mut request = create_request(
+            &plan,
+            &name,
+            server_labels(&plan, &machine.id, &self.provider, host_key.fingerprint()),
+            user_data,
+        );
+        let mut attempt = 0u32;
+        let created = loop {
+            attempt += 1;
+            match self.create_server(&plan, &mut request, deadline).await {
+                Ok(server) => break server,
+                Err(e) if e.code() == Some("uniqueness_error") || e.is_ambiguous() => {
+                    // The name is taken or the response was lost: the server may exist. Adopt
+                    // it only if its labels say it is this machine's.
+                    let found = self.machine_servers(&machine.id, deadline).await.map_err(
+                        |le| {
+                            err(format!(
+                                "create server {server_type}: {e}; look up after the failure: {le}"
+                            ))
+                        },
+                    )?;
+                    if let Some(server) = found
+                        .into_iter()
+                        .find(|s| s.status != models::server::Status::Deleting)
+                    {
+                        tracing::info!(machine = %machine.id, server = server.id, err = %e, "create failed but the server exists; adopting it");
+                        break server;
+                    }
+                    // Who holds the name? Only this machine's previous server, still being
+                    // deleted, is worth waiting for (as is a name freed in the meantime).
+                    if e.code() == Some("uniqueness_error") {
+                        let holder = self.api.server_by_name(&name, Some(deadline)).await.map_err(|le| {
+                            err(format!("create server {server_type}: {e}; look up the name's holder: {le}"))
+                        })?;
+                        if let Some(holder) = holder
+                            && !(self.is_machines(&holder, &machine.id)
+                                && holder.status == models::server::Status::Deleting)
+                        {
+                            return Err(err(format!(
+                                "create server {server_type}: the name {name} is taken by server {} \
+                                 that is not labelled as machine {:?} of provider {:?}; refusing to adopt it",
+                                holder.id, machine.id, self.provider
+                            )));
+                        }
+                    }
+                    let wait = self.timing.client.backoff.delay(attempt, None);
+                    if Instant::now() + wait >= deadline
+                        || attempt >= self.timing.client.backoff.max_attempts
+                    {
+                        return Err(err(format!("create server {server_type}: {e}")));
+                    }
+                    tracing::warn!(machine = %machine.id, err = %e, "create failed without a server; retrying");
+                    tokio::select! {
+                        _ = tokio::time::sleep(wait) => {}
+                        _ = ctx.cancel.cancelled() => return Err(err(format!("create server {server_type}: {e}"))),
+                    }
+                }
+                Err(e) => return Err(err(format!("create server {server_type}: {e}"))),
+            }
+        };
+        tracing::info!(machine = %machine.id, server = created.id, name = %name, "server created");
+        let server = self.wait_running(created.id, ctx).await?;
+        let server = self.attach_subnets(&plan, server, ctx).await?;
+        owned(&server)
+    }
+}
