@@ -23,7 +23,8 @@ use crate::inventory::{
 use crate::lifecycle::OperationKind;
 use crate::limits;
 use crate::machine::{CapacityType, Machine, MachineState, StringMap};
-use crate::store::{Change, Commit, SharedStore, Snapshot};
+use crate::records::{Change, Snapshot};
+use crate::store::{Commit, SharedStore};
 use crate::telemetry::Telemetry;
 
 /// The deadline of each transition kind.

@@ -11,7 +11,7 @@ use crate::fence::unknown_ids::{self, UnknownIdMarks};
 use crate::fence::{self, FenceDecision, FenceToken, HighWaterMark};
 use crate::lifecycle::OperationKind;
 use crate::machine::{HostRef, Machine, MachineState, StringMap};
-use crate::store::{Change, FenceRecord, Snapshot};
+use crate::records::{Change, FenceRecord, Slot, Snapshot};
 
 mod slot_table;
 
@@ -19,22 +19,6 @@ use slot_table::SlotTable;
 
 /// Operation ids are `<prefix>-<n>`; the reference uses the prefix `op`.
 pub const OPERATION_PREFIX: &str = "op";
-
-/// One machine slot with its bookkeeping.
-#[derive(Clone, Debug, PartialEq)]
-pub struct Slot {
-    pub machine: Arc<Machine>,
-    /// The revision of the slot's last change (List cursors compare against it).
-    pub last_change: i64,
-    /// The operation id recorded per kind (idempotency), indexed by [`OperationKind::index`].
-    pub operations: [Option<String>; 4],
-}
-
-impl Slot {
-    pub fn operation(&self, kind: OperationKind) -> Option<&str> {
-        self.operations[kind.index()].as_deref()
-    }
-}
 
 /// The binding a Configure applies at acceptance.
 #[derive(Clone, Debug, Default)]

@@ -23,7 +23,7 @@ use tokio::time::Instant;
 use super::Inventory;
 use crate::error::CoreError;
 use crate::machine::{HostRef, Machine, MachineState};
-use crate::store::Change;
+use crate::records::Change;
 
 /// How many hosts deleted by the provider are remembered (never adopted again).
 const DELETED_MEMORY: usize = 4096;
