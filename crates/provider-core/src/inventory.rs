@@ -20,6 +20,27 @@ use slot_table::SlotTable;
 /// Operation ids are `<prefix>-<n>`; the reference uses the prefix `op`.
 pub const OPERATION_PREFIX: &str = "op";
 
+/// What a List selects (contract.md §8).
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct Selection {
+    /// Empty: every state.
+    pub states: Vec<MachineState>,
+    /// Only slots changed after this revision.
+    pub since: Option<i64>,
+    /// At most this many machines (`usize::MAX`: no cap).
+    pub cap: usize,
+}
+
+/// What [`Inventory::select`] found.
+#[derive(Debug)]
+pub struct Selected {
+    /// The matches, in the table's order from the start position, wrapping around.
+    pub machines: Vec<Arc<Machine>>,
+    /// How many slots a walk from the start position passes until the cap is reached (every
+    /// slot when it is not); the next capped List continues after them.
+    pub visited: usize,
+}
+
 /// The binding a Configure applies at acceptance.
 #[derive(Clone, Debug, Default)]
 pub struct Binding {
@@ -200,6 +221,83 @@ impl Inventory {
         self.slots.rotated(start)
     }
 
+    /// The slots matching `selection`, as a walk over [`Inventory::slots_from`]`(start)` that
+    /// stops at the cap would find them, at the cost of what matches: a cursor reads the
+    /// revision index (the slots changed after it), a state filter the state index, and only a
+    /// List of everything walks the table.
+    pub fn select(&self, selection: &Selection, start: usize) -> Selected {
+        let n = self.slots.len();
+        let cap = selection.cap;
+        if n == 0 || cap == 0 {
+            return Selected {
+                machines: Vec::new(),
+                visited: 0,
+            };
+        }
+        let start = start % n;
+        let mut wanted = [selection.states.is_empty(); MachineState::ALL.len()];
+        for s in &selection.states {
+            wanted[s.wire() as usize] = true;
+        }
+        // A slot's distance from the start along the walk.
+        let offset = |position: usize| (position + n - start) % n;
+        let positions: Vec<usize> = match selection.since {
+            Some(since) => {
+                let mut found: Vec<usize> = self
+                    .slots
+                    .changed_after(since)
+                    .filter(|p| wanted[self.slots.at(*p).machine.state.wire() as usize])
+                    .collect();
+                found.sort_unstable_by_key(|p| offset(*p));
+                found.truncate(cap);
+                found
+            }
+            None if !selection.states.is_empty() => {
+                let mut found = Vec::new();
+                for state in MachineState::ALL {
+                    if wanted[state.wire() as usize] {
+                        found.extend(self.slots.in_state_from(state, start).take(cap));
+                    }
+                }
+                found.sort_unstable_by_key(|p| offset(*p));
+                found.truncate(cap);
+                found
+            }
+            None => {
+                return Selected {
+                    machines: self
+                        .slots
+                        .rotated(start)
+                        .take(cap)
+                        .map(|slot| slot.machine.clone())
+                        .collect(),
+                    visited: cap.min(n),
+                };
+            }
+        };
+        let visited = match positions.last() {
+            Some(last) if positions.len() == cap => offset(*last) + 1,
+            _ => n,
+        };
+        Selected {
+            machines: positions
+                .into_iter()
+                .map(|p| self.slots.at(p).machine.clone())
+                .collect(),
+            visited,
+        }
+    }
+
+    /// How many slots are in `state`, in O(1).
+    pub fn count_in_state(&self, state: MachineState) -> usize {
+        self.slots.count_in_state(state)
+    }
+
+    /// The slots in `state`, in O(matching slots).
+    pub fn in_state(&self, state: MachineState) -> impl Iterator<Item = &Slot> {
+        self.slots.in_state_from(state, 0).map(|p| self.slots.at(p))
+    }
+
     pub fn fence_mark(&self, shard_id: &str, machine_id: &str) -> Option<HighWaterMark> {
         self.fences
             .get(shard_id)
@@ -219,9 +317,7 @@ impl Inventory {
     /// point yields a full list instead of a delta that could miss changes.
     pub fn invalidate_cursors(&mut self, changes: &mut Vec<Change>) {
         self.revision += 1;
-        for slot in self.slots.values_mut() {
-            slot.last_change = self.revision;
-        }
+        self.slots.mark_all_changed(self.revision);
         // The store is told about the new head only; the per-slot marks are re-derived on load.
         changes.push(self.counters());
     }
@@ -236,9 +332,9 @@ impl Inventory {
     fn touch(&mut self, id: &str, changes: &mut Vec<Change>) {
         self.revision += 1;
         let revision = self.revision;
-        if let Some(slot) = self.slots.get_mut(id) {
+        if let Some(mut slot) = self.slots.get_mut(id) {
             slot.last_change = revision;
-            changes.push(Change::PutSlot(slot.clone()));
+            changes.push(Change::PutSlot(Slot::clone(&slot)));
         }
     }
 
@@ -312,13 +408,15 @@ impl Inventory {
         }
         // 5. Accept.
         let operation_id = self.mint_operation();
-        let slot = self.slots.get_mut(machine_id).expect("slot checked above");
-        slot.operations[kind.index()] = Some(operation_id.clone());
-        let machine = crate::machine::edit(&mut slot.machine);
-        machine.state = kind.transitional();
-        if let Some(binding) = binding {
-            machine.cluster = binding.cluster;
-            machine.shard_metadata = binding.shard_metadata;
+        {
+            let mut slot = self.slots.get_mut(machine_id).expect("slot checked above");
+            slot.operations[kind.index()] = Some(operation_id.clone());
+            let machine = crate::machine::edit(&mut slot.machine);
+            machine.state = kind.transitional();
+            if let Some(binding) = binding {
+                machine.cluster = binding.cluster;
+                machine.shard_metadata = binding.shard_metadata;
+            }
         }
         self.touch(machine_id, changes);
         changes.push(self.counters());
@@ -340,7 +438,7 @@ impl Inventory {
         outcome: Result<Effect, String>,
         changes: &mut Vec<Change>,
     ) -> bool {
-        let Some(slot) = self.slots.get_mut(machine_id) else {
+        let Some(mut slot) = self.slots.get_mut(machine_id) else {
             return false;
         };
         if slot.machine.state != kind.transitional() || slot.operation(kind) != Some(operation_id) {
@@ -377,6 +475,7 @@ impl Inventory {
                 machine.last_error = message;
             }
         }
+        drop(slot);
         self.touch(machine_id, changes);
         changes.push(self.counters());
         true
@@ -447,7 +546,7 @@ impl Inventory {
             }
         }
         for (id, kind) in failed {
-            let slot = self.slots.get_mut(&id).expect("collected above");
+            let mut slot = self.slots.get_mut(&id).expect("collected above");
             let machine = crate::machine::edit(&mut slot.machine);
             machine.state = MachineState::Failed;
             machine.last_error = if kind == OperationKind::Configure {
@@ -458,6 +557,7 @@ impl Inventory {
             } else {
                 format!("{kind} transition interrupted by a provider restart; needs re-drive")
             };
+            drop(slot);
             self.touch(&id, changes);
         }
         if !changes.is_empty() {
@@ -473,6 +573,9 @@ pub use reconcile::{ReconcileOutcome, ReconcileReport, Sighting, Survey, Suspect
 
 #[cfg(test)]
 mod tests;
+
+#[cfg(test)]
+mod index_tests;
 
 #[cfg(test)]
 mod unknown_id_tests;
