@@ -108,7 +108,8 @@ impl Inventory {
             next_op: snapshot.next_op,
             ..Inventory::default()
         };
-        for slot in snapshot.slots {
+        inventory.slots.reserve(snapshot.slots.len());
+        for slot in drain_releasing(snapshot.slots) {
             inventory.slots.insert(slot.machine.id.clone(), slot);
         }
         let (known, unknown): (Vec<FenceRecord>, Vec<FenceRecord>) = snapshot
@@ -496,7 +497,9 @@ impl Inventory {
                 ));
             }
         }
-        for machine in machines {
+        self.slots.reserve(machines.len());
+        changes.reserve(machines.len() + 1);
+        for machine in drain_releasing(machines) {
             self.insert_new(machine, changes);
         }
         changes.push(self.counters());
@@ -565,6 +568,22 @@ impl Inventory {
         }
         resumable
     }
+}
+
+/// The items of `items` in order, handing the vector's memory back as it empties (a 100,000
+/// machine seed would otherwise hold its whole buffer until the last slot is built, next to the
+/// slots built from it).
+fn drain_releasing<T>(mut items: Vec<T>) -> impl Iterator<Item = T> {
+    /// Items taken between two shrinks of the buffer.
+    const STEP: usize = 8192;
+    items.reverse();
+    std::iter::from_fn(move || {
+        let item = items.pop()?;
+        if items.len().is_multiple_of(STEP) {
+            items.shrink_to_fit();
+        }
+        Some(item)
+    })
 }
 
 mod reconcile;

@@ -97,6 +97,11 @@ impl SlotTable {
         old
     }
 
+    /// Room for `additional` more slots without growing.
+    pub(crate) fn reserve(&mut self, additional: usize) {
+        self.by_id.reserve(additional);
+    }
+
     pub(crate) fn get(&self, id: &str) -> Option<&Slot> {
         self.by_id.get(id)
     }
