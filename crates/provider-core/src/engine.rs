@@ -223,9 +223,12 @@ impl Engine {
             for machine in &described {
                 validate(machine, options.require_zone).map_err(StartError::InvalidRecord)?;
             }
-            inventory
-                .seed(described, &mut changes)
-                .map_err(StartError::Seed)?;
+            let seeded = if store.is_durable() {
+                inventory.seed(described, &mut changes)
+            } else {
+                inventory.seed_unrecorded(described)
+            };
+            seeded.map_err(StartError::Seed)?;
         } else {
             inventory.invalidate_cursors(&mut changes);
             if let Some(offered) = backend.offered() {

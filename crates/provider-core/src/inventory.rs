@@ -488,6 +488,24 @@ impl Inventory {
         machines: Vec<Machine>,
         changes: &mut Vec<Change>,
     ) -> Result<(), String> {
+        changes.reserve(machines.len() + 1);
+        self.seed_slots(machines, Some(&mut *changes))?;
+        changes.push(self.counters());
+        Ok(())
+    }
+
+    /// [`Inventory::seed`] for a store that keeps nothing (the in-memory store): the same
+    /// slots and revisions, without the change record per slot that only a durable store reads
+    /// (at 100,000 machines that batch is about 12 MiB at the peak of the start).
+    pub fn seed_unrecorded(&mut self, machines: Vec<Machine>) -> Result<(), String> {
+        self.seed_slots(machines, None)
+    }
+
+    fn seed_slots(
+        &mut self,
+        machines: Vec<Machine>,
+        mut changes: Option<&mut Vec<Change>>,
+    ) -> Result<(), String> {
         let mut seen = HashSet::new();
         for m in &machines {
             if !seen.insert(m.id.as_str()) || self.slots.contains_key(&m.id) {
@@ -498,15 +516,14 @@ impl Inventory {
             }
         }
         self.slots.reserve(machines.len());
-        changes.reserve(machines.len() + 1);
         for machine in drain_releasing(machines) {
-            self.insert_new(machine, changes);
+            self.insert_new(machine, changes.as_deref_mut());
         }
-        changes.push(self.counters());
         Ok(())
     }
 
-    fn insert_new(&mut self, machine: Machine, changes: &mut Vec<Change>) {
+    /// Adds a slot at a fresh revision; its record goes to `changes` when given.
+    fn insert_new(&mut self, machine: Machine, changes: Option<&mut Vec<Change>>) {
         let id = machine.id.clone();
         // Marks recorded while the id was unknown now guard a real machine: they move to the
         // table that is never evicted (the store already holds them under the same key).
@@ -516,15 +533,16 @@ impl Inventory {
                 .or_default()
                 .insert(id.clone(), mark);
         }
-        self.slots.insert(
-            id.clone(),
-            Slot {
-                machine: Arc::new(machine),
-                last_change: 0,
-                operations: Default::default(),
-            },
-        );
-        self.touch(&id, changes);
+        self.revision += 1;
+        let slot = Slot {
+            machine: Arc::new(machine),
+            last_change: self.revision,
+            operations: Default::default(),
+        };
+        if let Some(changes) = changes {
+            changes.push(Change::PutSlot(slot.clone()));
+        }
+        self.slots.insert(id, slot);
     }
 
     /// Turns transitional slots found at startup into work to resume or into FAILED.

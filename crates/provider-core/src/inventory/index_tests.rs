@@ -277,3 +277,24 @@ fn capped_selections_continue_where_the_previous_one_stopped() {
     seen.dedup();
     assert_eq!(seen.len(), 5, "every FAILED machine once: {seen:?}");
 }
+
+#[test]
+fn a_seed_without_change_records_builds_the_same_inventory() {
+    let machines: Vec<Machine> = (0..50)
+        .map(|i| Machine::speculative(machine_id(i), "cx22"))
+        .collect();
+    let mut recorded = Inventory::default();
+    let mut changes = Vec::new();
+    recorded.seed(machines.clone(), &mut changes).unwrap();
+    assert_eq!(changes.len(), 51, "a record per slot and the counters");
+    let mut unrecorded = Inventory::default();
+    unrecorded.seed_unrecorded(machines.clone()).unwrap();
+    assert_eq!(unrecorded.snapshot(), recorded.snapshot());
+    unrecorded.slots.assert_indexes_exact();
+    let ids: Vec<&str> = unrecorded.slots().map(|s| s.machine.id.as_str()).collect();
+    let expected: Vec<&str> = machines.iter().map(|m| m.id.as_str()).collect();
+    assert_eq!(ids, expected, "slots keep the seed's order");
+    let mut duplicate = machines;
+    duplicate.push(Machine::speculative(machine_id(3), "cx22"));
+    assert!(Inventory::default().seed_unrecorded(duplicate).is_err());
+}

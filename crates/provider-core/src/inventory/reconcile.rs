@@ -179,7 +179,7 @@ impl Inventory {
                 {
                     continue;
                 }
-                self.insert_new(fresh, &mut *changes);
+                self.insert_new(fresh, Some(&mut *changes));
                 report.added += 1;
                 continue;
             };
@@ -391,7 +391,7 @@ impl Inventory {
         let mut added = 0;
         for machine in offered {
             if !self.slots.contains_key(&machine.id) {
-                self.insert_new(machine, changes);
+                self.insert_new(machine, Some(&mut *changes));
                 added += 1;
             }
         }
