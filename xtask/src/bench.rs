@@ -9,6 +9,7 @@
 
 mod args;
 mod etcd;
+mod floor;
 mod load;
 mod procfs;
 mod provider;
@@ -27,6 +28,9 @@ use self::report::{Row, Run, Side};
 use self::scenarios::Scratch;
 
 pub(crate) fn run(args: &[String]) -> Result<()> {
+    if args.first().map(String::as_str) == Some(floor::FLAG) {
+        return floor::serve(&args[1..]);
+    }
     let options = match args::parse(args)? {
         Parsed::Help => {
             println!("{}", args::USAGE);
@@ -77,11 +81,18 @@ pub(crate) fn run(args: &[String]) -> Result<()> {
             );
         }
         println!("\n{}", report::table(&lines, Side::Ours));
-        if commands.len() > 1 {
+        if commands.iter().any(|(side, _)| *side == Side::Theirs) {
             println!("theirs:\n\n{}", report::table(&lines, Side::Theirs));
             println!(
                 "ratio ours/theirs (medians):\n\n{}",
-                report::ratio_table(&lines)
+                report::ratio_table(&lines, Side::Theirs)
+            );
+        }
+        if lines.iter().any(|line| !line.floor.is_empty()) {
+            println!("floor:\n\n{}", report::table(&lines, Side::Floor));
+            println!(
+                "ratio ours/floor (medians):\n\n{}",
+                report::ratio_table(&lines, Side::Floor)
             );
         }
         println!("bench: {} runs in {:.1?}", runs.len(), started.elapsed());
@@ -183,6 +194,14 @@ async fn run_all(options: &Options) -> Result<Vec<Run>> {
             let mut runs = Vec::new();
             for &scenario in &options.scenarios {
                 for size in sizes(scenario, options, fixed) {
+                    // The get scenario also runs against the floor, answering with a machine
+                    // of the provider's own encoding.
+                    let floor = if scenario == Scenario::Get && options.floor {
+                        let machine = floor::sample_machine(ours, size).await?;
+                        Some(floor::command(&machine)?)
+                    } else {
+                        None
+                    };
                     if scenario == Scenario::Startup
                         && Some(&size) == sizes(scenario, options, fixed).first()
                     {
@@ -191,11 +210,14 @@ async fn run_all(options: &Options) -> Result<Vec<Run>> {
                     for repeat in 0..options.repeats {
                         let mut order = vec![(Side::Ours, ours)];
                         if let Some(theirs) = theirs {
-                            // Alternate who goes first, so drift favours neither.
                             order.push((Side::Theirs, theirs));
-                            if repeat % 2 == 1 {
-                                order.reverse();
-                            }
+                        }
+                        if let Some(floor) = &floor {
+                            order.push((Side::Floor, floor));
+                        }
+                        // Alternate who goes first, so drift favours neither.
+                        if repeat % 2 == 1 {
+                            order.reverse();
                         }
                         for (side, command) in order {
                             let load1 = procfs::load1();

@@ -8,9 +8,9 @@ use std::sync::Arc;
 
 use fuzz::engine::{Outcome, check};
 use provider_core::durable::codec;
-use provider_core::inventory::Slot;
 use provider_core::machine::{Machine, StringMap};
 use provider_core::offerings::{self, Offering};
+use provider_core::records::Slot;
 
 fn bytes(hex: &str) -> Vec<u8> {
     (0..hex.len())

@@ -18,12 +18,14 @@ use crate::duration;
 use crate::error::CoreError;
 use crate::fence::FenceToken;
 use crate::inventory::{
-    Admission, Binding, Effect, Interrupted, Inventory, ReconcileReport, Sighting, Suspect,
+    Admission, Binding, Effect, Interrupted, Inventory, ReconcileReport, Selected, Selection,
+    Sighting, Suspect,
 };
 use crate::lifecycle::OperationKind;
 use crate::limits;
 use crate::machine::{CapacityType, Machine, MachineState, StringMap};
-use crate::store::{Change, Commit, SharedStore, Snapshot};
+use crate::records::{Change, Snapshot};
+use crate::store::{Commit, SharedStore};
 use crate::telemetry::Telemetry;
 
 /// The deadline of each transition kind.
@@ -221,9 +223,12 @@ impl Engine {
             for machine in &described {
                 validate(machine, options.require_zone).map_err(StartError::InvalidRecord)?;
             }
-            inventory
-                .seed(described, &mut changes)
-                .map_err(StartError::Seed)?;
+            let seeded = if store.is_durable() {
+                inventory.seed(described, &mut changes)
+            } else {
+                inventory.seed_unrecorded(described)
+            };
+            seeded.map_err(StartError::Seed)?;
         } else {
             inventory.invalidate_cursors(&mut changes);
             if let Some(offered) = backend.offered() {
@@ -471,41 +476,26 @@ impl Engine {
             .ok()
             .filter(|n| *n > 0)
             .unwrap_or(usize::MAX);
-        let mut wanted = [false; 9];
-        for s in &query.states {
-            wanted[s.wire() as usize] = true;
-        }
-        let any_state = query.states.is_empty();
         let inventory = self.read();
         let head = inventory.revision();
-        let since = cursor.filter(|c| *c <= head);
+        let selection = Selection {
+            states: query.states.clone(),
+            since: cursor.filter(|c| *c <= head),
+            cap,
+        };
         let capped = cap < inventory.len();
-        let mut machines = Vec::with_capacity(cap.min(inventory.len()));
         // A capped List is an arbitrary subset (contract.md §8), and callers rely on that: the
         // conformance program and a shard's worker pool pick "different" machines with
         // consecutive `max_results = 1` calls. A capped List therefore starts where the previous
         // one stopped (the first one at a random slot) and wraps around: consecutive picks are
-        // distinct until every match has been returned once, the cost stays O(slots visited)
-        // and every slot is visited at most once per List.
+        // distinct until every match has been returned once, and every slot is visited at most
+        // once per List. The cost is what the indexes yield (`Inventory::select`).
         let start = if capped {
             self.next_capped_start.load(Ordering::Relaxed) % inventory.len()
         } else {
             0
         };
-        let mut visited = 0;
-        for slot in inventory.slots_from(start) {
-            if machines.len() >= cap {
-                break;
-            }
-            visited += 1;
-            if since.is_some_and(|since| slot.last_change <= since) {
-                continue;
-            }
-            if !any_state && !wanted[slot.machine.state.wire() as usize] {
-                continue;
-            }
-            machines.push(slot.machine.clone());
-        }
+        let Selected { machines, visited } = inventory.select(&selection, start);
         if capped {
             self.next_capped_start
                 .store((start + visited) % inventory.len(), Ordering::Relaxed);
@@ -519,18 +509,14 @@ impl Engine {
     /// Machines by state, for metrics.
     pub fn census(&self) -> Census {
         let inventory = self.read();
-        let mut counts = [0usize; 9];
-        let mut failed_with_host = 0;
-        for slot in inventory.slots() {
-            counts[slot.machine.state.wire() as usize] += 1;
-            if slot.machine.state == MachineState::Failed && slot.machine.host.is_some() {
-                failed_with_host += 1;
-            }
-        }
+        let failed_with_host = inventory
+            .in_state(MachineState::Failed)
+            .filter(|slot| slot.machine.host.is_some())
+            .count();
         Census {
             by_state: MachineState::ALL[1..]
                 .iter()
-                .map(|s| (s.name(), counts[s.wire() as usize]))
+                .map(|s| (s.name(), inventory.count_in_state(*s)))
                 .collect(),
             failed_with_host,
             total: inventory.len(),
@@ -540,8 +526,7 @@ impl Engine {
     /// FAILED machines, for the admin interface.
     pub fn failed(&self) -> Vec<Arc<Machine>> {
         self.read()
-            .slots()
-            .filter(|s| s.machine.state == MachineState::Failed)
+            .in_state(MachineState::Failed)
             .map(|s| s.machine.clone())
             .collect()
     }

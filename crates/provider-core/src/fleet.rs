@@ -215,7 +215,8 @@ impl Fleet {
     }
 
     fn slots(&self) -> Vec<Machine> {
-        let mut out = Vec::new();
+        let total = self.offerings.iter().map(|o| o.count.max(0) as usize).sum();
+        let mut out = Vec::with_capacity(total);
         for o in &self.offerings {
             // One shape per offering, shared by all of its slots.
             let mut shape = self.machine(String::new(), &o.instance_type, &o.zone);

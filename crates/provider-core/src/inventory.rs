@@ -11,7 +11,7 @@ use crate::fence::unknown_ids::{self, UnknownIdMarks};
 use crate::fence::{self, FenceDecision, FenceToken, HighWaterMark};
 use crate::lifecycle::OperationKind;
 use crate::machine::{HostRef, Machine, MachineState, StringMap};
-use crate::store::{Change, FenceRecord, Snapshot};
+use crate::records::{Change, FenceRecord, Slot, Snapshot};
 
 mod slot_table;
 
@@ -20,20 +20,25 @@ use slot_table::SlotTable;
 /// Operation ids are `<prefix>-<n>`; the reference uses the prefix `op`.
 pub const OPERATION_PREFIX: &str = "op";
 
-/// One machine slot with its bookkeeping.
-#[derive(Clone, Debug, PartialEq)]
-pub struct Slot {
-    pub machine: Arc<Machine>,
-    /// The revision of the slot's last change (List cursors compare against it).
-    pub last_change: i64,
-    /// The operation id recorded per kind (idempotency), indexed by [`OperationKind::index`].
-    pub operations: [Option<String>; 4],
+/// What a List selects (contract.md §8).
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct Selection {
+    /// Empty: every state.
+    pub states: Vec<MachineState>,
+    /// Only slots changed after this revision.
+    pub since: Option<i64>,
+    /// At most this many machines (`usize::MAX`: no cap).
+    pub cap: usize,
 }
 
-impl Slot {
-    pub fn operation(&self, kind: OperationKind) -> Option<&str> {
-        self.operations[kind.index()].as_deref()
-    }
+/// What [`Inventory::select`] found.
+#[derive(Debug)]
+pub struct Selected {
+    /// The matches, in the table's order from the start position, wrapping around.
+    pub machines: Vec<Arc<Machine>>,
+    /// How many slots a walk from the start position passes until the cap is reached (every
+    /// slot when it is not); the next capped List continues after them.
+    pub visited: usize,
 }
 
 /// The binding a Configure applies at acceptance.
@@ -103,7 +108,8 @@ impl Inventory {
             next_op: snapshot.next_op,
             ..Inventory::default()
         };
-        for slot in snapshot.slots {
+        inventory.slots.reserve(snapshot.slots.len());
+        for slot in drain_releasing(snapshot.slots) {
             inventory.slots.insert(slot.machine.id.clone(), slot);
         }
         let (known, unknown): (Vec<FenceRecord>, Vec<FenceRecord>) = snapshot
@@ -216,6 +222,83 @@ impl Inventory {
         self.slots.rotated(start)
     }
 
+    /// The slots matching `selection`, as a walk over [`Inventory::slots_from`]`(start)` that
+    /// stops at the cap would find them, at the cost of what matches: a cursor reads the
+    /// revision index (the slots changed after it), a state filter the state index, and only a
+    /// List of everything walks the table.
+    pub fn select(&self, selection: &Selection, start: usize) -> Selected {
+        let n = self.slots.len();
+        let cap = selection.cap;
+        if n == 0 || cap == 0 {
+            return Selected {
+                machines: Vec::new(),
+                visited: 0,
+            };
+        }
+        let start = start % n;
+        let mut wanted = [selection.states.is_empty(); MachineState::ALL.len()];
+        for s in &selection.states {
+            wanted[s.wire() as usize] = true;
+        }
+        // A slot's distance from the start along the walk.
+        let offset = |position: usize| (position + n - start) % n;
+        let positions: Vec<usize> = match selection.since {
+            Some(since) => {
+                let mut found: Vec<usize> = self
+                    .slots
+                    .changed_after(since)
+                    .filter(|p| wanted[self.slots.at(*p).machine.state.wire() as usize])
+                    .collect();
+                found.sort_unstable_by_key(|p| offset(*p));
+                found.truncate(cap);
+                found
+            }
+            None if !selection.states.is_empty() => {
+                let mut found = Vec::new();
+                for state in MachineState::ALL {
+                    if wanted[state.wire() as usize] {
+                        found.extend(self.slots.in_state_from(state, start).take(cap));
+                    }
+                }
+                found.sort_unstable_by_key(|p| offset(*p));
+                found.truncate(cap);
+                found
+            }
+            None => {
+                return Selected {
+                    machines: self
+                        .slots
+                        .rotated(start)
+                        .take(cap)
+                        .map(|slot| slot.machine.clone())
+                        .collect(),
+                    visited: cap.min(n),
+                };
+            }
+        };
+        let visited = match positions.last() {
+            Some(last) if positions.len() == cap => offset(*last) + 1,
+            _ => n,
+        };
+        Selected {
+            machines: positions
+                .into_iter()
+                .map(|p| self.slots.at(p).machine.clone())
+                .collect(),
+            visited,
+        }
+    }
+
+    /// How many slots are in `state`, in O(1).
+    pub fn count_in_state(&self, state: MachineState) -> usize {
+        self.slots.count_in_state(state)
+    }
+
+    /// The slots in `state`, in O(matching slots).
+    pub fn in_state(&self, state: MachineState) -> impl Iterator<Item = &Slot> {
+        self.slots.in_state_from(state, 0).map(|p| self.slots.at(p))
+    }
+
     pub fn fence_mark(&self, shard_id: &str, machine_id: &str) -> Option<HighWaterMark> {
         self.fences
             .get(shard_id)
@@ -235,9 +318,7 @@ impl Inventory {
     /// point yields a full list instead of a delta that could miss changes.
     pub fn invalidate_cursors(&mut self, changes: &mut Vec<Change>) {
         self.revision += 1;
-        for slot in self.slots.values_mut() {
-            slot.last_change = self.revision;
-        }
+        self.slots.mark_all_changed(self.revision);
         // The store is told about the new head only; the per-slot marks are re-derived on load.
         changes.push(self.counters());
     }
@@ -252,9 +333,9 @@ impl Inventory {
     fn touch(&mut self, id: &str, changes: &mut Vec<Change>) {
         self.revision += 1;
         let revision = self.revision;
-        if let Some(slot) = self.slots.get_mut(id) {
+        if let Some(mut slot) = self.slots.get_mut(id) {
             slot.last_change = revision;
-            changes.push(Change::PutSlot(slot.clone()));
+            changes.push(Change::PutSlot(Slot::clone(&slot)));
         }
     }
 
@@ -328,13 +409,15 @@ impl Inventory {
         }
         // 5. Accept.
         let operation_id = self.mint_operation();
-        let slot = self.slots.get_mut(machine_id).expect("slot checked above");
-        slot.operations[kind.index()] = Some(operation_id.clone());
-        let machine = crate::machine::edit(&mut slot.machine);
-        machine.state = kind.transitional();
-        if let Some(binding) = binding {
-            machine.cluster = binding.cluster;
-            machine.shard_metadata = binding.shard_metadata;
+        {
+            let mut slot = self.slots.get_mut(machine_id).expect("slot checked above");
+            slot.operations[kind.index()] = Some(operation_id.clone());
+            let machine = crate::machine::edit(&mut slot.machine);
+            machine.state = kind.transitional();
+            if let Some(binding) = binding {
+                machine.cluster = binding.cluster;
+                machine.shard_metadata = binding.shard_metadata;
+            }
         }
         self.touch(machine_id, changes);
         changes.push(self.counters());
@@ -356,7 +439,7 @@ impl Inventory {
         outcome: Result<Effect, String>,
         changes: &mut Vec<Change>,
     ) -> bool {
-        let Some(slot) = self.slots.get_mut(machine_id) else {
+        let Some(mut slot) = self.slots.get_mut(machine_id) else {
             return false;
         };
         if slot.machine.state != kind.transitional() || slot.operation(kind) != Some(operation_id) {
@@ -393,6 +476,7 @@ impl Inventory {
                 machine.last_error = message;
             }
         }
+        drop(slot);
         self.touch(machine_id, changes);
         changes.push(self.counters());
         true
@@ -404,6 +488,24 @@ impl Inventory {
         machines: Vec<Machine>,
         changes: &mut Vec<Change>,
     ) -> Result<(), String> {
+        changes.reserve(machines.len() + 1);
+        self.seed_slots(machines, Some(&mut *changes))?;
+        changes.push(self.counters());
+        Ok(())
+    }
+
+    /// [`Inventory::seed`] for a store that keeps nothing (the in-memory store): the same
+    /// slots and revisions, without the change record per slot that only a durable store reads
+    /// (at 100,000 machines that batch is about 12 MiB at the peak of the start).
+    pub fn seed_unrecorded(&mut self, machines: Vec<Machine>) -> Result<(), String> {
+        self.seed_slots(machines, None)
+    }
+
+    fn seed_slots(
+        &mut self,
+        machines: Vec<Machine>,
+        mut changes: Option<&mut Vec<Change>>,
+    ) -> Result<(), String> {
         let mut seen = HashSet::new();
         for m in &machines {
             if !seen.insert(m.id.as_str()) || self.slots.contains_key(&m.id) {
@@ -413,14 +515,15 @@ impl Inventory {
                 ));
             }
         }
-        for machine in machines {
-            self.insert_new(machine, changes);
+        self.slots.reserve(machines.len());
+        for machine in drain_releasing(machines) {
+            self.insert_new(machine, changes.as_deref_mut());
         }
-        changes.push(self.counters());
         Ok(())
     }
 
-    fn insert_new(&mut self, machine: Machine, changes: &mut Vec<Change>) {
+    /// Adds a slot at a fresh revision; its record goes to `changes` when given.
+    fn insert_new(&mut self, machine: Machine, changes: Option<&mut Vec<Change>>) {
         let id = machine.id.clone();
         // Marks recorded while the id was unknown now guard a real machine: they move to the
         // table that is never evicted (the store already holds them under the same key).
@@ -430,15 +533,16 @@ impl Inventory {
                 .or_default()
                 .insert(id.clone(), mark);
         }
-        self.slots.insert(
-            id.clone(),
-            Slot {
-                machine: Arc::new(machine),
-                last_change: 0,
-                operations: Default::default(),
-            },
-        );
-        self.touch(&id, changes);
+        self.revision += 1;
+        let slot = Slot {
+            machine: Arc::new(machine),
+            last_change: self.revision,
+            operations: Default::default(),
+        };
+        if let Some(changes) = changes {
+            changes.push(Change::PutSlot(slot.clone()));
+        }
+        self.slots.insert(id, slot);
     }
 
     /// Turns transitional slots found at startup into work to resume or into FAILED.
@@ -463,7 +567,7 @@ impl Inventory {
             }
         }
         for (id, kind) in failed {
-            let slot = self.slots.get_mut(&id).expect("collected above");
+            let mut slot = self.slots.get_mut(&id).expect("collected above");
             let machine = crate::machine::edit(&mut slot.machine);
             machine.state = MachineState::Failed;
             machine.last_error = if kind == OperationKind::Configure {
@@ -474,6 +578,7 @@ impl Inventory {
             } else {
                 format!("{kind} transition interrupted by a provider restart; needs re-drive")
             };
+            drop(slot);
             self.touch(&id, changes);
         }
         if !changes.is_empty() {
@@ -483,12 +588,31 @@ impl Inventory {
     }
 }
 
+/// The items of `items` in order, handing the vector's memory back as it empties (a 100,000
+/// machine seed would otherwise hold its whole buffer until the last slot is built, next to the
+/// slots built from it).
+fn drain_releasing<T>(mut items: Vec<T>) -> impl Iterator<Item = T> {
+    /// Items taken between two shrinks of the buffer.
+    const STEP: usize = 8192;
+    items.reverse();
+    std::iter::from_fn(move || {
+        let item = items.pop()?;
+        if items.len().is_multiple_of(STEP) {
+            items.shrink_to_fit();
+        }
+        Some(item)
+    })
+}
+
 mod reconcile;
 
 pub use reconcile::{ReconcileOutcome, ReconcileReport, Sighting, Survey, Suspect};
 
 #[cfg(test)]
 mod tests;
+
+#[cfg(test)]
+mod index_tests;
 
 #[cfg(test)]
 mod unknown_id_tests;

@@ -6,54 +6,7 @@ use std::sync::Arc;
 
 use tokio::sync::oneshot;
 
-use crate::fence::HighWaterMark;
-use crate::inventory::Slot;
-
-/// One durable fact. A batch of changes is applied atomically.
-#[derive(Clone, Debug, PartialEq)]
-pub enum Change {
-    /// Insert or replace a machine slot (the record, its last-change revision and op ids).
-    PutSlot(Slot),
-    /// Forget a machine slot (an offering shrank).
-    RemoveSlot(String),
-    /// The high-water mark of a (shard, machine) pair.
-    PutFence {
-        shard_id: String,
-        machine_id: String,
-        mark: HighWaterMark,
-    },
-    /// Forget the mark of a (shard, machine) pair (a mark of an unknown id was evicted).
-    RemoveFence {
-        shard_id: String,
-        machine_id: String,
-    },
-    /// The revision head and the next operation number.
-    Counters { revision: i64, next_op: u64 },
-}
-
-/// A fence mark as loaded from a store.
-#[derive(Clone, Debug, PartialEq)]
-pub struct FenceRecord {
-    pub shard_id: String,
-    pub machine_id: String,
-    pub mark: HighWaterMark,
-}
-
-/// The whole state, as loaded at startup.
-#[derive(Clone, Debug, Default, PartialEq)]
-pub struct Snapshot {
-    pub slots: Vec<Slot>,
-    pub fences: Vec<FenceRecord>,
-    pub revision: i64,
-    pub next_op: u64,
-}
-
-impl Snapshot {
-    /// A fresh store: no machines, no fences, no operations and revision 0 (contract.md §9).
-    pub fn is_fresh(&self) -> bool {
-        self.slots.is_empty() && self.fences.is_empty() && self.revision == 0 && self.next_op == 0
-    }
-}
+use crate::records::{Change, Snapshot};
 
 /// Why the store could not load or persist.
 #[derive(Debug, Clone, thiserror::Error)]

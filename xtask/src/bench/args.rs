@@ -26,6 +26,10 @@ Endpoint (exactly one):
   --tls-domain NAME       the server name to verify (default localhost)
   --compare 'OTHER CMD'   with --spawn: run every scenario against this command too,
                           alternating runs, and print ratios ours/theirs
+  --no-floor              with --spawn, the get scenario runs against the floor too (a
+                          minimal server of the same service answering pre-encoded
+                          machines, same runtime and HTTP/2 settings) and prints ratios
+                          ours/floor; this skips it (it is skipped with TLS)
 
 Scenarios and sizes:
   --scenario NAME[,NAME]  get, list, list-filtered, lifecycle, durable, startup, mixed, etcd,
@@ -149,6 +153,8 @@ pub(crate) struct Options {
     pub quick: bool,
     pub json: bool,
     pub json_out: Option<PathBuf>,
+    /// Whether the get scenario also runs against the floor (`--spawn` without TLS).
+    pub floor: bool,
 }
 
 /// What the command line asked for: options, or the usage text.
@@ -189,6 +195,7 @@ pub(crate) fn parse(args: &[String]) -> Result<Parsed> {
     let mut quick = false;
     let mut json = false;
     let mut json_out = None;
+    let mut no_floor = false;
 
     let mut rest = args.iter();
     while let Some(arg) = rest.next() {
@@ -207,12 +214,12 @@ pub(crate) fn parse(args: &[String]) -> Result<Parsed> {
         };
         match name {
             "-h" | "--help" => return Ok(Parsed::Help),
-            "--quick" | "--json" => {
+            "--quick" | "--json" | "--no-floor" => {
                 ensure!(inline.is_none(), "{name} takes no value");
-                if name == "--quick" {
-                    quick = true;
-                } else {
-                    json = true;
+                match name {
+                    "--quick" => quick = true,
+                    "--json" => json = true,
+                    _ => no_floor = true,
                 }
             }
             "--target" => target = Some(loopback_addr(&value()?)?),
@@ -329,7 +336,9 @@ pub(crate) fn parse(args: &[String]) -> Result<Parsed> {
             Duration::from_secs(5),
         )
     };
+    let floor = !no_floor && tls.is_none() && matches!(endpoint, Endpoint::Spawn { .. });
     Ok(Parsed::Run(Box::new(Options {
+        floor,
         endpoint,
         tls,
         scenarios,

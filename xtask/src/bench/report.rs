@@ -83,6 +83,8 @@ impl Row {
 pub(crate) enum Side {
     Ours,
     Theirs,
+    /// The minimal server of the same service (`floor.rs`).
+    Floor,
 }
 
 impl Side {
@@ -90,6 +92,7 @@ impl Side {
         match self {
             Side::Ours => "ours",
             Side::Theirs => "theirs",
+            Side::Floor => "floor",
         }
     }
 }
@@ -114,6 +117,7 @@ pub(crate) struct Line {
     pub label: String,
     pub ours: Vec<(&'static str, Spread, Vec<f64>)>,
     pub theirs: Vec<(&'static str, Spread, Vec<f64>)>,
+    pub floor: Vec<(&'static str, Spread, Vec<f64>)>,
 }
 
 /// Groups runs into lines, in the order rows first appeared.
@@ -153,6 +157,7 @@ pub(crate) fn lines(runs: &[Run]) -> Vec<Line> {
             Line {
                 ours: side(Side::Ours),
                 theirs: side(Side::Theirs),
+                floor: side(Side::Floor),
                 scenario,
                 size,
                 label,
@@ -207,10 +212,7 @@ pub(crate) fn table(lines: &[Line], side: Side) -> String {
     }
     out.push_str("---|\n");
     for line in lines {
-        let figures = match side {
-            Side::Ours => &line.ours,
-            Side::Theirs => &line.theirs,
-        };
+        let figures = line.side(side);
         if figures.is_empty() {
             continue;
         }
@@ -236,16 +238,16 @@ pub(crate) fn table(lines: &[Line], side: Side) -> String {
     out
 }
 
-/// Ratios ours/theirs of the medians (below 1 is better for us for times, CPU and memory;
-/// above 1 for rates).
-pub(crate) fn ratio_table(lines: &[Line]) -> String {
+/// Ratios ours/theirs (or ours/floor) of the medians (below 1 is better for us for times, CPU
+/// and memory; above 1 for rates).
+pub(crate) fn ratio_table(lines: &[Line], other: Side) -> String {
     let keys = [P50, P99, RATE, CPU, PEAK_RSS];
     let mut out = String::from(
         "| scenario | seeds | figure | p50 | p99 | rate | CPU/op | peak RSS | other |\n",
     );
     out.push_str("|---|---:|---|---:|---:|---:|---:|---:|---|\n");
     for line in lines {
-        if line.ours.is_empty() || line.theirs.is_empty() {
+        if line.ours.is_empty() || line.side(other).is_empty() {
             continue;
         }
         out.push_str(&format!(
@@ -255,7 +257,7 @@ pub(crate) fn ratio_table(lines: &[Line]) -> String {
             line.label
         ));
         for key in keys {
-            match ratio(line, key) {
+            match ratio(line, key, other) {
                 Some(r) => out.push_str(&format!(" {} |", number(r))),
                 None => out.push_str(" |"),
             }
@@ -264,17 +266,28 @@ pub(crate) fn ratio_table(lines: &[Line]) -> String {
             .ours
             .iter()
             .filter(|(k, _, _)| !COLUMNS.iter().any(|(c, _)| c == k))
-            .filter_map(|(k, _, _)| ratio(line, k).map(|r| format!("{k} {}", number(r))))
+            .filter_map(|(k, _, _)| ratio(line, k, other).map(|r| format!("{k} {}", number(r))))
             .collect();
         out.push_str(&format!(" {} |\n", other.join("; ")));
     }
     out
 }
 
-pub(crate) fn ratio(line: &Line, key: &str) -> Option<f64> {
+pub(crate) fn ratio(line: &Line, key: &str, other: Side) -> Option<f64> {
     let ours = figure(&line.ours, key)?.1.median;
-    let theirs = figure(&line.theirs, key)?.1.median;
+    let theirs = figure(line.side(other), key)?.1.median;
     (theirs != 0.0).then(|| ours / theirs)
+}
+
+impl Line {
+    /// The figures of one side.
+    pub(crate) fn side(&self, side: Side) -> &[(&'static str, Spread, Vec<f64>)] {
+        match side {
+            Side::Ours => &self.ours,
+            Side::Theirs => &self.theirs,
+            Side::Floor => &self.floor,
+        }
+    }
 }
 
 /// Runs that failed, one line each.
@@ -338,9 +351,17 @@ pub(crate) fn to_json(
                 v["theirs"] = figures_json(&line.theirs);
                 let ratios: serde_json::Map<String, Value> = [P50, P99, P999, RATE, CPU, PEAK_RSS]
                     .into_iter()
-                    .filter_map(|k| ratio(line, k).map(|r| (k.to_owned(), json!(r))))
+                    .filter_map(|k| ratio(line, k, Side::Theirs).map(|r| (k.to_owned(), json!(r))))
                     .collect();
                 v["ratio_ours_over_theirs"] = Value::Object(ratios);
+            }
+            if !line.floor.is_empty() {
+                v["floor"] = figures_json(&line.floor);
+                let ratios: serde_json::Map<String, Value> = [P50, P99, P999, RATE, CPU, PEAK_RSS]
+                    .into_iter()
+                    .filter_map(|k| ratio(line, k, Side::Floor).map(|r| (k.to_owned(), json!(r))))
+                    .collect();
+                v["ratio_ours_over_floor"] = Value::Object(ratios);
             }
             v
         }).collect::<Vec<_>>(),
@@ -385,16 +406,16 @@ mod tests {
         let (_, s, values) = figure(&lines[0].ours, P50).unwrap();
         assert_eq!((s.median, s.min, s.max), (2.0, 1.0, 3.0));
         assert_eq!(values.len(), 3);
-        assert_eq!(ratio(&lines[0], P50), Some(0.5));
-        assert_eq!(ratio(&lines[0], P99), None);
+        assert_eq!(ratio(&lines[0], P50, Side::Theirs), Some(0.5));
+        assert_eq!(ratio(&lines[0], P99, Side::Theirs), None);
         let table = table(&lines, Side::Ours);
         assert!(
             table.contains("| get | 10 | Get c=1 | | 2 (1–3) |"),
             "{table}"
         );
         assert!(table.contains("extra 1 |"), "{table}");
-        assert!(ratio_table(&lines).contains("| 0.500 |"));
-        assert!(ratio_table(&lines).contains("| extra 1 |"));
+        assert!(ratio_table(&lines, Side::Theirs).contains("| 0.500 |"));
+        assert!(ratio_table(&lines, Side::Theirs).contains("| extra 1 |"));
         assert_eq!(failures(&runs), ["get seeds=10 theirs run 3: boom"]);
         let json = to_json(
             &Machine {

@@ -157,7 +157,8 @@ pub(crate) async fn list(provider: &Provider, options: &Options) -> Result<Vec<R
     Ok(vec![window.onto(row, n)])
 }
 
-/// `list-filtered`: a state-filtered List capped at 100, and a delta List since the head.
+/// `list-filtered`: a state-filtered List capped at 100, a delta List since the head, and a
+/// List of a state no machine is in.
 pub(crate) async fn list_filtered(provider: &Provider, options: &Options) -> Result<Vec<Row>> {
     let client = provider.client();
     let head = client
@@ -186,6 +187,15 @@ pub(crate) async fn list_filtered(provider: &Provider, options: &Options) -> Res
             "List delta since head",
             pb::ListFilter {
                 since_revision: head,
+                ..Default::default()
+            },
+        ),
+        (
+            // A freshly seeded inventory has no FAILED machine: what a shard's poll for
+            // failures costs when there is nothing to report.
+            "List FAILED (none)",
+            pb::ListFilter {
+                states: vec![pb::MachineState::Failed as i32],
                 ..Default::default()
             },
         ),

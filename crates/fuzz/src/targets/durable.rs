@@ -9,9 +9,9 @@ use arbitrary::{Result, Unstructured};
 use provider_core::durable::codec::{self, Entry, RECORD_HEADER_LEN};
 use provider_core::durable::{self, DurableStore};
 use provider_core::fence::HighWaterMark;
-use provider_core::inventory::Slot;
 use provider_core::machine::{CapacityType, HostRef, Machine, MachineState, StringMap};
-use provider_core::store::{Change, FenceRecord, Snapshot, Store};
+use provider_core::records::{Change, FenceRecord, Slot, Snapshot};
+use provider_core::store::Store;
 use serde_json::Value;
 
 use crate::engine::Target;

@@ -10,10 +10,10 @@ use std::time::{Duration, Instant};
 
 use super::DurableStore;
 use crate::fence::HighWaterMark;
-use crate::inventory::Slot;
 use crate::lifecycle::OperationKind;
 use crate::machine::{CapacityType, HostRef, Machine, MachineState, StringMap};
-use crate::store::{Change, Store};
+use crate::records::{Change, Slot};
+use crate::store::Store;
 
 /// What one run measured.
 #[derive(Clone, Debug)]

@@ -6,10 +6,9 @@
 use std::sync::Arc;
 
 use crate::fence::HighWaterMark;
-use crate::inventory::Slot;
 use crate::lifecycle::OperationKind;
 use crate::machine::{CapacityType, HostRef, Machine, MachineState, StringMap};
-use crate::store::Change;
+use crate::records::{Change, Slot};
 
 /// The first eight bytes of every state file.
 pub(crate) const MAGIC: [u8; 8] = *b"BFSTATE\0";

@@ -6,7 +6,7 @@ use serde::{Serialize, Serializer};
 
 use crate::lifecycle::OperationKind;
 use crate::machine::StringMap;
-use crate::store::Snapshot;
+use crate::records::Snapshot;
 
 #[derive(Serialize)]
 struct Export<'a> {

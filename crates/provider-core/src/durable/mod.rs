@@ -80,8 +80,8 @@ use codec::{FileKind, HEADER_LEN};
 use replay::{Image, Tail};
 use writer::{Message, Tuning, Writer};
 
-use crate::inventory::Slot;
-use crate::store::{Change, Commit, Snapshot, Store, StoreError};
+use crate::records::{Change, Slot, Snapshot};
+use crate::store::{Commit, Store, StoreError};
 
 /// The suffix of the directory an import is built in.
 const IMPORTING_SUFFIX: &str = ".importing";

@@ -35,10 +35,10 @@ use std::sync::Arc;
 use serde::de::{self, Deserialize, Deserializer, IgnoredAny, MapAccess, SeqAccess, Visitor};
 
 use crate::fence::HighWaterMark;
-use crate::inventory::{OPERATION_PREFIX, Slot};
+use crate::inventory::OPERATION_PREFIX;
 use crate::lifecycle::OperationKind;
 use crate::machine::{CapacityType, HostRef, Machine, MachineState, StringMap};
-use crate::store::{FenceRecord, Snapshot};
+use crate::records::{FenceRecord, Slot, Snapshot};
 
 /// A reference state file, converted.
 #[derive(Debug)]

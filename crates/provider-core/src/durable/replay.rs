@@ -11,8 +11,7 @@ use super::codec::{
 };
 use super::layout::{self, Listing};
 use crate::fence::HighWaterMark;
-use crate::inventory::Slot;
-use crate::store::{FenceRecord, Snapshot};
+use crate::records::{FenceRecord, Slot, Snapshot};
 
 /// How a slot is held while replaying: decoded (loading for the engine) or still encoded
 /// (compaction, which only copies slots from the old files into the new snapshot).

@@ -15,10 +15,10 @@ use super::layout;
 use super::writer::{self, Tuning};
 use super::{DurableStore, export_json};
 use crate::fence::HighWaterMark;
-use crate::inventory::Slot;
 use crate::lifecycle::OperationKind;
 use crate::machine::{CapacityType, HostRef, Machine, MachineState, StringMap};
-use crate::store::{Change, FenceRecord, Snapshot, Store};
+use crate::records::{Change, FenceRecord, Slot, Snapshot};
+use crate::store::Store;
 
 // --- helpers ------------------------------------------------------------------------------
 

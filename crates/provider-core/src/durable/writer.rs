@@ -22,7 +22,8 @@ use super::codec::{self, FileKind, HEADER_LEN};
 use super::layout;
 use super::replay;
 use super::snapshot;
-use crate::store::{Change, StoreError};
+use crate::records::Change;
+use crate::store::StoreError;
 
 /// Where a commit's outcome goes.
 pub(crate) type Reply = oneshot::Sender<Result<(), StoreError>>;

@@ -7,9 +7,9 @@ use std::sync::atomic::AtomicUsize;
 use async_trait::async_trait;
 
 use super::*;
-use crate::inventory::Slot;
 use crate::machine::{CapacityType, HostRef};
-use crate::store::{FenceRecord, Store, StoreError};
+use crate::records::{FenceRecord, Slot};
+use crate::store::{Store, StoreError};
 use crate::telemetry::Telemetry;
 
 /// A scriptable backend: each call waits `delay` (or forever), then succeeds or fails.

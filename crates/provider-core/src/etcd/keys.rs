@@ -9,8 +9,7 @@
 //! Every value starts with a format version byte, so a newer layout is refused, not misread.
 
 use crate::fence::HighWaterMark;
-use crate::inventory::Slot;
-use crate::store::FenceRecord;
+use crate::records::{FenceRecord, Slot};
 
 /// The format of every value written here.
 const VALUE_VERSION: u8 = 1;

@@ -58,7 +58,8 @@ pub use transfer::{export_json, import};
 use keys::{KeyKind, Keys, Meta};
 use target::{Client, Target};
 
-use crate::store::{Change, Commit, FenceRecord, Snapshot, Store, StoreError};
+use crate::records::{Change, FenceRecord, Snapshot};
+use crate::store::{Commit, Store, StoreError};
 
 /// etcd's default `--max-txn-ops`.
 pub(crate) const MAX_TXN_OPS: usize = 128;

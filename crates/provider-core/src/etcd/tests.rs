@@ -11,8 +11,8 @@ use std::time::{Duration, Instant};
 use super::testing::{Cluster, args};
 use super::*;
 use crate::fence::HighWaterMark;
-use crate::inventory::Slot;
 use crate::machine::{Machine, MachineState};
+use crate::records::Slot;
 
 fn runtime() -> tokio::runtime::Runtime {
     tokio::runtime::Builder::new_multi_thread()

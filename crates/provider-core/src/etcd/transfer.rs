@@ -10,7 +10,8 @@ use std::path::Path;
 
 use super::{EtcdArgs, Guarded, Keys, is_etcd, open_guarded, read_state, release, target};
 use crate::durable::{DurableStore, render_json};
-use crate::store::{Change, Snapshot, Store};
+use crate::records::{Change, Snapshot};
+use crate::store::Store;
 
 /// Renders the state under an etcd prefix as JSON. It reads one consistent etcd revision and
 /// writes nothing, so it also works while a provider runs on the prefix.

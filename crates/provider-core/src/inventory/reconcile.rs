@@ -23,7 +23,7 @@ use tokio::time::Instant;
 use super::Inventory;
 use crate::error::CoreError;
 use crate::machine::{HostRef, Machine, MachineState};
-use crate::store::Change;
+use crate::records::Change;
 
 /// How many hosts deleted by the provider are remembered (never adopted again).
 const DELETED_MEMORY: usize = 4096;
@@ -179,7 +179,7 @@ impl Inventory {
                 {
                     continue;
                 }
-                self.insert_new(fresh, &mut *changes);
+                self.insert_new(fresh, Some(&mut *changes));
                 report.added += 1;
                 continue;
             };
@@ -331,7 +331,7 @@ impl Inventory {
     ) -> usize {
         let mut vanished = 0;
         for suspect in confirmed {
-            let Some(slot) = self.slots.get_mut(&suspect.machine_id) else {
+            let Some(mut slot) = self.slots.get_mut(&suspect.machine_id) else {
                 continue;
             };
             if slot.last_change > since
@@ -351,6 +351,7 @@ impl Inventory {
                 }
                 _ => continue,
             }
+            drop(slot);
             self.upkeep.absent.remove(&suspect.machine_id);
             self.touch(&suspect.machine_id, changes);
             vanished += 1;
@@ -390,7 +391,7 @@ impl Inventory {
         let mut added = 0;
         for machine in offered {
             if !self.slots.contains_key(&machine.id) {
-                self.insert_new(machine, changes);
+                self.insert_new(machine, Some(&mut *changes));
                 added += 1;
             }
         }
@@ -406,7 +407,7 @@ impl Inventory {
         machine_id: &str,
         changes: &mut Vec<Change>,
     ) -> Result<(), CoreError> {
-        let slot = self
+        let mut slot = self
             .slots
             .get_mut(machine_id)
             .ok_or_else(|| CoreError::UnknownMachine(machine_id.to_owned()))?;
@@ -424,6 +425,7 @@ impl Inventory {
         m.last_error.clear();
         m.cluster.clear();
         m.shard_metadata.clear();
+        drop(slot);
         self.touch(machine_id, changes);
         changes.push(self.counters());
         Ok(())

@@ -1,0 +1,71 @@
+//! The records of the provider's state: a machine slot, a fence mark, the whole state as
+//! loaded, and one durable change to it. The pure rules (`inventory`) produce and consume them;
+//! the stores (`store`, `durable`, `etcd`) persist them. Neither side depends on the other.
+
+use std::sync::Arc;
+
+use crate::fence::HighWaterMark;
+use crate::lifecycle::OperationKind;
+use crate::machine::Machine;
+
+/// One machine slot with its bookkeeping.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Slot {
+    pub machine: Arc<Machine>,
+    /// The revision of the slot's last change (List cursors compare against it).
+    pub last_change: i64,
+    /// The operation id recorded per kind (idempotency), indexed by [`OperationKind::index`].
+    pub operations: [Option<String>; 4],
+}
+
+impl Slot {
+    pub fn operation(&self, kind: OperationKind) -> Option<&str> {
+        self.operations[kind.index()].as_deref()
+    }
+}
+
+/// One durable fact. A batch of changes is applied atomically.
+#[derive(Clone, Debug, PartialEq)]
+pub enum Change {
+    /// Insert or replace a machine slot (the record, its last-change revision and op ids).
+    PutSlot(Slot),
+    /// Forget a machine slot (an offering shrank).
+    RemoveSlot(String),
+    /// The high-water mark of a (shard, machine) pair.
+    PutFence {
+        shard_id: String,
+        machine_id: String,
+        mark: HighWaterMark,
+    },
+    /// Forget the mark of a (shard, machine) pair (a mark of an unknown id was evicted).
+    RemoveFence {
+        shard_id: String,
+        machine_id: String,
+    },
+    /// The revision head and the next operation number.
+    Counters { revision: i64, next_op: u64 },
+}
+
+/// A fence mark as loaded from a store.
+#[derive(Clone, Debug, PartialEq)]
+pub struct FenceRecord {
+    pub shard_id: String,
+    pub machine_id: String,
+    pub mark: HighWaterMark,
+}
+
+/// The whole state, as loaded at startup.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct Snapshot {
+    pub slots: Vec<Slot>,
+    pub fences: Vec<FenceRecord>,
+    pub revision: i64,
+    pub next_op: u64,
+}
+
+impl Snapshot {
+    /// A fresh store: no machines, no fences, no operations and revision 0 (contract.md §9).
+    pub fn is_fresh(&self) -> bool {
+        self.slots.is_empty() && self.fences.is_empty() && self.revision == 0 && self.next_op == 0
+    }
+}
