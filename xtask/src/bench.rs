@@ -15,6 +15,7 @@ mod provider;
 mod report;
 mod scenarios;
 mod stats;
+mod takeover;
 
 use std::time::Instant;
 
@@ -293,6 +294,7 @@ async fn measure(scenario: Scenario, provider: &Provider, options: &Options) -> 
         }
         Scenario::Mixed => scenarios::mixed(provider, options).await,
         Scenario::Startup => bail!("startup needs --spawn"),
+        Scenario::Takeover => bail!("takeover needs --spawn"),
     }
 }
 
@@ -306,6 +308,9 @@ async fn spawn_and_measure(
     let tls = options.tls.as_ref();
     if scenario == Scenario::Startup {
         return scenarios::startup(command, size, tls, scratch).await;
+    }
+    if scenario == Scenario::Takeover {
+        return takeover::measure(command, size, tls, scratch).await;
     }
     // The etcd scenario: the same walk with its state in a fresh etcd member.
     let etcd = match scenario {

@@ -86,6 +86,8 @@ async fn launch(cli: Cli) -> Result<(), String> {
     }));
     let capacities = Arc::new(CapacityBook::new(catalog::pinned_capacity));
     let mut side_servers: Vec<SideServer> = Vec::new();
+    // Set while this replica serves; the bootstrap channel answers 503 otherwise.
+    let leading = provider_core::replica::Leading::default();
     let cloud: Arc<dyn Cloud> = match mode {
         Mode::Fake => {
             tracing::warn!(
@@ -121,6 +123,7 @@ async fn launch(cli: Cli) -> Result<(), String> {
             };
             let real = digitalocean::build_real(&flags, telemetry)?;
             let channel = real.channel.clone();
+            channel.serve_while(leading.clone());
             let addr = real.bootstrap_addr.clone();
             side_servers.push(Box::new(move |stop| {
                 Box::pin(async move {
@@ -180,6 +183,7 @@ async fn launch(cli: Cli) -> Result<(), String> {
         side_servers,
         require_zone: true,
         real_backend: mode == Mode::Real,
+        leading,
     })
     .await
 }

@@ -23,6 +23,7 @@ pub mod limits;
 pub mod listener;
 pub mod machine;
 pub mod offerings;
+pub mod replica;
 pub mod retry;
 pub mod serve;
 pub mod server;
