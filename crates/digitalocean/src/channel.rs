@@ -510,6 +510,16 @@ impl Channel {
         let _ = self.inner.leading.set(leading);
     }
 
+    /// 503 while this replica does not serve (a standby), before anything else is looked at.
+    fn standby_answer(&self) -> Option<Response<Full<Bytes>>> {
+        self.inner.leading.get().is_some_and(|l| !l.get()).then(|| {
+            text(
+                StatusCode::SERVICE_UNAVAILABLE,
+                "this provider replica is a standby; the leader serves the channel",
+            )
+        })
+    }
+
     /// Serves the channel on `listener` until `shutdown` resolves, then closes open
     /// connections (held polls are answered 204) within a few seconds.
     pub async fn serve(
@@ -663,11 +673,8 @@ impl Channel {
         peer: IpAddr,
         stop: CancellationToken,
     ) -> Response<Full<Bytes>> {
-        if self.inner.leading.get().is_some_and(|l| !l.get()) {
-            return text(
-                StatusCode::SERVICE_UNAVAILABLE,
-                "this provider replica is a standby; the leader serves the channel",
-            );
+        if let Some(refused) = self.standby_answer() {
+            return refused;
         }
         let path = req.uri().path();
         let (want, is_poll) = match path {
@@ -1098,6 +1105,21 @@ mod tests {
             ch.admit(nat, Some("m-bad".into()), Some("guess")),
             Admission::Unauthorized
         );
+    }
+
+    #[test]
+    fn a_standby_replica_answers_503_and_the_leader_serves() {
+        let ch = test_channel(AuthLimit::default());
+        assert!(
+            ch.standby_answer().is_none(),
+            "without replicas it always serves"
+        );
+        let leading = provider_core::replica::Leading::default();
+        ch.serve_while(leading.clone());
+        let refused = ch.standby_answer().expect("a standby refuses");
+        assert_eq!(refused.status(), StatusCode::SERVICE_UNAVAILABLE);
+        leading.set(true);
+        assert!(ch.standby_answer().is_none(), "the leader serves");
     }
 
     #[test]

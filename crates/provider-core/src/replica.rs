@@ -58,7 +58,8 @@ impl Leading {
         self.0.load(Ordering::SeqCst)
     }
 
-    pub(crate) fn set(&self, leading: bool) {
+    /// Set by the replica as its role changes (public for side servers' tests).
+    pub fn set(&self, leading: bool) {
         self.0.store(leading, Ordering::SeqCst);
     }
 }
@@ -202,6 +203,7 @@ impl Replica {
 
     /// Leads with `engine` while `hold` says the claim is held.
     pub(crate) fn lead(&self, engine: Arc<Engine>, hold: HoldCheck) {
+        self.telemetry.store_accepting();
         self.set(Role::Leader, Some(engine), Some(hold));
     }
 

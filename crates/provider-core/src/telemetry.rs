@@ -264,6 +264,11 @@ impl Telemetry {
         gauge!(self.store_refusing_mutations).set(1.0);
     }
 
+    /// Back to 0 when a replica starts a new term on a freshly read state.
+    pub fn store_accepting(&self) {
+        gauge!(self.store_refusing_mutations).set(0.0);
+    }
+
     /// `<prefix>_leader`: 1 while this replica leads the etcd state (or is the only replica).
     pub fn leader(&self, leading: bool) {
         gauge!(self.leader).set(if leading { 1.0 } else { 0.0 });

@@ -168,7 +168,8 @@ pub async fn run(prepared: Prepared, setup: ReplicaSetup, stop: CancellationToke
             Some(f) => f.snapshot_at(&keys, at, CATCH_UP).await,
             None => None,
         };
-        follower = None;
+        // Leading: stop following.
+        drop(follower.take());
         let snapshot = match copied {
             Some(s) => Ok(s),
             None => read_state(&client, &keys).await,
@@ -179,6 +180,7 @@ pub async fn run(prepared: Prepared, setup: ReplicaSetup, stop: CancellationToke
                 tracing::error!(state = describe, error = %e, "takeover: could not read the state; giving the claim up");
                 keep_alive.cancel();
                 revoke(&client, lease).await;
+                follower = Some(Follower::start(client.clone(), keys.clone()));
                 back_off(&stop).await;
                 continue;
             }
@@ -190,6 +192,7 @@ pub async fn run(prepared: Prepared, setup: ReplicaSetup, stop: CancellationToke
             Err(e) => {
                 tracing::error!(state = describe, error = %e, "takeover: the engine did not start on the state; giving the claim up");
                 let _ = store.release_bounded().await;
+                follower = Some(Follower::start(client.clone(), keys.clone()));
                 back_off(&stop).await;
                 continue;
             }
