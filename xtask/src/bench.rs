@@ -16,6 +16,7 @@ mod provider;
 mod report;
 mod scenarios;
 mod stats;
+mod takeover;
 
 use std::time::Instant;
 
@@ -315,6 +316,7 @@ async fn measure(scenario: Scenario, provider: &Provider, options: &Options) -> 
         }
         Scenario::Mixed => scenarios::mixed(provider, options).await,
         Scenario::Startup => bail!("startup needs --spawn"),
+        Scenario::Takeover => bail!("takeover needs --spawn"),
     }
 }
 
@@ -328,6 +330,9 @@ async fn spawn_and_measure(
     let tls = options.tls.as_ref();
     if scenario == Scenario::Startup {
         return scenarios::startup(command, size, tls, scratch).await;
+    }
+    if scenario == Scenario::Takeover {
+        return takeover::measure(command, size, tls, scratch).await;
     }
     // The etcd scenario: the same walk with its state in a fresh etcd member.
     let etcd = match scenario {

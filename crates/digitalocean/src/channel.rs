@@ -371,6 +371,8 @@ struct Inner {
     failures: Mutex<FailureTable>,
     limits: ChannelLimits,
     connections: Mutex<Connections>,
+    /// Set by a replicated provider: requests are answered only while this replica serves.
+    leading: std::sync::OnceLock<provider_core::replica::Leading>,
 }
 
 /// The bootstrap channel: shared by the HTTPS server and the transitions that deliver commands.
@@ -417,6 +419,7 @@ impl Channel {
                 failures: Mutex::new(FailureTable::new(FAILURE_TABLE_CAP)),
                 limits,
                 connections: Mutex::new(Connections::default()),
+                leading: std::sync::OnceLock::new(),
             }),
         }
     }
@@ -499,6 +502,22 @@ impl Channel {
         };
         telemetry.bootstrap_command(kind, outcome);
         result.map_err(DeliveryError)
+    }
+
+    /// Answers requests only while `leading` is set (a standby replica answers 503, so agents'
+    /// polls reach the leader through the Service). Without it the channel always serves.
+    pub fn serve_while(&self, leading: provider_core::replica::Leading) {
+        let _ = self.inner.leading.set(leading);
+    }
+
+    /// 503 while this replica does not serve (a standby), before anything else is looked at.
+    fn standby_answer(&self) -> Option<Response<Full<Bytes>>> {
+        self.inner.leading.get().is_some_and(|l| !l.get()).then(|| {
+            text(
+                StatusCode::SERVICE_UNAVAILABLE,
+                "this provider replica is a standby; the leader serves the channel",
+            )
+        })
     }
 
     /// Serves the channel on `listener` until `shutdown` resolves, then closes open
@@ -654,6 +673,9 @@ impl Channel {
         peer: IpAddr,
         stop: CancellationToken,
     ) -> Response<Full<Bytes>> {
+        if let Some(refused) = self.standby_answer() {
+            return refused;
+        }
         let path = req.uri().path();
         let (want, is_poll) = match path {
             "/v1/command" => (Method::GET, true),
@@ -1083,6 +1105,21 @@ mod tests {
             ch.admit(nat, Some("m-bad".into()), Some("guess")),
             Admission::Unauthorized
         );
+    }
+
+    #[test]
+    fn a_standby_replica_answers_503_and_the_leader_serves() {
+        let ch = test_channel(AuthLimit::default());
+        assert!(
+            ch.standby_answer().is_none(),
+            "without replicas it always serves"
+        );
+        let leading = provider_core::replica::Leading::default();
+        ch.serve_while(leading.clone());
+        let refused = ch.standby_answer().expect("a standby refuses");
+        assert_eq!(refused.status(), StatusCode::SERVICE_UNAVAILABLE);
+        leading.set(true);
+        assert!(ch.standby_answer().is_none(), "the leader serves");
     }
 
     #[test]

@@ -129,6 +129,8 @@ async fn launch(cli: Cli) -> Result<(), String> {
     }));
     let capacities = Arc::new(CapacityBook::new(catalog::pinned_capacity));
     let mut side_servers: Vec<SideServer> = Vec::new();
+    // Set while this replica serves; the bootstrap channel answers 503 otherwise.
+    let leading = provider_core::replica::Leading::default();
     let cloud: Arc<dyn Cloud> = match mode {
         Mode::Fake => {
             tracing::warn!(
@@ -150,6 +152,7 @@ async fn launch(cli: Cli) -> Result<(), String> {
                 .resolve(&wanted)
                 .await?;
             let channel = real.channel.clone();
+            channel.serve_while(leading.clone());
             let addr = real.bootstrap_addr.clone();
             side_servers.push(Box::new(move |stop| {
                 Box::pin(async move {
@@ -209,6 +212,7 @@ async fn launch(cli: Cli) -> Result<(), String> {
         side_servers,
         require_zone: true,
         real_backend: mode == Mode::Real,
+        leading,
     })
     .await
 }

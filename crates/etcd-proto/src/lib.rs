@@ -1,5 +1,5 @@
 //! Client stubs for the part of etcd's v3 gRPC API that the etcd state store uses: KV (Range,
-//! Put, DeleteRange, Txn), Lease (Grant, Revoke, KeepAlive) and Maintenance (Status: which
+//! Put, DeleteRange, Txn), Lease (Grant, Revoke, KeepAlive), Watch (the prefix, from a revision) and Maintenance (Status: which
 //! member leads).
 //!
 //! The messages keep etcd's package, names and field numbers, so they are wire-compatible with

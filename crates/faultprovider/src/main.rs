@@ -45,9 +45,15 @@ struct Cli {
     /// Deadline of every transition (short, so timeout tests are fast).
     #[arg(long = "transition-timeout", default_value = "2s", value_parser = duration::flag)]
     transition_timeout: Duration,
-    /// Durable state; empty keeps state in memory.
+    /// Durable state: a directory, or etcd://HOST:PORT[,…]/PREFIX shared by replicas (one
+    /// leads, the others stand by); empty keeps state in memory.
     #[arg(long, default_value = "")]
     state: String,
+    /// `/metrics`, `/healthz` and `/readyz` listen address; empty disables them.
+    #[arg(long = "metrics-addr", default_value = "")]
+    metrics_addr: String,
+    #[command(flatten)]
+    etcd: provider_core::etcd::EtcdArgs,
 }
 
 struct FaultBackend {
@@ -201,7 +207,7 @@ impl Backend for FaultBackend {
 fn common(cli: &Cli) -> CommonArgs {
     CommonArgs {
         addr: cli.addr.clone(),
-        metrics_addr: String::new(),
+        metrics_addr: cli.metrics_addr.clone(),
         reflection: true,
         use_fake_backend: false,
         offerings: String::new(),
@@ -228,7 +234,7 @@ fn common(cli: &Cli) -> CommonArgs {
         grpc_max_concurrent_streams: GrpcLimits::default().max_concurrent_streams,
         grpc_request_timeout: GrpcLimits::default().request_timeout,
         grpc_max_connection_age: GrpcLimits::default().max_connection_age,
-        etcd: Default::default(),
+        etcd: cli.etcd.clone(),
     }
 }
 
@@ -267,6 +273,7 @@ fn main() -> ExitCode {
         side_servers: Vec::new(),
         require_zone: false,
         real_backend: false,
+        leading: Default::default(),
     };
     let runtime = match tokio::runtime::Builder::new_multi_thread()
         .enable_all()

@@ -113,6 +113,7 @@ async fn launch(cli: Cli) -> Result<(), String> {
         side_servers: Vec::new(),
         require_zone: true,
         real_backend: mode == Mode::Real,
+        leading: Default::default(),
     })
     .await
 }

@@ -12,6 +12,7 @@ use tokio::net::{UnixListener, UnixStream};
 use tokio_util::sync::CancellationToken;
 
 use crate::engine::Engine;
+use crate::replica::Replica;
 
 /// A request on the admin socket.
 #[derive(Debug, Serialize, Deserialize)]
@@ -96,7 +97,7 @@ async fn handle(engine: &Engine, request: AdminRequest) -> AdminResponse {
 /// buffer without bound.
 pub const MAX_REQUEST_LINE: usize = 64 * 1024;
 
-async fn session(engine: Arc<Engine>, stream: UnixStream) -> std::io::Result<()> {
+async fn session(replica: Arc<Replica>, stream: UnixStream) -> std::io::Result<()> {
     use tokio::io::AsyncReadExt;
     let (read, mut write) = stream.into_split();
     let mut reader = BufReader::new(read);
@@ -121,7 +122,15 @@ async fn session(engine: Arc<Engine>, stream: UnixStream) -> std::io::Result<()>
             return Ok(());
         }
         let response = match serde_json::from_slice::<AdminRequest>(&line) {
-            Ok(request) => handle(&engine, request).await,
+            // Only the replica that leads may change the state.
+            Ok(request) => match replica.writer() {
+                Ok(engine) => handle(&engine, request).await,
+                Err(status) => AdminResponse {
+                    ok: false,
+                    error: status.message().to_owned(),
+                    failed: Vec::new(),
+                },
+            },
             Err(e) => AdminResponse {
                 ok: false,
                 error: format!("bad admin request: {e}"),
@@ -214,7 +223,7 @@ fn bind_private(path: &Path) -> std::io::Result<UnixListener> {
 /// replaced; a live one, or anything at `path` that is not a socket, fails startup.
 pub fn serve(
     path: &Path,
-    engine: Arc<Engine>,
+    replica: Arc<Replica>,
     stop: CancellationToken,
 ) -> std::io::Result<tokio::task::JoinHandle<()>> {
     if let Some(parent) = path.parent().filter(|p| !p.as_os_str().is_empty()) {
@@ -228,7 +237,7 @@ pub fn serve(
         loop {
             tokio::select! {
                 accepted = listener.accept() => match accepted {
-                    Ok((stream, _)) => { tokio::spawn(session(engine.clone(), stream)); }
+                    Ok((stream, _)) => { tokio::spawn(session(replica.clone(), stream)); }
                     Err(e) => tracing::warn!(error = %e, "admin socket accept failed"),
                 },
                 _ = stop.cancelled() => break,
@@ -337,7 +346,7 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let socket = dir.path().join("admin.sock");
         let stop = CancellationToken::new();
-        let server = serve(&socket, engine.clone(), stop.clone()).unwrap();
+        let server = serve(&socket, Replica::single(engine.clone()), stop.clone()).unwrap();
         use std::os::unix::fs::PermissionsExt;
         assert_eq!(
             std::fs::metadata(&socket).unwrap().permissions().mode() & 0o777,

@@ -12,6 +12,7 @@ use crate::backend::Backend;
 use crate::config::{CommonArgs, listen_addr};
 use crate::engine::{Engine, EngineOptions};
 use crate::fleet::{Fleet, WARMUP_BUDGET};
+use crate::replica::{Leading, Replica};
 use crate::serve::{self, Readiness};
 use crate::store::{MemoryStore, SharedStore};
 use crate::telemetry::Telemetry;
@@ -45,6 +46,9 @@ pub struct Launch {
     pub require_zone: bool,
     /// Whether the backend acts on a real cloud (not the in-memory fake or a test backend).
     pub real_backend: bool,
+    /// Set while this replica serves (always, unless `--state etcd://…` makes it a standby):
+    /// side servers consult it per request.
+    pub leading: Leading,
 }
 
 /// The warning logged when gRPC is served in plain text in front of a real cloud: anyone on the
@@ -142,6 +146,7 @@ pub async fn run(launch: Launch) -> Result<(), String> {
         side_servers,
         require_zone,
         real_backend,
+        leading,
     } = launch;
     let shutdown = shutdown_signal()?;
     common.validate()?;
@@ -159,21 +164,25 @@ pub async fn run(launch: Launch) -> Result<(), String> {
             "no readiness gate configured: a successful bootstrap hook is taken as node readiness (Configured is reported as soon as configure succeeds)"
         );
     }
-    let store: SharedStore = if crate::etcd::is_etcd(&common.state) {
-        crate::etcd::EtcdStore::open(&common.state, &common.etcd)
-            .await
-            .map(|s| Arc::new(s) as SharedStore)
-    } else {
-        open_store(&common.state)
-    }
-    .map_err(|e| format!("open state {}: {e}", common.state))?;
     let mut options = EngineOptions::new(telemetry);
     options.timeouts = common.timeouts();
     options.orphan_grace = common.orphan_grace;
     options.require_zone = require_zone;
-    let engine = Engine::start(backend, store.clone(), options)
-        .await
-        .map_err(|e| format!("build provider: {e}"))?;
+    // With the state in etcd this process is one of several replicas: it starts as a standby
+    // and leads when it wins the claim. Otherwise it is the only one and serves at once.
+    let (replica, mode) = if crate::etcd::is_etcd(&common.state) {
+        let prepared = crate::etcd::ha::prepare(&common.state, &common.etcd)
+            .map_err(|e| format!("open state {}: {e}", common.state))?;
+        let replica = Replica::standby(telemetry, leading);
+        (replica, Mode::Replicated(Box::new(prepared)))
+    } else {
+        let store =
+            open_store(&common.state).map_err(|e| format!("open state {}: {e}", common.state))?;
+        let engine = Engine::start(backend.clone(), store.clone(), options.clone())
+            .await
+            .map_err(|e| format!("build provider: {e}"))?;
+        (Replica::single_with(engine, leading), Mode::Single)
+    };
 
     let stop = CancellationToken::new();
     let mut tasks = Vec::new();
@@ -189,16 +198,12 @@ pub async fn run(launch: Launch) -> Result<(), String> {
     if !common.metrics_addr.is_empty() {
         match TcpListener::bind(listen_addr(&common.metrics_addr)).await {
             Ok(listener) => {
-                let (ready, engine, stop) = (ready.clone(), engine.clone(), stop.clone());
+                let (ready, replica, stop) = (ready.clone(), replica.clone(), stop.clone());
                 tasks.push(tokio::spawn(async move {
-                    if let Err(e) =
-                        serve::serve_http(
-                            listener,
-                            ready,
-                            engine,
-                            async move { stop.cancelled().await },
-                        )
-                        .await
+                    if let Err(e) = serve::serve_http(listener, ready, replica, async move {
+                        stop.cancelled().await
+                    })
+                    .await
                     {
                         tracing::error!(error = %e, "observability server");
                     }
@@ -212,31 +217,73 @@ pub async fn run(launch: Launch) -> Result<(), String> {
     if !common.admin_socket.is_empty() {
         let handle = crate::admin::serve(
             std::path::Path::new(&common.admin_socket),
-            engine.clone(),
+            replica.clone(),
             stop.clone(),
         )
         .map_err(|e| format!("admin socket {}: {e}", common.admin_socket))?;
         tasks.push(handle);
     }
-    spawn_loops(&common, &engine, fleet.clone(), telemetry, &stop);
+    spawn_loops(&common, &replica, fleet.clone(), telemetry, &stop);
 
     let (health, health_service) = serve::grpc_health(telemetry).await;
     let grpc_stop = CancellationToken::new();
     let grpc = {
-        let (engine, grpc_stop) = (engine.clone(), grpc_stop.clone());
+        let (replica, grpc_stop) = (replica.clone(), grpc_stop.clone());
         tokio::spawn(serve::serve_grpc(
             grpc_listener,
             tls_config,
-            engine,
+            replica,
             common.reflection,
             health_service,
             common.grpc_limits(),
             async move { grpc_stop.cancelled().await },
         ))
     };
-    health.set(true).await;
     telemetry.build_info();
-    ready.set(true);
+    // Health and readiness follow the role: only a replica that serves passes them.
+    let mirror = {
+        let (mut roles, health, ready, stop) = (
+            replica.subscribe(),
+            health.clone(),
+            ready.clone(),
+            stop.clone(),
+        );
+        tokio::spawn(async move {
+            loop {
+                let serves = roles.borrow_and_update().serves();
+                health.set(serves).await;
+                ready.set(serves);
+                tokio::select! {
+                    changed = roles.changed() => if changed.is_err() { return },
+                    _ = stop.cancelled() => return,
+                }
+            }
+        })
+    };
+    let replicated = match mode {
+        Mode::Replicated(prepared) => {
+            let setup = crate::etcd::ha::ReplicaSetup {
+                replica: replica.clone(),
+                start_engine: {
+                    let (backend, options) = (backend.clone(), options.clone());
+                    Box::new(move |store| {
+                        let (backend, options) = (backend.clone(), options.clone());
+                        Box::pin(async move {
+                            Engine::start(backend, store, options)
+                                .await
+                                .map_err(|e| e.to_string())
+                        })
+                    })
+                },
+                reconcile: !common.reconcile_interval.is_zero(),
+                shutdown_grace: common.shutdown_grace,
+            };
+            let ha_stop = CancellationToken::new();
+            let task = tokio::spawn(crate::etcd::ha::run(*prepared, setup, ha_stop.clone()));
+            Some((task, ha_stop))
+        }
+        Mode::Single => None,
+    };
     announce(security);
 
     let mut grpc = grpc;
@@ -251,15 +298,31 @@ pub async fn run(launch: Launch) -> Result<(), String> {
             };
         }
     }
-    tracing::info!(in_flight = engine.in_flight(), grace = %crate::duration::format(common.shutdown_grace), "shutting down");
+    tracing::info!(in_flight = replica.engine().map_or(0, |e| e.in_flight()), grace = %crate::duration::format(common.shutdown_grace), role = replica.role().name(), "shutting down");
+    mirror.abort();
     health.set(false).await;
     ready.set(false);
-    let unfinished = engine.shutdown(common.shutdown_grace).await;
-    if unfinished > 0 {
-        tracing::warn!(
-            unfinished,
-            "shutdown grace ran out; unfinished transitions will be resumed at the next start"
-        );
+    match replicated {
+        // The replica loop lets a leader's in-flight work finish within the grace, then gives
+        // the claim up so a standby takes over at once.
+        Some((task, ha_stop)) => {
+            ha_stop.cancel();
+            let _ = task.await;
+        }
+        None => {
+            if let Some(engine) = replica.engine() {
+                let unfinished = engine.shutdown(common.shutdown_grace).await;
+                if unfinished > 0 {
+                    tracing::warn!(
+                        unfinished,
+                        "shutdown grace ran out; unfinished transitions will be resumed at the next start"
+                    );
+                }
+                if let Err(e) = engine.store().release().wait().await {
+                    tracing::warn!(error = %e, "state store release at shutdown");
+                }
+            }
+        }
     }
     stop.cancel();
     grpc_stop.cancel();
@@ -267,26 +330,35 @@ pub async fn run(launch: Launch) -> Result<(), String> {
     for t in tasks {
         let _ = tokio::time::timeout(Duration::from_secs(5), t).await;
     }
-    if let Err(e) = store.release().wait().await {
-        tracing::warn!(error = %e, "state store release at shutdown");
-    }
     tracing::info!("stopped");
     Ok(())
 }
 
+/// How the state is held.
+enum Mode {
+    /// Local or in-memory: this process is the only replica.
+    Single,
+    /// In etcd: replicas elect a leader.
+    Replicated(Box<crate::etcd::ha::Prepared>),
+}
+
 fn spawn_loops(
     common: &CommonArgs,
-    engine: &Arc<Engine>,
+    replica: &Arc<Replica>,
     fleet: Option<Arc<Fleet>>,
     telemetry: Telemetry,
     stop: &CancellationToken,
 ) {
     if !common.reconcile_interval.is_zero() {
-        let (engine, stop, every) = (engine.clone(), stop.clone(), common.reconcile_interval);
+        let (replica, stop, every) = (replica.clone(), stop.clone(), common.reconcile_interval);
         tokio::spawn(async move {
             let mut tick = tokio::time::interval_at(tokio::time::Instant::now() + every, every);
             loop {
                 tokio::select! { _ = tick.tick() => {}, _ = stop.cancelled() => return }
+                // Only the replica that leads reconciles.
+                let Ok(engine) = replica.writer() else {
+                    continue;
+                };
                 match engine.reconcile().await {
                     Ok(report) => {
                         telemetry.reconcile_outcome("success");

@@ -300,6 +300,11 @@ impl Engine {
         self.inventory.write().unwrap_or_else(|e| e.into_inner())
     }
 
+    /// The store this engine commits to.
+    pub fn store(&self) -> &SharedStore {
+        &self.store
+    }
+
     pub fn backend(&self) -> &Arc<dyn Backend> {
         &self.backend
     }
@@ -374,31 +379,42 @@ impl Engine {
         self.options
             .telemetry
             .unknown_id_marks(unknown_marks.0, unknown_marks.1);
-        // A passing token advanced the mark even when the request then fails: make it durable.
-        if let Some(commit) = commit {
-            self.commit(commit).await?;
-        }
-        match admission? {
-            Admission::Retry {
-                operation_id,
-                machine,
-            } => Ok(Ack {
-                operation_id,
-                machine,
-                accepted: false,
-            }),
-            Admission::Accepted {
-                operation_id,
-                machine,
-            } => {
-                self.spawn_transition(machine.clone(), operation_id.clone(), work);
-                Ok(Ack {
+        // The rest runs to the end even when the caller goes away (a client deadline while a
+        // commit is slow): an admitted transition must get its task once its batch is durable,
+        // or it would stay transitional with nothing carrying it out. It is tracked like a
+        // transition, so a graceful shutdown waits for it (and for the task it starts).
+        let engine = self.clone();
+        let finish = self.tasks.spawn(async move {
+            // A passing token advanced the mark even when the request then fails: make it
+            // durable.
+            if let Some(commit) = commit {
+                engine.commit(commit).await?;
+            }
+            match admission? {
+                Admission::Retry {
                     operation_id,
                     machine,
-                    accepted: true,
-                })
+                } => Ok(Ack {
+                    operation_id,
+                    machine,
+                    accepted: false,
+                }),
+                Admission::Accepted {
+                    operation_id,
+                    machine,
+                } => {
+                    engine.spawn_transition(machine.clone(), operation_id.clone(), work);
+                    Ok(Ack {
+                        operation_id,
+                        machine,
+                        accepted: true,
+                    })
+                }
             }
-        }
+        });
+        finish
+            .await
+            .unwrap_or_else(|e| Err(CoreError::Store(format!("commit task ended: {e}"))))
     }
 
     pub async fn create(
@@ -840,6 +856,15 @@ impl Engine {
             tracing::error!(error = %e, "state store flush failed at shutdown");
         }
         unfinished
+    }
+
+    /// This replica no longer holds the state (its claim in etcd is gone): acknowledge nothing
+    /// more and stop in-flight transitions where they are, without writing (the next leader
+    /// resumes them under their operation ids). Reads keep answering from memory.
+    pub fn step_down(&self) {
+        self.store_failed.store(true, Ordering::SeqCst);
+        self.tasks.close();
+        self.abandon.cancel();
     }
 
     /// Whether mutations are still accepted.

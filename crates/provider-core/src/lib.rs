@@ -24,6 +24,7 @@ pub mod listener;
 pub mod machine;
 pub mod offerings;
 pub mod records;
+pub mod replica;
 pub mod retry;
 pub mod serve;
 pub mod server;

@@ -19,8 +19,8 @@ use tonic_health::ServingStatus;
 use tonic_health::pb::health_server::{Health, HealthServer};
 use tonic_health::server::HealthReporter;
 
-use crate::engine::Engine;
 use crate::listener;
+use crate::replica::Replica;
 use crate::server::Service;
 use crate::telemetry::{self, Telemetry};
 
@@ -102,14 +102,14 @@ impl GrpcLimits {
 pub async fn serve_grpc(
     listener: TcpListener,
     tls: Option<Arc<rustls::ServerConfig>>,
-    engine: Arc<Engine>,
+    replica: Arc<Replica>,
     reflection: bool,
     health_service: HealthServer<ObservedHealth>,
     limits: GrpcLimits,
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) -> Result<(), String> {
-    let telemetry = engine.options().telemetry;
-    let service = CapacityProviderServer::new(Service::new(engine));
+    let telemetry = replica.telemetry();
+    let service = CapacityProviderServer::new(Service::new(replica));
     let mut builder = Server::builder()
         .layer(tower::util::MapResponseLayer::new(
             oversize_is_resource_exhausted,
@@ -237,7 +237,7 @@ fn oversize_is_resource_exhausted<B>(mut response: http::Response<B>) -> http::R
 #[derive(Clone)]
 struct HttpState {
     ready: Readiness,
-    engine: Arc<Engine>,
+    replica: Arc<Replica>,
     telemetry: Telemetry,
     handle: metrics_exporter_prometheus::PrometheusHandle,
 }
@@ -258,10 +258,12 @@ async fn metrics(
     State(state): State<HttpState>,
 ) -> ([(axum::http::HeaderName, &'static str); 1], String) {
     state.telemetry.readiness(state.ready.get());
-    let census = state.engine.census();
-    state
-        .telemetry
-        .census(&census.by_state, census.failed_with_host);
+    if let Some(engine) = state.replica.engine() {
+        let census = engine.census();
+        state
+            .telemetry
+            .census(&census.by_state, census.failed_with_host);
+    }
     state.handle.run_upkeep();
     let mut body = state.handle.render();
     body.push_str(&process_metrics());
@@ -321,13 +323,13 @@ fn process_metrics() -> String {
 pub async fn serve_http(
     listener: TcpListener,
     ready: Readiness,
-    engine: Arc<Engine>,
+    replica: Arc<Replica>,
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) -> std::io::Result<()> {
-    let telemetry = engine.options().telemetry;
+    let telemetry = replica.telemetry();
     let state = HttpState {
         ready,
-        engine,
+        replica,
         telemetry,
         handle: telemetry::recorder(),
     };
@@ -344,7 +346,7 @@ pub async fn serve_http(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::engine::EngineOptions;
+    use crate::engine::{Engine, EngineOptions};
     use crate::fake::{FakeCloud, FakeCloudProfile};
     use crate::fleet::{CapacityBook, Fleet, PriceBook};
     use crate::offerings::default_mix;
@@ -389,7 +391,7 @@ mod tests {
             tokio::spawn(serve_http(
                 listener,
                 ready.clone(),
-                engine.clone(),
+                crate::replica::Replica::single(engine.clone()),
                 async move { stop.cancelled().await },
             ))
         };

@@ -11,22 +11,24 @@ use fleet_proto::v1alpha1::capacity_provider_server::CapacityProvider;
 use futures_util::FutureExt;
 use tonic::{Code, Request, Response, Status};
 
-use crate::engine::{Ack, Engine, ListQuery};
+use crate::engine::{Ack, ListQuery};
 use crate::fence::FenceToken;
 use crate::machine::{Machine, MachineState, StringMap};
+use crate::replica::Replica;
 use crate::telemetry::Telemetry;
 
-/// The gRPC face of an [`Engine`].
+/// The gRPC face of the engine this replica serves with (every RPC answers UNAVAILABLE while
+/// it does not: see [`Replica`]).
 #[derive(Debug, Clone)]
 pub struct Service {
-    engine: Arc<Engine>,
+    replica: Arc<Replica>,
     telemetry: Telemetry,
 }
 
 impl Service {
-    pub fn new(engine: Arc<Engine>) -> Service {
-        let telemetry = engine.options().telemetry;
-        Service { engine, telemetry }
+    pub fn new(replica: Arc<Replica>) -> Service {
+        let telemetry = replica.telemetry();
+        Service { replica, telemetry }
     }
 }
 
@@ -163,13 +165,14 @@ impl CapacityProvider for Service {
         request: Request<pb::CreateRequest>,
     ) -> Result<Response<pb::TransitionAck>, Status> {
         let r = request.into_inner();
-        let engine = self.engine.clone();
+        let replica = self.replica.clone();
         observe(
             self.telemetry,
             "Create",
             &r.machine_id.clone(),
             async move {
-                let a = engine
+                let a = replica
+                    .writer()?
                     .create(
                         &r.machine_id,
                         token(r.shard_id, r.shard_epoch, r.sequence_number),
@@ -186,9 +189,10 @@ impl CapacityProvider for Service {
         request: Request<pb::ConfigureRequest>,
     ) -> Result<Response<pb::TransitionAck>, Status> {
         let r = request.into_inner();
-        let engine = self.engine.clone();
+        let replica = self.replica.clone();
         let id = r.machine_id.clone();
         observe(self.telemetry, "Configure", &id, async move {
+            let engine = replica.writer()?;
             let metadata: StringMap = r.shard_metadata.into_iter().collect();
             let a = engine
                 .configure(
@@ -209,9 +213,10 @@ impl CapacityProvider for Service {
         request: Request<pb::DrainRequest>,
     ) -> Result<Response<pb::TransitionAck>, Status> {
         let r = request.into_inner();
-        let engine = self.engine.clone();
+        let replica = self.replica.clone();
         let id = r.machine_id.clone();
         observe(self.telemetry, "Drain", &id, async move {
+            let engine = replica.writer()?;
             let a = engine
                 .drain(
                     &r.machine_id,
@@ -229,9 +234,10 @@ impl CapacityProvider for Service {
         request: Request<pb::DeleteRequest>,
     ) -> Result<Response<pb::TransitionAck>, Status> {
         let r = request.into_inner();
-        let engine = self.engine.clone();
+        let replica = self.replica.clone();
         let id = r.machine_id.clone();
         observe(self.telemetry, "Delete", &id, async move {
+            let engine = replica.writer()?;
             let a = engine
                 .delete(
                     &r.machine_id,
@@ -245,9 +251,9 @@ impl CapacityProvider for Service {
 
     async fn get(&self, request: Request<pb::MachineRef>) -> Result<Response<pb::Machine>, Status> {
         let r = request.into_inner();
-        let engine = self.engine.clone();
+        let replica = self.replica.clone();
         observe(self.telemetry, "Get", &r.id.clone(), async move {
-            let m = engine.get(&r.id)?;
+            let m = replica.reader()?.get(&r.id)?;
             Ok(Response::new(machine_to_wire(&m)))
         })
         .await
@@ -258,8 +264,9 @@ impl CapacityProvider for Service {
         request: Request<pb::ListFilter>,
     ) -> Result<Response<pb::MachineList>, Status> {
         let r = request.into_inner();
-        let engine = self.engine.clone();
+        let replica = self.replica.clone();
         observe(self.telemetry, "List", "", async move {
+            let engine = replica.reader()?;
             let query = ListQuery {
                 // Unknown state numbers match nothing, like UNSPECIFIED.
                 states: r

@@ -40,6 +40,11 @@ pub struct Telemetry {
     pub certificate_not_after: &'static str,
     pub ready: &'static str,
     pub store_refusing_mutations: &'static str,
+    // High availability (docs/ha.md).
+    pub leader: &'static str,
+    pub takeovers: &'static str,
+    pub takeover_duration: &'static str,
+    pub step_downs: &'static str,
 }
 
 fn leak(prefix: &str, name: &str) -> &'static str {
@@ -86,6 +91,10 @@ impl Telemetry {
             certificate_not_after: leak(prefix, "certificate_not_after_timestamp_seconds"),
             ready: leak(prefix, "ready"),
             store_refusing_mutations: leak(prefix, "store_refusing_mutations"),
+            leader: leak(prefix, "leader"),
+            takeovers: leak(prefix, "takeovers_total"),
+            takeover_duration: leak(prefix, "takeover_duration_seconds"),
+            step_downs: leak(prefix, "step_downs_total"),
         };
         cache.push((prefix.to_owned(), t));
         t
@@ -253,6 +262,27 @@ impl Telemetry {
     /// until the provider restarts.
     pub fn store_refusing_mutations(&self) {
         gauge!(self.store_refusing_mutations).set(1.0);
+    }
+
+    /// Back to 0 when a replica starts a new term on a freshly read state.
+    pub fn store_accepting(&self) {
+        gauge!(self.store_refusing_mutations).set(0.0);
+    }
+
+    /// `<prefix>_leader`: 1 while this replica leads the etcd state (or is the only replica).
+    pub fn leader(&self, leading: bool) {
+        gauge!(self.leader).set(if leading { 1.0 } else { 0.0 });
+    }
+
+    /// A won claim, from the start of the attempt to serving (read, resume, reconcile).
+    pub fn takeover(&self, elapsed: Duration) {
+        counter!(self.takeovers).increment(1);
+        histogram!(self.takeover_duration).record(elapsed.as_secs_f64());
+    }
+
+    /// A leader that stopped acknowledging because its claim was no longer held.
+    pub fn step_down(&self) {
+        counter!(self.step_downs).increment(1);
     }
 }
 

@@ -33,6 +33,8 @@ Endpoint (exactly one):
 
 Scenarios and sizes:
   --scenario NAME[,NAME]  get, list, list-filtered, lifecycle, durable, startup, mixed, etcd,
+                          takeover (kill -9 of the leader of two replicas on etcd to the
+                          first acknowledged Create on the standby; --spawn only),
                           or all (default all; durable, startup and etcd need --spawn; etcd
                           starts an etcd member, Debian's etcd-server)
   --repeats N             runs per figure, reported as median and min-max (default 3)
@@ -65,10 +67,11 @@ pub(crate) enum Scenario {
     Startup,
     Mixed,
     Etcd,
+    Takeover,
 }
 
 impl Scenario {
-    pub(crate) const ALL: [Scenario; 8] = [
+    pub(crate) const ALL: [Scenario; 9] = [
         Scenario::Get,
         Scenario::List,
         Scenario::ListFiltered,
@@ -77,6 +80,7 @@ impl Scenario {
         Scenario::Startup,
         Scenario::Mixed,
         Scenario::Etcd,
+        Scenario::Takeover,
     ];
 
     pub(crate) fn name(self) -> &'static str {
@@ -89,6 +93,7 @@ impl Scenario {
             Scenario::Startup => "startup",
             Scenario::Mixed => "mixed",
             Scenario::Etcd => "etcd",
+            Scenario::Takeover => "takeover",
         }
     }
 
@@ -101,7 +106,10 @@ impl Scenario {
 
     /// Whether the scenario needs to start the provider itself.
     pub(crate) fn needs_spawn(self) -> bool {
-        matches!(self, Scenario::Durable | Scenario::Startup | Scenario::Etcd)
+        matches!(
+            self,
+            Scenario::Durable | Scenario::Startup | Scenario::Etcd | Scenario::Takeover
+        )
     }
 
     /// Whether its inventory is `--inventory` (one size) rather than every `--seeds` size.

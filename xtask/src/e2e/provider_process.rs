@@ -112,6 +112,16 @@ fn spawn(
 
 /// Starts `spec` on free loopback ports and waits until it reports SERVING.
 pub async fn start(spec: Spec) -> Result<Provider> {
+    start_until(spec, true).await
+}
+
+/// Starts `spec` and waits until its gRPC port answers the health check at all: a standby
+/// replica (`--state etcd://…`) reports NOT_SERVING until it leads.
+pub async fn start_answering(spec: Spec) -> Result<Provider> {
+    start_until(spec, false).await
+}
+
+async fn start_until(spec: Spec, serving: bool) -> Result<Provider> {
     let mut last_error = None;
     for _ in 0..PORT_ATTEMPTS {
         let grpc = loopback(free_port()?);
@@ -120,7 +130,7 @@ pub async fn start(spec: Spec) -> Result<Provider> {
         } else {
             None
         };
-        match start_on(spec.clone(), grpc, metrics).await {
+        match start_on(spec.clone(), grpc, metrics, serving).await {
             Ok(provider) => return Ok(provider),
             Err(StartFailure::PortTaken(text)) => last_error = Some(text),
             Err(StartFailure::Other(e)) => return Err(e),
@@ -148,6 +158,7 @@ async fn start_on(
     spec: Spec,
     grpc: SocketAddr,
     metrics: Option<SocketAddr>,
+    serving: bool,
 ) -> Result<Provider, StartFailure> {
     let (child, log) = spawn(&spec, grpc, metrics)?;
     let mut provider = Provider {
@@ -170,7 +181,11 @@ async fn start_on(
             )));
         }
         if let Ok(channel) = provider.try_channel(provider.spec.security).await
-            && matches!(wire::health(&channel, "").await, Ok(ServingStatus::Serving))
+            && match wire::health(&channel, "").await {
+                Ok(ServingStatus::Serving) => true,
+                Ok(_) => !serving,
+                Err(_) => false,
+            }
         {
             if provider.metrics.is_some() && provider.lost_metrics_port().await {
                 return Err(StartFailure::PortTaken(provider.logs()));
@@ -232,6 +247,22 @@ impl Provider {
     /// A channel in the mode the provider was started for.
     pub async fn default_channel(&self) -> Result<Channel> {
         self.channel(self.spec.security).await
+    }
+
+    /// Sends a signal by name (`KILL`, `STOP`, `CONT`, ...) to the child.
+    pub fn signal(&self, name: &str) -> Result<()> {
+        let status = Command::new("kill")
+            .args([&format!("-{name}"), &self.child.id().to_string()])
+            .status()
+            .context("run kill")?;
+        if !status.success() {
+            bail!(
+                "could not send SIG{name} to {} (pid {})",
+                self.spec.name,
+                self.child.id()
+            );
+        }
+        Ok(())
     }
 
     /// Sends SIGTERM.

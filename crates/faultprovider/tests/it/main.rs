@@ -10,6 +10,7 @@ mod wire;
 #[path = "../../../../xtask/src/e2e/provider_process.rs"]
 mod provider_process;
 
+mod ha;
 mod shutdown;
 mod triggers;
 

@@ -47,7 +47,12 @@ async fn a_regular_file_at_the_path_is_never_replaced() {
     let dir = tempfile::tempdir().expect("tempdir");
     let path = dir.path().join("admin.sock");
     std::fs::write(&path, b"the operator's file").expect("write");
-    let err = serve(&path, engine.clone(), CancellationToken::new()).expect_err("must refuse");
+    let err = serve(
+        &path,
+        crate::replica::Replica::single(engine.clone()),
+        CancellationToken::new(),
+    )
+    .expect_err("must refuse");
     assert!(err.to_string().contains("is not a socket"), "{err}");
     assert!(
         err.to_string().contains(&path.display().to_string()),
@@ -60,7 +65,12 @@ async fn a_regular_file_at_the_path_is_never_replaced() {
 
     let subdir = dir.path().join("a-directory");
     std::fs::create_dir(&subdir).expect("mkdir");
-    let err = serve(&subdir, engine, CancellationToken::new()).expect_err("must refuse");
+    let err = serve(
+        &subdir,
+        crate::replica::Replica::single(engine),
+        CancellationToken::new(),
+    )
+    .expect_err("must refuse");
     assert!(err.to_string().contains("a directory"), "{err}");
     assert!(subdir.is_dir());
     // Nothing was left behind next to the path.
@@ -81,7 +91,12 @@ async fn the_socket_is_0600_and_a_stale_one_is_replaced_but_a_live_one_is_not() 
     std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o777)).expect("chmod");
 
     let stop = CancellationToken::new();
-    let server = serve(&path, engine.clone(), stop.clone()).expect("replaces a stale socket");
+    let server = serve(
+        &path,
+        crate::replica::Replica::single(engine.clone()),
+        stop.clone(),
+    )
+    .expect("replaces a stale socket");
     let meta = std::fs::symlink_metadata(&path).expect("socket");
     assert!(meta.file_type().is_socket());
     assert_eq!(meta.permissions().mode() & 0o777, 0o600);
@@ -95,7 +110,12 @@ async fn the_socket_is_0600_and_a_stale_one_is_replaced_but_a_live_one_is_not() 
     );
 
     // A second provider on the same path does not steal the live socket.
-    let err = serve(&path, engine, CancellationToken::new()).expect_err("in use");
+    let err = serve(
+        &path,
+        crate::replica::Replica::single(engine),
+        CancellationToken::new(),
+    )
+    .expect_err("in use");
     assert!(err.to_string().contains("in use"), "{err}");
     assert!(
         call(&path, &AdminRequest::FailedList)
@@ -115,7 +135,8 @@ async fn an_overlong_request_line_is_refused_and_the_connection_closed() {
     let dir = tempfile::tempdir().expect("tempdir");
     let path = dir.path().join("admin.sock");
     let stop = CancellationToken::new();
-    let _server = serve(&path, engine, stop.clone()).expect("serve");
+    let _server =
+        serve(&path, crate::replica::Replica::single(engine), stop.clone()).expect("serve");
 
     let mut stream = UnixStream::connect(&path).await.expect("connect");
     // Twice the limit without a newline: the provider must not wait for (or buffer) the rest.

@@ -5,7 +5,7 @@
 //! # One writer
 //!
 //! A provider claims the prefix before it reads it: it puts `PREFIX/owner` with a random token,
-//! attached to an etcd lease it keeps alive every TTL/3, and only if the key does not exist. A
+//! attached to an etcd lease it keeps alive every TTL/4, and only if the key does not exist. A
 //! second provider started on the same prefix waits for the claim to go (a killed provider's
 //! lease runs out within the TTL) and refuses to start if it does not. Every commit is a
 //! transaction guarded by `value(PREFIX/owner) == token`, so a provider whose claim expired
@@ -30,18 +30,21 @@
 //! retries run out the commit fails, and so does every later one: batches must become durable
 //! in order.
 
+mod follow;
+pub mod ha;
 mod keys;
 mod target;
 mod transfer;
 
-#[cfg(test)]
-mod testing;
+#[cfg(any(test, feature = "etcd-testing"))]
+#[doc(hidden)]
+pub mod testing;
 #[cfg(test)]
 mod tests;
 
 use std::collections::BTreeMap;
 use std::future::Future;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::Ordering;
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::{Duration, Instant};
 
@@ -70,14 +73,16 @@ const ATTEMPTS: u32 = 6;
 /// Keys read per page when loading (a page stays far below the gRPC message limit).
 const PAGE: i64 = 2000;
 
-/// A gRPC failure that a retry may cure: no leader yet, a member down, a request timeout.
+/// A gRPC failure that a retry may cure: no leader yet, a member down (a connection that broke
+/// surfaces as `Unknown` "transport error"), a request timeout.
 fn retryable(status: &tonic::Status) -> bool {
     use tonic::Code;
     let message = status.message();
     matches!(
         status.code(),
         Code::Unavailable | Code::DeadlineExceeded | Code::Cancelled | Code::Aborted
-    ) || message.contains("request timed out")
+    ) || (status.code() == Code::Unknown && message.contains("transport error"))
+        || message.contains("request timed out")
         || message.contains("leader changed")
         || message.contains("no leader")
         || message.contains("timed out")
@@ -85,7 +90,7 @@ fn retryable(status: &tonic::Status) -> bool {
 
 /// Runs `request` until it succeeds, fails for good or the attempts run out (backoff 100 ms
 /// doubling up to 1 s: about 3 s in all, longer than an etcd leader election).
-async fn retry<T, F, Fut>(what: &str, mut request: F) -> Result<T, String>
+async fn retry<T, F, Fut>(client: &Client, what: &str, mut request: F) -> Result<T, String>
 where
     F: FnMut() -> Fut,
     Fut: Future<Output = Result<tonic::Response<T>, tonic::Status>>,
@@ -93,10 +98,12 @@ where
     let mut delay = Duration::from_millis(100);
     let mut attempt = 1;
     loop {
+        let at = client.at();
         match request().await {
             Ok(response) => return Ok(response.into_inner()),
             Err(status) if attempt < ATTEMPTS && retryable(&status) => {
-                tracing::debug!(what, attempt, code = ?status.code(), message = status.message(), "etcd request failed; retrying");
+                client.failed(at);
+                tracing::debug!(what, attempt, member = at, code = ?status.code(), message = status.message(), "etcd request failed; retrying on the next member");
                 tokio::time::sleep(delay).await;
                 delay = (delay * 2).min(Duration::from_secs(1));
                 attempt += 1;
@@ -283,10 +290,126 @@ pub(crate) struct Claim {
     pub lease: i64,
     pub token: Vec<u8>,
     pub ttl: Duration,
+    /// When the lease grant was sent: etcd's clock for the lease starts after it.
+    pub granted_at: Instant,
+    /// The etcd revision at which the claim was written (the start of this term).
+    pub revision: i64,
 }
 
-/// Claims `PREFIX/owner`, waiting up to `wait` for an earlier claim to go. Each attempt
-/// grants a fresh lease (one held while waiting could expire before it is used).
+/// The outcome of one attempt to claim the prefix.
+pub(crate) enum Attempt {
+    Won(Claim),
+    /// Another provider holds the claim (its description).
+    Held(String),
+}
+
+/// A fresh claim token naming this process.
+pub(crate) fn new_token() -> Vec<u8> {
+    format!(
+        "pid {} on {} token {:032x}",
+        std::process::id(),
+        hostname(),
+        rand::random::<u128>()
+    )
+    .into_bytes()
+}
+
+/// One attempt to create `PREFIX/owner` under a freshly granted lease (a lease held while
+/// waiting could expire before it is used). Errors are etcd failures after the retries.
+pub(crate) async fn try_claim(
+    client: &Client,
+    keys: &Keys,
+    ttl_seconds: i64,
+    token: &[u8],
+) -> Result<Attempt, String> {
+    let owner = keys.owner();
+    let granted_at = Instant::now();
+    let grant = retry(client, "grant the claim lease", || {
+        let mut lease = client.lease();
+        async move {
+            lease
+                .lease_grant(pb::LeaseGrantRequest {
+                    ttl: ttl_seconds,
+                    id: 0,
+                })
+                .await
+        }
+    })
+    .await?;
+    if !grant.error.is_empty() {
+        return Err(format!("grant the claim lease: {}", grant.error));
+    }
+    let request = pb::TxnRequest {
+        compare: vec![pb::Compare {
+            result: CompareResult::Equal as i32,
+            target: CompareTarget::Create as i32,
+            key: owner.clone(),
+            target_union: Some(TargetUnion::CreateRevision(0)),
+            range_end: Vec::new(),
+        }],
+        success: vec![pb::RequestOp {
+            request: Some(Request::RequestPut(pb::PutRequest {
+                key: owner.clone(),
+                value: token.to_vec(),
+                lease: grant.id,
+            })),
+        }],
+        failure: vec![pb::RequestOp {
+            request: Some(Request::RequestRange(pb::RangeRequest {
+                key: owner.clone(),
+                ..Default::default()
+            })),
+        }],
+    };
+    let response = retry(client, "claim the state prefix", || {
+        let (mut kv, request) = (client.kv(), request.clone());
+        async move { kv.txn(request).await }
+    })
+    .await;
+    let response = match response {
+        Ok(r) => r,
+        Err(e) => {
+            revoke(client, grant.id).await;
+            return Err(e);
+        }
+    };
+    if response.succeeded {
+        return Ok(Attempt::Won(Claim {
+            lease: grant.id,
+            token: token.to_vec(),
+            ttl: Duration::from_secs(grant.ttl.max(1) as u64),
+            granted_at,
+            revision: response.header.as_ref().map_or(0, |h| h.revision),
+        }));
+    }
+    revoke(client, grant.id).await;
+    let holder = response
+        .responses
+        .iter()
+        .find_map(|r| match &r.response {
+            Some(pb::response_op::Response::ResponseRange(range)) => range.kvs.first(),
+            _ => None,
+        })
+        .map(|kv| String::from_utf8_lossy(&kv.value).into_owned())
+        .unwrap_or_else(|| "unknown".into());
+    Ok(Attempt::Held(holder))
+}
+
+/// Who holds `PREFIX/owner` now (`None` when nobody does).
+pub(crate) async fn holder(client: &Client, keys: &Keys) -> Result<Option<Vec<u8>>, String> {
+    let request = pb::RangeRequest {
+        key: keys.owner(),
+        ..Default::default()
+    };
+    let page = retry(client, "read the claim", || {
+        let (mut kv, request) = (client.kv(), request.clone());
+        async move { kv.range(request).await }
+    })
+    .await?;
+    Ok(page.kvs.into_iter().next().map(|kv| kv.value))
+}
+
+/// Claims `PREFIX/owner`, waiting up to `wait` for an earlier claim to go.
 pub(crate) async fn claim(
     client: &Client,
     keys: &Keys,
@@ -294,87 +417,17 @@ pub(crate) async fn claim(
     describe: &str,
     wait: Duration,
 ) -> Result<Claim, String> {
-    let token = format!(
-        "pid {} on {} token {:032x}",
-        std::process::id(),
-        hostname(),
-        rand::random::<u128>()
-    )
-    .into_bytes();
-    let owner = keys.owner();
+    let token = new_token();
     let deadline = Instant::now() + wait;
     let mut announced = false;
     loop {
-        let grant = retry("grant the claim lease", || {
-            let mut lease = client.lease.clone();
-            async move {
-                lease
-                    .lease_grant(pb::LeaseGrantRequest {
-                        ttl: ttl_seconds,
-                        id: 0,
-                    })
-                    .await
-            }
-        })
-        .await
-        .map_err(|e| format!("{describe}: {e}"))?;
-        if !grant.error.is_empty() {
-            return Err(format!(
-                "{describe}: grant the claim lease: {}",
-                grant.error
-            ));
-        }
-        let request = pb::TxnRequest {
-            compare: vec![pb::Compare {
-                result: CompareResult::Equal as i32,
-                target: CompareTarget::Create as i32,
-                key: owner.clone(),
-                target_union: Some(TargetUnion::CreateRevision(0)),
-                range_end: Vec::new(),
-            }],
-            success: vec![pb::RequestOp {
-                request: Some(Request::RequestPut(pb::PutRequest {
-                    key: owner.clone(),
-                    value: token.clone(),
-                    lease: grant.id,
-                })),
-            }],
-            failure: vec![pb::RequestOp {
-                request: Some(Request::RequestRange(pb::RangeRequest {
-                    key: owner.clone(),
-                    ..Default::default()
-                })),
-            }],
+        let holder = match try_claim(client, keys, ttl_seconds, &token)
+            .await
+            .map_err(|e| format!("{describe}: {e}"))?
+        {
+            Attempt::Won(claim) => return Ok(claim),
+            Attempt::Held(holder) => holder,
         };
-        let response = retry("claim the state prefix", || {
-            let (mut kv, request) = (client.kv.clone(), request.clone());
-            async move { kv.txn(request).await }
-        })
-        .await;
-        let response = match response {
-            Ok(r) => r,
-            Err(e) => {
-                revoke(client, grant.id).await;
-                return Err(format!("{describe}: {e}"));
-            }
-        };
-        if response.succeeded {
-            return Ok(Claim {
-                lease: grant.id,
-                token,
-                ttl: Duration::from_secs(grant.ttl.max(1) as u64),
-            });
-        }
-        revoke(client, grant.id).await;
-        let holder = response
-            .responses
-            .iter()
-            .find_map(|r| match &r.response {
-                Some(pb::response_op::Response::ResponseRange(range)) => range.kvs.first(),
-                _ => None,
-            })
-            .map(|kv| String::from_utf8_lossy(&kv.value).into_owned())
-            .unwrap_or_else(|| "unknown".into());
         if Instant::now() >= deadline {
             return Err(format!(
                 "{describe} is in use by another provider ({holder}); two providers must never \
@@ -393,10 +446,9 @@ pub(crate) async fn claim(
         tokio::time::sleep(Duration::from_millis(200)).await;
     }
 }
-
 /// Revokes a lease (best effort, bounded): its keys go at once instead of after the TTL.
 pub(crate) async fn revoke(client: &Client, lease: i64) {
-    let mut lease_client = client.lease.clone();
+    let mut lease_client = client.lease();
     let revoked = tokio::time::timeout(
         Duration::from_secs(2),
         lease_client.lease_revoke(pb::LeaseRevokeRequest { id: lease }),
@@ -416,16 +468,83 @@ fn hostname() -> String {
         .unwrap_or_else(|_| "unknown host".into())
 }
 
-/// Keeps a lease alive every TTL/3 until `stop`. When no keep-alive was confirmed within the
-/// TTL, or etcd says the lease is gone, `lost` is set: the claim may have expired, so nothing
-/// more may be committed under it (the guarded transaction would be refused anyway).
-fn keep_alive(client: Client, claim: &Claim, lost: Arc<AtomicBool>, stop: CancellationToken) {
+/// How long before the lease could run out on etcd's side a provider stops using its claim.
+pub(crate) fn safety_margin(ttl: Duration) -> Duration {
+    (ttl / 5).max(Duration::from_millis(200))
+}
+
+/// Whether a claim may still be used: a keep-alive was confirmed recently enough (within the
+/// TTL minus [`safety_margin`], counted from when the keep-alive was sent) and etcd never
+/// refused it. Checked by every commit and every mutating RPC, so a provider that was paused
+/// past its lease stops acknowledging the moment it runs again, before any timer fires.
+#[derive(Debug)]
+pub(crate) struct Hold {
+    origin: Instant,
+    /// Milliseconds after `origin` until which the claim may be used.
+    valid_until_ms: std::sync::atomic::AtomicU64,
+    margin: Duration,
+    lost: CancellationToken,
+}
+
+impl Hold {
+    fn new(claim: &Claim) -> Arc<Hold> {
+        let hold = Arc::new(Hold {
+            origin: claim.granted_at,
+            valid_until_ms: std::sync::atomic::AtomicU64::new(0),
+            margin: safety_margin(claim.ttl),
+            lost: CancellationToken::new(),
+        });
+        hold.confirm(claim.granted_at, claim.ttl);
+        hold
+    }
+
+    fn valid_until(&self) -> Instant {
+        self.origin + Duration::from_millis(self.valid_until_ms.load(Ordering::SeqCst))
+    }
+
+    /// A keep-alive sent at `sent` was answered with `ttl`.
+    fn confirm(&self, sent: Instant, ttl: Duration) {
+        let until = (sent + ttl).saturating_duration_since(self.origin);
+        let until = until.saturating_sub(self.margin).as_millis() as u64;
+        self.valid_until_ms.fetch_max(until, Ordering::SeqCst);
+    }
+
+    /// Whether the claim may be used right now.
+    pub fn is_held(&self) -> bool {
+        !self.lost.is_cancelled() && Instant::now() < self.valid_until()
+    }
+
+    /// Gives the claim up for good (etcd refused a commit or said the lease is gone).
+    pub fn lose(&self) {
+        self.lost.cancel();
+    }
+
+    /// Completes when the claim is no longer held.
+    pub async fn lost(&self) {
+        loop {
+            if !self.is_held() {
+                return;
+            }
+            tokio::select! {
+                _ = self.lost.cancelled() => return,
+                _ = tokio::time::sleep_until(self.valid_until().into()) => {}
+            }
+        }
+    }
+}
+
+/// Keeps a lease alive every TTL/4 until `stop`. When no keep-alive was confirmed within the
+/// TTL minus the margin, or etcd says the lease is gone, the hold is lost: the claim may have
+/// expired, so nothing more may be committed under it (the guarded transaction would be
+/// refused anyway).
+fn keep_alive(client: Client, claim: &Claim, hold: Arc<Hold>, stop: CancellationToken) {
     let (lease, ttl) = (claim.lease, claim.ttl);
     tokio::spawn(async move {
-        let every = ttl / 3;
-        let mut confirmed_until = Instant::now() + ttl;
+        // Four keep-alives per TTL: after the last confirmed one, more than half the TTL is left
+        // to ride out an etcd leader election (about a second) before the hold lapses.
+        let every = ttl / 4;
         let request = pb::LeaseKeepAliveRequest { id: lease };
-        'streams: while Instant::now() < confirmed_until {
+        'streams: while hold.is_held() {
             // etcd answers the stream's headers only with its first response, so the first
             // request is queued before the call is made.
             let (tx, rx) = mpsc::channel(1);
@@ -433,7 +552,8 @@ fn keep_alive(client: Client, claim: &Claim, lost: Arc<AtomicBool>, stop: Cancel
             if tx.try_send(request).is_err() {
                 continue;
             }
-            let mut lease_client = client.lease.clone();
+            let at = client.at();
+            let mut lease_client = client.lease();
             let opened = tokio::select! {
                 _ = stop.cancelled() => return,
                 opened = tokio::time::timeout(every, lease_client.lease_keep_alive(tokio_stream::wrappers::ReceiverStream::new(rx))) => opened,
@@ -442,10 +562,14 @@ fn keep_alive(client: Client, claim: &Claim, lost: Arc<AtomicBool>, stop: Cancel
                 Ok(Ok(r)) => r.into_inner(),
                 Ok(Err(status)) => {
                     tracing::debug!(code = ?status.code(), message = status.message(), "etcd keep-alive stream failed to open");
-                    tokio::time::sleep(Duration::from_millis(100)).await;
+                    client.failed(at);
+                    tokio::time::sleep(Duration::from_millis(50)).await;
                     continue;
                 }
-                Err(_) => continue,
+                Err(_) => {
+                    client.failed(at);
+                    continue;
+                }
             };
             loop {
                 let deadline = (sent + every).max(Instant::now() + Duration::from_millis(50));
@@ -455,13 +579,19 @@ fn keep_alive(client: Client, claim: &Claim, lost: Arc<AtomicBool>, stop: Cancel
                 };
                 match answer {
                     Ok(Some(Ok(response))) if response.ttl > 0 => {
-                        confirmed_until = sent + Duration::from_secs(response.ttl as u64);
+                        hold.confirm(sent, Duration::from_secs(response.ttl as u64));
                     }
                     Ok(Some(Ok(_))) => {
                         tracing::error!(lease, "etcd says the claim lease expired");
                         break 'streams;
                     }
-                    Ok(Some(Err(_)) | None) | Err(_) => continue 'streams,
+                    Ok(Some(Err(_)) | None) | Err(_) => {
+                        client.failed(at);
+                        continue 'streams;
+                    }
+                }
+                if !hold.is_held() {
+                    break 'streams;
                 }
                 tokio::select! {
                     _ = stop.cancelled() => return,
@@ -473,10 +603,10 @@ fn keep_alive(client: Client, claim: &Claim, lost: Arc<AtomicBool>, stop: Cancel
                 }
             }
         }
-        lost.store(true, Ordering::SeqCst);
+        hold.lose();
         tracing::error!(
             lease,
-            "state: the claim on the etcd prefix could not be kept alive within its TTL; no more commits"
+            "state: the claim on the etcd prefix was not confirmed by a keep-alive within its TTL (less the safety margin); no more commits"
         );
     });
 }
@@ -488,7 +618,7 @@ pub(crate) struct Guarded {
     pub keys: Keys,
     pub claim: Claim,
     pub describe: String,
-    pub lost: Arc<AtomicBool>,
+    pub hold: Arc<Hold>,
 }
 
 impl Guarded {
@@ -504,7 +634,7 @@ impl Guarded {
 
     /// Commits `ops` as one transaction under the claim.
     pub async fn txn(&self, ops: Vec<pb::RequestOp>) -> Result<(), String> {
-        if self.lost.load(Ordering::SeqCst) {
+        if !self.hold.is_held() {
             return Err(format!(
                 "{}: the claim on the prefix was lost (lease not kept alive); nothing more is committed",
                 self.describe
@@ -515,14 +645,14 @@ impl Guarded {
             success: ops,
             failure: Vec::new(),
         };
-        let response = retry("commit", || {
-            let (mut kv, request) = (self.client.kv.clone(), request.clone());
+        let response = retry(&self.client, "commit", || {
+            let (mut kv, request) = (self.client.kv(), request.clone());
             async move { kv.txn(request).await }
         })
         .await
         .map_err(|e| format!("{}: {e}", self.describe))?;
         if !response.succeeded {
-            self.lost.store(true, Ordering::SeqCst);
+            self.hold.lose();
             return Err(format!(
                 "{}: commit refused: this provider no longer holds the claim on the prefix \
                  (its lease expired or another provider took it over)",
@@ -552,74 +682,52 @@ pub(crate) async fn read_state(client: &Client, keys: &Keys) -> Result<Snapshot,
     }
 }
 
-async fn read_once(client: &Client, keys: &Keys) -> Result<Snapshot, String> {
-    let (mut from, end) = keys.range();
-    let mut at = 0;
-    let mut snapshot = Snapshot::default();
-    let mut meta = None;
-    loop {
-        let request = pb::RangeRequest {
-            key: from.clone(),
-            range_end: end.clone(),
-            limit: PAGE,
-            revision: at,
-            ..Default::default()
-        };
-        let page = retry("read the state", || {
-            let (mut kv, request) = (client.kv.clone(), request.clone());
-            async move { kv.range(request).await }
-        })
-        .await?;
-        if at == 0 {
-            at = page.header.as_ref().map_or(0, |h| h.revision);
-        }
-        for kv in &page.kvs {
-            let at_key = |e: String| format!("etcd key {}: {e}", String::from_utf8_lossy(&kv.key));
-            match keys.kind(&kv.key) {
-                KeyKind::Owner => {}
-                KeyKind::Meta => meta = Some(keys::decode_meta(&kv.value).map_err(at_key)?),
-                KeyKind::Slot => {
-                    let slot = keys::decode_slot(&kv.value).map_err(at_key)?;
-                    if keys.slot(&slot.machine.id) != kv.key {
-                        return Err(at_key(format!(
-                            "holds machine {:?}, which belongs under another key",
-                            slot.machine.id
-                        )));
-                    }
-                    snapshot.slots.push(slot);
-                }
-                KeyKind::Fence => {
-                    let FenceRecord {
-                        shard_id,
-                        machine_id,
-                        mark,
-                    } = keys::decode_fence(&kv.value).map_err(at_key)?;
-                    if keys.fence(&shard_id, &machine_id) != kv.key {
-                        return Err(at_key("holds a fence mark of another pair".into()));
-                    }
-                    snapshot.fences.push(FenceRecord {
-                        shard_id,
-                        machine_id,
-                        mark,
-                    });
-                }
-                KeyKind::Unknown => {
-                    return Err(at_key(
-                        "not a key of this state (written by a newer provider, or another \
-                         program shares the prefix)"
-                            .into(),
-                    ));
-                }
+/// One decoded key of the state.
+#[derive(Clone, Debug)]
+pub(crate) enum Entry {
+    Owner,
+    Meta(Meta),
+    Slot(Box<crate::records::Slot>),
+    Fence(FenceRecord),
+}
+
+/// Decodes one key-value of the prefix, checking that it sits under its own key.
+pub(crate) fn decode_entry(keys: &Keys, kv: &pb::KeyValue) -> Result<Entry, String> {
+    let at_key = |e: String| format!("etcd key {}: {e}", String::from_utf8_lossy(&kv.key));
+    match keys.kind(&kv.key) {
+        KeyKind::Owner => Ok(Entry::Owner),
+        KeyKind::Meta => Ok(Entry::Meta(keys::decode_meta(&kv.value).map_err(at_key)?)),
+        KeyKind::Slot => {
+            let slot = keys::decode_slot(&kv.value).map_err(at_key)?;
+            if keys.slot(&slot.machine.id) != kv.key {
+                return Err(at_key(format!(
+                    "holds machine {:?}, which belongs under another key",
+                    slot.machine.id
+                )));
             }
+            Ok(Entry::Slot(Box::new(slot)))
         }
-        match (page.more, page.kvs.last()) {
-            (true, Some(last)) => {
-                from = last.key.clone();
-                from.push(0);
+        KeyKind::Fence => {
+            let fence = keys::decode_fence(&kv.value).map_err(at_key)?;
+            if keys.fence(&fence.shard_id, &fence.machine_id) != kv.key {
+                return Err(at_key("holds a fence mark of another pair".into()));
             }
-            _ => break,
+            Ok(Entry::Fence(fence))
         }
+        KeyKind::Unknown => Err(at_key(
+            "not a key of this state (written by a newer provider, or another program shares \
+             the prefix)"
+                .into(),
+        )),
     }
+}
+
+/// Builds a snapshot from decoded entries; `None` meta with data is an interrupted import.
+pub(crate) fn assemble(
+    keys: &Keys,
+    meta: Option<Meta>,
+    mut snapshot: Snapshot,
+) -> Result<Snapshot, String> {
     match meta {
         Some(meta) => {
             snapshot.revision = meta.revision;
@@ -637,6 +745,46 @@ async fn read_once(client: &Client, keys: &Keys) -> Result<Snapshot, String> {
         }
     }
     Ok(snapshot)
+}
+
+async fn read_once(client: &Client, keys: &Keys) -> Result<Snapshot, String> {
+    let (mut from, end) = keys.range();
+    let mut at = 0;
+    let mut snapshot = Snapshot::default();
+    let mut meta = None;
+    loop {
+        let request = pb::RangeRequest {
+            key: from.clone(),
+            range_end: end.clone(),
+            limit: PAGE,
+            revision: at,
+            ..Default::default()
+        };
+        let page = retry(client, "read the state", || {
+            let (mut kv, request) = (client.kv(), request.clone());
+            async move { kv.range(request).await }
+        })
+        .await?;
+        if at == 0 {
+            at = page.header.as_ref().map_or(0, |h| h.revision);
+        }
+        for kv in &page.kvs {
+            match decode_entry(keys, kv)? {
+                Entry::Owner => {}
+                Entry::Meta(m) => meta = Some(m),
+                Entry::Slot(slot) => snapshot.slots.push(*slot),
+                Entry::Fence(fence) => snapshot.fences.push(fence),
+            }
+        }
+        match (page.more, page.kvs.last()) {
+            (true, Some(last)) => {
+                from = last.key.clone();
+                from.push(0);
+            }
+            _ => break,
+        }
+    }
+    assemble(keys, meta, snapshot)
 }
 
 enum Message {
@@ -674,19 +822,29 @@ pub(crate) async fn open_guarded(
     let keys = Keys::new(&target.prefix);
     let wait = args.etcd_lease_ttl * 2 + Duration::from_secs(1);
     let claim = claim(&client, &keys, args.ttl_seconds(), &describe, wait).await?;
-    let lost = Arc::new(AtomicBool::new(false));
+    Ok(guard(client, keys, claim, describe))
+}
+
+/// Starts keeping a won claim alive; the guarded writes and the token that stops the keep-alive.
+pub(crate) fn guard(
+    client: Client,
+    keys: Keys,
+    claim: Claim,
+    describe: String,
+) -> (Guarded, CancellationToken) {
+    let hold = Hold::new(&claim);
     let stop = CancellationToken::new();
-    keep_alive(client.clone(), &claim, lost.clone(), stop.clone());
-    Ok((
+    keep_alive(client.clone(), &claim, hold.clone(), stop.clone());
+    (
         Guarded {
             client,
             keys,
             claim,
             describe,
-            lost,
+            hold,
         },
         stop,
-    ))
+    )
 }
 
 /// Ends a claim: stops the keep-alive and revokes the lease, so a successor claims at once.
@@ -738,14 +896,35 @@ impl EtcdStore {
             elapsed_ms = started.elapsed().as_millis() as u64,
             "state: claimed and loaded the etcd prefix"
         );
+        Ok(EtcdStore::claimed(guarded, stop, snapshot))
+    }
+
+    /// A store over a claim already won and a state already read under it (a replica taking
+    /// over): starts the writer.
+    pub(crate) fn claimed(
+        guarded: Guarded,
+        stop: CancellationToken,
+        snapshot: Snapshot,
+    ) -> EtcdStore {
         let (queue, receiver) = mpsc::unbounded_channel();
         let describe = guarded.describe.clone();
         tokio::spawn(run_writer(guarded, stop, receiver));
-        Ok(EtcdStore {
+        EtcdStore {
             describe,
             queue,
             loaded: Mutex::new(Some(snapshot)),
-        })
+        }
+    }
+
+    /// Gives the claim up after the queued commits, waiting at most a few seconds.
+    pub(crate) async fn release_bounded(&self) -> Result<(), StoreError> {
+        match tokio::time::timeout(Duration::from_secs(5), self.release().wait()).await {
+            Ok(result) => result,
+            Err(_) => Err(StoreError(format!(
+                "{}: releasing the claim took longer than 5s; it expires with its lease",
+                self.describe
+            ))),
+        }
     }
 
     fn send(
@@ -798,6 +977,7 @@ async fn run_writer(
             None => guarded.commit(batches).await.map_err(StoreError),
         };
         if let (Err(e), None) = (&result, &failed) {
+            guarded.hold.lose();
             tracing::error!(error = %e, "state: etcd commit failed; no further commits from this provider");
             failed = Some(e.clone());
         }

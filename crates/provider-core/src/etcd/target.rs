@@ -7,6 +7,7 @@ use std::time::Duration;
 use clap::Args;
 use etcd_proto::etcdserverpb::kv_client::KvClient;
 use etcd_proto::etcdserverpb::lease_client::LeaseClient;
+use etcd_proto::etcdserverpb::watch_client::WatchClient;
 use tonic::transport::{Certificate, Channel, ClientTlsConfig, Endpoint, Identity};
 
 use crate::duration;
@@ -163,11 +164,53 @@ pub(crate) fn parse(state: &str) -> Result<Target, String> {
     })
 }
 
-/// The clients of one connection to the etcd cluster (cheap to clone).
+/// The clients of one member.
+#[derive(Clone, Debug)]
+struct MemberClients {
+    kv: KvClient<Channel>,
+    lease: LeaseClient<Channel>,
+    watch: WatchClient<Channel>,
+}
+
+/// Connections to every member of the etcd cluster (cheap to clone). Requests go to one member
+/// until a request to it fails in a way a retry may cure; then the next member is used. (A
+/// balancing channel keeps choosing a member that is down: it fails fastest, so it looks least
+/// loaded.)
 #[derive(Clone, Debug)]
 pub(crate) struct Client {
-    pub kv: KvClient<Channel>,
-    pub lease: LeaseClient<Channel>,
+    members: std::sync::Arc<Vec<MemberClients>>,
+    current: std::sync::Arc<std::sync::atomic::AtomicUsize>,
+}
+
+impl Client {
+    /// The member requests go to now.
+    pub fn at(&self) -> usize {
+        self.current.load(std::sync::atomic::Ordering::SeqCst) % self.members.len()
+    }
+
+    pub fn kv(&self) -> KvClient<Channel> {
+        self.members[self.at()].kv.clone()
+    }
+
+    pub fn lease(&self) -> LeaseClient<Channel> {
+        self.members[self.at()].lease.clone()
+    }
+
+    pub fn watch(&self) -> WatchClient<Channel> {
+        self.members[self.at()].watch.clone()
+    }
+
+    /// A request to member `at` failed: move on to the next one (unless another request
+    /// already did).
+    pub fn failed(&self, at: usize) {
+        let next = (at + 1) % self.members.len();
+        let _ = self.current.compare_exchange(
+            at,
+            next,
+            std::sync::atomic::Ordering::SeqCst,
+            std::sync::atomic::Ordering::SeqCst,
+        );
+    }
 }
 
 fn read_file(flag: &str, path: &str) -> Result<Vec<u8>, String> {
@@ -194,8 +237,8 @@ fn tls(args: &EtcdArgs) -> Result<Option<ClientTlsConfig>, String> {
     Ok(Some(config))
 }
 
-/// A channel balanced over every member. It connects lazily, so a member that is down is
-/// skipped rather than failing the whole channel.
+/// A lazily connected channel to every member, starting at a random one (replicas spread their
+/// load), so a member that is down is skipped rather than failing the whole client.
 pub(crate) fn connect(target: &Target, args: &EtcdArgs) -> Result<Client, String> {
     let tls = tls(args)?;
     let scheme = if tls.is_some() { "https" } else { "http" };
@@ -215,9 +258,20 @@ pub(crate) fn connect(target: &Target, args: &EtcdArgs) -> Result<Client, String
         }
         endpoints.push(endpoint);
     }
-    let channel = Channel::balance_list(endpoints.into_iter());
+    let members: Vec<MemberClients> = endpoints
+        .into_iter()
+        .map(|endpoint| {
+            let channel = endpoint.connect_lazy();
+            MemberClients {
+                kv: KvClient::new(channel.clone()).max_decoding_message_size(64 << 20),
+                lease: LeaseClient::new(channel.clone()),
+                watch: WatchClient::new(channel).max_decoding_message_size(64 << 20),
+            }
+        })
+        .collect();
+    let start = rand::random::<u32>() as usize % members.len();
     Ok(Client {
-        kv: KvClient::new(channel.clone()).max_decoding_message_size(64 << 20),
-        lease: LeaseClient::new(channel),
+        members: std::sync::Arc::new(members),
+        current: std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(start)),
     })
 }

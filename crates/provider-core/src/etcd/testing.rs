@@ -26,7 +26,7 @@ fn free_port(ip: Ipv4Addr) -> u16 {
 }
 
 /// One member's process and addresses.
-pub(crate) struct Member {
+pub struct Member {
     pub client: String,
     child: Option<Child>,
     args: Vec<String>,
@@ -55,7 +55,7 @@ impl Member {
 }
 
 /// A running etcd cluster; every member is killed on drop.
-pub(crate) struct Cluster {
+pub struct Cluster {
     pub members: Vec<Member>,
     _data: tempfile::TempDir,
 }
@@ -125,7 +125,7 @@ impl Cluster {
     }
 
     /// A raw client, for tests that look at or tamper with keys.
-    pub fn client(&self) -> Client {
+    pub(crate) fn client(&self) -> Client {
         let target = target::parse(&self.state("/any")).expect("parse");
         target::connect(&target, &EtcdArgs::default()).expect("connect")
     }
@@ -195,7 +195,7 @@ impl Cluster {
         rt.block_on(async {
             let client = self.client();
             loop {
-                let mut kv = client.kv.clone();
+                let mut kv = client.kv();
                 let read = kv
                     .range(pb::RangeRequest {
                         key: b"probe".to_vec(),
@@ -224,6 +224,7 @@ impl Drop for Cluster {
 }
 
 /// Flags for tests: no TLS, a 1 s lease.
+#[cfg(test)]
 pub(crate) fn args() -> EtcdArgs {
     EtcdArgs {
         etcd_lease_ttl: Duration::from_secs(1),

@@ -53,7 +53,7 @@ fn mark_of(s: &Snapshot, shard: &str, machine: &str) -> Option<HighWaterMark> {
 
 /// The claim on `/bigfleet/test`, if any.
 async fn owner(cluster: &Cluster) -> Option<Vec<u8>> {
-    let mut kv = cluster.client().kv;
+    let mut kv = cluster.client().kv();
     let found = kv
         .range(pb::RangeRequest {
             key: b"/bigfleet/test/owner".to_vec(),
@@ -355,7 +355,7 @@ fn a_second_provider_is_refused_and_a_lost_claim_stops_every_commit() {
 
         // Someone else takes the prefix over (as a new leader would after this one's lease
         // ran out): the guarded commit is refused, and so is every later one.
-        let mut kv = cluster.client().kv;
+        let mut kv = cluster.client().kv();
         kv.put(pb::PutRequest {
             key: b"/bigfleet/claim/owner".to_vec(),
             value: b"another provider".to_vec(),
@@ -530,7 +530,7 @@ fn import_and_export_move_a_state_between_a_directory_and_etcd() {
 
         // A prefix with machines but no counters (an import cut short) is never taken for a
         // state: opening it fails and says why.
-        let mut kv = cluster.client().kv;
+        let mut kv = cluster.client().kv();
         kv.put(pb::PutRequest {
             key: b"/bigfleet/cut/m/x".to_vec(),
             value: keys::encode_slot(&slot("x", 1)),
@@ -866,7 +866,7 @@ mod engine_restart {
 
             // Another provider takes the prefix over: this one's next mutation is refused
             // as UNAVAILABLE and nothing more is acknowledged.
-            let mut kv = cluster.client().kv;
+            let mut kv = cluster.client().kv();
             kv.put(pb::PutRequest {
                 key: b"/bigfleet/engine/owner".to_vec(),
                 value: b"someone else".to_vec(),

@@ -264,7 +264,7 @@ pub async fn start_with(
     let task = tokio::spawn(serve::serve_grpc(
         listener,
         tls_config,
-        engine.clone(),
+        provider_core::replica::Replica::single(engine.clone()),
         reflection,
         health_service,
         serve::GrpcLimits::default(),

@@ -69,6 +69,7 @@ fn startup_log(extra: &[String], real_backend: bool) -> String {
                 side_servers: Vec::new(),
                 require_zone: false,
                 real_backend,
+                leading: Default::default(),
             };
             tokio::select! {
                 result = app::run(launch) => panic!("the provider stopped: {result:?}"),

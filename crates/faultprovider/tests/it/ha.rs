@@ -1,0 +1,864 @@
+//! Replicas of `faultprovider` on one prefix of a real three-member etcd cluster (loopback
+//! 127.0.0.21-23, etcd::testing), under a steady stream of mutations, through failures of the
+//! leader and of etcd. A checker then compares every acknowledged mutation with the final state
+//! read from etcd: its fence mark is there, its operation is recorded and the machine settled
+//! where it leads, no operation id was handed out twice and ids only grew, nothing is FAILED.
+
+use std::collections::{BTreeMap, HashMap};
+use std::net::SocketAddr;
+use std::sync::atomic::{AtomicBool, AtomicI64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use fleet_proto::v1alpha1 as pb;
+use fleet_proto::v1alpha1::capacity_provider_client::CapacityProviderClient;
+use provider_core::etcd::testing::Cluster;
+use tonic::transport::Channel;
+use tonic::{Code, Status};
+
+use crate::provider_process::{self, Provider, Spec};
+use crate::wire::{self, ClientSecurity};
+
+const SHARD: &str = "ha-shard";
+/// Machines under load (the first ordinary slots of the fault inventory).
+const MACHINES: usize = 6;
+/// The lease TTL of the test replicas where a short one helps (takeovers wait for it).
+const TTL: &str = "2s";
+/// The default lease TTL: the etcd scenarios keep it, so that an etcd leader election (about a
+/// second) fits inside the lease as it must in production.
+const DEFAULT_TTL: &str = "3s";
+
+/// Runs `f` on a plain thread (the etcd test cluster blocks while it waits for readiness).
+fn blocking<T: Send>(f: impl FnOnce() -> T + Send) -> T {
+    std::thread::scope(|s| s.spawn(f).join().expect("blocking helper"))
+}
+
+fn root() -> std::path::PathBuf {
+    std::path::PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../..")
+}
+
+fn spec(state: &str, name: &str, ttl: &str) -> Spec {
+    Spec {
+        name: name.into(),
+        binary: std::path::PathBuf::from(env!("CARGO_BIN_EXE_faultprovider")),
+        args: vec![
+            format!("--state={state}"),
+            format!("--etcd-lease-ttl={ttl}"),
+            "--seed-count=8".into(),
+            "--transition-timeout=5s".into(),
+        ],
+        metrics: true,
+        security: ClientSecurity::Plaintext,
+        pki: wire::pki_dir(&root()),
+    }
+}
+
+async fn start_replica(state: &str, name: &str, ttl: &str) -> Provider {
+    provider_process::start_answering(spec(state, name, ttl))
+        .await
+        .expect("replica answers health")
+}
+
+/// `/readyz` status code (0 when the port does not answer).
+async fn readyz(addr: SocketAddr) -> u16 {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let attempt = async {
+        let mut tcp = tokio::net::TcpStream::connect(addr).await.ok()?;
+        tcp.write_all(b"GET /readyz HTTP/1.0\r\nHost: x\r\n\r\n")
+            .await
+            .ok()?;
+        let mut out = Vec::new();
+        tcp.read_to_end(&mut out).await.ok()?;
+        String::from_utf8_lossy(&out)
+            .split_whitespace()
+            .nth(1)?
+            .parse()
+            .ok()
+    };
+    tokio::time::timeout(Duration::from_secs(1), attempt)
+        .await
+        .ok()
+        .flatten()
+        .unwrap_or(0)
+}
+
+/// A client with a short deadline per call: a paused replica must not stall the stream.
+fn client(provider: &Provider) -> CapacityProviderClient<Channel> {
+    let channel = wire::endpoint(&provider.spec.pki, provider.grpc, ClientSecurity::Plaintext)
+        .expect("endpoint")
+        .connect_timeout(Duration::from_millis(300))
+        .timeout(Duration::from_millis(1500))
+        .connect_lazy();
+    CapacityProviderClient::new(channel)
+}
+
+fn machine_ids() -> Vec<String> {
+    (0..MACHINES)
+        .map(|i| format!("fault-spec-{i:03}"))
+        .collect()
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Kind {
+    Create,
+    Configure,
+    Drain,
+    Delete,
+}
+
+impl Kind {
+    fn name(self) -> &'static str {
+        match self {
+            Kind::Create => "create",
+            Kind::Configure => "configure",
+            Kind::Drain => "drain",
+            Kind::Delete => "delete",
+        }
+    }
+
+    fn target(self) -> pb::MachineState {
+        match self {
+            Kind::Create | Kind::Drain => pb::MachineState::Idle,
+            Kind::Configure => pb::MachineState::Configured,
+            Kind::Delete => pb::MachineState::Speculative,
+        }
+    }
+}
+
+#[derive(Clone, Debug)]
+struct Ack {
+    machine: String,
+    kind: Kind,
+    op: String,
+    seq: i64,
+    replica: usize,
+    at: Instant,
+}
+
+/// The stream of mutations and what it saw.
+#[derive(Default)]
+struct Record {
+    acks: Vec<Ack>,
+    /// Per machine: whether its last mutation's outcome is unknown (no answer, or UNAVAILABLE
+    /// after the request may have reached a leader).
+    uncertain: HashMap<String, bool>,
+    unavailable: u64,
+    /// Answers that are wrong under any failure: a stale-fence refusal, INTERNAL.
+    wrong: Vec<String>,
+    /// Machines that ended FAILED.
+    failed: Vec<String>,
+}
+
+struct Load {
+    clients: Mutex<Vec<CapacityProviderClient<Channel>>>,
+    seq: AtomicI64,
+    stop: AtomicBool,
+    record: Mutex<Record>,
+}
+
+fn settled(state: pb::MachineState) -> bool {
+    matches!(
+        state,
+        pb::MachineState::Speculative
+            | pb::MachineState::Idle
+            | pb::MachineState::Configured
+            | pb::MachineState::Failed
+    )
+}
+
+fn retryable(status: &Status) -> bool {
+    matches!(
+        status.code(),
+        Code::Unavailable | Code::DeadlineExceeded | Code::Cancelled | Code::Unknown
+    )
+}
+
+impl Load {
+    fn new(replicas: &[Provider]) -> Arc<Load> {
+        Arc::new(Load {
+            clients: Mutex::new(replicas.iter().map(client).collect()),
+            seq: AtomicI64::new(0),
+            stop: AtomicBool::new(false),
+            record: Mutex::default(),
+        })
+    }
+
+    fn client(&self, index: usize) -> (usize, CapacityProviderClient<Channel>) {
+        let clients = self.clients.lock().unwrap();
+        let index = index % clients.len();
+        (index, clients[index].clone())
+    }
+
+    /// Points replica slot `index` at a restarted process.
+    fn replace(&self, index: usize, provider: &Provider) {
+        self.clients.lock().unwrap()[index] = client(provider);
+    }
+
+    fn token(&self) -> i64 {
+        self.seq.fetch_add(1, Ordering::SeqCst) + 1
+    }
+
+    fn acks(&self) -> Vec<Ack> {
+        self.record.lock().unwrap().acks.clone()
+    }
+
+    /// Drives one machine through Create, Configure, Drain, Delete, again and again.
+    async fn drive(self: Arc<Self>, machine: String) {
+        let mut replica = 0;
+        let mut known: Option<pb::MachineState> = None;
+        let mut after_idle = Kind::Configure;
+        while !self.stop.load(Ordering::SeqCst) {
+            let state = match known {
+                Some(s) if settled(s) => s,
+                _ => {
+                    let (at, mut c) = self.client(replica);
+                    match c
+                        .get(pb::MachineRef {
+                            id: machine.clone(),
+                        })
+                        .await
+                    {
+                        Ok(m) => {
+                            let s = m.into_inner().state();
+                            known = Some(s);
+                            if !settled(s) {
+                                tokio::time::sleep(Duration::from_millis(20)).await;
+                            }
+                        }
+                        Err(_) => {
+                            replica = at + 1;
+                            tokio::time::sleep(Duration::from_millis(20)).await;
+                        }
+                    }
+                    continue;
+                }
+            };
+            let kind = match state {
+                pb::MachineState::Speculative => Kind::Create,
+                pb::MachineState::Idle => after_idle,
+                pb::MachineState::Configured => Kind::Drain,
+                _ => {
+                    self.record.lock().unwrap().failed.push(machine);
+                    return;
+                }
+            };
+            let seq = self.token();
+            let token = (SHARD.to_owned(), 1, seq);
+            let (at, mut c) = self.client(replica);
+            let answer = match kind {
+                Kind::Create => c.create(wire::create_request(&machine, token)).await,
+                Kind::Configure => {
+                    c.configure(wire::configure_request(
+                        &machine,
+                        "ha-cluster",
+                        HashMap::new(),
+                        token,
+                    ))
+                    .await
+                }
+                Kind::Drain => c.drain(wire::drain_request(&machine, token)).await,
+                Kind::Delete => c.delete(wire::delete_request(&machine, token)).await,
+            };
+            let pause = {
+                let mut record = self.record.lock().unwrap();
+                match answer {
+                    Ok(ack) => {
+                        let ack = ack.into_inner();
+                        known = ack.machine.as_ref().map(|m| m.state());
+                        after_idle = match kind {
+                            Kind::Create => Kind::Configure,
+                            Kind::Drain => Kind::Delete,
+                            _ => after_idle,
+                        };
+                        record.uncertain.insert(machine.clone(), false);
+                        record.acks.push(Ack {
+                            machine: machine.clone(),
+                            kind,
+                            op: ack.operation_id,
+                            seq,
+                            replica: at,
+                            at: Instant::now(),
+                        });
+                        false
+                    }
+                    Err(status) if retryable(&status) => {
+                        record.unavailable += 1;
+                        record.uncertain.insert(machine.clone(), true);
+                        known = None;
+                        replica = at + 1;
+                        true
+                    }
+                    Err(status) => {
+                        if matches!(status.code(), Code::FailedPrecondition | Code::Internal) {
+                            record.wrong.push(format!(
+                                "{} {machine} (seq {seq}) answered {:?}: {}",
+                                kind.name(),
+                                status.code(),
+                                status.message()
+                            ));
+                        }
+                        // Otherwise the machine moved on under an answer we did not see: look again.
+                        record.uncertain.insert(machine.clone(), true);
+                        known = None;
+                        false
+                    }
+                }
+            };
+            if pause {
+                tokio::time::sleep(Duration::from_millis(20)).await;
+            }
+        }
+    }
+}
+
+/// Starts the stream of mutations: one task per machine.
+fn start_load(load: &Arc<Load>) -> Vec<tokio::task::JoinHandle<()>> {
+    machine_ids()
+        .into_iter()
+        .map(|id| tokio::spawn(load.clone().drive(id)))
+        .collect()
+}
+
+/// Waits until a replica other than `excluding` acknowledges a mutation after `since`; the
+/// time it took.
+async fn first_ack_after(
+    load: &Load,
+    since: Instant,
+    excluding: Option<usize>,
+    within: Duration,
+) -> Duration {
+    let deadline = since + within;
+    loop {
+        if let Some(ack) = load
+            .acks()
+            .iter()
+            .find(|a| a.at > since && Some(a.replica) != excluding)
+        {
+            return ack.at - since;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "no mutation acknowledged within {within:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+}
+
+/// Acknowledgements after `since`.
+fn acks_since(load: &Load, since: Instant) -> usize {
+    load.acks().iter().filter(|a| a.at > since).count()
+}
+
+/// The replica that serves (readyz 200), waiting up to `within`.
+async fn leader(replicas: &[Provider], within: Duration) -> usize {
+    let deadline = Instant::now() + within;
+    loop {
+        for (i, r) in replicas.iter().enumerate() {
+            if readyz(r.metrics.expect("metrics addr")).await == 200 {
+                return i;
+            }
+        }
+        assert!(Instant::now() < deadline, "no replica became ready");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+/// Prints every replica's log if the test fails while it is alive.
+struct LogsOnFailure<'a>(&'a [Provider]);
+
+impl Drop for LogsOnFailure<'_> {
+    fn drop(&mut self) {
+        if std::thread::panicking() {
+            for r in self.0 {
+                eprintln!("==== {} log:\n{}", r.spec.name, r.logs());
+            }
+        }
+    }
+}
+
+/// What the checker counted.
+#[derive(Debug)]
+struct Checked {
+    acked: usize,
+    last_acks_checked: usize,
+    unavailable: u64,
+    failed_configures: usize,
+}
+
+/// Stops the load, lets every machine settle, reads the final state from etcd and compares it
+/// with every acknowledged mutation.
+/// `interrupted_configures`: a Configure cut off by a lost leadership may end FAILED, exactly as
+/// after a restart (the bootstrap blob is never stored), so a machine whose last acknowledged
+/// mutation was a Configure may be FAILED; nothing else may.
+async fn check(
+    load: &Arc<Load>,
+    tasks: Vec<tokio::task::JoinHandle<()>>,
+    state: &str,
+    interrupted_configures: bool,
+) -> Checked {
+    load.stop.store(true, Ordering::SeqCst);
+    for t in tasks {
+        t.await.expect("driver task");
+    }
+    // Every machine settles in the stored state (transitions are quick on this backend): the
+    // state in etcd is the truth, whatever a replica holds in memory.
+    let deadline = Instant::now() + Duration::from_secs(20);
+    let args = provider_core::etcd::EtcdArgs {
+        etcd_lease_ttl: Duration::from_secs(1),
+        ..Default::default()
+    };
+    let json = loop {
+        let json = provider_core::etcd::export_json(state, &args)
+            .await
+            .expect("export the final state");
+        let doc: serde_json::Value = serde_json::from_str(&json).expect("export JSON");
+        let transitional = doc["machines"]
+            .as_array()
+            .expect("machines")
+            .iter()
+            .any(|m| {
+                matches!(
+                    m["state"]
+                        .as_str()
+                        .unwrap_or("")
+                        .to_ascii_uppercase()
+                        .as_str(),
+                    "CREATING" | "CONFIGURING" | "DRAINING" | "DELETING"
+                )
+            });
+        if !transitional {
+            break json;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "machines did not settle in the stored state:\n{json}"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    };
+    let exported: serde_json::Value = serde_json::from_str(&json).expect("export JSON");
+    let record = load.record.lock().unwrap();
+    assert!(record.wrong.is_empty(), "wrong answers: {:?}", record.wrong);
+    let fences: HashMap<String, i64> = exported["fences"]
+        .as_array()
+        .expect("fences")
+        .iter()
+        .filter(|f| f["shard_id"] == SHARD)
+        .map(|f| {
+            (
+                f["machine_id"].as_str().unwrap().to_owned(),
+                f["sequence"].as_i64().unwrap(),
+            )
+        })
+        .collect();
+    let states: HashMap<String, String> = exported["machines"]
+        .as_array()
+        .expect("machines")
+        .iter()
+        .map(|m| {
+            (
+                m["id"].as_str().unwrap().to_owned(),
+                m["state"].as_str().unwrap().to_owned(),
+            )
+        })
+        .collect();
+    let ops: std::collections::HashSet<(String, String, String)> = exported["ops"]
+        .as_array()
+        .expect("ops")
+        .iter()
+        .map(|o| {
+            (
+                o["machine_id"].as_str().unwrap().to_owned(),
+                o["kind"].as_str().unwrap().to_owned(),
+                o["operation_id"].as_str().unwrap().to_owned(),
+            )
+        })
+        .collect();
+    let next_op = exported["next_op"].as_u64().expect("next_op");
+    let number = |op: &str| -> u64 {
+        op.rsplit('-')
+            .next()
+            .and_then(|n| n.parse().ok())
+            .unwrap_or_else(|| panic!("operation id {op:?}"))
+    };
+    // No operation id handed out twice, and ids only grow per machine.
+    let mut owners: HashMap<&str, (&str, Kind)> = HashMap::new();
+    let mut last_per_machine: BTreeMap<&str, &Ack> = BTreeMap::new();
+    for ack in &record.acks {
+        if let Some((m, k)) = owners.insert(&ack.op, (&ack.machine, ack.kind)) {
+            panic!(
+                "operation id {} acknowledged for {m} {} and again for {} {}",
+                ack.op,
+                k.name(),
+                ack.machine,
+                ack.kind.name()
+            );
+        }
+        if let Some(previous) = last_per_machine.get(ack.machine.as_str()) {
+            assert!(
+                number(&ack.op) > number(&previous.op),
+                "{}: operation {} acknowledged after {}",
+                ack.machine,
+                ack.op,
+                previous.op
+            );
+        }
+        last_per_machine.insert(&ack.machine, ack);
+        // Zero lost: the fence advance of every acknowledged mutation is durable.
+        let mark = fences.get(&ack.machine).copied().unwrap_or(0);
+        assert!(
+            mark >= ack.seq,
+            "{} {} acknowledged with sequence {} (replica {}) but the stored mark is {mark}",
+            ack.kind.name(),
+            ack.machine,
+            ack.seq,
+            ack.replica
+        );
+        assert!(
+            number(&ack.op) < next_op,
+            "operation {} at or above the stored counter {next_op}",
+            ack.op
+        );
+    }
+    // The last acknowledged mutation of each machine (nothing attempted after it) is where the
+    // machine settled, under its operation id.
+    let mut last_acks_checked = 0;
+    for (machine, ack) in &last_per_machine {
+        let failed = states
+            .get(*machine)
+            .is_some_and(|s| s.eq_ignore_ascii_case("FAILED"));
+        if failed {
+            // Only a Configure cut off by a lost leadership: the acknowledged one, or a later
+            // one whose answer was lost (it is recorded in the state, newer than the last ack).
+            let configure = ops
+                .iter()
+                .filter(|(m, k, _)| m == machine && k == "configure")
+                .map(|(_, _, op)| number(op))
+                .max();
+            assert!(
+                interrupted_configures && configure.is_some_and(|c| c >= number(&ack.op)),
+                "{machine} is FAILED; its last acknowledged mutation was {} {} (latest configure \
+                 in the state: {configure:?})",
+                ack.kind.name(),
+                ack.op
+            );
+            continue;
+        }
+        if record.uncertain.get(*machine).copied().unwrap_or(false) {
+            continue;
+        }
+        let want = ack
+            .kind
+            .target()
+            .as_str_name()
+            .trim_start_matches("MACHINE_STATE_");
+        let got = states
+            .get(*machine)
+            .map(String::as_str)
+            .unwrap_or("missing");
+        assert!(
+            got.eq_ignore_ascii_case(want),
+            "{machine}: last acknowledged {} {} should leave it {want}, the state has {got}",
+            ack.kind.name(),
+            ack.op
+        );
+        assert!(
+            ops.contains(&(
+                machine.to_string(),
+                ack.kind.name().to_owned(),
+                ack.op.clone()
+            )),
+            "{machine}: acknowledged {} {} is not recorded in the state",
+            ack.kind.name(),
+            ack.op
+        );
+        last_acks_checked += 1;
+    }
+    for (id, state) in &states {
+        assert!(
+            !state.eq_ignore_ascii_case("FAILED") || last_per_machine.contains_key(id.as_str()),
+            "{id} is FAILED"
+        );
+    }
+    Checked {
+        acked: record.acks.len(),
+        last_acks_checked,
+        unavailable: record.unavailable,
+        failed_configures: record.failed.len(),
+    }
+}
+
+/// Three replicas on `prefix`, the first of which leads.
+async fn three(state: &str, ttl: &str) -> Vec<Provider> {
+    let first = start_replica(state, "replica-0", ttl).await;
+    assert_eq!(
+        leader(std::slice::from_ref(&first), Duration::from_secs(10)).await,
+        0
+    );
+    let mut replicas = vec![first];
+    for i in 1..3 {
+        replicas.push(start_replica(state, &format!("replica-{i}"), ttl).await);
+    }
+    replicas
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn kill_9_of_the_leader_under_load_loses_nothing() {
+    let cluster = blocking(|| Cluster::start(3));
+    let state = cluster.state("/bigfleet/ha-kill");
+    let replicas = three(&state, TTL).await;
+    let _logs = LogsOnFailure(&replicas);
+    // Standbys answer UNAVAILABLE to every RPC and fail readiness.
+    for standby in &replicas[1..] {
+        let mut c = client(standby);
+        let get = c
+            .get(pb::MachineRef {
+                id: "fault-spec-000".into(),
+            })
+            .await
+            .expect_err("a standby answers nothing");
+        assert_eq!(get.code(), Code::Unavailable, "{get:?}");
+        let create = c
+            .create(wire::create_request("fault-spec-000", (SHARD.into(), 1, 1)))
+            .await
+            .expect_err("a standby acknowledges nothing");
+        assert_eq!(create.code(), Code::Unavailable, "{create:?}");
+        assert_eq!(readyz(standby.metrics.unwrap()).await, 503);
+        assert_eq!(
+            wire::health(&standby.default_channel().await.unwrap(), "")
+                .await
+                .unwrap(),
+            tonic_health::pb::health_check_response::ServingStatus::NotServing
+        );
+    }
+    let load = Load::new(&replicas);
+    let tasks = start_load(&load);
+    let started = Instant::now();
+    while acks_since(&load, started) < 40 {
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let killed = Instant::now();
+    replicas[0].signal("KILL").expect("kill -9");
+    let takeover = first_ack_after(&load, killed, Some(0), Duration::from_secs(15)).await;
+    let new_leader = leader(&replicas[1..], Duration::from_secs(5)).await + 1;
+    let resumed = Instant::now();
+    while acks_since(&load, resumed) < 40 {
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let checked = check(&load, tasks, &state, true).await;
+    eprintln!(
+        "kill -9 of the leader (lease TTL {TTL}): replica {new_leader} acknowledged the first \
+         mutation {takeover:?} after the kill; checker: {checked:?}"
+    );
+    assert!(
+        takeover < Duration::from_secs(2) + Duration::from_secs(3),
+        "takeover took {takeover:?}"
+    );
+    assert!(
+        checked.acked >= 80 && checked.last_acks_checked > 0,
+        "{checked:?}"
+    );
+    assert!(
+        checked.unavailable > 0,
+        "the kill went unnoticed: {checked:?}"
+    );
+    drop(cluster);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_leader_paused_past_its_lease_commits_nothing_and_steps_down() {
+    let cluster = blocking(|| Cluster::start(3));
+    let state = cluster.state("/bigfleet/ha-stop");
+    let replicas = three(&state, TTL).await;
+    let _logs = LogsOnFailure(&replicas);
+    let load = Load::new(&replicas);
+    let tasks = start_load(&load);
+    let started = Instant::now();
+    while acks_since(&load, started) < 40 {
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let stopped = Instant::now();
+    replicas[0].signal("STOP").expect("SIGSTOP");
+    let takeover = first_ack_after(&load, stopped, Some(0), Duration::from_secs(15)).await;
+    // The new leader serves meanwhile.
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    let resumed = Instant::now();
+    replicas[0].signal("CONT").expect("SIGCONT");
+    // The old leader answers only UNAVAILABLE for mutations from the moment it runs again, and
+    // becomes a standby.
+    let mut old = client(&replicas[0]);
+    let refused = old
+        .create(wire::create_request(
+            "fault-spec-007",
+            (SHARD.into(), 1, load.token()),
+        ))
+        .await
+        .expect_err("the paused leader acknowledges nothing");
+    assert_eq!(refused.code(), Code::Unavailable, "{refused:?}");
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while readyz(replicas[0].metrics.unwrap()).await != 503 {
+        assert!(
+            Instant::now() < deadline,
+            "the old leader did not step down"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    while acks_since(&load, resumed) < 40 {
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let old_after: Vec<Ack> = load
+        .acks()
+        .into_iter()
+        .filter(|a| a.replica == 0 && a.at > stopped)
+        .collect();
+    assert!(
+        old_after.is_empty(),
+        "the paused leader acknowledged after its pause: {old_after:?}"
+    );
+    let checked = check(&load, tasks, &state, true).await;
+    eprintln!(
+        "SIGSTOP of the leader (lease TTL {TTL}): first mutation on the new leader {takeover:?} \
+         after the pause; checker: {checked:?}"
+    );
+    assert!(replicas[0].logs().contains("no longer held"));
+    assert!(
+        checked.acked >= 80 && checked.last_acks_checked > 0,
+        "{checked:?}"
+    );
+    drop(cluster);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn etcd_losing_a_member_serves_on_and_losing_all_refuses_then_recovers() {
+    let mut cluster = blocking(|| Cluster::start(3));
+    let state = cluster.state("/bigfleet/ha-etcd");
+    let replicas = three(&state, DEFAULT_TTL).await;
+    let _logs = LogsOnFailure(&replicas);
+    let load = Load::new(&replicas);
+    let tasks = start_load(&load);
+    let started = Instant::now();
+    while acks_since(&load, started) < 30 {
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    // One member (the etcd leader, the hardest case) down: service continues.
+    let member = cluster.leader().await;
+    cluster.members[member].kill();
+    let one_down = Instant::now();
+    let gap = first_ack_after(&load, one_down, None, Duration::from_secs(10)).await;
+    while acks_since(&load, one_down) < 30 {
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    {
+        let record = load.record.lock().unwrap();
+        assert!(
+            record.failed.is_empty(),
+            "machines FAILED while one etcd member was down: {:?}",
+            record.failed
+        );
+    }
+    blocking(|| {
+        cluster.restart(member);
+        cluster.wait_ready();
+    });
+    // Every member down: no mutation is acknowledged, reads are answered from memory.
+    let serving = leader(&replicas, Duration::from_secs(5)).await;
+    for m in &mut cluster.members {
+        m.kill();
+    }
+    let all_down = Instant::now();
+    tokio::time::sleep(Duration::from_secs(4)).await;
+    let mut c = client(&replicas[serving]);
+    let read = c
+        .get(pb::MachineRef {
+            id: "fault-spec-000".into(),
+        })
+        .await
+        .expect("reads are answered from memory while etcd is down");
+    assert_eq!(read.into_inner().id, "fault-spec-000");
+    let refused = c
+        .create(wire::create_request(
+            "fault-spec-007",
+            (SHARD.into(), 1, load.token()),
+        ))
+        .await
+        .expect_err("no mutation is acknowledged while etcd is down");
+    assert_eq!(refused.code(), Code::Unavailable, "{refused:?}");
+    let restarting = Instant::now();
+    let during: Vec<Ack> = load
+        .acks()
+        .into_iter()
+        .filter(|a| a.at > all_down + Duration::from_millis(500) && a.at < restarting)
+        .collect();
+    assert!(
+        during.is_empty(),
+        "acknowledged while every etcd member was down: {during:?}"
+    );
+    // Back: full recovery without restarting any replica.
+    blocking(|| {
+        for i in 0..3 {
+            cluster.restart(i);
+        }
+        cluster.wait_ready();
+    });
+    let back = Instant::now();
+    let recovery = first_ack_after(&load, back, None, Duration::from_secs(30)).await;
+    while acks_since(&load, back) < 30 {
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let checked = check(&load, tasks, &state, true).await;
+    eprintln!(
+        "etcd: longest wait for an ack after the etcd leader was killed {gap:?}; first ack \
+         {recovery:?} after all members returned; checker: {checked:?}"
+    );
+    assert!(
+        checked.acked >= 90 && checked.last_acks_checked > 0,
+        "{checked:?}"
+    );
+    drop(cluster);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_rolling_restart_of_every_replica_under_load_loses_nothing() {
+    let cluster = blocking(|| Cluster::start(3));
+    let state = cluster.state("/bigfleet/ha-roll");
+    let mut replicas = three(&state, TTL).await;
+    let load = Load::new(&replicas);
+    let tasks = start_load(&load);
+    let started = Instant::now();
+    while acks_since(&load, started) < 20 {
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    // Standbys first, the leader last, as a Deployment's rolling update may do it.
+    let leading = leader(&replicas, Duration::from_secs(5)).await;
+    let mut order: Vec<usize> = (0..3).filter(|i| *i != leading).collect();
+    order.push(leading);
+    let mut longest = Duration::ZERO;
+    for i in order {
+        replicas[i]
+            .stop(Duration::from_secs(15))
+            .await
+            .expect("SIGTERM exits 0");
+        let restarted = Instant::now();
+        longest =
+            longest.max(first_ack_after(&load, restarted, None, Duration::from_secs(15)).await);
+        replicas[i] = start_replica(&state, &format!("replica-{i}-again"), TTL).await;
+        load.replace(i, &replicas[i]);
+        let again = Instant::now();
+        while acks_since(&load, again) < 20 {
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    }
+    let checked = check(&load, tasks, &state, false).await;
+    eprintln!(
+        "rolling restart: longest wait for an ack after a replica stopped {longest:?}; \
+         checker: {checked:?}"
+    );
+    assert!(
+        checked.acked >= 80 && checked.last_acks_checked > 0,
+        "{checked:?}"
+    );
+    assert_eq!(
+        checked.failed_configures, 0,
+        "no FAILED machine in a rolling restart"
+    );
+    drop(cluster);
+}

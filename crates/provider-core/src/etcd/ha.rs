@@ -1,0 +1,272 @@
+//! Replicas on one etcd prefix: each campaigns for the claim (`PREFIX/owner`, attached to its
+//! lease); the one that wins leads, the others follow the prefix as warm standbys and answer
+//! UNAVAILABLE (docs/ha.md).
+//!
+//! A term: win the claim → take the state from the follower's copy once it has reached the
+//! claim's revision (or read it) → start an engine on it exactly as a restart does (counters
+//! continued, interrupted Creates, Drains and Deletes resumed under their operation ids) →
+//! reconcile when reconciling is on → serve. The term ends when the claim is no longer held:
+//! a keep-alive not confirmed within the TTL less the margin, a commit etcd refused or could not
+//! take. The engine then stops acknowledging at once and stops its in-flight work (the next
+//! leader resumes it); the replica keeps answering reads from memory until it learns who leads
+//! (another replica: it becomes a standby) or wins the claim again with a fresh read.
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use tokio_util::sync::CancellationToken;
+
+use super::follow::Follower;
+use super::keys::Keys;
+use super::target::{self, Client, EtcdArgs};
+use super::{Attempt, EtcdStore, guard, holder, new_token, read_state, revoke, try_claim};
+use crate::engine::Engine;
+use crate::replica::{Replica, Role};
+use crate::store::SharedStore;
+
+/// How often a replica that does not lead looks at the claim.
+const CAMPAIGN_EVERY: Duration = Duration::from_millis(100);
+/// How long a takeover waits for the follower's copy to reach the claim's revision before it
+/// reads the prefix itself.
+const CATCH_UP: Duration = Duration::from_secs(2);
+
+/// Starts an engine on a claimed store (the binary's backend and options).
+pub type StartEngine = Box<
+    dyn Fn(
+            SharedStore,
+        ) -> std::pin::Pin<
+            Box<dyn std::future::Future<Output = Result<Arc<Engine>, String>> + Send>,
+        > + Send
+        + Sync,
+>;
+
+/// What a replica needs besides the etcd flags.
+pub struct ReplicaSetup {
+    pub replica: Arc<Replica>,
+    pub start_engine: StartEngine,
+    /// Reconcile with the cloud before serving (when reconciling is on).
+    pub reconcile: bool,
+    /// How long a leader that shuts down waits for in-flight transitions.
+    pub shutdown_grace: Duration,
+}
+
+/// Checks the address and flags and connects (lazily): errors surface before any port binds.
+pub fn prepare(state: &str, args: &EtcdArgs) -> Result<Prepared, String> {
+    args.validate()?;
+    let target = target::parse(state)?;
+    let client = target::connect(&target, args)?;
+    Ok(Prepared {
+        describe: target.describe(),
+        keys: Keys::new(&target.prefix),
+        client,
+        ttl_seconds: args.ttl_seconds(),
+    })
+}
+
+/// A checked etcd address, connected.
+pub struct Prepared {
+    describe: String,
+    keys: Keys,
+    client: Client,
+    ttl_seconds: i64,
+}
+
+impl std::fmt::Debug for Prepared {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Prepared")
+            .field("state", &self.describe)
+            .finish_non_exhaustive()
+    }
+}
+
+/// The current term's leadership.
+struct Term {
+    engine: Arc<Engine>,
+    store: Arc<EtcdStore>,
+    hold: Arc<super::Hold>,
+    lease: i64,
+    token: Vec<u8>,
+}
+
+/// Runs the replica until `stop`: campaigns, leads, steps down, campaigns again.
+pub async fn run(prepared: Prepared, setup: ReplicaSetup, stop: CancellationToken) {
+    let Prepared {
+        describe,
+        keys,
+        client,
+        ttl_seconds,
+    } = prepared;
+    let replica = setup.replica.clone();
+    let telemetry = replica.telemetry();
+    // The lease and token of the last term, so a replica that lost its hold but whose claim is
+    // still in etcd can give it up at once instead of waiting for the TTL.
+    let mut previous: Option<(i64, Vec<u8>)> = None;
+    let mut follower = Some(Follower::start(client.clone(), keys.clone()));
+    let mut announced_standby = false;
+    loop {
+        // Campaign.
+        let started;
+        let claim = loop {
+            if stop.is_cancelled() {
+                return;
+            }
+            let attempt_started = Instant::now();
+            let seen = holder(&client, &keys).await;
+            match seen {
+                Ok(Some(value)) => {
+                    if let Some((lease, token)) = &previous
+                        && *token == value
+                    {
+                        tracing::info!(
+                            state = describe,
+                            "state: giving up this replica's earlier claim before campaigning again"
+                        );
+                        revoke(&client, *lease).await;
+                        previous = None;
+                        continue;
+                    }
+                    if replica.role() != Role::Standby {
+                        replica.stand_by();
+                    }
+                    if !announced_standby {
+                        tracing::info!(
+                            state = describe,
+                            leader = %String::from_utf8_lossy(&value),
+                            "standby: another replica leads; following the state"
+                        );
+                        announced_standby = true;
+                    }
+                }
+                Ok(None) => {
+                    let token = new_token();
+                    match try_claim(&client, &keys, ttl_seconds, &token).await {
+                        Ok(Attempt::Won(claim)) => {
+                            started = attempt_started;
+                            break claim;
+                        }
+                        Ok(Attempt::Held(_)) => continue,
+                        Err(e) => {
+                            tracing::warn!(state = describe, error = %e, "campaign: etcd did not answer");
+                        }
+                    }
+                }
+                Err(e) => {
+                    tracing::warn!(state = describe, error = %e, "campaign: etcd did not answer");
+                }
+            }
+            tokio::select! {
+                _ = stop.cancelled() => return,
+                _ = tokio::time::sleep(CAMPAIGN_EVERY) => {}
+            }
+        };
+        announced_standby = false;
+        let (lease, token, at) = (claim.lease, claim.token.clone(), claim.revision);
+        let (guarded, keep_alive) = guard(client.clone(), keys.clone(), claim, describe.clone());
+        let hold = guarded.hold.clone();
+        // Take the state: the follower's copy once it saw our own claim, or a full read.
+        let copied = match follower.as_mut() {
+            Some(f) => f.snapshot_at(&keys, at, CATCH_UP).await,
+            None => None,
+        };
+        // Leading: stop following.
+        drop(follower.take());
+        let snapshot = match copied {
+            Some(s) => Ok(s),
+            None => read_state(&client, &keys).await,
+        };
+        let snapshot = match snapshot {
+            Ok(s) => s,
+            Err(e) => {
+                tracing::error!(state = describe, error = %e, "takeover: could not read the state; giving the claim up");
+                keep_alive.cancel();
+                revoke(&client, lease).await;
+                follower = Some(Follower::start(client.clone(), keys.clone()));
+                back_off(&stop).await;
+                continue;
+            }
+        };
+        let machines = snapshot.slots.len();
+        let store = Arc::new(EtcdStore::claimed(guarded, keep_alive, snapshot));
+        let engine = match (setup.start_engine)(store.clone() as SharedStore).await {
+            Ok(engine) => engine,
+            Err(e) => {
+                tracing::error!(state = describe, error = %e, "takeover: the engine did not start on the state; giving the claim up");
+                let _ = store.release_bounded().await;
+                follower = Some(Follower::start(client.clone(), keys.clone()));
+                back_off(&stop).await;
+                continue;
+            }
+        };
+        if setup.reconcile && hold.is_held() {
+            match tokio::time::timeout(Duration::from_secs(5), engine.reconcile()).await {
+                Ok(Ok(report)) => tracing::info!(?report, "takeover: reconciled with the cloud"),
+                Ok(Err(e)) => {
+                    tracing::warn!(error = %e, "takeover: reconcile failed; the periodic reconcile retries")
+                }
+                Err(_) => tracing::warn!(
+                    "takeover: reconcile took longer than 5s; serving, the periodic reconcile continues"
+                ),
+            }
+        }
+        let check = hold.clone();
+        replica.lead(engine.clone(), Arc::new(move || check.is_held()));
+        let took = started.elapsed();
+        telemetry.takeover(took);
+        tracing::info!(
+            state = describe,
+            machines,
+            etcd_revision = at,
+            took_ms = took.as_millis() as u64,
+            "leader: claimed the state; serving"
+        );
+        let term = Term {
+            engine,
+            store,
+            hold,
+            lease,
+            token,
+        };
+        // Lead until the claim goes or the process stops.
+        tokio::select! {
+            _ = term.hold.lost() => {}
+            _ = stop.cancelled() => {
+                shut_down(term, setup.shutdown_grace).await;
+                return;
+            }
+        }
+        term.engine.step_down();
+        replica.degrade();
+        telemetry.step_down();
+        tracing::error!(
+            state = describe,
+            "leader: the claim on the state is no longer held; acknowledging nothing more, \
+             answering reads from memory until a leader is known"
+        );
+        let _ = term.store.release_bounded().await;
+        previous = Some((term.lease, term.token.clone()));
+        drop(term);
+        follower = Some(Follower::start(client.clone(), keys.clone()));
+    }
+}
+
+/// A leader's graceful stop: wait for in-flight work within the grace, then give the claim up so
+/// a standby takes over at once.
+async fn shut_down(term: Term, grace: Duration) {
+    let unfinished = term.engine.shutdown(grace).await;
+    if unfinished > 0 {
+        tracing::warn!(
+            unfinished,
+            "shutdown grace ran out; the next leader resumes the unfinished transitions"
+        );
+    }
+    if let Err(e) = term.store.release_bounded().await {
+        tracing::warn!(error = %e, "state store release at shutdown");
+    }
+}
+
+async fn back_off(stop: &CancellationToken) {
+    tokio::select! {
+        _ = stop.cancelled() => {}
+        _ = tokio::time::sleep(Duration::from_secs(1)) => {}
+    }
+}
