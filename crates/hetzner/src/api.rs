@@ -313,34 +313,37 @@ impl HcloudApi {
             .await
     }
 
-    /// Every server matching `selector`, following pagination to the last page. Any failed
-    /// page fails the whole listing.
-    pub async fn list_servers(
+    /// Every item of a paged listing of `path` with `filters`, following pagination to the last
+    /// page; `split` takes a page apart into its items and the next page. Any failed page fails
+    /// the whole listing.
+    async fn list_pages<R: DeserializeOwned, T>(
         &self,
-        selector: &str,
+        operation: &'static str,
+        path: &str,
+        filters: &[(&str, String)],
         deadline: Option<Instant>,
-    ) -> Result<Vec<models::Server>, ApiError> {
-        let mut servers = Vec::new();
+        split: impl Fn(R) -> (Vec<T>, Option<i64>),
+    ) -> Result<Vec<T>, ApiError> {
+        let mut items = Vec::new();
         let mut page = 1;
         loop {
-            let query = [
-                ("label_selector", selector.to_owned()),
-                ("page", page.to_string()),
-                ("per_page", PER_PAGE.to_string()),
-            ];
-            let response: models::ListServersResponse = self
+            let mut query = filters.to_vec();
+            query.push(("page", page.to_string()));
+            query.push(("per_page", PER_PAGE.to_string()));
+            let response: R = self
                 .call(
-                    "GET /servers",
+                    operation,
                     Method::GET,
-                    "/servers",
+                    path,
                     &query,
                     None,
                     deadline,
                     Repeat::Idempotent,
                 )
                 .await?;
-            servers.extend(response.servers);
-            match response.meta.pagination.next_page {
+            let (batch, next_page) = split(response);
+            items.extend(batch);
+            match next_page {
                 Some(next) if next > page => page = next,
                 Some(next) => {
                     return Err(ApiError::Decode(format!(
@@ -350,7 +353,24 @@ impl HcloudApi {
                 None => break,
             }
         }
-        Ok(servers)
+        Ok(items)
+    }
+
+    /// Every server matching `selector`, following pagination to the last page. Any failed
+    /// page fails the whole listing.
+    pub async fn list_servers(
+        &self,
+        selector: &str,
+        deadline: Option<Instant>,
+    ) -> Result<Vec<models::Server>, ApiError> {
+        self.list_pages(
+            "GET /servers",
+            "/servers",
+            &[("label_selector", selector.to_owned())],
+            deadline,
+            |r: models::ListServersResponse| (r.servers, r.meta.pagination.next_page),
+        )
+        .await
     }
 
     /// The server named `name`, if any (names are unique in a project).
@@ -690,36 +710,25 @@ impl HcloudApi {
             models::Architecture::Arm => "arm",
             models::Architecture::X86 => "x86",
         };
-        let mut images = Vec::new();
-        let mut page = 1;
-        loop {
-            let query = [
-                ("label_selector", selector.to_owned()),
-                ("architecture", arch.to_owned()),
-                ("status", "available".to_owned()),
-                ("page", page.to_string()),
-                ("per_page", PER_PAGE.to_string()),
-            ];
-            let response: models::ListImagesResponse = self
-                .call(
-                    "GET /images",
-                    Method::GET,
-                    "/images",
-                    &query,
-                    None,
-                    deadline,
-                    Repeat::Idempotent,
-                )
-                .await?;
-            images.extend(response.images.into_iter().filter(|i| {
+        let images = self
+            .list_pages(
+                "GET /images",
+                "/images",
+                &[
+                    ("label_selector", selector.to_owned()),
+                    ("architecture", arch.to_owned()),
+                    ("status", "available".to_owned()),
+                ],
+                deadline,
+                |r: models::ListImagesResponse| (r.images, r.meta.pagination.next_page),
+            )
+            .await?;
+        Ok(images
+            .into_iter()
+            .filter(|i| {
                 i.architecture == architecture && i.status == models::image::Status::Available
-            }));
-            match response.meta.pagination.next_page {
-                Some(next) if next > page => page = next,
-                _ => break,
-            }
-        }
-        Ok(images)
+            })
+            .collect())
     }
 
     /// Every placement group matching `selector`.
@@ -728,37 +737,16 @@ impl HcloudApi {
         selector: &str,
         deadline: Option<Instant>,
     ) -> Result<Vec<models::PlacementGroup>, ApiError> {
-        let mut groups = Vec::new();
-        let mut page = 1;
-        loop {
-            let query = [
-                ("label_selector", selector.to_owned()),
-                ("page", page.to_string()),
-                ("per_page", PER_PAGE.to_string()),
-            ];
-            let response: models::ListPlacementGroupsResponse = self
-                .call(
-                    "GET /placement_groups",
-                    Method::GET,
-                    "/placement_groups",
-                    &query,
-                    None,
-                    deadline,
-                    Repeat::Idempotent,
-                )
-                .await?;
-            groups.extend(response.placement_groups);
-            match response.meta.pagination.next_page {
-                Some(next) if next > page => page = next,
-                Some(next) => {
-                    return Err(ApiError::Decode(format!(
-                        "pagination went backwards (page {page}, next_page {next})"
-                    )));
-                }
-                None => break,
-            }
-        }
-        Ok(groups)
+        self.list_pages(
+            "GET /placement_groups",
+            "/placement_groups",
+            &[("label_selector", selector.to_owned())],
+            deadline,
+            |r: models::ListPlacementGroupsResponse| {
+                (r.placement_groups, r.meta.pagination.next_page)
+            },
+        )
+        .await
     }
 
     /// Creates a spread placement group (a 429 is repeated; a name clash is the caller's).
