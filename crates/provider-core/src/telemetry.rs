@@ -242,6 +242,8 @@ impl Telemetry {
         }
         counter!(self.store_commit_failures).absolute(0);
         counter!(self.panics).absolute(0);
+        counter!(self.takeovers).absolute(0);
+        counter!(self.step_downs).absolute(0);
         gauge!(self.store_refusing_mutations).set(0.0);
     }
 
