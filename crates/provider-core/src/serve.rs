@@ -109,6 +109,9 @@ pub async fn serve_grpc(
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) -> Result<(), String> {
     let telemetry = replica.telemetry();
+    // Connections end when a replica stops serving, so clients move to the leader; the only
+    // replica (local state) always serves.
+    let roles = (replica.role() != crate::replica::Role::Single).then(|| replica.subscribe());
     let service = CapacityProviderServer::new(Service::new(replica));
     let mut builder = Server::builder()
         .layer(tower::util::MapResponseLayer::new(
@@ -158,7 +161,7 @@ pub async fn serve_grpc(
         Some(config) => {
             // The TLS handshake has its own deadline; the connection's first bytes after it
             // get one too.
-            let accepted = listener::accept(listener, limits.max_connections, None, telemetry);
+            let accepted = listener::accept(listener, limits.max_connections, None, roles, telemetry);
             let handshake = limits.handshake_timeout;
             let incoming = crate::tls::incoming(accepted, config, handshake)
                 .map(move |tls| tls.map(|s| listener::Limited::first_bytes_within(s, handshake)));
@@ -171,6 +174,7 @@ pub async fn serve_grpc(
                 listener,
                 limits.max_connections,
                 Some(limits.handshake_timeout),
+                roles,
                 telemetry,
             );
             router

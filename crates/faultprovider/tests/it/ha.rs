@@ -873,3 +873,111 @@ async fn a_rolling_restart_of_every_replica_under_load_loses_nothing() {
     );
     drop(cluster);
 }
+
+/// A loopback TCP forwarder standing in for the Kubernetes Service: each new connection goes
+/// to the current target and stays there (as kube-proxy keeps an established connection on its
+/// pod) until either side closes it. Counts the connections it forwarded.
+struct Service {
+    addr: SocketAddr,
+    target: Arc<Mutex<SocketAddr>>,
+    connections: Arc<AtomicI64>,
+    task: tokio::task::JoinHandle<()>,
+}
+
+impl Service {
+    async fn start(target: SocketAddr) -> Service {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let target = Arc::new(Mutex::new(target));
+        let connections = Arc::new(AtomicI64::new(0));
+        let (current, count) = (target.clone(), connections.clone());
+        let task = tokio::spawn(async move {
+            while let Ok((mut inbound, _)) = listener.accept().await {
+                count.fetch_add(1, Ordering::SeqCst);
+                let to = *current.lock().unwrap();
+                tokio::spawn(async move {
+                    if let Ok(mut outbound) = tokio::net::TcpStream::connect(to).await {
+                        let _ = tokio::io::copy_bidirectional(&mut inbound, &mut outbound).await;
+                    }
+                });
+            }
+        });
+        Service {
+            addr,
+            target,
+            connections,
+            task,
+        }
+    }
+
+    fn retarget(&self, to: SocketAddr) {
+        *self.target.lock().unwrap() = to;
+    }
+}
+
+impl Drop for Service {
+    fn drop(&mut self) {
+        self.task.abort();
+    }
+}
+
+/// A client holding one channel through the Service to the leader: after the leader is paused
+/// past its lease and steps down, its connection is closed, so the same channel reconnects
+/// through the Service and reaches the new leader instead of being answered UNAVAILABLE on the
+/// old connection until it ages out.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_client_of_a_leader_that_steps_down_reconnects_to_the_new_leader() {
+    let cluster = blocking(|| Cluster::start(3));
+    let state = cluster.state("/bigfleet/ha-move");
+    let replicas = three(&state, TTL).await;
+    let _logs = LogsOnFailure(&replicas);
+    let service = Service::start(replicas[0].grpc).await;
+    let channel = wire::endpoint(&replicas[0].spec.pki, service.addr, ClientSecurity::Plaintext)
+        .expect("endpoint")
+        .connect_timeout(Duration::from_millis(300))
+        .timeout(Duration::from_millis(1500))
+        .connect_lazy();
+    let mut shard = CapacityProviderClient::new(channel);
+    let get = || pb::MachineRef {
+        id: "fault-spec-000".into(),
+    };
+    shard.get(get()).await.expect("the leader answers");
+    assert_eq!(service.connections.load(Ordering::SeqCst), 1);
+
+    replicas[0].signal("STOP").expect("SIGSTOP");
+    let new_leader = leader(&replicas[1..], Duration::from_secs(15)).await + 1;
+    service.retarget(replicas[new_leader].grpc);
+    replicas[0].signal("CONT").expect("SIGCONT");
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while readyz(replicas[0].metrics.unwrap()).await != 503 {
+        assert!(
+            Instant::now() < deadline,
+            "the old leader did not step down"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let stepped_down = Instant::now();
+    let mut refusals = Vec::new();
+    loop {
+        match shard.get(get()).await {
+            Ok(_) => break,
+            Err(status) => refusals.push(status.code()),
+        }
+        assert!(
+            stepped_down.elapsed() < Duration::from_secs(5),
+            "the channel stayed on the old leader: {refusals:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    eprintln!(
+        "the client reached the new leader {:?} after the old one stepped down; refused \
+         meanwhile: {refusals:?}",
+        stepped_down.elapsed()
+    );
+    assert_eq!(
+        service.connections.load(Ordering::SeqCst),
+        2,
+        "the channel reconnected once, through the Service"
+    );
+    drop(cluster);
+}
