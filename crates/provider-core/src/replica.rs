@@ -89,6 +89,8 @@ struct Current {
 /// The engine this process serves with, if any, and its role.
 pub struct Replica {
     current: RwLock<Current>,
+    /// Set while this replica's copy of the state follows etcd (a warm standby).
+    warm: Arc<std::sync::atomic::AtomicBool>,
     telemetry: Telemetry,
     leading: Leading,
     changed: tokio::sync::watch::Sender<Role>,
@@ -132,6 +134,7 @@ impl Replica {
                 engine: Some(engine),
                 hold: None,
             }),
+            warm: Arc::default(),
             telemetry,
             leading,
             changed: tokio::sync::watch::channel(Role::Single).0,
@@ -148,6 +151,7 @@ impl Replica {
                 engine: None,
                 hold: None,
             }),
+            warm: Arc::default(),
             telemetry,
             leading,
             changed: tokio::sync::watch::channel(Role::Standby).0,
@@ -169,6 +173,17 @@ impl Replica {
     /// Whether this replica answers reads and passes readiness.
     pub fn serves(&self) -> bool {
         self.role().serves()
+    }
+
+    /// Whether this replica's copy of the state follows etcd (set by the follower of a
+    /// standby; false while it leads or without etcd).
+    pub fn warm(&self) -> bool {
+        self.warm.load(std::sync::atomic::Ordering::SeqCst)
+    }
+
+    /// The flag the follower sets.
+    pub(crate) fn warmth(&self) -> Arc<std::sync::atomic::AtomicBool> {
+        self.warm.clone()
     }
 
     /// The engine, whatever the role (metrics, shutdown).

@@ -1,6 +1,6 @@
 //! The listeners: the gRPC server (CapacityProvider, grpc.health.v1, reflection) over plain TCP
 //! or TLS 1.3, with the reference keepalive settings, and the HTTP observability server with
-//! `/metrics`, `/healthz` and `/readyz`.
+//! `/metrics`, `/healthz`, `/readyz` and `/readyz/replica`.
 
 use std::future::Future;
 use std::sync::Arc;
@@ -258,6 +258,19 @@ async fn readyz(State(state): State<HttpState>) -> (StatusCode, &'static str) {
     }
 }
 
+/// For the pods of a replicated Deployment: ready when this replica serves (`/readyz`) or is a
+/// standby whose copy of the state follows etcd, so it can take over in about the lease TTL.
+/// Routing to the leader is the leader label's job (docs/ha.md).
+async fn readyz_replica(State(state): State<HttpState>) -> (StatusCode, &'static str) {
+    if state.ready.get() {
+        (StatusCode::OK, "ready\n")
+    } else if state.replica.role() == crate::replica::Role::Standby && state.replica.warm() {
+        (StatusCode::OK, "warm standby\n")
+    } else {
+        (StatusCode::SERVICE_UNAVAILABLE, "not ready\n")
+    }
+}
+
 async fn metrics(
     State(state): State<HttpState>,
 ) -> ([(axum::http::HeaderName, &'static str); 1], String) {
@@ -323,7 +336,7 @@ fn process_metrics() -> String {
     out
 }
 
-/// Serves `/metrics`, `/healthz` and `/readyz` until `shutdown` completes.
+/// Serves `/metrics`, `/healthz`, `/readyz` and `/readyz/replica` until `shutdown` completes.
 pub async fn serve_http(
     listener: TcpListener,
     ready: Readiness,
@@ -340,6 +353,7 @@ pub async fn serve_http(
     let app = Router::new()
         .route("/healthz", any(healthz))
         .route("/readyz", any(readyz))
+        .route("/readyz/replica", any(readyz_replica))
         .route("/metrics", any(metrics))
         .with_state(state);
     axum::serve(listener, app)
@@ -412,6 +426,7 @@ mod tests {
         assert_eq!(get("/readyz").await, (503, "not ready\n".into()));
         ready.set(true);
         assert_eq!(get("/readyz").await, (200, "ready\n".into()));
+        assert_eq!(get("/readyz/replica").await, (200, "ready\n".into()));
         engine
             .create(
                 "p/OnDemand/a/z1/000",
@@ -441,6 +456,7 @@ mod tests {
             503,
             "readiness goes false on shutdown"
         );
+        assert_eq!(get("/readyz/replica").await.0, 503);
         stop.cancel();
         server.await.unwrap().unwrap();
     }

@@ -981,3 +981,127 @@ async fn a_client_of_a_leader_that_steps_down_reconnects_to_the_new_leader() {
     );
     drop(cluster);
 }
+
+/// HTTP status of `path` on a metrics address (0 when the port does not answer).
+async fn http_status(addr: SocketAddr, path: &str) -> u16 {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let attempt = async {
+        let mut tcp = tokio::net::TcpStream::connect(addr).await.ok()?;
+        tcp.write_all(format!("GET {path} HTTP/1.0\r\nHost: x\r\n\r\n").as_bytes())
+            .await
+            .ok()?;
+        let mut out = Vec::new();
+        tcp.read_to_end(&mut out).await.ok()?;
+        String::from_utf8_lossy(&out)
+            .split_whitespace()
+            .nth(1)?
+            .parse()
+            .ok()
+    };
+    tokio::time::timeout(Duration::from_secs(1), attempt)
+        .await
+        .ok()
+        .flatten()
+        .unwrap_or(0)
+}
+
+/// Three replicas labelling their pods through a loopback stand-in of the Kubernetes API: the
+/// leader's pod carries `bigfleet-leader=true`, the others `false`, and after kill -9 of the
+/// leader the new leader's pod turns `true`. Standbys pass the replica readiness endpoint once
+/// warm. The service account token never shows in a replica's log.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_leader_labels_its_pod_and_a_new_leader_takes_the_label_over() {
+    use provider_core::leader_label::testing::FakeKubeApi;
+    const TOKEN: &str = "ha-test-service-account-token-91f3";
+    let pki = wire::pki_dir(&root());
+    let api = FakeKubeApi::start(
+        &std::fs::read(pki.join("server.pem")).unwrap(),
+        &std::fs::read(pki.join("server-key.pem")).unwrap(),
+    )
+    .await;
+    let credentials =
+        std::env::temp_dir().join(format!("bigfleet-ha-label-{}", std::process::id()));
+    std::fs::create_dir_all(&credentials).unwrap();
+    std::fs::write(credentials.join("token"), TOKEN).unwrap();
+    std::fs::copy(pki.join("ca.pem"), credentials.join("ca.crt")).unwrap();
+    // A refused patch first: it is retried, and its message (which echoes the request's
+    // headers) must not bring the token into the log.
+    api.fail_next(&[403]);
+
+    let cluster = blocking(|| Cluster::start(3));
+    let state = cluster.state("/bigfleet/ha-label");
+    let mut replicas = Vec::new();
+    for i in 0..3 {
+        let mut spec = spec(&state, &format!("replica-{i}"), TTL);
+        spec.args.extend([
+            "--leader-label".into(),
+            format!("--pod-name=replica-{i}"),
+            "--pod-namespace=bigfleet".into(),
+            format!("--kubernetes-credentials={}", credentials.display()),
+            format!("--kubernetes-api=https://{}", api.addr),
+        ]);
+        replicas.push(
+            provider_process::start_answering(spec)
+                .await
+                .expect("replica answers health"),
+        );
+        if i == 0 {
+            assert_eq!(
+                leader(std::slice::from_ref(&replicas[0]), Duration::from_secs(10)).await,
+                0
+            );
+        }
+    }
+    let _logs = LogsOnFailure(&replicas);
+    let labels = |api: &FakeKubeApi| -> Vec<Option<String>> {
+        (0..3)
+            .map(|i| api.label("bigfleet", &format!("replica-{i}")))
+            .collect()
+    };
+    let until = |want: [&'static str; 3], api: &'static FakeKubeApi| async move {
+        let deadline = Instant::now() + Duration::from_secs(10);
+        loop {
+            let now = labels(api);
+            if now.iter().zip(want).all(|(l, w)| l.as_deref() == Some(w)) {
+                return Instant::now();
+            }
+            assert!(Instant::now() < deadline, "labels {now:?}, expected {want:?}");
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    };
+    // The stand-in outlives the test body's borrows.
+    let api: &'static FakeKubeApi = Box::leak(Box::new(api));
+    until(["true", "false", "false"], api).await;
+    // Every replica is ready for a replicated Deployment: the leader, and the warm standbys.
+    let deadline = Instant::now() + Duration::from_secs(10);
+    for r in &replicas {
+        while http_status(r.metrics.unwrap(), "/readyz/replica").await != 200 {
+            assert!(Instant::now() < deadline, "{} is not warm", r.spec.name);
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    }
+    assert_eq!(readyz(replicas[1].metrics.unwrap()).await, 503);
+
+    let killed = Instant::now();
+    replicas[0].signal("KILL").expect("kill -9");
+    let new_leader = leader(&replicas[1..], Duration::from_secs(10)).await + 1;
+    let mut want = ["false", "false", "false"];
+    want[0] = "true"; // the killed pod keeps its last label (its endpoint goes with the pod)
+    want[new_leader] = "true";
+    let labelled = until(want, api).await;
+    eprintln!(
+        "kill -9 of the leader (lease TTL {TTL}): replica {new_leader}'s pod labelled leader {:?} \
+         after the kill",
+        labelled - killed
+    );
+    for r in &replicas {
+        assert!(!r.logs().contains(TOKEN), "{} logged the token", r.spec.name);
+    }
+    assert!(
+        replicas.iter().any(|r| r.logs().contains("HTTP 403")),
+        "the refused patch was logged"
+    );
+    assert_eq!(api.seen()[0].authorization, format!("Bearer {TOKEN}"));
+    let _ = std::fs::remove_dir_all(&credentials);
+    drop(cluster);
+}
