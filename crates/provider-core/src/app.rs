@@ -192,8 +192,8 @@ pub async fn run(launch: Launch) -> Result<(), String> {
     // The label follows the role from the start (`false` on a standby, before it can serve)
     // and is cleared first at shutdown; it never waits on anything else.
     let label_stop = CancellationToken::new();
-    let label_task = leader_label
-        .map(|label| tokio::spawn(label.run(replica.subscribe(), label_stop.clone())));
+    let label_task =
+        leader_label.map(|label| tokio::spawn(label.run(replica.subscribe(), label_stop.clone())));
     for side in side_servers {
         tasks.push(side(stop.clone()).await?);
     }

@@ -266,13 +266,14 @@ impl LeaderLabel {
         let value = if leader { "true" } else { "false" };
         let body = serde_json::json!({ "metadata": { "labels": { LABEL: value } } }).to_string();
         let mut authorization =
-            reqwest::header::HeaderValue::from_str(&format!("Bearer {}", token.as_str()))
-                .map_err(|_| {
+            reqwest::header::HeaderValue::from_str(&format!("Bearer {}", token.as_str())).map_err(
+                |_| {
                     format!(
                         "the service account token {} is not a valid header value",
                         self.token_path.display()
                     )
-                })?;
+                },
+            )?;
         authorization.set_sensitive(true);
         let what = format!("label pod {} {LABEL}={value}", self.pod);
         let response = self
@@ -312,7 +313,12 @@ impl LeaderLabel {
                 match self.set(want).await {
                     Ok(()) => {
                         self.telemetry.leader_label("success");
-                        tracing::info!(pod = self.pod, label = LABEL, value = want, "leader label set");
+                        tracing::info!(
+                            pod = self.pod,
+                            label = LABEL,
+                            value = want,
+                            "leader label set"
+                        );
                         published = Some(want);
                         failures = 0;
                     }
@@ -408,9 +414,9 @@ pub mod testing {
     use std::sync::{Arc, Mutex};
 
     use http_body_util::{BodyExt as _, Full};
-    use rustls_pki_types::pem::PemObject as _;
     use hyper::body::{Bytes, Incoming};
     use hyper_util::rt::{TokioExecutor, TokioIo};
+    use rustls_pki_types::pem::PemObject as _;
 
     /// One request as the stand-in saw it.
     #[derive(Clone, Debug)]
@@ -548,7 +554,8 @@ pub mod testing {
                 .expect("response")
         };
         if status != 200 {
-            let message = format!("refused by the test (request had authorization {authorization})");
+            let message =
+                format!("refused by the test (request had authorization {authorization})");
             return respond(
                 status,
                 serde_json::json!({"kind": "Status", "status": "Failure", "message": message})

@@ -66,7 +66,8 @@ impl Leading {
 
     /// Set by the replica as its role changes (public for side servers' tests).
     pub fn set(&self, leading: bool) {
-        self.0.send_if_modified(|current| std::mem::replace(current, leading) != leading);
+        self.0
+            .send_if_modified(|current| std::mem::replace(current, leading) != leading);
     }
 
     /// Resolves once this replica does not serve (at once if it does not now).

@@ -161,7 +161,8 @@ pub async fn serve_grpc(
         Some(config) => {
             // The TLS handshake has its own deadline; the connection's first bytes after it
             // get one too.
-            let accepted = listener::accept(listener, limits.max_connections, None, roles, telemetry);
+            let accepted =
+                listener::accept(listener, limits.max_connections, None, roles, telemetry);
             let handshake = limits.handshake_timeout;
             let incoming = crate::tls::incoming(accepted, config, handshake)
                 .map(move |tls| tls.map(|s| listener::Limited::first_bytes_within(s, handshake)));

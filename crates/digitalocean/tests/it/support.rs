@@ -547,8 +547,7 @@ impl Forwarder {
                 let to = *current.lock().unwrap();
                 tokio::spawn(async move {
                     if let Ok(mut outbound) = tokio::net::TcpStream::connect(to).await {
-                        let _ =
-                            tokio::io::copy_bidirectional(&mut inbound, &mut outbound).await;
+                        let _ = tokio::io::copy_bidirectional(&mut inbound, &mut outbound).await;
                     }
                 });
             }

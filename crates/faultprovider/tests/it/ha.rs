@@ -932,11 +932,15 @@ async fn a_client_of_a_leader_that_steps_down_reconnects_to_the_new_leader() {
     let replicas = three(&state, TTL).await;
     let _logs = LogsOnFailure(&replicas);
     let service = Service::start(replicas[0].grpc).await;
-    let channel = wire::endpoint(&replicas[0].spec.pki, service.addr, ClientSecurity::Plaintext)
-        .expect("endpoint")
-        .connect_timeout(Duration::from_millis(300))
-        .timeout(Duration::from_millis(1500))
-        .connect_lazy();
+    let channel = wire::endpoint(
+        &replicas[0].spec.pki,
+        service.addr,
+        ClientSecurity::Plaintext,
+    )
+    .expect("endpoint")
+    .connect_timeout(Duration::from_millis(300))
+    .timeout(Duration::from_millis(1500))
+    .connect_lazy();
     let mut shard = CapacityProviderClient::new(channel);
     let get = || pb::MachineRef {
         id: "fault-spec-000".into(),
@@ -1065,7 +1069,10 @@ async fn the_leader_labels_its_pod_and_a_new_leader_takes_the_label_over() {
             if now.iter().zip(want).all(|(l, w)| l.as_deref() == Some(w)) {
                 return Instant::now();
             }
-            assert!(Instant::now() < deadline, "labels {now:?}, expected {want:?}");
+            assert!(
+                Instant::now() < deadline,
+                "labels {now:?}, expected {want:?}"
+            );
             tokio::time::sleep(Duration::from_millis(20)).await;
         }
     };
@@ -1095,7 +1102,11 @@ async fn the_leader_labels_its_pod_and_a_new_leader_takes_the_label_over() {
         labelled - killed
     );
     for r in &replicas {
-        assert!(!r.logs().contains(TOKEN), "{} logged the token", r.spec.name);
+        assert!(
+            !r.logs().contains(TOKEN),
+            "{} logged the token",
+            r.spec.name
+        );
     }
     assert!(
         replicas.iter().any(|r| r.logs().contains("HTTP 403")),
