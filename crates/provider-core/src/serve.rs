@@ -461,4 +461,42 @@ mod tests {
         stop.cancel();
         server.await.unwrap().unwrap();
     }
+
+    #[tokio::test]
+    async fn replica_readiness_passes_warm_standbys_and_readyz_does_not() {
+        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let ready = Readiness::default();
+        let replica = crate::replica::Replica::standby(
+            Telemetry::new("bigfleet_servetest"),
+            crate::replica::Leading::default(),
+        );
+        let stop = tokio_util::sync::CancellationToken::new();
+        let server = {
+            let stop = stop.clone();
+            tokio::spawn(serve_http(
+                listener,
+                ready.clone(),
+                replica.clone(),
+                async move { stop.cancelled().await },
+            ))
+        };
+        let client = reqwest::Client::new();
+        let get = |path: &str| {
+            let client = client.clone();
+            let url = format!("http://{addr}{path}");
+            async move {
+                let r = client.get(url).send().await.unwrap();
+                (r.status().as_u16(), r.text().await.unwrap())
+            }
+        };
+        assert_eq!(get("/readyz/replica").await.0, 503, "a cold standby");
+        replica
+            .warmth()
+            .store(true, std::sync::atomic::Ordering::SeqCst);
+        assert_eq!(get("/readyz/replica").await, (200, "warm standby\n".into()));
+        assert_eq!(get("/readyz").await.0, 503, "/readyz stays the leader's");
+        stop.cancel();
+        server.await.unwrap().unwrap();
+    }
 }
