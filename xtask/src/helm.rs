@@ -54,7 +54,7 @@ pub(crate) fn run(args: &[String]) -> Result<()> {
 
     for chart in &CHARTS {
         let dir = root.join("deploy/helm").join(chart.name);
-        for case in ["default", "alerts", "full"] {
+        for case in ["default", "alerts", "full", "ha"] {
             let values = (case != "default").then(|| dir.join(format!("ci/{case}-values.yaml")));
             let json = scratch.join(format!("{}-{case}.json", chart.name));
             let rendered = chartcheck(&python, &root, chart.name, values.as_deref(), Some(&json))

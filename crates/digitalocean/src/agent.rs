@@ -250,7 +250,9 @@ impl AgentState {
 
 /// The running agent.
 pub struct Agent {
-    http: reqwest::Client,
+    /// Replaced (its pooled connections dropped) when a replica that does not lead answers.
+    http: std::sync::Mutex<reqwest::Client>,
+    tls: rustls::ClientConfig,
     command_url: Url,
     ack_url: Url,
     token: AgentToken,
@@ -273,14 +275,7 @@ impl Agent {
         // the rustls config is TLS 1.3 only.
         let pin = config.pin().map_err(|e| format!("config {e}"))?;
         let tls = crate::pin::client_config(&pin).map_err(|e| format!("config {e}"))?;
-        let http = reqwest::Client::builder()
-            .use_preconfigured_tls(tls)
-            .https_only(true)
-            .connect_timeout(Duration::from_secs(10))
-            .timeout(REQUEST_TIMEOUT)
-            .user_agent(concat!("bigfleet-agent/", env!("CARGO_PKG_VERSION")))
-            .build()
-            .map_err(|e| format!("build HTTPS client: {e}"))?;
+        let http = std::sync::Mutex::new(http_client(&tls)?);
         let base = config.endpoint.trim_end_matches('/');
         let endpoint_url = |path: &str| -> Result<Url, String> {
             let mut url = Url::parse(&format!("{base}{path}"))
@@ -300,6 +295,7 @@ impl Agent {
         let state = AgentState::load(&options.state_path)?;
         Ok(Agent {
             http,
+            tls,
             command_url,
             ack_url,
             token: AgentToken::from_config(config.token),
@@ -338,6 +334,19 @@ impl Agent {
         }
     }
 
+    fn http(&self) -> reqwest::Client {
+        self.http.lock().unwrap_or_else(|e| e.into_inner()).clone()
+    }
+
+    /// A standby replica answered (503): the connection the client keeps reaches that replica,
+    /// so the next request opens a new one, which the Service routes to the leader.
+    fn reconnect(&self) {
+        match http_client(&self.tls) {
+            Ok(fresh) => *self.http.lock().unwrap_or_else(|e| e.into_inner()) = fresh,
+            Err(e) => tracing::warn!(error = %e, "cannot rebuild the HTTPS client"),
+        }
+    }
+
     fn backoff(&self, failures: u32) -> Duration {
         let exp = Duration::from_millis(250).saturating_mul(1 << failures.min(10));
         exp.min(self.options.max_backoff)
@@ -346,7 +355,7 @@ impl Agent {
 
     async fn poll(&self) -> Result<Option<WireCommand>, String> {
         let response = self
-            .http
+            .http()
             .get(self.command_url.clone())
             .bearer_auth(self.token.expose())
             .send()
@@ -365,6 +374,10 @@ impl Agent {
                      the provider's --bootstrap-secret"
                     .into(),
             ),
+            StatusCode::SERVICE_UNAVAILABLE => {
+                self.reconnect();
+                Err("the provider replica does not lead (503); reconnecting".into())
+            }
             other => Err(format!("unexpected status {other}")),
         }
     }
@@ -461,7 +474,7 @@ impl Agent {
         };
         for attempt in 1..=ACK_ATTEMPTS {
             let sent = self
-                .http
+                .http()
                 .post(self.ack_url.clone())
                 .bearer_auth(self.token.expose())
                 .json(&body)
@@ -473,12 +486,29 @@ impl Agent {
                     tracing::info!(command_id = %id, "ack not needed any more (the provider stopped waiting)");
                     return;
                 }
-                Ok(r) => tracing::warn!(command_id = %id, status = %r.status(), "ack refused"),
+                Ok(r) => {
+                    if r.status() == StatusCode::SERVICE_UNAVAILABLE {
+                        self.reconnect();
+                    }
+                    tracing::warn!(command_id = %id, status = %r.status(), "ack refused");
+                }
                 Err(e) => tracing::warn!(command_id = %id, error = %describe(&e), "ack failed"),
             }
             tokio::time::sleep(self.backoff(attempt)).await;
         }
     }
+}
+
+/// The agent's HTTPS client: TLS 1.3 with the pin only.
+fn http_client(tls: &rustls::ClientConfig) -> Result<reqwest::Client, String> {
+    reqwest::Client::builder()
+        .use_preconfigured_tls(tls.clone())
+        .https_only(true)
+        .connect_timeout(Duration::from_secs(10))
+        .timeout(REQUEST_TIMEOUT)
+        .user_agent(concat!("bigfleet-agent/", env!("CARGO_PKG_VERSION")))
+        .build()
+        .map_err(|e| format!("build HTTPS client: {e}"))
 }
 
 /// `<hook>.blob`.

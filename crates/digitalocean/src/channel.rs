@@ -43,6 +43,10 @@ pub const DEFAULT_POLL_HOLD: Duration = Duration::from_secs(25);
 /// Most (source address, machine id) pairs whose failures are remembered. The table is full
 /// only under a flood of failing sources; the oldest entry then makes room in O(1).
 pub const FAILURE_TABLE_CAP: usize = 65_536;
+/// How often a connection of a replica that does not serve checks whether it may close.
+const NOT_SERVING_CHECK: Duration = Duration::from_millis(100);
+/// How long such a connection waits for a first request to answer (503) before it closes.
+const NOT_SERVING_FIRST_REQUEST: Duration = Duration::from_secs(1);
 /// How long shutdown waits for open connections.
 const SHUTDOWN_GRACE: Duration = Duration::from_secs(5);
 
@@ -136,6 +140,8 @@ impl Drop for ConnectionSlot {
 struct Activity {
     in_flight: usize,
     last: Instant,
+    /// Requests answered on this connection.
+    answered: u64,
 }
 
 /// What the channel needs besides its listener.
@@ -510,6 +516,14 @@ impl Channel {
         let _ = self.inner.leading.set(leading);
     }
 
+    /// Resolves while this replica does not serve; never without replicas.
+    async fn not_serving(&self) {
+        match self.inner.leading.get() {
+            Some(leading) => leading.lost().await,
+            None => std::future::pending().await,
+        }
+    }
+
     /// 503 while this replica does not serve (a standby), before anything else is looked at.
     fn standby_answer(&self) -> Option<Response<Full<Bytes>>> {
         self.inner.leading.get().is_some_and(|l| !l.get()).then(|| {
@@ -606,13 +620,16 @@ impl Channel {
         let activity = Arc::new(Mutex::new(Activity {
             in_flight: 0,
             last: Instant::now(),
+            answered: 0,
         }));
         let channel = self.clone();
-        let conn_stop = stop.clone();
+        // Held polls end early (204) when the server stops or this replica stops serving.
+        let conn_stop = stop.child_token();
+        let poll_stop = conn_stop.clone();
         let conn_activity = activity.clone();
         let service = hyper::service::service_fn(move |req: Request<Incoming>| {
             let channel = channel.clone();
-            let stop = conn_stop.clone();
+            let stop = poll_stop.clone();
             let busy = Busy::start(conn_activity.clone());
             async move {
                 let response = channel.route(req, peer.ip(), stop).await;
@@ -635,6 +652,12 @@ impl Channel {
             .max_header_list_size(16 * 1024);
         let conn = builder.serve_connection(TokioIo::new(tls), service);
         tokio::pin!(conn);
+        // When this replica does not serve, the connection is closed (GOAWAY on HTTP/2) once its
+        // requests are answered: an agent's client would otherwise keep its connection to this
+        // replica and get 503 on it until it is idle long enough, while the leader is reachable
+        // through the Service on a new connection. A connection that has answered nothing yet
+        // gets a moment to send its request and learn why.
+        let mut not_serving_since: Option<Instant> = None;
         loop {
             // Idle means no request in flight: a held poll keeps its connection busy.
             let idle_at = {
@@ -657,6 +680,18 @@ impl Channel {
                     let a = lock(&activity);
                     if a.in_flight == 0 && a.last + limits.idle_timeout <= Instant::now() {
                         tracing::debug!(peer = %peer, "bootstrap channel: idle connection closed");
+                        break;
+                    }
+                }
+                () = self.not_serving(), if not_serving_since.is_none() => {
+                    not_serving_since = Some(Instant::now());
+                    conn_stop.cancel();
+                }
+                () = tokio::time::sleep(NOT_SERVING_CHECK), if not_serving_since.is_some() => {
+                    let a = lock(&activity);
+                    let waited = not_serving_since.map_or(Duration::ZERO, |t| t.elapsed());
+                    if a.in_flight == 0 && (a.answered > 0 || waited >= NOT_SERVING_FIRST_REQUEST) {
+                        tracing::debug!(peer = %peer, "bootstrap channel: connection closed, this replica does not serve");
                         break;
                     }
                 }
@@ -861,6 +896,7 @@ impl Drop for Busy {
     fn drop(&mut self) {
         let mut a = lock(&self.0);
         a.in_flight = a.in_flight.saturating_sub(1);
+        a.answered += 1;
         a.last = Instant::now();
     }
 }

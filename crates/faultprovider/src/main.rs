@@ -54,6 +54,8 @@ struct Cli {
     metrics_addr: String,
     #[command(flatten)]
     etcd: provider_core::etcd::EtcdArgs,
+    #[command(flatten)]
+    leader_label: provider_core::leader_label::LeaderLabelArgs,
 }
 
 struct FaultBackend {
@@ -235,6 +237,7 @@ fn common(cli: &Cli) -> CommonArgs {
         grpc_request_timeout: GrpcLimits::default().request_timeout,
         grpc_max_connection_age: GrpcLimits::default().max_connection_age,
         etcd: cli.etcd.clone(),
+        leader_label: cli.leader_label.clone(),
     }
 }
 

@@ -156,6 +156,9 @@ pub async fn run(launch: Launch) -> Result<(), String> {
         tracing::warn!(security = security.name(), "{warning}");
     }
     telemetry.startup_signals(&common.tls_flags());
+    // The pod label that routes the Service to the leader: flags, credentials and the API
+    // address are checked now, before anything binds.
+    let leader_label = crate::leader_label::LeaderLabel::prepare(&common.leader_label, telemetry)?;
     if let Some(fleet) = &fleet {
         warm_up(fleet, telemetry).await?;
     }
@@ -186,6 +189,11 @@ pub async fn run(launch: Launch) -> Result<(), String> {
 
     let stop = CancellationToken::new();
     let mut tasks = Vec::new();
+    // The label follows the role from the start (`false` on a standby, before it can serve)
+    // and is cleared first at shutdown; it never waits on anything else.
+    let label_stop = CancellationToken::new();
+    let label_task =
+        leader_label.map(|label| tokio::spawn(label.run(replica.subscribe(), label_stop.clone())));
     for side in side_servers {
         tasks.push(side(stop.clone()).await?);
     }
@@ -302,6 +310,7 @@ pub async fn run(launch: Launch) -> Result<(), String> {
     mirror.abort();
     health.set(false).await;
     ready.set(false);
+    label_stop.cancel();
     match replicated {
         // The replica loop lets a leader's in-flight work finish within the grace, then gives
         // the claim up so a standby takes over at once.
@@ -326,6 +335,9 @@ pub async fn run(launch: Launch) -> Result<(), String> {
     }
     stop.cancel();
     grpc_stop.cancel();
+    if let Some(task) = label_task {
+        let _ = tokio::time::timeout(Duration::from_secs(5), task).await;
+    }
     let _ = tokio::time::timeout(Duration::from_secs(5), grpc).await;
     for t in tasks {
         let _ = tokio::time::timeout(Duration::from_secs(5), t).await;

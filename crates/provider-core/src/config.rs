@@ -211,6 +211,10 @@ pub struct CommonArgs {
     #[command(flatten)]
     pub etcd: crate::etcd::EtcdArgs,
 
+    /// The pod label that routes a Service to the leader (`--leader-label`).
+    #[command(flatten)]
+    pub leader_label: crate::leader_label::LeaderLabelArgs,
+
     /// How long each fake-backend transition takes.
     #[arg(long = "fake-latency", default_value = "100ms", value_parser = duration::flag, value_name = "DURATION")]
     pub fake_latency: Duration,

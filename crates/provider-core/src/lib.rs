@@ -18,6 +18,7 @@ pub mod fake;
 pub mod fence;
 pub mod fleet;
 pub mod inventory;
+pub mod leader_label;
 pub mod lifecycle;
 pub mod limits;
 pub mod listener;

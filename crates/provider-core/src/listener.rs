@@ -3,7 +3,14 @@
 //! connection's first bytes, so a peer that connects and stays silent cannot keep a slot.
 //! Streams per connection, handling time and connection age are tonic settings (see
 //! [`crate::serve::GrpcLimits`]).
+//!
+//! A connection also ends when its replica stops serving (a leader that stepped down, a
+//! standby): kube-proxy keeps an established connection on its pod, so a client would otherwise
+//! stay on a replica that answers UNAVAILABLE until the connection ages out. tonic 0.14 offers
+//! no per-connection GOAWAY, so the connection is closed under hyper (its reads end) a moment
+//! after the role changed; the client's channel reconnects through the Service to the leader.
 
+use std::future::Future;
 use std::io;
 use std::net::SocketAddr;
 use std::pin::Pin;
@@ -13,18 +20,63 @@ use std::time::Duration;
 
 use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 use tokio::net::{TcpListener, TcpStream};
-use tokio::sync::{OwnedSemaphorePermit, Semaphore, mpsc};
+use tokio::sync::{OwnedSemaphorePermit, Semaphore, mpsc, watch};
 use tokio::time::Sleep;
 use tonic::transport::server::Connected;
 
+use crate::replica::Role;
 use crate::telemetry::Telemetry;
 
-/// An accepted connection that holds one slot of the connection cap until it is dropped, and
-/// fails its reads if no byte arrives before the first-bytes deadline.
+/// How long a connection goes on once its replica does not serve: answers already on their way
+/// are written, then the connection is closed.
+pub const STANDBY_CLOSE_AFTER: Duration = Duration::from_millis(500);
+
+/// Resolves when a connection must end.
+type Ending = Pin<Box<dyn Future<Output = ()> + Send + Sync>>;
+
+/// Resolves [`STANDBY_CLOSE_AFTER`] after the role stops serving (counted from now when it does
+/// not serve now); never while it serves.
+fn ends_when_not_serving(mut roles: watch::Receiver<Role>) -> Ending {
+    Box::pin(async move {
+        if roles.wait_for(|role| !role.serves()).await.is_err() {
+            // The replica is gone with the process: the server's own shutdown closes this.
+            return std::future::pending().await;
+        }
+        tokio::time::sleep(STANDBY_CLOSE_AFTER).await;
+    })
+}
+
+/// An accepted connection that holds one slot of the connection cap until it is dropped, fails
+/// its reads if no byte arrives before the first-bytes deadline, and ends (its reads see the
+/// end of the stream, its writes fail) once its replica stops serving.
 pub struct Limited<IO> {
     io: IO,
     first_bytes: Option<Pin<Box<Sleep>>>,
+    ending: Option<Ending>,
+    ended: bool,
     _slot: Option<Slot>,
+}
+
+impl<IO> Limited<IO> {
+    /// Whether the connection must end now (registers the waker while it must not).
+    fn ends(&mut self, cx: &mut Context<'_>) -> bool {
+        if !self.ended
+            && let Some(ending) = self.ending.as_mut()
+            && ending.as_mut().poll(cx).is_ready()
+        {
+            self.ended = true;
+            self.ending = None;
+            tracing::debug!("gRPC connection closed: this replica does not serve");
+        }
+        self.ended
+    }
+}
+
+fn ended() -> io::Error {
+    io::Error::new(
+        io::ErrorKind::BrokenPipe,
+        "connection closed: this replica does not serve",
+    )
 }
 
 /// One slot of the connection cap; dropping it frees the slot and updates the gauge.
@@ -50,6 +102,8 @@ impl<IO> Limited<IO> {
         Limited {
             io,
             first_bytes: Some(Box::pin(tokio::time::sleep(deadline))),
+            ending: None,
+            ended: false,
             _slot: None,
         }
     }
@@ -63,6 +117,10 @@ impl<IO: AsyncRead + Unpin> AsyncRead for Limited<IO> {
     ) -> Poll<io::Result<()>> {
         let before = buf.filled().len();
         let this = &mut *self;
+        if this.ends(cx) {
+            // The end of the stream: hyper ends the connection and drops the socket.
+            return Poll::Ready(Ok(()));
+        }
         let result = Pin::new(&mut this.io).poll_read(cx, buf);
         if this.first_bytes.is_some() {
             match &result {
@@ -90,6 +148,9 @@ impl<IO: AsyncWrite + Unpin> AsyncWrite for Limited<IO> {
         cx: &mut Context<'_>,
         buf: &[u8],
     ) -> Poll<io::Result<usize>> {
+        if self.ends(cx) {
+            return Poll::Ready(Err(ended()));
+        }
         Pin::new(&mut self.io).poll_write(cx, buf)
     }
 
@@ -106,6 +167,9 @@ impl<IO: AsyncWrite + Unpin> AsyncWrite for Limited<IO> {
         cx: &mut Context<'_>,
         bufs: &[io::IoSlice<'_>],
     ) -> Poll<io::Result<usize>> {
+        if self.ends(cx) {
+            return Poll::Ready(Err(ended()));
+        }
         Pin::new(&mut self.io).poll_write_vectored(cx, bufs)
     }
 
@@ -125,11 +189,14 @@ impl<IO: Connected> Connected for Limited<IO> {
 /// Accepts TCP connections while fewer than `max_connections` are open; beyond that a new
 /// connection is closed at once (and counted), so the peer fails fast instead of waiting in the
 /// backlog. `first_bytes` bounds how long an accepted connection may stay silent (`None` when a
-/// TLS handshake deadline already does). The accept loop stops when the receiver is dropped.
+/// TLS handshake deadline already does). With `roles`, every connection ends
+/// [`STANDBY_CLOSE_AFTER`] after the role stops serving. The accept loop stops when the receiver
+/// is dropped.
 pub fn accept(
     listener: TcpListener,
     max_connections: usize,
     first_bytes: Option<Duration>,
+    roles: Option<watch::Receiver<Role>>,
     telemetry: Telemetry,
 ) -> mpsc::Receiver<(Limited<TcpStream>, SocketAddr)> {
     let (tx, rx) = mpsc::channel(64);
@@ -160,6 +227,8 @@ pub fn accept(
             let conn = Limited {
                 io: tcp,
                 first_bytes: first_bytes.map(|d| Box::pin(tokio::time::sleep(d))),
+                ending: roles.clone().map(ends_when_not_serving),
+                ended: false,
                 _slot: Some(Slot {
                     _permit: permit,
                     semaphore: semaphore.clone(),

@@ -11,7 +11,6 @@
 //!
 //! A standby never answers FAILED_PRECONDITION: the shard reads that as a zombie.
 
-use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, RwLock};
 
 use tonic::Status;
@@ -49,18 +48,33 @@ impl Role {
 }
 
 /// A flag that side servers (the DigitalOcean bootstrap channel) consult per request: set
-/// while this replica serves (always for a single replica).
-#[derive(Clone, Debug, Default)]
-pub struct Leading(Arc<AtomicBool>);
+/// while this replica serves (always for a single replica). Side servers also wait on it to
+/// close their connections when the replica stops serving.
+#[derive(Clone, Debug)]
+pub struct Leading(Arc<tokio::sync::watch::Sender<bool>>);
+
+impl Default for Leading {
+    fn default() -> Leading {
+        Leading(Arc::new(tokio::sync::watch::channel(false).0))
+    }
+}
 
 impl Leading {
     pub fn get(&self) -> bool {
-        self.0.load(Ordering::SeqCst)
+        *self.0.borrow()
     }
 
     /// Set by the replica as its role changes (public for side servers' tests).
     pub fn set(&self, leading: bool) {
-        self.0.store(leading, Ordering::SeqCst);
+        self.0
+            .send_if_modified(|current| std::mem::replace(current, leading) != leading);
+    }
+
+    /// Resolves once this replica does not serve (at once if it does not now).
+    pub async fn lost(&self) {
+        let mut changes = self.0.subscribe();
+        // The sender lives in `self`, so the wait cannot fail.
+        let _ = changes.wait_for(|leading| !leading).await;
     }
 }
 
@@ -76,6 +90,8 @@ struct Current {
 /// The engine this process serves with, if any, and its role.
 pub struct Replica {
     current: RwLock<Current>,
+    /// Set while this replica's copy of the state follows etcd (a warm standby).
+    warm: Arc<std::sync::atomic::AtomicBool>,
     telemetry: Telemetry,
     leading: Leading,
     changed: tokio::sync::watch::Sender<Role>,
@@ -119,6 +135,7 @@ impl Replica {
                 engine: Some(engine),
                 hold: None,
             }),
+            warm: Arc::default(),
             telemetry,
             leading,
             changed: tokio::sync::watch::channel(Role::Single).0,
@@ -135,6 +152,7 @@ impl Replica {
                 engine: None,
                 hold: None,
             }),
+            warm: Arc::default(),
             telemetry,
             leading,
             changed: tokio::sync::watch::channel(Role::Standby).0,
@@ -156,6 +174,17 @@ impl Replica {
     /// Whether this replica answers reads and passes readiness.
     pub fn serves(&self) -> bool {
         self.role().serves()
+    }
+
+    /// Whether this replica's copy of the state follows etcd (set by the follower of a
+    /// standby; false while it leads or without etcd).
+    pub fn warm(&self) -> bool {
+        self.warm.load(std::sync::atomic::Ordering::SeqCst)
+    }
+
+    /// The flag the follower sets.
+    pub(crate) fn warmth(&self) -> Arc<std::sync::atomic::AtomicBool> {
+        self.warm.clone()
     }
 
     /// The engine, whatever the role (metrics, shutdown).

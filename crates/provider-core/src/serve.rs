@@ -1,6 +1,6 @@
 //! The listeners: the gRPC server (CapacityProvider, grpc.health.v1, reflection) over plain TCP
 //! or TLS 1.3, with the reference keepalive settings, and the HTTP observability server with
-//! `/metrics`, `/healthz` and `/readyz`.
+//! `/metrics`, `/healthz`, `/readyz` and `/readyz/replica`.
 
 use std::future::Future;
 use std::sync::Arc;
@@ -109,6 +109,9 @@ pub async fn serve_grpc(
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) -> Result<(), String> {
     let telemetry = replica.telemetry();
+    // Connections end when a replica stops serving, so clients move to the leader; the only
+    // replica (local state) always serves.
+    let roles = (replica.role() != crate::replica::Role::Single).then(|| replica.subscribe());
     let service = CapacityProviderServer::new(Service::new(replica));
     let mut builder = Server::builder()
         .layer(tower::util::MapResponseLayer::new(
@@ -158,7 +161,8 @@ pub async fn serve_grpc(
         Some(config) => {
             // The TLS handshake has its own deadline; the connection's first bytes after it
             // get one too.
-            let accepted = listener::accept(listener, limits.max_connections, None, telemetry);
+            let accepted =
+                listener::accept(listener, limits.max_connections, None, roles, telemetry);
             let handshake = limits.handshake_timeout;
             let incoming = crate::tls::incoming(accepted, config, handshake)
                 .map(move |tls| tls.map(|s| listener::Limited::first_bytes_within(s, handshake)));
@@ -171,6 +175,7 @@ pub async fn serve_grpc(
                 listener,
                 limits.max_connections,
                 Some(limits.handshake_timeout),
+                roles,
                 telemetry,
             );
             router
@@ -254,6 +259,19 @@ async fn readyz(State(state): State<HttpState>) -> (StatusCode, &'static str) {
     }
 }
 
+/// For the pods of a replicated Deployment: ready when this replica serves (`/readyz`) or is a
+/// standby whose copy of the state follows etcd, so it can take over in about the lease TTL.
+/// Routing to the leader is the leader label's job (docs/ha.md).
+async fn readyz_replica(State(state): State<HttpState>) -> (StatusCode, &'static str) {
+    if state.ready.get() {
+        (StatusCode::OK, "ready\n")
+    } else if state.replica.role() == crate::replica::Role::Standby && state.replica.warm() {
+        (StatusCode::OK, "warm standby\n")
+    } else {
+        (StatusCode::SERVICE_UNAVAILABLE, "not ready\n")
+    }
+}
+
 async fn metrics(
     State(state): State<HttpState>,
 ) -> ([(axum::http::HeaderName, &'static str); 1], String) {
@@ -319,7 +337,7 @@ fn process_metrics() -> String {
     out
 }
 
-/// Serves `/metrics`, `/healthz` and `/readyz` until `shutdown` completes.
+/// Serves `/metrics`, `/healthz`, `/readyz` and `/readyz/replica` until `shutdown` completes.
 pub async fn serve_http(
     listener: TcpListener,
     ready: Readiness,
@@ -336,6 +354,7 @@ pub async fn serve_http(
     let app = Router::new()
         .route("/healthz", any(healthz))
         .route("/readyz", any(readyz))
+        .route("/readyz/replica", any(readyz_replica))
         .route("/metrics", any(metrics))
         .with_state(state);
     axum::serve(listener, app)
@@ -408,6 +427,7 @@ mod tests {
         assert_eq!(get("/readyz").await, (503, "not ready\n".into()));
         ready.set(true);
         assert_eq!(get("/readyz").await, (200, "ready\n".into()));
+        assert_eq!(get("/readyz/replica").await, (200, "ready\n".into()));
         engine
             .create(
                 "p/OnDemand/a/z1/000",
@@ -437,6 +457,45 @@ mod tests {
             503,
             "readiness goes false on shutdown"
         );
+        assert_eq!(get("/readyz/replica").await.0, 503);
+        stop.cancel();
+        server.await.unwrap().unwrap();
+    }
+
+    #[tokio::test]
+    async fn replica_readiness_passes_warm_standbys_and_readyz_does_not() {
+        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let ready = Readiness::default();
+        let replica = crate::replica::Replica::standby(
+            Telemetry::new("bigfleet_servetest"),
+            crate::replica::Leading::default(),
+        );
+        let stop = tokio_util::sync::CancellationToken::new();
+        let server = {
+            let stop = stop.clone();
+            tokio::spawn(serve_http(
+                listener,
+                ready.clone(),
+                replica.clone(),
+                async move { stop.cancelled().await },
+            ))
+        };
+        let client = reqwest::Client::new();
+        let get = |path: &str| {
+            let client = client.clone();
+            let url = format!("http://{addr}{path}");
+            async move {
+                let r = client.get(url).send().await.unwrap();
+                (r.status().as_u16(), r.text().await.unwrap())
+            }
+        };
+        assert_eq!(get("/readyz/replica").await.0, 503, "a cold standby");
+        replica
+            .warmth()
+            .store(true, std::sync::atomic::Ordering::SeqCst);
+        assert_eq!(get("/readyz/replica").await, (200, "warm standby\n".into()));
+        assert_eq!(get("/readyz").await.0, 503, "/readyz stays the leader's");
         stop.cancel();
         server.await.unwrap().unwrap();
     }

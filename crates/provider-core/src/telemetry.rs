@@ -45,6 +45,7 @@ pub struct Telemetry {
     pub takeovers: &'static str,
     pub takeover_duration: &'static str,
     pub step_downs: &'static str,
+    pub leader_label: &'static str,
 }
 
 fn leak(prefix: &str, name: &str) -> &'static str {
@@ -95,6 +96,7 @@ impl Telemetry {
             takeovers: leak(prefix, "takeovers_total"),
             takeover_duration: leak(prefix, "takeover_duration_seconds"),
             step_downs: leak(prefix, "step_downs_total"),
+            leader_label: leak(prefix, "leader_label_updates_total"),
         };
         cache.push((prefix.to_owned(), t));
         t
@@ -285,6 +287,11 @@ impl Telemetry {
     /// A leader that stopped acknowledging because its claim was no longer held.
     pub fn step_down(&self) {
         counter!(self.step_downs).increment(1);
+    }
+
+    /// One attempt to set the pod's leader label (`--leader-label`): `success` or `error`.
+    pub fn leader_label(&self, outcome: &'static str) {
+        counter!(self.leader_label, "outcome" => outcome).increment(1);
     }
 }
 

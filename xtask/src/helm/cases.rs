@@ -37,6 +37,11 @@ pub(super) const COMMON_FLAGS: &[&str] = &[
     "log-level",
     "fake-latency",
     "admin-socket",
+    "etcd-ca",
+    "etcd-cert",
+    "etcd-key",
+    "etcd-lease-ttl",
+    "leader-label",
 ];
 
 /// Flags that would put a secret on the command line, visible in the pod spec.
@@ -75,6 +80,9 @@ pub(super) const CHARTS: [Chart; 2] = [
             "tls-key",
             "tls-ca",
             "admin-socket",
+            "etcd-ca",
+            "etcd-cert",
+            "etcd-key",
         ],
         secret_env: &["HCLOUD_TOKEN"],
     },
@@ -108,6 +116,9 @@ pub(super) const CHARTS: [Chart; 2] = [
             "bootstrap-tls-cert",
             "bootstrap-tls-key",
             "bootstrap-ca",
+            "etcd-ca",
+            "etcd-cert",
+            "etcd-key",
         ],
         secret_env: &["DIGITALOCEAN_TOKEN", "BIGFLEET_BOOTSTRAP_SECRET"],
     },
@@ -223,6 +234,30 @@ pub(super) const REFUSALS: &[Refusal] = &[
         what: "an alert ratio above 1",
         values: "prometheusRule:\n  alerts:\n    cloudAPIRateLimited: {enabled: true, window: 10m, ratio: 10, for: 15m, severity: warning}\n",
         message: "ratio",
+    },
+    Refusal {
+        chart: "hetzner",
+        what: "replicas of a local state",
+        values: "replicaCount: 2\n",
+        message: "replicaCount > 1 needs the state in etcd",
+    },
+    Refusal {
+        chart: "digitalocean",
+        what: "replicas of a local state",
+        values: "replicaCount: 3\nstate:\n  enabled: true\n",
+        message: "replicaCount > 1 needs the state in etcd",
+    },
+    Refusal {
+        chart: "hetzner",
+        what: "etcd endpoints without a prefix",
+        values: "replicaCount: 2\nha:\n  etcd:\n    endpoints: [etcd-0:2379]\n",
+        message: "ha.etcd.prefix is required",
+    },
+    Refusal {
+        chart: "digitalocean",
+        what: "a local state and etcd at once",
+        values: "replicaCount: 2\nstate:\n  enabled: true\nha:\n  etcd:\n    endpoints: [etcd-0:2379]\n    prefix: /bigfleet/do\n",
+        message: "exclude each other",
     },
     Refusal {
         chart: "hetzner",

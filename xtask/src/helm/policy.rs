@@ -24,6 +24,18 @@ pub(super) fn check_policy(chart: &Chart, case: &str, objects: &[Value]) -> Resu
             "Service",
             "ServiceAccount",
         ],
+        (_, "ha") => &[
+            "ConfigMap",
+            "Deployment",
+            "NetworkPolicy",
+            "PodDisruptionBudget",
+            "PrometheusRule",
+            "Role",
+            "RoleBinding",
+            "Service",
+            "ServiceAccount",
+            "ServiceMonitor",
+        ],
         ("hetzner", _) => &[
             "ConfigMap",
             "Deployment",
@@ -87,6 +99,23 @@ pub(super) fn check_policy(chart: &Chart, case: &str, objects: &[Value]) -> Resu
         );
     }
 
+    if args
+        .iter()
+        .any(|(flag, value)| flag == "state" && value.starts_with("etcd://"))
+    {
+        check_ha(deployment, &args, &services, objects)?;
+    }
+    if case == "ha" {
+        ensure!(
+            args.iter().any(|(flag, _)| flag == "leader-label"),
+            "the ha values do not pass --leader-label"
+        );
+        ensure!(
+            deployment["spec"]["replicas"].as_u64() > Some(1),
+            "the ha values run one replica"
+        );
+    }
+
     if case == "full" {
         for flag in [
             "admin-socket",
@@ -113,6 +142,154 @@ pub(super) fn check_policy(chart: &Chart, case: &str, objects: &[Value]) -> Resu
     Ok(())
 }
 
+/// HA mode (the state in etcd): replicas rolled one at a time, Ready while warm, spread, no
+/// volume for the state, a PodDisruptionBudget, and with the leader label the RBAC, the
+/// downward-API environment and Services that route to the leader.
+fn check_ha(
+    deployment: &Value,
+    args: &[(String, String)],
+    services: &[&Value],
+    objects: &[Value],
+) -> Result<()> {
+    let spec = &deployment["spec"];
+    let pod = &spec["template"]["spec"];
+    let pod_labels = &spec["template"]["metadata"]["labels"];
+    let container = &pod["containers"][0];
+    ensure!(
+        spec["strategy"]["type"] == "RollingUpdate"
+            && spec["strategy"]["rollingUpdate"]["maxUnavailable"] == 1
+            && spec["strategy"]["rollingUpdate"]["maxSurge"] == 1,
+        "HA mode rolls one replica at a time (RollingUpdate, maxUnavailable 1, maxSurge 1)"
+    );
+    ensure!(
+        container["readinessProbe"]["httpGet"]["path"] == "/readyz/replica",
+        "HA mode's readiness probe must be /readyz/replica (warm standbys are Ready)"
+    );
+    let keys: BTreeSet<&str> = pod["topologySpreadConstraints"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .filter_map(|c| c["topologyKey"].as_str())
+        .collect();
+    ensure!(
+        keys.contains("kubernetes.io/hostname") && keys.contains("topology.kubernetes.io/zone"),
+        "HA mode spreads replicas across nodes and zones, got {keys:?}"
+    );
+    ensure!(
+        !objects.iter().any(|o| o["kind"] == "PersistentVolumeClaim"),
+        "HA mode keeps the state in etcd: no PersistentVolumeClaim"
+    );
+    let selects_pods = |selector: &Value| {
+        selector
+            .as_object()
+            .is_some_and(|m| !m.is_empty() && m.iter().all(|(k, v)| pod_labels[k] == *v))
+    };
+    if spec["replicas"].as_u64() > Some(1) {
+        let budget = objects
+            .iter()
+            .find(|o| o["kind"] == "PodDisruptionBudget")
+            .context("HA mode with several replicas needs a PodDisruptionBudget")?;
+        ensure!(
+            budget["spec"]["maxUnavailable"] == 1,
+            "the PodDisruptionBudget must allow one replica down (maxUnavailable 1)"
+        );
+        ensure!(
+            selects_pods(&budget["spec"]["selector"]["matchLabels"]),
+            "the PodDisruptionBudget does not select the replicas"
+        );
+    }
+    let flag = |name: &str| {
+        args.iter()
+            .find(|(f, _)| f == name)
+            .map(|(_, v)| v.as_str())
+    };
+    for tls in ["etcd-ca", "etcd-cert", "etcd-key"] {
+        if let Some(path) = flag(tls) {
+            ensure!(
+                path.starts_with("/etc/bigfleet/etcd/"),
+                "--{tls}={path} is not on the etcd TLS Secret's mount"
+            );
+        }
+    }
+    if flag("leader-label").is_none() {
+        return Ok(());
+    }
+    for service in services {
+        if port_targets(service).contains("grpc") || port_targets(service).contains("bootstrap") {
+            ensure!(
+                service["spec"]["selector"]["bigfleet-leader"] == "true",
+                "Service {} must select the leader (bigfleet-leader: \"true\")",
+                service["metadata"]["name"]
+            );
+        }
+    }
+    ensure!(
+        pod["automountServiceAccountToken"] == true,
+        "the leader label needs the pod's service account token"
+    );
+    for (name, field) in [
+        ("BIGFLEET_POD_NAME", "metadata.name"),
+        ("BIGFLEET_POD_NAMESPACE", "metadata.namespace"),
+    ] {
+        ensure!(
+            container["env"]
+                .as_array()
+                .into_iter()
+                .flatten()
+                .any(|e| { e["name"] == name && e["valueFrom"]["fieldRef"]["fieldPath"] == field }),
+            "{name} must come from the downward API ({field})"
+        );
+    }
+    let role = objects
+        .iter()
+        .find(|o| o["kind"] == "Role")
+        .context("the leader label needs a Role")?;
+    let rules = role["rules"].as_array().context("Role without rules")?;
+    ensure!(
+        rules.iter().any(|r| {
+            let has = |field: &str, want: &str| {
+                r[field]
+                    .as_array()
+                    .is_some_and(|a| a.iter().any(|v| v == want))
+            };
+            has("apiGroups", "")
+                && has("resources", "pods")
+                && has("verbs", "get")
+                && has("verbs", "patch")
+        }),
+        "the Role must allow get and patch on pods"
+    );
+    ensure!(
+        rules.iter().all(|r| r["resources"]
+            .as_array()
+            .is_some_and(|a| a.iter().all(|v| v == "pods"))),
+        "the Role grants more than pods"
+    );
+    let binding = objects
+        .iter()
+        .find(|o| o["kind"] == "RoleBinding")
+        .context("the leader label needs a RoleBinding")?;
+    ensure!(
+        binding["roleRef"]["name"] == role["metadata"]["name"]
+            && binding["subjects"][0]["name"] == pod["serviceAccountName"],
+        "the RoleBinding must bind the Role to the pod's service account"
+    );
+    if let Some(policy) = objects.iter().find(|o| o["kind"] == "NetworkPolicy")
+        && let Some(egress) = policy["spec"]["egress"].as_array()
+    {
+        let ports: BTreeSet<u64> = egress
+            .iter()
+            .flat_map(|rule| rule["ports"].as_array().cloned().unwrap_or_default())
+            .filter_map(|p| p["port"].as_u64())
+            .collect();
+        ensure!(
+            ports.contains(&2379) && ports.contains(&443),
+            "the NetworkPolicy must let the replicas reach etcd and the Kubernetes API, egress ports {ports:?}"
+        );
+    }
+    Ok(())
+}
+
 fn port_targets(service: &Value) -> BTreeSet<String> {
     service["spec"]["ports"]
         .as_array()
@@ -125,11 +302,17 @@ fn port_targets(service: &Value) -> BTreeSet<String> {
 /// Checks the Deployment and returns its container's `--flag=value` arguments.
 fn check_deployment(chart: &Chart, deployment: &Value) -> Result<Vec<(String, String)>> {
     let spec = &deployment["spec"];
-    ensure!(spec["replicas"] == 1, "replicas must be 1");
+    let replicated = spec["strategy"]["type"] == "RollingUpdate";
     ensure!(
-        spec["strategy"]["type"] == "Recreate",
-        "the strategy must be Recreate"
+        replicated || spec["strategy"]["type"] == "Recreate",
+        "the strategy must be Recreate (or RollingUpdate in HA mode)"
     );
+    if !replicated {
+        ensure!(
+            spec["replicas"] == 1,
+            "replicas must be 1 with a local state"
+        );
+    }
     let pod = &spec["template"]["spec"];
     let pod_security = &pod["securityContext"];
     ensure!(
@@ -196,11 +379,22 @@ fn check_deployment(chart: &Chart, deployment: &Value) -> Result<Vec<(String, St
             );
         }
     }
-    for (probe, path) in [("livenessProbe", "/healthz"), ("readinessProbe", "/readyz")] {
+    let readiness = if replicated {
+        "/readyz/replica"
+    } else {
+        "/readyz"
+    };
+    for (probe, path) in [("livenessProbe", "/healthz"), ("readinessProbe", readiness)] {
         let get = &container[probe]["httpGet"];
         ensure!(
             get["path"] == path && get["port"] == "metrics",
             "{probe} must GET {path} on the metrics port"
+        );
+    }
+    if replicated {
+        ensure!(
+            flag("state").is_some_and(|s| s.starts_with("etcd://")),
+            "a RollingUpdate needs the state in etcd: two processes on one local state would both own it"
         );
     }
 
@@ -286,10 +480,10 @@ fn check_mounts(
         "volumes {volume_names:?} and mounts {mounted:?} differ"
     );
 
-    for (flag, value) in args
-        .iter()
-        .filter(|(flag, _)| chart.path_flags.contains(&flag.as_str()))
-    {
+    for (flag, value) in args.iter().filter(|(flag, value)| {
+        chart.path_flags.contains(&flag.as_str())
+            && !(flag == "state" && value.starts_with("etcd://"))
+    }) {
         let mount = mounts
             .iter()
             .filter(|m| {
@@ -503,6 +697,123 @@ mod tests {
         ];
         for (what, edit) in cases {
             assert!(verdict(edit).is_err(), "{what} was accepted");
+        }
+    }
+
+    /// A rendered HA release (the objects `check_ha` looks at), leader label on.
+    fn ha_objects() -> Vec<Value> {
+        let mut deployment = good_deployment();
+        let spec = &mut deployment["spec"];
+        spec["replicas"] = json!(3);
+        spec["strategy"] = json!({"type": "RollingUpdate",
+            "rollingUpdate": {"maxUnavailable": 1, "maxSurge": 1}});
+        spec["template"]["metadata"] = json!({"labels": {"app.kubernetes.io/name": "p"}});
+        let pod = &mut spec["template"]["spec"];
+        pod["serviceAccountName"] = json!("sa");
+        pod["automountServiceAccountToken"] = json!(true);
+        pod["topologySpreadConstraints"] = json!([
+            {"topologyKey": "kubernetes.io/hostname"},
+            {"topologyKey": "topology.kubernetes.io/zone"}
+        ]);
+        let container = &mut pod["containers"][0];
+        container["args"] = json!([
+            "--addr=:9000",
+            "--metrics-addr=:9090",
+            "--shutdown-grace=25s",
+            "--state=etcd://e:2379/bigfleet/p",
+            "--leader-label"
+        ]);
+        container["readinessProbe"]["httpGet"]["path"] = json!("/readyz/replica");
+        container["env"] = json!([
+            {"name": "BIGFLEET_POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
+            {"name": "BIGFLEET_POD_NAMESPACE",
+             "valueFrom": {"fieldRef": {"fieldPath": "metadata.namespace"}}}
+        ]);
+        container["volumeMounts"] = json!([]);
+        pod["volumes"] = json!([]);
+        vec![
+            deployment,
+            json!({"kind": "Service", "metadata": {"name": "p"}, "spec": {"type": "ClusterIP",
+                "selector": {"app.kubernetes.io/name": "p", "bigfleet-leader": "true"},
+                "ports": [{"targetPort": "grpc"}, {"targetPort": "metrics"}]}}),
+            json!({"kind": "ServiceAccount"}),
+            json!({"kind": "PodDisruptionBudget", "spec": {"maxUnavailable": 1,
+                "selector": {"matchLabels": {"app.kubernetes.io/name": "p"}}}}),
+            json!({"kind": "Role", "metadata": {"name": "r"}, "rules": [
+                {"apiGroups": [""], "resources": ["pods"], "verbs": ["get", "patch"]}]}),
+            json!({"kind": "RoleBinding", "roleRef": {"name": "r"},
+                "subjects": [{"kind": "ServiceAccount", "name": "sa"}]}),
+        ]
+    }
+
+    #[test]
+    fn each_broken_ha_promise_is_caught() {
+        let objects = ha_objects();
+        let check = |objects: &[Value]| {
+            let deployment = &objects[0];
+            let args = check_deployment(&CHARTS[0], deployment)?;
+            let services: Vec<&Value> = objects.iter().filter(|o| o["kind"] == "Service").collect();
+            check_ha(deployment, &args, &services, objects)
+        };
+        check(&objects).unwrap();
+        type Edit = fn(&mut Vec<Value>);
+        let cases: &[(&str, Edit)] = &[
+            ("all replicas at once", |o| {
+                o[0]["spec"]["strategy"]["rollingUpdate"]["maxUnavailable"] = json!(3)
+            }),
+            ("readiness only on the leader", |o| {
+                o[0]["spec"]["template"]["spec"]["containers"][0]["readinessProbe"]["httpGet"]["path"] =
+                    json!("/readyz")
+            }),
+            ("no zone spread", |o| {
+                o[0]["spec"]["template"]["spec"]["topologySpreadConstraints"]
+                    .as_array_mut()
+                    .unwrap()
+                    .pop();
+            }),
+            ("a state volume", |o| {
+                o.push(json!({"kind": "PersistentVolumeClaim"}))
+            }),
+            ("no budget", |o| {
+                o.retain(|x| x["kind"] != "PodDisruptionBudget")
+            }),
+            ("a budget that blocks", |o| {
+                o[3]["spec"]["maxUnavailable"] = json!(0)
+            }),
+            ("the Service reaches standbys", |o| {
+                o[1]["spec"]["selector"]
+                    .as_object_mut()
+                    .unwrap()
+                    .remove("bigfleet-leader");
+            }),
+            ("no token", |o| {
+                o[0]["spec"]["template"]["spec"]["automountServiceAccountToken"] = json!(false)
+            }),
+            ("no pod name", |o| {
+                o[0]["spec"]["template"]["spec"]["containers"][0]["env"]
+                    .as_array_mut()
+                    .unwrap()
+                    .remove(0);
+            }),
+            ("no patch", |o| o[4]["rules"][0]["verbs"] = json!(["get"])),
+            ("more than pods", |o| {
+                o[4]["rules"]
+                    .as_array_mut()
+                    .unwrap()
+                    .push(json!({"apiGroups": [""], "resources": ["secrets"], "verbs": ["get"]}))
+            }),
+            ("bound to another account", |o| {
+                o[5]["subjects"][0]["name"] = json!("other")
+            }),
+            ("a rolling update on a local state", |o| {
+                o[0]["spec"]["template"]["spec"]["containers"][0]["args"][3] =
+                    json!("--state=/var/lib/x/state.json")
+            }),
+        ];
+        for (what, edit) in cases {
+            let mut broken = objects.clone();
+            edit(&mut broken);
+            assert!(check(&broken).is_err(), "{what} was not caught");
         }
     }
 }

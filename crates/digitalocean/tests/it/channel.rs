@@ -1079,3 +1079,63 @@ async fn the_agent_refuses_an_oversized_command_body() {
         assert!(!dir.path().join("hook.runs").exists());
     }
 }
+
+/// Two replicas' channels behind one Service: the agent's connection to the leader survives a
+/// takeover at the TCP level (the Service keeps it on its pod), so the old leader must close it
+/// for the agent to reach the new leader, rather than answer 503 on it until it idles out.
+#[tokio::test]
+async fn an_agent_moves_to_the_new_leader_after_a_takeover() {
+    let pki = pki();
+    let hold = Duration::from_secs(20);
+    let old = RunningChannel::start(&pki, hold, AuthLimit::default()).await;
+    let new = RunningChannel::start(&pki, hold, AuthLimit::default()).await;
+    let (old_leading, new_leading) = (
+        provider_core::replica::Leading::default(),
+        provider_core::replica::Leading::default(),
+    );
+    old_leading.set(true);
+    old.channel.serve_while(old_leading.clone());
+    new.channel.serve_while(new_leading.clone());
+    let service = Forwarder::start(old.addr).await;
+    let dir = tempfile::tempdir().unwrap();
+    let m = "m-takeover";
+    let config_json = serde_json::json!({
+        "endpoint": format!("https://{}", service.addr), "ca_pem": pki.ca_pem, "machine_id": m,
+        "token": token(m),
+    })
+    .to_string();
+    let agent = AgentProcess::spawn(AgentSetup {
+        dir: dir.path(),
+        config_json,
+        hook: recording_hook(dir.path(), 0),
+        drain_command: "true".into(),
+        readiness_command: None,
+    });
+    old.channel
+        .deliver(m, configure(b"before"), &ctx(Duration::from_secs(15)))
+        .await
+        .unwrap();
+    // The agent polls the leader again (held), then the other replica takes over.
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    old_leading.set(false);
+    new_leading.set(true);
+    service.retarget(new.addr);
+    let started = std::time::Instant::now();
+    new.channel
+        .deliver(m, configure(b"after"), &ctx(Duration::from_secs(8)))
+        .await
+        .unwrap_or_else(|e| {
+            panic!(
+                "the agent did not reach the new leader: {e:?}\n{}",
+                agent.output()
+            )
+        });
+    assert_eq!(
+        std::fs::read(dir.path().join("hook.blob.copy")).unwrap(),
+        b"after"
+    );
+    eprintln!(
+        "the agent reached the new leader {:?} after the takeover",
+        started.elapsed()
+    );
+}

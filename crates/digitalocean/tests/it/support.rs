@@ -526,3 +526,43 @@ pub fn token(machine_id: &str) -> String {
         .expose()
         .to_owned()
 }
+
+/// A loopback TCP forwarder standing in for a Kubernetes Service in front of replicas: each new
+/// connection goes to the current target and stays on it (as kube-proxy keeps an established
+/// connection on its pod) until either side closes it.
+pub struct Forwarder {
+    pub addr: SocketAddr,
+    target: Arc<Mutex<SocketAddr>>,
+    task: tokio::task::JoinHandle<()>,
+}
+
+impl Forwarder {
+    pub async fn start(target: SocketAddr) -> Forwarder {
+        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let target = Arc::new(Mutex::new(target));
+        let current = target.clone();
+        let task = tokio::spawn(async move {
+            while let Ok((mut inbound, _)) = listener.accept().await {
+                let to = *current.lock().unwrap();
+                tokio::spawn(async move {
+                    if let Ok(mut outbound) = tokio::net::TcpStream::connect(to).await {
+                        let _ = tokio::io::copy_bidirectional(&mut inbound, &mut outbound).await;
+                    }
+                });
+            }
+        });
+        Forwarder { addr, target, task }
+    }
+
+    /// Where new connections go from now on.
+    pub fn retarget(&self, to: SocketAddr) {
+        *self.target.lock().unwrap() = to;
+    }
+}
+
+impl Drop for Forwarder {
+    fn drop(&mut self) {
+        self.task.abort();
+    }
+}

@@ -873,3 +873,246 @@ async fn a_rolling_restart_of_every_replica_under_load_loses_nothing() {
     );
     drop(cluster);
 }
+
+/// A loopback TCP forwarder standing in for the Kubernetes Service: each new connection goes
+/// to the current target and stays there (as kube-proxy keeps an established connection on its
+/// pod) until either side closes it. Counts the connections it forwarded.
+struct Service {
+    addr: SocketAddr,
+    target: Arc<Mutex<SocketAddr>>,
+    connections: Arc<AtomicI64>,
+    task: tokio::task::JoinHandle<()>,
+}
+
+impl Service {
+    async fn start(target: SocketAddr) -> Service {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let target = Arc::new(Mutex::new(target));
+        let connections = Arc::new(AtomicI64::new(0));
+        let (current, count) = (target.clone(), connections.clone());
+        let task = tokio::spawn(async move {
+            while let Ok((mut inbound, _)) = listener.accept().await {
+                count.fetch_add(1, Ordering::SeqCst);
+                let to = *current.lock().unwrap();
+                tokio::spawn(async move {
+                    if let Ok(mut outbound) = tokio::net::TcpStream::connect(to).await {
+                        let _ = tokio::io::copy_bidirectional(&mut inbound, &mut outbound).await;
+                    }
+                });
+            }
+        });
+        Service {
+            addr,
+            target,
+            connections,
+            task,
+        }
+    }
+
+    fn retarget(&self, to: SocketAddr) {
+        *self.target.lock().unwrap() = to;
+    }
+}
+
+impl Drop for Service {
+    fn drop(&mut self) {
+        self.task.abort();
+    }
+}
+
+/// A client holding one channel through the Service to the leader: after the leader is paused
+/// past its lease and steps down, its connection is closed, so the same channel reconnects
+/// through the Service and reaches the new leader instead of being answered UNAVAILABLE on the
+/// old connection until it ages out.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_client_of_a_leader_that_steps_down_reconnects_to_the_new_leader() {
+    let cluster = blocking(|| Cluster::start(3));
+    let state = cluster.state("/bigfleet/ha-move");
+    let replicas = three(&state, TTL).await;
+    let _logs = LogsOnFailure(&replicas);
+    let service = Service::start(replicas[0].grpc).await;
+    let channel = wire::endpoint(
+        &replicas[0].spec.pki,
+        service.addr,
+        ClientSecurity::Plaintext,
+    )
+    .expect("endpoint")
+    .connect_timeout(Duration::from_millis(300))
+    .timeout(Duration::from_millis(1500))
+    .connect_lazy();
+    let mut shard = CapacityProviderClient::new(channel);
+    let get = || pb::MachineRef {
+        id: "fault-spec-000".into(),
+    };
+    shard.get(get()).await.expect("the leader answers");
+    assert_eq!(service.connections.load(Ordering::SeqCst), 1);
+
+    replicas[0].signal("STOP").expect("SIGSTOP");
+    let new_leader = leader(&replicas[1..], Duration::from_secs(15)).await + 1;
+    service.retarget(replicas[new_leader].grpc);
+    replicas[0].signal("CONT").expect("SIGCONT");
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while readyz(replicas[0].metrics.unwrap()).await != 503 {
+        assert!(
+            Instant::now() < deadline,
+            "the old leader did not step down"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let stepped_down = Instant::now();
+    let mut refusals = Vec::new();
+    loop {
+        match shard.get(get()).await {
+            Ok(_) => break,
+            Err(status) => refusals.push(status.code()),
+        }
+        assert!(
+            stepped_down.elapsed() < Duration::from_secs(5),
+            "the channel stayed on the old leader: {refusals:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    eprintln!(
+        "the client reached the new leader {:?} after the old one stepped down; refused \
+         meanwhile: {refusals:?}",
+        stepped_down.elapsed()
+    );
+    assert_eq!(
+        service.connections.load(Ordering::SeqCst),
+        2,
+        "the channel reconnected once, through the Service"
+    );
+    drop(cluster);
+}
+
+/// HTTP status of `path` on a metrics address (0 when the port does not answer).
+async fn http_status(addr: SocketAddr, path: &str) -> u16 {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let attempt = async {
+        let mut tcp = tokio::net::TcpStream::connect(addr).await.ok()?;
+        tcp.write_all(format!("GET {path} HTTP/1.0\r\nHost: x\r\n\r\n").as_bytes())
+            .await
+            .ok()?;
+        let mut out = Vec::new();
+        tcp.read_to_end(&mut out).await.ok()?;
+        String::from_utf8_lossy(&out)
+            .split_whitespace()
+            .nth(1)?
+            .parse()
+            .ok()
+    };
+    tokio::time::timeout(Duration::from_secs(1), attempt)
+        .await
+        .ok()
+        .flatten()
+        .unwrap_or(0)
+}
+
+/// Three replicas labelling their pods through a loopback stand-in of the Kubernetes API: the
+/// leader's pod carries `bigfleet-leader=true`, the others `false`, and after kill -9 of the
+/// leader the new leader's pod turns `true`. Standbys pass the replica readiness endpoint once
+/// warm. The service account token never shows in a replica's log.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_leader_labels_its_pod_and_a_new_leader_takes_the_label_over() {
+    use provider_core::leader_label::testing::FakeKubeApi;
+    const TOKEN: &str = "ha-test-service-account-token-91f3";
+    let pki = wire::pki_dir(&root());
+    let api = FakeKubeApi::start(
+        &std::fs::read(pki.join("server.pem")).unwrap(),
+        &std::fs::read(pki.join("server-key.pem")).unwrap(),
+    )
+    .await;
+    let credentials =
+        std::env::temp_dir().join(format!("bigfleet-ha-label-{}", std::process::id()));
+    std::fs::create_dir_all(&credentials).unwrap();
+    std::fs::write(credentials.join("token"), TOKEN).unwrap();
+    std::fs::copy(pki.join("ca.pem"), credentials.join("ca.crt")).unwrap();
+    // A refused patch first: it is retried, and its message (which echoes the request's
+    // headers) must not bring the token into the log.
+    api.fail_next(&[403]);
+
+    let cluster = blocking(|| Cluster::start(3));
+    let state = cluster.state("/bigfleet/ha-label");
+    let mut replicas = Vec::new();
+    for i in 0..3 {
+        let mut spec = spec(&state, &format!("replica-{i}"), TTL);
+        spec.args.extend([
+            "--leader-label".into(),
+            format!("--pod-name=replica-{i}"),
+            "--pod-namespace=bigfleet".into(),
+            format!("--kubernetes-credentials={}", credentials.display()),
+            format!("--kubernetes-api=https://{}", api.addr),
+        ]);
+        replicas.push(
+            provider_process::start_answering(spec)
+                .await
+                .expect("replica answers health"),
+        );
+        if i == 0 {
+            assert_eq!(
+                leader(std::slice::from_ref(&replicas[0]), Duration::from_secs(10)).await,
+                0
+            );
+        }
+    }
+    let _logs = LogsOnFailure(&replicas);
+    let labels = |api: &FakeKubeApi| -> Vec<Option<String>> {
+        (0..3)
+            .map(|i| api.label("bigfleet", &format!("replica-{i}")))
+            .collect()
+    };
+    let until = |want: [&'static str; 3], api: &'static FakeKubeApi| async move {
+        let deadline = Instant::now() + Duration::from_secs(10);
+        loop {
+            let now = labels(api);
+            if now.iter().zip(want).all(|(l, w)| l.as_deref() == Some(w)) {
+                return Instant::now();
+            }
+            assert!(
+                Instant::now() < deadline,
+                "labels {now:?}, expected {want:?}"
+            );
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    };
+    // The stand-in outlives the test body's borrows.
+    let api: &'static FakeKubeApi = Box::leak(Box::new(api));
+    until(["true", "false", "false"], api).await;
+    // Every replica is ready for a replicated Deployment: the leader, and the warm standbys.
+    let deadline = Instant::now() + Duration::from_secs(10);
+    for r in &replicas {
+        while http_status(r.metrics.unwrap(), "/readyz/replica").await != 200 {
+            assert!(Instant::now() < deadline, "{} is not warm", r.spec.name);
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    }
+    assert_eq!(readyz(replicas[1].metrics.unwrap()).await, 503);
+
+    let killed = Instant::now();
+    replicas[0].signal("KILL").expect("kill -9");
+    let new_leader = leader(&replicas[1..], Duration::from_secs(10)).await + 1;
+    let mut want = ["false", "false", "false"];
+    want[0] = "true"; // the killed pod keeps its last label (its endpoint goes with the pod)
+    want[new_leader] = "true";
+    let labelled = until(want, api).await;
+    eprintln!(
+        "kill -9 of the leader (lease TTL {TTL}): replica {new_leader}'s pod labelled leader {:?} \
+         after the kill",
+        labelled - killed
+    );
+    for r in &replicas {
+        assert!(
+            !r.logs().contains(TOKEN),
+            "{} logged the token",
+            r.spec.name
+        );
+    }
+    assert!(
+        replicas.iter().any(|r| r.logs().contains("HTTP 403")),
+        "the refused patch was logged"
+    );
+    assert_eq!(api.seen()[0].authorization, format!("Bearer {TOKEN}"));
+    let _ = std::fs::remove_dir_all(&credentials);
+    drop(cluster);
+}

@@ -7,6 +7,7 @@
 //! was compacted away starts over with a full read.
 
 use std::collections::BTreeMap;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
 
@@ -32,30 +33,36 @@ pub(crate) struct Follower {
     copy: Arc<Mutex<Copy>>,
     revision: watch::Receiver<i64>,
     stop: CancellationToken,
+    warm: Arc<AtomicBool>,
 }
 
 impl Drop for Follower {
     fn drop(&mut self) {
         self.stop.cancel();
+        self.warm.store(false, Ordering::SeqCst);
     }
 }
 
 impl Follower {
-    pub fn start(client: Client, keys: Keys) -> Follower {
+    /// Starts following; `warm` is set while the copy is read and its watch is open.
+    pub fn start(client: Client, keys: Keys, warm: Arc<AtomicBool>) -> Follower {
         let copy = Arc::new(Mutex::new(Copy::default()));
         let (revision_tx, revision) = watch::channel(0);
         let stop = CancellationToken::new();
+        warm.store(false, Ordering::SeqCst);
         tokio::spawn(follow(
             client,
             keys,
             copy.clone(),
             revision_tx,
             stop.clone(),
+            warm.clone(),
         ));
         Follower {
             copy,
             revision,
             stop,
+            warm,
         }
     }
 
@@ -159,6 +166,7 @@ async fn follow(
     copy: Arc<Mutex<Copy>>,
     revision: watch::Sender<i64>,
     stop: CancellationToken,
+    warm: Arc<AtomicBool>,
 ) {
     let mut synced: Option<i64> = None;
     loop {
@@ -190,8 +198,9 @@ async fn follow(
         };
         let ended = tokio::select! {
             _ = stop.cancelled() => return,
-            ended = watch_from(&client, &keys, &copy, &revision, at + 1) => ended,
+            ended = watch_from(&client, &keys, &copy, &revision, at + 1, &warm) => ended,
         };
+        warm.store(false, Ordering::SeqCst);
         match ended {
             Ended::Compacted => synced = None,
             Ended::Broken => {
@@ -212,6 +221,7 @@ async fn watch_from(
     copy: &Mutex<Copy>,
     revision: &watch::Sender<i64>,
     start: i64,
+    warm: &AtomicBool,
 ) -> Ended {
     let (range_start, range_end) = keys.range();
     let (tx, rx) = mpsc::channel(1);
@@ -243,6 +253,8 @@ async fn watch_from(
     };
     // `tx` stays alive with the stream: dropping it would close the request side.
     let _requests = tx;
+    // The copy is read and the watch delivers every change from its revision on.
+    warm.store(true, Ordering::SeqCst);
     while let Some(message) = stream.next().await {
         let response = match message {
             Ok(r) => r,

@@ -101,7 +101,11 @@ pub async fn run(prepared: Prepared, setup: ReplicaSetup, stop: CancellationToke
     // The lease and token of the last term, so a replica that lost its hold but whose claim is
     // still in etcd can give it up at once instead of waiting for the TTL.
     let mut previous: Option<(i64, Vec<u8>)> = None;
-    let mut follower = Some(Follower::start(client.clone(), keys.clone()));
+    let mut follower = Some(Follower::start(
+        client.clone(),
+        keys.clone(),
+        replica.warmth(),
+    ));
     let mut announced_standby = false;
     loop {
         // Campaign.
@@ -180,7 +184,11 @@ pub async fn run(prepared: Prepared, setup: ReplicaSetup, stop: CancellationToke
                 tracing::error!(state = describe, error = %e, "takeover: could not read the state; giving the claim up");
                 keep_alive.cancel();
                 revoke(&client, lease).await;
-                follower = Some(Follower::start(client.clone(), keys.clone()));
+                follower = Some(Follower::start(
+                    client.clone(),
+                    keys.clone(),
+                    replica.warmth(),
+                ));
                 back_off(&stop).await;
                 continue;
             }
@@ -192,7 +200,11 @@ pub async fn run(prepared: Prepared, setup: ReplicaSetup, stop: CancellationToke
             Err(e) => {
                 tracing::error!(state = describe, error = %e, "takeover: the engine did not start on the state; giving the claim up");
                 let _ = store.release_bounded().await;
-                follower = Some(Follower::start(client.clone(), keys.clone()));
+                follower = Some(Follower::start(
+                    client.clone(),
+                    keys.clone(),
+                    replica.warmth(),
+                ));
                 back_off(&stop).await;
                 continue;
             }
@@ -245,7 +257,11 @@ pub async fn run(prepared: Prepared, setup: ReplicaSetup, stop: CancellationToke
         let _ = term.store.release_bounded().await;
         previous = Some((term.lease, term.token.clone()));
         drop(term);
-        follower = Some(Follower::start(client.clone(), keys.clone()));
+        follower = Some(Follower::start(
+            client.clone(),
+            keys.clone(),
+            replica.warmth(),
+        ));
     }
 }
 

@@ -63,3 +63,47 @@ severity: {{ .alert.severity }}
 {{ toYaml . }}
 {{- end }}
 {{- end -}}
+
+{{/* HA mode: the state in etcd, shared by the replicas ("true", or empty). */}}
+{{- define "bigfleet-hetzner.ha" -}}
+{{- if .Values.ha.etcd.endpoints -}}true{{- end -}}
+{{- end -}}
+
+{{/* HA mode with the Service routed to the leader by its pod label ("true", or empty). */}}
+{{- define "bigfleet-hetzner.leaderLabel" -}}
+{{- if and (include "bigfleet-hetzner.ha" .) .Values.ha.leaderLabel -}}true{{- end -}}
+{{- end -}}
+
+{{/* What HA mode refuses. */}}
+{{- define "bigfleet-hetzner.haChecks" -}}
+{{- $ha := include "bigfleet-hetzner.ha" . -}}
+{{- if and (gt (int .Values.replicaCount) 1) (not $ha) -}}
+{{- fail "replicaCount > 1 needs the state in etcd (ha.etcd.endpoints and ha.etcd.prefix): replicas of a local state would each keep their own fence marks and operation ids" -}}
+{{- end -}}
+{{- if $ha -}}
+{{- if not .Values.ha.etcd.prefix -}}
+{{- fail "ha.etcd.prefix is required with ha.etcd.endpoints: the key prefix of this release's state, unique per provider instance (e.g. /bigfleet/hetzner-nbg1)" -}}
+{{- end -}}
+{{- if .Values.state.enabled -}}
+{{- fail "state.enabled (a local state on a volume) and ha.etcd.endpoints (the state in etcd) exclude each other" -}}
+{{- end -}}
+{{- end -}}
+{{- end -}}
+
+{{/* --state for HA mode: etcd://MEMBER,MEMBER/PREFIX. */}}
+{{- define "bigfleet-hetzner.etcdState" -}}
+{{- $prefix := .Values.ha.etcd.prefix -}}
+{{- if not (hasPrefix "/" $prefix) -}}{{- $prefix = printf "/%s" $prefix -}}{{- end -}}
+{{- printf "etcd://%s%s" (join "," .Values.ha.etcd.endpoints) $prefix -}}
+{{- end -}}
+
+{{/* The etcd members' client ports, for the NetworkPolicy (2379 when an endpoint has none). */}}
+{{- define "bigfleet-hetzner.etcdPorts" -}}
+{{- $ports := list -}}
+{{- range .Values.ha.etcd.endpoints -}}
+{{- $port := "2379" -}}
+{{- if regexMatch ":[0-9]+$" . -}}{{- $port = regexFind "[0-9]+$" . -}}{{- end -}}
+{{- $ports = append $ports $port -}}
+{{- end -}}
+{{- $ports | uniq | sortAlpha | join "," -}}
+{{- end -}}
