@@ -270,16 +270,25 @@ impl DigitalOceanCloud {
     async fn wait_active(&self, id: u64, ctx: &TransitionContext) -> Result<Droplet, String> {
         let cap = self.settings.active_cap;
         let until = ctx.deadline.min(Instant::now() + cap);
+        // The last status the API answered; a poll cut short by the deadline does not hide it.
+        let mut status: Option<String> = None;
         loop {
             let last = match self.api.get_droplet_once(id, ctx.deadline).await {
                 Ok(d) if d.status == "active" => return Ok(d),
-                Ok(d) => format!("status {:?}", d.status),
+                Ok(d) => {
+                    let seen = format!("status {:?}", d.status);
+                    status = Some(seen.clone());
+                    seen
+                }
                 Err(e) if e.is_not_found() => {
                     return Err(format!(
                         "droplet {id} not found while waiting to become active (deleted out-of-band?): {e}"
                     ));
                 }
-                Err(e) => e.to_string(),
+                Err(e) => match &status {
+                    Some(seen) => format!("{seen}; then the poll failed: {e}"),
+                    None => e.to_string(),
+                },
             };
             let poll = self.settings.active_poll;
             if Instant::now() + poll >= until {

@@ -160,7 +160,7 @@ async fn waiting_for_active_gives_up_at_the_deadline() {
         .unwrap_err();
     assert!(
         err.0
-            .contains("to become active: context deadline exceeded (last: status \"new\")"),
+            .contains("to become active: context deadline exceeded (last: status \"new\""),
         "{}",
         err.0
     );
