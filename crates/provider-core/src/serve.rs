@@ -11,7 +11,6 @@ use axum::Router;
 use axum::extract::State;
 use axum::http::StatusCode;
 use axum::routing::any;
-use fleet_proto::v1alpha1::capacity_provider_server::CapacityProviderServer;
 use tokio::net::TcpListener;
 use tokio_stream::StreamExt as _;
 use tonic::transport::Server;
@@ -21,7 +20,7 @@ use tonic_health::server::HealthReporter;
 
 use crate::listener;
 use crate::replica::Replica;
-use crate::server::Service;
+use crate::server::Routes;
 use crate::telemetry::{self, Telemetry};
 
 /// Readiness as `/readyz` reports it.
@@ -109,7 +108,7 @@ pub async fn serve_grpc(
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) -> Result<(), String> {
     let telemetry = replica.telemetry();
-    let service = CapacityProviderServer::new(Service::new(replica));
+    let service = Routes::new(replica);
     let mut builder = Server::builder()
         .layer(tower::util::MapResponseLayer::new(
             oversize_is_resource_exhausted,
