@@ -395,6 +395,60 @@ mod tests {
     }
 
     #[test]
+    fn rpc_series_keep_their_names_and_labels() {
+        let handle = recorder();
+        let t = Telemetry::new("bigfleet_rpctest");
+        let ms = Duration::from_millis(1);
+        for _ in 0..2 {
+            t.rpc("Get", tonic::Code::NotFound, ms);
+        }
+        t.rpc("Get", tonic::Code::Ok, ms);
+        t.rpc("Check", tonic::Code::Unavailable, ms);
+        // A method outside the resolved table takes the registry path.
+        t.rpc("Watch", tonic::Code::Cancelled, ms);
+        let body = handle.render();
+        for (series, value) in [
+            (
+                r#"bigfleet_rpctest_grpc_requests_total{method="Get",code="NotFound"}"#,
+                2.0,
+            ),
+            (
+                r#"bigfleet_rpctest_grpc_requests_total{method="Get",code="OK"}"#,
+                1.0,
+            ),
+            (
+                r#"bigfleet_rpctest_grpc_requests_total{method="Check",code="Unavailable"}"#,
+                1.0,
+            ),
+            (
+                r#"bigfleet_rpctest_grpc_requests_total{method="Watch",code="Canceled"}"#,
+                1.0,
+            ),
+            (
+                r#"bigfleet_rpctest_grpc_request_duration_seconds_count{method="Get"}"#,
+                3.0,
+            ),
+            (
+                r#"bigfleet_rpctest_grpc_request_duration_seconds_count{method="Watch"}"#,
+                1.0,
+            ),
+        ] {
+            assert_eq!(
+                sample(&body, &format!("{series} ")),
+                Some(value),
+                "{series}\n{body}"
+            );
+        }
+        assert!(
+            !body.contains(r#"bigfleet_rpctest_grpc_requests_total{method="List""#)
+                && !body.contains(
+                    r#"bigfleet_rpctest_grpc_requests_total{method="Get",code="Internal""#
+                ),
+            "only series that happened exist: {body}"
+        );
+    }
+
+    #[test]
     fn alerting_signals_are_exported() {
         let handle = recorder();
         let t = Telemetry::new("bigfleet_telemetrytest");
