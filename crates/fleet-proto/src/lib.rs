@@ -3,6 +3,7 @@
 
 #![allow(clippy::all, missing_docs)]
 
+pub mod encoded;
 pub mod list;
 
 /// Messages and services of package `bigfleet.v1alpha1`, generated from

@@ -11,7 +11,6 @@ use axum::Router;
 use axum::extract::State;
 use axum::http::StatusCode;
 use axum::routing::any;
-use fleet_proto::v1alpha1::capacity_provider_server::CapacityProviderServer;
 use tokio::net::TcpListener;
 use tokio_stream::StreamExt as _;
 use tonic::transport::Server;
@@ -21,7 +20,7 @@ use tonic_health::server::HealthReporter;
 
 use crate::listener;
 use crate::replica::Replica;
-use crate::server::Service;
+use crate::server::Routes;
 use crate::telemetry::{self, Telemetry};
 
 /// Readiness as `/readyz` reports it.
@@ -112,7 +111,7 @@ pub async fn serve_grpc(
     // Connections end when a replica stops serving, so clients move to the leader; the only
     // replica (local state) always serves.
     let roles = (replica.role() != crate::replica::Role::Single).then(|| replica.subscribe());
-    let service = CapacityProviderServer::new(Service::new(replica));
+    let service = Routes::new(replica);
     let mut builder = Server::builder()
         .layer(tower::util::MapResponseLayer::new(
             oversize_is_resource_exhausted,

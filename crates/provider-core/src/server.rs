@@ -1,14 +1,21 @@
 //! The tonic `CapacityProvider` service: wire <-> domain conversion, one log line and one
 //! metric sample per RPC (method, machine id, code, duration), and panics answered as INTERNAL
-//! "internal error" without taking the process down.
+//! "internal error" without taking the process down. [`Routes`] is the service as served: Get
+//! answers with the machine's cached encoding.
 
+use std::convert::Infallible;
 use std::panic::AssertUnwindSafe;
 use std::sync::Arc;
+use std::task::{Context, Poll};
 use std::time::Instant;
 
+use fleet_proto::encoded::Encoded;
 use fleet_proto::v1alpha1 as pb;
-use fleet_proto::v1alpha1::capacity_provider_server::CapacityProvider;
+use fleet_proto::v1alpha1::capacity_provider_server::{CapacityProvider, CapacityProviderServer};
 use futures_util::FutureExt;
+use prost::bytes::Bytes;
+use tonic::codegen::{BoxFuture, StdError, http};
+use tonic::server::{NamedService, UnaryService};
 use tonic::{Code, Request, Response, Status};
 
 use crate::engine::{Ack, ListQuery};
@@ -69,23 +76,54 @@ where
     let started = Instant::now();
     let result = match AssertUnwindSafe(handler).catch_unwind().await {
         Ok(result) => result,
-        Err(panic) => {
-            let what = panic
-                .downcast_ref::<&str>()
-                .map(|s| (*s).to_owned())
-                .or_else(|| panic.downcast_ref::<String>().cloned())
-                .unwrap_or_else(|| "non-string panic".into());
-            tracing::error!(method = %format!("/{}/{method}", fleet_proto::SERVICE_NAME), panic = %what, "recovered panic in gRPC handler");
-            telemetry.panic();
-            Err(Status::internal("internal error"))
-        }
+        Err(panic) => Err(recovered(telemetry, method, panic)),
     };
+    record(telemetry, method, machine_id, started, result)
+}
+
+/// [`observe`] for a handler that does not wait: no future to build and poll.
+pub fn observe_now<T>(
+    telemetry: Telemetry,
+    method: &'static str,
+    machine_id: &str,
+    handler: impl FnOnce() -> Result<T, Status>,
+) -> Result<T, Status> {
+    let started = Instant::now();
+    let result = match std::panic::catch_unwind(AssertUnwindSafe(handler)) {
+        Ok(result) => result,
+        Err(panic) => Err(recovered(telemetry, method, panic)),
+    };
+    record(telemetry, method, machine_id, started, result)
+}
+
+fn recovered(
+    telemetry: Telemetry,
+    method: &'static str,
+    panic: Box<dyn std::any::Any + Send>,
+) -> Status {
+    let what = panic
+        .downcast_ref::<&str>()
+        .map(|s| (*s).to_owned())
+        .or_else(|| panic.downcast_ref::<String>().cloned())
+        .unwrap_or_else(|| "non-string panic".into());
+    tracing::error!(method = %format!("/{}/{method}", fleet_proto::SERVICE_NAME), panic = %what, "recovered panic in gRPC handler");
+    telemetry.panic();
+    Status::internal("internal error")
+}
+
+fn record<T>(
+    telemetry: Telemetry,
+    method: &'static str,
+    machine_id: &str,
+    started: Instant,
+    result: Result<T, Status>,
+) -> Result<T, Status> {
     let elapsed = started.elapsed();
     let code = result
         .as_ref()
         .map(|_| Code::Ok)
         .unwrap_or_else(|s| s.code());
-    telemetry.rpc(method, code_name(code), elapsed);
+    telemetry.rpc(method, code, elapsed);
     let dur_ms = elapsed.as_secs_f64() * 1000.0;
     let mutating = matches!(method, "Create" | "Configure" | "Drain" | "Delete");
     match (&result, mutating) {
@@ -141,6 +179,13 @@ pub fn machine_to_wire(m: &Machine) -> pb::Machine {
         cluster: m.cluster.clone(),
         shard_metadata: hash_map(&m.shard_metadata),
     }
+}
+
+/// The encoded wire form of a machine (the bytes of [`machine_to_wire`]), built on first use
+/// and kept with the machine until it changes (see [`crate::machine::WireCache`]).
+pub fn wire_bytes(m: &Machine) -> Bytes {
+    m.wire
+        .get_or_init(|| pb::MachineList::encode_machine(&machine_to_wire(m)))
 }
 
 fn ack(a: Ack) -> pb::TransitionAck {
@@ -249,14 +294,14 @@ impl CapacityProvider for Service {
         .await
     }
 
+    /// Get as a built message. [`Routes`] serves Get with [`Service::get_encoded`] instead;
+    /// both answer the same bytes.
     async fn get(&self, request: Request<pb::MachineRef>) -> Result<Response<pb::Machine>, Status> {
-        let r = request.into_inner();
-        let replica = self.replica.clone();
-        observe(self.telemetry, "Get", &r.id.clone(), async move {
-            let m = replica.reader()?.get(&r.id)?;
+        let id = request.into_inner().id;
+        observe_now(self.telemetry, "Get", &id, || {
+            let m = self.replica.reader()?.get(&id)?;
             Ok(Response::new(machine_to_wire(&m)))
         })
-        .await
     }
 
     async fn list(
@@ -278,15 +323,8 @@ impl CapacityProvider for Service {
                 since_revision: r.since_revision,
             };
             let listing = engine.list(&query);
-            // Each machine is encoded once per change and reused by every later List.
-            let encoded = listing
-                .machines
-                .iter()
-                .map(|m| {
-                    m.wire
-                        .get_or_init(|| pb::MachineList::encode_machine(&machine_to_wire(m)))
-                })
-                .collect();
+            // Each machine is encoded once per change and reused by every later List and Get.
+            let encoded = listing.machines.iter().map(|m| wire_bytes(m)).collect();
             Ok(Response::new(pb::MachineList {
                 machines: Vec::new(),
                 revision: listing.revision.to_string().into_bytes(),
@@ -294,6 +332,85 @@ impl CapacityProvider for Service {
             }))
         })
         .await
+    }
+}
+
+impl Service {
+    /// Get's answer as the encoded machine: the bytes kept with the machine since its last
+    /// change, encoded here only if no List or Get needed them since.
+    pub fn get_encoded(&self, id: &str) -> Result<Encoded, Status> {
+        observe_now(self.telemetry, "Get", id, || {
+            let m = self.replica.reader()?.get(id)?;
+            Ok(Encoded(wire_bytes(&m)))
+        })
+    }
+}
+
+/// The gRPC path of Get.
+const GET_PATH: &str = "/bigfleet.v1alpha1.CapacityProvider/Get";
+
+/// The `CapacityProvider` service as served: Get answers with the machine's encoded bytes
+/// ([`Service::get_encoded`]) without building a `pb::Machine`; every other method goes to
+/// the generated server. The bytes on the wire are those the generated Get would send.
+#[derive(Debug, Clone)]
+pub struct Routes {
+    service: Arc<Service>,
+    generated: CapacityProviderServer<Service>,
+}
+
+impl Routes {
+    pub fn new(replica: Arc<Replica>) -> Routes {
+        let service = Arc::new(Service::new(replica));
+        Routes {
+            generated: CapacityProviderServer::from_arc(service.clone()),
+            service,
+        }
+    }
+}
+
+impl NamedService for Routes {
+    const NAME: &'static str = fleet_proto::SERVICE_NAME;
+}
+
+impl<B> tower::Service<http::Request<B>> for Routes
+where
+    B: tonic::codegen::Body + Send + 'static,
+    B::Error: Into<StdError> + Send + 'static,
+{
+    type Response = http::Response<tonic::body::Body>;
+    type Error = Infallible;
+    type Future = BoxFuture<Self::Response, Infallible>;
+
+    fn poll_ready(&mut self, _cx: &mut Context<'_>) -> Poll<Result<(), Infallible>> {
+        Poll::Ready(Ok(()))
+    }
+
+    fn call(&mut self, request: http::Request<B>) -> Self::Future {
+        if request.uri().path() != GET_PATH {
+            return self.generated.call(request);
+        }
+        let get = EncodedGet(self.service.clone());
+        Box::pin(async move {
+            // The generated Get's codec settings: no compression, default message limits.
+            let mut grpc = tonic::server::Grpc::new(tonic_prost::ProstCodec::<
+                Encoded,
+                pb::MachineRef,
+            >::default());
+            Ok(grpc.unary(get, request).await)
+        })
+    }
+}
+
+/// Get answered from the cached encoding.
+struct EncodedGet(Arc<Service>);
+
+impl UnaryService<pb::MachineRef> for EncodedGet {
+    type Response = Encoded;
+    type Future = std::future::Ready<Result<Response<Encoded>, Status>>;
+
+    fn call(&mut self, request: Request<pb::MachineRef>) -> Self::Future {
+        let id = request.into_inner().id;
+        std::future::ready(self.0.get_encoded(&id).map(Response::new))
     }
 }
 
@@ -337,3 +454,6 @@ mod tests {
         assert_eq!(code_name(Code::Cancelled), "Canceled");
     }
 }
+
+#[cfg(test)]
+mod wire_tests;

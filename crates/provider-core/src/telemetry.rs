@@ -5,7 +5,7 @@
 use std::sync::OnceLock;
 use std::time::Duration;
 
-use metrics::{counter, gauge, histogram};
+use metrics::{Counter, Histogram, counter, gauge, histogram};
 use metrics_exporter_prometheus::{Matcher, PrometheusBuilder, PrometheusHandle};
 
 /// The metric names of one provider binary.
@@ -46,6 +46,42 @@ pub struct Telemetry {
     pub takeover_duration: &'static str,
     pub step_downs: &'static str,
     pub leader_label: &'static str,
+    /// The per-RPC series, resolved once per method and code.
+    rpc_series: &'static RpcSeries,
+}
+
+/// The methods whose per-RPC series are resolved once (the CapacityProvider methods and the
+/// health check); any other method name is recorded through the registry on every call.
+const RPC_METHODS: [&str; 7] = [
+    "Create",
+    "Configure",
+    "Drain",
+    "Delete",
+    "Get",
+    "List",
+    "Check",
+];
+
+/// gRPC status codes, 0 (OK) to 16 (UNAUTHENTICATED).
+const RPC_CODES: usize = 17;
+
+/// Handles of `<prefix>_grpc_requests_total{method,code}` and
+/// `<prefix>_grpc_request_duration_seconds{method}`, each resolved from the recorder on its
+/// first use (so a series exists only once it has happened, as with the macros), so that an
+/// RPC costs an index and the increments, with no label building, hashing or allocation.
+struct RpcSeries {
+    requests: [[OnceLock<Counter>; RPC_CODES]; RPC_METHODS.len()],
+    durations: [OnceLock<Histogram>; RPC_METHODS.len()],
+}
+
+impl std::fmt::Debug for RpcSeries {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("RpcSeries")
+    }
+}
+
+fn method_index(method: &str) -> Option<usize> {
+    RPC_METHODS.iter().position(|m| *m == method)
 }
 
 fn leak(prefix: &str, name: &str) -> &'static str {
@@ -97,14 +133,39 @@ impl Telemetry {
             takeover_duration: leak(prefix, "takeover_duration_seconds"),
             step_downs: leak(prefix, "step_downs_total"),
             leader_label: leak(prefix, "leader_label_updates_total"),
+            rpc_series: Box::leak(Box::new(RpcSeries {
+                requests: std::array::from_fn(|_| std::array::from_fn(|_| OnceLock::new())),
+                durations: std::array::from_fn(|_| OnceLock::new()),
+            })),
         };
         cache.push((prefix.to_owned(), t));
         t
     }
 
-    pub fn rpc(&self, method: &'static str, code: &'static str, elapsed: Duration) {
-        counter!(self.grpc_requests, "method" => method, "code" => code).increment(1);
-        histogram!(self.grpc_duration, "method" => method).record(elapsed.as_secs_f64());
+    /// One finished RPC: `<prefix>_grpc_requests_total{method,code}` and
+    /// `<prefix>_grpc_request_duration_seconds{method}`, `code` spelled as [`code_name`] does.
+    ///
+    /// [`code_name`]: crate::server::code_name
+    pub fn rpc(&self, method: &'static str, code: tonic::Code, elapsed: Duration) {
+        let seconds = elapsed.as_secs_f64();
+        let code_label = crate::server::code_name(code);
+        // Handles resolved before the process recorder exists would record nowhere forever:
+        // until it is installed, every call goes through the registry.
+        let cell = method_index(method)
+            .filter(|_| RECORDER.get().is_some())
+            .zip(usize::try_from(i32::from(code)).ok())
+            .filter(|(_, column)| *column < RPC_CODES);
+        let Some((row, column)) = cell else {
+            counter!(self.grpc_requests, "method" => method, "code" => code_label).increment(1);
+            histogram!(self.grpc_duration, "method" => method).record(seconds);
+            return;
+        };
+        self.rpc_series.requests[row][column]
+            .get_or_init(|| counter!(self.grpc_requests, "method" => method, "code" => code_label))
+            .increment(1);
+        self.rpc_series.durations[row]
+            .get_or_init(|| histogram!(self.grpc_duration, "method" => method))
+            .record(seconds);
     }
 
     pub fn panic(&self) {
@@ -295,10 +356,11 @@ impl Telemetry {
     }
 }
 
+static RECORDER: OnceLock<PrometheusHandle> = OnceLock::new();
+
 /// The process-wide Prometheus recorder. Installed once; later calls share the same handle.
 pub fn recorder() -> PrometheusHandle {
-    static HANDLE: OnceLock<PrometheusHandle> = OnceLock::new();
-    HANDLE
+    RECORDER
         .get_or_init(|| {
             let buckets = [
                 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0,
@@ -339,6 +401,60 @@ mod tests {
             .find(|l| l.starts_with(name) && !l.starts_with('#'))
             .and_then(|l| l.rsplit(' ').next())
             .and_then(|v| v.parse().ok())
+    }
+
+    #[test]
+    fn rpc_series_keep_their_names_and_labels() {
+        let handle = recorder();
+        let t = Telemetry::new("bigfleet_rpctest");
+        let ms = Duration::from_millis(1);
+        for _ in 0..2 {
+            t.rpc("Get", tonic::Code::NotFound, ms);
+        }
+        t.rpc("Get", tonic::Code::Ok, ms);
+        t.rpc("Check", tonic::Code::Unavailable, ms);
+        // A method outside the resolved table takes the registry path.
+        t.rpc("Watch", tonic::Code::Cancelled, ms);
+        let body = handle.render();
+        for (series, value) in [
+            (
+                r#"bigfleet_rpctest_grpc_requests_total{method="Get",code="NotFound"}"#,
+                2.0,
+            ),
+            (
+                r#"bigfleet_rpctest_grpc_requests_total{method="Get",code="OK"}"#,
+                1.0,
+            ),
+            (
+                r#"bigfleet_rpctest_grpc_requests_total{method="Check",code="Unavailable"}"#,
+                1.0,
+            ),
+            (
+                r#"bigfleet_rpctest_grpc_requests_total{method="Watch",code="Canceled"}"#,
+                1.0,
+            ),
+            (
+                r#"bigfleet_rpctest_grpc_request_duration_seconds_count{method="Get"}"#,
+                3.0,
+            ),
+            (
+                r#"bigfleet_rpctest_grpc_request_duration_seconds_count{method="Watch"}"#,
+                1.0,
+            ),
+        ] {
+            assert_eq!(
+                sample(&body, &format!("{series} ")),
+                Some(value),
+                "{series}\n{body}"
+            );
+        }
+        assert!(
+            !body.contains(r#"bigfleet_rpctest_grpc_requests_total{method="List""#)
+                && !body.contains(
+                    r#"bigfleet_rpctest_grpc_requests_total{method="Get",code="Internal""#
+                ),
+            "only series that happened exist: {body}"
+        );
     }
 
     #[test]
