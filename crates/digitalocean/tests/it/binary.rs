@@ -5,7 +5,7 @@
 use std::path::{Path, PathBuf};
 use std::process::Stdio;
 use std::sync::{Arc, Mutex};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use digitalocean::naming::machine_tag;
 use do_emulator::Emulator;
@@ -152,6 +152,20 @@ impl Provider {
         }
     }
 
+    /// Waits up to 10 s for `line` in the log (lines from tasks that start next to gRPC may
+    /// follow readiness by a moment).
+    async fn wait_for_log(&self, line: &str) {
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while !self.logs().contains(line) {
+            assert!(
+                Instant::now() < deadline,
+                "no {line:?} in the log:\n{}",
+                self.logs()
+            );
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    }
+
     fn logs(&self) -> String {
         String::from_utf8_lossy(&self.output.lock().unwrap()).into_owned()
     }
@@ -261,11 +275,8 @@ fn read(dir: &Path, name: &str) -> String {
 #[tokio::test]
 async fn the_binary_runs_the_whole_lifecycle_with_real_agents() {
     let mut p = Provider::start(&[]).await;
-    assert!(
-        p.logs().contains("serving on-host agent bootstrap channel"),
-        "{}",
-        p.logs()
-    );
+    p.wait_for_log("serving on-host agent bootstrap channel")
+        .await;
     let ids = p.speculative(2).await;
     let (good, bad) = (ids[0].clone(), ids[1].clone());
 
