@@ -93,6 +93,10 @@ fn spec(state: &str) -> Spec {
             "--use-fake-backend".into(),
             "--seed-count=4".into(),
             "--fake-latency=50ms".into(),
+            // The fake cloud's hosts live in the process: a reconcile after the kill would
+            // rightly find the servers of finished Creates gone and return their machines to
+            // SPECULATIVE, and a retried Create would then start a new operation.
+            "--reconcile-interval=0".into(),
             format!("--state={state}"),
             "--etcd-lease-ttl=1s".into(),
         ],
