@@ -61,25 +61,7 @@ async fn start_replica(state: &str, name: &str, ttl: &str) -> Provider {
 
 /// `/readyz` status code (0 when the port does not answer).
 async fn readyz(addr: SocketAddr) -> u16 {
-    use tokio::io::{AsyncReadExt, AsyncWriteExt};
-    let attempt = async {
-        let mut tcp = tokio::net::TcpStream::connect(addr).await.ok()?;
-        tcp.write_all(b"GET /readyz HTTP/1.0\r\nHost: x\r\n\r\n")
-            .await
-            .ok()?;
-        let mut out = Vec::new();
-        tcp.read_to_end(&mut out).await.ok()?;
-        String::from_utf8_lossy(&out)
-            .split_whitespace()
-            .nth(1)?
-            .parse()
-            .ok()
-    };
-    tokio::time::timeout(Duration::from_secs(1), attempt)
-        .await
-        .ok()
-        .flatten()
-        .unwrap_or(0)
+    http_status(addr, "/readyz").await
 }
 
 /// A client with a short deadline per call: a paused replica must not stall the stream.
