@@ -467,14 +467,18 @@ impl HcloudApi {
         Ok(())
     }
 
-    /// Deletes a server; one that does not exist counts as deleted.
-    pub async fn delete_server(&self, id: i64, deadline: Option<Instant>) -> Result<(), ApiError> {
-        let path = format!("/servers/{id}");
-        let result: Result<models::DeleteServerResponse, _> = self
+    /// An idempotent DELETE where a resource that is already gone (404) counts as deleted.
+    async fn delete_absent_ok<T: DeserializeOwned>(
+        &self,
+        label: &'static str,
+        path: &str,
+        deadline: Option<Instant>,
+    ) -> Result<(), ApiError> {
+        let result: Result<T, _> = self
             .call(
-                "DELETE /servers/{id}",
+                label,
                 Method::DELETE,
-                &path,
+                path,
                 &[],
                 None,
                 deadline,
@@ -486,6 +490,17 @@ impl HcloudApi {
             Err(e) if e.status() == Some(404) => Ok(()),
             Err(e) => Err(e),
         }
+    }
+
+    /// Deletes a server; one that does not exist counts as deleted.
+    pub async fn delete_server(&self, id: i64, deadline: Option<Instant>) -> Result<(), ApiError> {
+        let path = format!("/servers/{id}");
+        self.delete_absent_ok::<models::DeleteServerResponse>(
+            "DELETE /servers/{id}",
+            &path,
+            deadline,
+        )
+        .await
     }
 
     /// A server type by name.
@@ -783,22 +798,8 @@ impl HcloudApi {
         deadline: Option<Instant>,
     ) -> Result<(), ApiError> {
         let path = format!("/placement_groups/{id}");
-        let result: Result<serde_json::Value, _> = self
-            .call(
-                "DELETE /placement_groups/{id}",
-                Method::DELETE,
-                &path,
-                &[],
-                None,
-                deadline,
-                Repeat::Idempotent,
-            )
-            .await;
-        match result {
-            Ok(_) => Ok(()),
-            Err(e) if e.status() == Some(404) => Ok(()),
-            Err(e) => Err(e),
-        }
+        self.delete_absent_ok::<serde_json::Value>("DELETE /placement_groups/{id}", &path, deadline)
+            .await
     }
 
     /// Attaches a server to a network in the subnet `ip_range`; already attached counts as done.
