@@ -14,8 +14,36 @@ mod repo;
 mod soak;
 mod suite;
 
-fn main() -> anyhow::Result<()> {
+fn main() -> std::process::ExitCode {
     let args: Vec<String> = std::env::args().skip(1).collect();
+    match dispatch(&args) {
+        Ok(()) => std::process::ExitCode::SUCCESS,
+        Err(e) => {
+            // The whole chain first (it may carry long process logs), then each cause on one
+            // short line, so the end of the output always says what failed.
+            eprintln!("error: {e:#}");
+            eprintln!(
+                "\nxtask {} failed:",
+                args.first().map_or("", String::as_str)
+            );
+            for cause in e.chain() {
+                eprintln!("  - {}", headline(&cause.to_string()));
+            }
+            std::process::ExitCode::FAILURE
+        }
+    }
+}
+
+/// The first line of `text`, at most 300 characters.
+fn headline(text: &str) -> String {
+    let line = text.lines().next().unwrap_or_default();
+    match line.char_indices().nth(300) {
+        Some((cut, _)) => format!("{}…", &line[..cut]),
+        None => line.to_owned(),
+    }
+}
+
+fn dispatch(args: &[String]) -> anyhow::Result<()> {
     match args.first().map(String::as_str) {
         Some("bench") => bench::run(&args[1..]),
         Some("certs") => certs::run(&args[1..]),

@@ -68,29 +68,34 @@ impl Follower {
 
     /// The state as of etcd revision `at` or later, once the copy has caught up (waits at most
     /// `within`). `None` when it did not catch up or a key did not decode: the caller reads the
-    /// prefix itself.
-    pub async fn snapshot_at(
-        &mut self,
+    /// prefix itself. Consumes the follower: its watch stops and the copy's records move into
+    /// the snapshot, so a takeover never holds the inventory twice.
+    pub async fn into_snapshot_at(
+        mut self,
         keys: &Keys,
         at: i64,
         within: Duration,
     ) -> Option<Snapshot> {
         let caught_up = tokio::time::timeout(within, self.revision.wait_for(|r| *r >= at)).await;
+        self.stop.cancel();
         if !matches!(caught_up, Ok(Ok(_))) {
             return None;
         }
-        let copy = self.copy.lock().unwrap_or_else(PoisonError::into_inner);
-        if copy.broken.is_some() {
-            return None;
-        }
+        let entries = {
+            let mut copy = self.copy.lock().unwrap_or_else(PoisonError::into_inner);
+            if copy.broken.is_some() {
+                return None;
+            }
+            std::mem::take(&mut copy.entries)
+        };
         let mut meta: Option<Meta> = None;
         let mut snapshot = Snapshot::default();
-        for entry in copy.entries.values() {
+        for entry in entries.into_values() {
             match entry {
                 Entry::Owner => {}
-                Entry::Meta(m) => meta = Some(*m),
-                Entry::Slot(slot) => snapshot.slots.push((**slot).clone()),
-                Entry::Fence(fence) => snapshot.fences.push(fence.clone()),
+                Entry::Meta(m) => meta = Some(m),
+                Entry::Slot(slot) => snapshot.slots.push(*slot),
+                Entry::Fence(fence) => snapshot.fences.push(fence),
             }
         }
         assemble(keys, meta, snapshot).ok()

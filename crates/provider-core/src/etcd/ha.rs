@@ -168,12 +168,11 @@ pub async fn run(prepared: Prepared, setup: ReplicaSetup, stop: CancellationToke
         let (guarded, keep_alive) = guard(client.clone(), keys.clone(), claim, describe.clone());
         let hold = guarded.hold.clone();
         // Take the state: the follower's copy once it saw our own claim, or a full read.
-        let copied = match follower.as_mut() {
-            Some(f) => f.snapshot_at(&keys, at, CATCH_UP).await,
+        // Leading: the follower stops either way.
+        let copied = match follower.take() {
+            Some(f) => f.into_snapshot_at(&keys, at, CATCH_UP).await,
             None => None,
         };
-        // Leading: stop following.
-        drop(follower.take());
         let snapshot = match copied {
             Some(s) => Ok(s),
             None => read_state(&client, &keys).await,

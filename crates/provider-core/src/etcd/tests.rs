@@ -892,3 +892,65 @@ mod engine_restart {
         });
     }
 }
+
+/// A standby's copy, kept by the watch through puts, overwrites and deletes, hands over exactly
+/// the state a full read returns, and the follower stops with it.
+#[test]
+fn a_followers_copy_hands_over_the_state_a_full_read_returns() {
+    let cluster = Cluster::start(1);
+    let state = cluster.state("/bigfleet/follow");
+    let rt = runtime();
+    rt.block_on(async {
+        let store = EtcdStore::open(&state, &args()).await.expect("open");
+        store.load().expect("load");
+        let keys = Keys::new("/bigfleet/follow");
+        let warm = Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let follower = follow::Follower::start(cluster.client(), keys.clone(), warm.clone());
+        let within = Instant::now() + Duration::from_secs(10);
+        while !warm.load(std::sync::atomic::Ordering::SeqCst) {
+            assert!(
+                Instant::now() < within,
+                "the follower never read the prefix"
+            );
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        for round in 1..=5_i64 {
+            // 40 machines, then overwrites of ten and one removal per round.
+            let written = if round == 1 { 40 } else { 10 };
+            let mut batch: Vec<Change> = (0..written)
+                .map(|n| Change::PutSlot(slot(&format!("m-{n:02}"), round * 100 + n)))
+                .collect();
+            if round > 1 {
+                batch.push(Change::RemoveSlot(format!("m-{:02}", round * 7)));
+            }
+            batch.push(fence("s/1", &format!("m-{round}"), round, round));
+            batch.push(counters(round, round as u64 * 10));
+            commit(&store, batch).await.expect("commit");
+        }
+        let mut kv = cluster.client().kv();
+        let head = kv
+            .range(pb::RangeRequest {
+                key: keys.meta(),
+                ..Default::default()
+            })
+            .await
+            .expect("range")
+            .into_inner()
+            .header
+            .expect("header")
+            .revision;
+        let copied = follower
+            .into_snapshot_at(&keys, head, Duration::from_secs(10))
+            .await
+            .expect("the copy reached the head revision");
+        assert!(
+            !warm.load(std::sync::atomic::Ordering::SeqCst),
+            "the follower stopped"
+        );
+        let read = read_state(&cluster.client(), &keys).await.expect("read");
+        assert_eq!(copied, read);
+        assert_eq!(copied.slots.len(), 36, "40 machines less the 4 removed");
+        assert_eq!(copied.slots[0].last_change, 500, "m-00 as last overwritten");
+        assert_eq!((copied.revision, copied.next_op), (5, 50));
+    });
+}
