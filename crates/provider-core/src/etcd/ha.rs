@@ -250,6 +250,7 @@ pub async fn run(prepared: Prepared, setup: ReplicaSetup, stop: CancellationToke
         telemetry.step_down();
         tracing::error!(
             state = describe,
+            why = term.hold.loss(),
             "leader: the claim on the state is no longer held; acknowledging nothing more, \
              answering reads from memory until a leader is known"
         );

@@ -482,8 +482,13 @@ pub(crate) struct Hold {
     origin: Instant,
     /// Milliseconds after `origin` until which the claim may be used.
     valid_until_ms: std::sync::atomic::AtomicU64,
+    /// Milliseconds after `origin` at which the last confirmed keep-alive was sent.
+    confirmed_ms: std::sync::atomic::AtomicU64,
+    ttl: Duration,
     margin: Duration,
     lost: CancellationToken,
+    /// Why the claim was given up, when something other than time ended it.
+    why: Mutex<Option<String>>,
 }
 
 impl Hold {
@@ -491,8 +496,11 @@ impl Hold {
         let hold = Arc::new(Hold {
             origin: claim.granted_at,
             valid_until_ms: std::sync::atomic::AtomicU64::new(0),
+            confirmed_ms: std::sync::atomic::AtomicU64::new(0),
+            ttl: claim.ttl,
             margin: safety_margin(claim.ttl),
             lost: CancellationToken::new(),
+            why: Mutex::new(None),
         });
         hold.confirm(claim.granted_at, claim.ttl);
         hold
@@ -507,6 +515,8 @@ impl Hold {
         let until = (sent + ttl).saturating_duration_since(self.origin);
         let until = until.saturating_sub(self.margin).as_millis() as u64;
         self.valid_until_ms.fetch_max(until, Ordering::SeqCst);
+        let sent = sent.saturating_duration_since(self.origin).as_millis() as u64;
+        self.confirmed_ms.fetch_max(sent, Ordering::SeqCst);
     }
 
     /// Whether the claim may be used right now.
@@ -514,9 +524,35 @@ impl Hold {
         !self.lost.is_cancelled() && Instant::now() < self.valid_until()
     }
 
-    /// Gives the claim up for good (etcd refused a commit or said the lease is gone).
-    pub fn lose(&self) {
+    /// Gives the claim up for good (etcd refused a commit or said the lease is gone); the first
+    /// reason given is the one [`Hold::loss`] reports.
+    pub fn lose(&self, why: impl Into<String>) {
+        self.why
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .get_or_insert_with(|| why.into());
         self.lost.cancel();
+    }
+
+    /// Why the claim is no longer held, for the log of a step-down.
+    pub fn loss(&self) -> String {
+        if let Some(why) = self
+            .why
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .clone()
+        {
+            return why;
+        }
+        let confirmed =
+            self.origin + Duration::from_millis(self.confirmed_ms.load(Ordering::SeqCst));
+        format!(
+            "no keep-alive of the lease was confirmed for {} ms (the last confirmed one was sent \
+             then); a claim is used at most {} ms after its last confirmed keep-alive (the TTL \
+             less the safety margin)",
+            confirmed.elapsed().as_millis(),
+            self.ttl.saturating_sub(self.margin).as_millis()
+        )
     }
 
     /// Completes when the claim is no longer held.
@@ -580,9 +616,18 @@ fn keep_alive(client: Client, claim: &Claim, hold: Arc<Hold>, stop: Cancellation
                 match answer {
                     Ok(Some(Ok(response))) if response.ttl > 0 => {
                         hold.confirm(sent, Duration::from_secs(response.ttl as u64));
+                        let took = sent.elapsed();
+                        if took > every {
+                            tracing::warn!(
+                                lease,
+                                took_ms = took.as_millis() as u64,
+                                ttl_ms = ttl.as_millis() as u64,
+                                "etcd was slow to confirm a keep-alive of the claim's lease"
+                            );
+                        }
                     }
                     Ok(Some(Ok(_))) => {
-                        tracing::error!(lease, "etcd says the claim lease expired");
+                        hold.lose("etcd answered a keep-alive saying the claim's lease expired");
                         break 'streams;
                     }
                     Ok(Some(Err(_)) | None) | Err(_) => {
@@ -603,11 +648,13 @@ fn keep_alive(client: Client, claim: &Claim, hold: Arc<Hold>, stop: Cancellation
                 }
             }
         }
-        hold.lose();
+        let why = hold.loss();
         tracing::error!(
             lease,
-            "state: the claim on the etcd prefix was not confirmed by a keep-alive within its TTL (less the safety margin); no more commits"
+            why,
+            "state: the claim on the etcd prefix is no longer held; no more commits"
         );
+        hold.lose(why);
     });
 }
 
@@ -652,7 +699,9 @@ impl Guarded {
         .await
         .map_err(|e| format!("{}: {e}", self.describe))?;
         if !response.succeeded {
-            self.hold.lose();
+            self.hold.lose(
+                "etcd refused a commit: the claim's key no longer holds this provider's token",
+            );
             return Err(format!(
                 "{}: commit refused: this provider no longer holds the claim on the prefix \
                  (its lease expired or another provider took it over)",
@@ -977,7 +1026,7 @@ async fn run_writer(
             None => guarded.commit(batches).await.map_err(StoreError),
         };
         if let (Err(e), None) = (&result, &failed) {
-            guarded.hold.lose();
+            guarded.hold.lose(format!("a commit failed: {e}"));
             tracing::error!(error = %e, "state: etcd commit failed; no further commits from this provider");
             failed = Some(e.clone());
         }

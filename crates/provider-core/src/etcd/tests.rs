@@ -954,3 +954,39 @@ fn a_followers_copy_hands_over_the_state_a_full_read_returns() {
         assert_eq!((copied.revision, copied.next_op), (5, 50));
     });
 }
+
+fn claim_granted(ago: Duration, ttl: Duration) -> Claim {
+    Claim {
+        lease: 7,
+        token: b"token".to_vec(),
+        ttl,
+        granted_at: Instant::now() - ago,
+        revision: 1,
+    }
+}
+
+#[test]
+fn a_lapsed_hold_says_how_long_no_keep_alive_was_confirmed() {
+    let lapsed = Hold::new(&claim_granted(
+        Duration::from_secs(5),
+        Duration::from_secs(2),
+    ));
+    assert!(!lapsed.is_held());
+    let why = lapsed.loss();
+    assert!(
+        why.contains("no keep-alive of the lease was confirmed for 5"),
+        "{why}"
+    );
+    assert!(why.contains("at most 1600 ms"), "{why}");
+
+    let fresh = Hold::new(&claim_granted(Duration::ZERO, Duration::from_secs(60)));
+    assert!(fresh.is_held());
+    fresh.lose("etcd refused a commit");
+    fresh.lose("a later reason");
+    assert!(!fresh.is_held());
+    assert_eq!(
+        fresh.loss(),
+        "etcd refused a commit",
+        "the first reason stays"
+    );
+}
