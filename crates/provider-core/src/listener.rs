@@ -34,15 +34,27 @@ pub const STANDBY_CLOSE_AFTER: Duration = Duration::from_millis(500);
 /// Resolves when a connection must end.
 type Ending = Pin<Box<dyn Future<Output = ()> + Send + Sync>>;
 
-/// Resolves [`STANDBY_CLOSE_AFTER`] after the role stops serving (counted from now when it does
-/// not serve now); never while it serves.
+/// Resolves once the role has not served for [`STANDBY_CLOSE_AFTER`] (counted from now when it
+/// does not serve now); never while it serves. A role that serves again within that time keeps
+/// the connection: a client that connected to a standby a moment before it took over goes on
+/// talking to the new leader instead of losing its connection under its first calls.
 fn ends_when_not_serving(mut roles: watch::Receiver<Role>) -> Ending {
     Box::pin(async move {
-        if roles.wait_for(|role| !role.serves()).await.is_err() {
-            // The replica is gone with the process: the server's own shutdown closes this.
-            return std::future::pending().await;
+        loop {
+            if roles.wait_for(|role| !role.serves()).await.is_err() {
+                // The replica is gone with the process: the server's own shutdown closes this.
+                return std::future::pending().await;
+            }
+            let serves_again =
+                tokio::time::timeout(STANDBY_CLOSE_AFTER, roles.wait_for(|role| role.serves()))
+                    .await
+                    .map(|waited| waited.is_ok());
+            match serves_again {
+                Err(_) => return,
+                Ok(true) => {}
+                Ok(false) => return std::future::pending().await,
+            }
         }
-        tokio::time::sleep(STANDBY_CLOSE_AFTER).await;
     })
 }
 
@@ -250,4 +262,54 @@ pub fn plaintext(
 ) -> impl tokio_stream::Stream<Item = Result<Limited<TcpStream>, io::Error>> {
     use tokio_stream::StreamExt as _;
     tokio_stream::wrappers::ReceiverStream::new(accepted).map(|(conn, _)| Ok(conn))
+}
+
+#[cfg(test)]
+mod tests {
+    use std::task::Poll;
+
+    use super::*;
+
+    /// Polls `ending` once, after letting the paused clock run `for_`.
+    async fn ended_after(ending: &mut Ending, for_: Duration) -> bool {
+        tokio::time::sleep(for_).await;
+        matches!(futures_poll(ending), Poll::Ready(()))
+    }
+
+    fn futures_poll(ending: &mut Ending) -> Poll<()> {
+        let waker = std::task::Waker::noop();
+        ending.as_mut().poll(&mut Context::from_waker(waker))
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_connection_ends_only_after_its_replica_stopped_serving_for_the_whole_delay() {
+        // Accepted by a standby that takes over within the delay: the connection stays.
+        let (roles, rx) = watch::channel(Role::Standby);
+        let mut ending = ends_when_not_serving(rx);
+        assert!(!ended_after(&mut ending, Duration::from_millis(100)).await);
+        roles.send_replace(Role::Leader);
+        assert!(!ended_after(&mut ending, STANDBY_CLOSE_AFTER * 4).await);
+
+        // A leader that lost its claim still answers reads from memory: the connection stays.
+        roles.send_replace(Role::Degraded);
+        assert!(!ended_after(&mut ending, STANDBY_CLOSE_AFTER * 4).await);
+
+        // It learns another replica leads and becomes a standby: the connection ends once the
+        // delay has passed.
+        roles.send_replace(Role::Standby);
+        assert!(!ended_after(&mut ending, Duration::from_millis(10)).await);
+        assert!(!ended_after(&mut ending, STANDBY_CLOSE_AFTER / 2).await);
+        assert!(ended_after(&mut ending, STANDBY_CLOSE_AFTER).await);
+
+        // Accepted by a standby that stays one: it ends after the delay.
+        let (_roles, rx) = watch::channel(Role::Standby);
+        let mut ending = ends_when_not_serving(rx);
+        assert!(!ended_after(&mut ending, Duration::from_millis(10)).await);
+        assert!(ended_after(&mut ending, STANDBY_CLOSE_AFTER).await);
+
+        // A single replica always serves.
+        let (_roles, rx) = watch::channel(Role::Single);
+        let mut ending = ends_when_not_serving(rx);
+        assert!(!ended_after(&mut ending, STANDBY_CLOSE_AFTER * 10).await);
+    }
 }
