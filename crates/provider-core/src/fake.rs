@@ -35,6 +35,18 @@ pub struct FakeCloudProfile {
 struct State {
     next: u64,
     hosts: BTreeMap<String, OwnedHost>,
+    /// The host of each machine that has one (a Create finds it without a scan).
+    by_machine: HashMap<String, String>,
+}
+
+impl State {
+    fn remove(&mut self, host_id: &str) -> Option<OwnedHost> {
+        let host = self.hosts.remove(host_id)?;
+        if self.by_machine.get(&host.machine_id).map(String::as_str) == Some(host_id) {
+            self.by_machine.remove(&host.machine_id);
+        }
+        Some(host)
+    }
 }
 
 /// The fake cloud.
@@ -51,6 +63,7 @@ impl FakeCloud {
             state: Mutex::new(State {
                 next: 0,
                 hosts: BTreeMap::new(),
+                by_machine: HashMap::new(),
             }),
         }
     }
@@ -71,7 +84,7 @@ impl FakeCloud {
 
     /// Removes a host behind the provider's back (tests of out-of-band deletion).
     pub fn remove_out_of_band(&self, host_id: &str) -> bool {
-        self.state().hosts.remove(host_id).is_some()
+        self.state().remove(host_id).is_some()
     }
 
     /// The hosts that exist now.
@@ -89,7 +102,11 @@ impl Cloud for FakeCloud {
     ) -> Result<OwnedHost, BackendError> {
         self.pause(ctx).await?;
         let mut state = self.state();
-        if let Some(existing) = state.hosts.values().find(|h| h.machine_id == machine.id) {
+        if let Some(existing) = state
+            .by_machine
+            .get(&machine.id)
+            .and_then(|id| state.hosts.get(id))
+        {
             return Ok(existing.clone());
         }
         state.next += 1;
@@ -103,6 +120,9 @@ impl Cloud for FakeCloud {
             cluster: None,
             running: true,
         };
+        state
+            .by_machine
+            .insert(host.machine_id.clone(), host.id.clone());
         state.hosts.insert(host.id.clone(), host.clone());
         Ok(host)
     }
@@ -159,7 +179,7 @@ impl Cloud for FakeCloud {
         ctx: &TransitionContext,
     ) -> Result<(), BackendError> {
         self.pause(ctx).await?;
-        self.state().hosts.remove(host_id);
+        self.state().remove(host_id);
         Ok(())
     }
 
