@@ -126,6 +126,13 @@ pub trait Backend: Send + Sync + 'static {
         None
     }
 
+    /// The ids of [`Backend::offered`], for a reconcile pass that needs only those; a backend
+    /// whose offered slots are many overrides it to skip building their records.
+    fn offered_ids(&self) -> Option<std::collections::HashSet<String>> {
+        self.offered()
+            .map(|offered| offered.into_iter().map(|m| m.id).collect())
+    }
+
     /// Speculative -> Idle: create (or find) the host. Must be idempotent on the machine id.
     async fn create(
         &self,

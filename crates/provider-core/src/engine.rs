@@ -571,10 +571,7 @@ impl Engine {
                 }
             },
         );
-        let offered: Option<HashSet<String>> = self
-            .backend
-            .offered()
-            .map(|o| o.into_iter().map(|m| m.id).collect());
+        let offered: Option<HashSet<String>> = self.backend.offered_ids();
         let now = Instant::now();
         // Zero disables orphan deletion: no orphan is ever due.
         let grace = if self.options.orphan_grace.is_zero() {

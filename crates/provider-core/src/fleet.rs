@@ -358,6 +358,17 @@ impl Backend for Fleet {
         Some(self.slots())
     }
 
+    fn offered_ids(&self) -> Option<HashSet<String>> {
+        let total = self.offerings.iter().map(|o| o.count.max(0) as usize).sum();
+        let mut ids = HashSet::with_capacity(total);
+        for o in &self.offerings {
+            for i in 0..o.count.max(0) {
+                ids.insert(slot_id(&self.provider, &o.instance_type, &o.zone, i));
+            }
+        }
+        Some(ids)
+    }
+
     async fn create(
         &self,
         machine: &Machine,
@@ -425,3 +436,40 @@ impl Backend for Fleet {
 
 /// Budget of the startup price warm-up and capacity resolution.
 pub const WARMUP_BUDGET: Duration = Duration::from_secs(20);
+
+#[cfg(test)]
+mod tests {
+    use std::sync::Arc;
+
+    use super::*;
+    use crate::fake::{FakeCloud, FakeCloudProfile};
+    use crate::offerings::default_mix;
+
+    #[test]
+    fn offered_ids_are_the_ids_of_the_offered_slots() {
+        let cloud = Arc::new(FakeCloud::new(FakeCloudProfile {
+            name: "fake",
+            host_noun: "server",
+            id_base: 0,
+            ip_prefix: "192.0.2",
+            price_usd: 0.01,
+            latency: Duration::ZERO,
+            capacity: |_| None,
+        }));
+        let mut offerings = default_mix(1003, ["a", "b"], ["z1", "z2"]);
+        offerings[1].count = 0;
+        let fleet = Fleet::new(
+            cloud,
+            "p",
+            offerings,
+            Arc::new(PriceBook::new(|_, _| Some(0.01))),
+            Arc::new(CapacityBook::new(|_| None)),
+            |_| StringMap::new(),
+        );
+        let offered = fleet.offered().expect("offered");
+        let ids = fleet.offered_ids().expect("ids");
+        assert_eq!(ids.len(), offered.len());
+        assert!(offered.iter().all(|m| ids.contains(&m.id)));
+        assert!(offered.len() > 700, "{} slots", offered.len());
+    }
+}
