@@ -282,8 +282,6 @@ mod tests {
 
     use super::*;
     use crate::engine::EngineOptions;
-    use crate::fake::{FakeCloud, FakeCloudProfile};
-    use crate::fleet::{CapacityBook, Fleet, PriceBook};
     use crate::offerings::default_mix;
     use crate::telemetry::Telemetry;
     use crate::{FenceToken, MachineState, StringMap};
@@ -302,23 +300,7 @@ mod tests {
 
     #[tokio::test]
     async fn list_and_release_over_the_socket() {
-        let cloud = Arc::new(FakeCloud::new(FakeCloudProfile {
-            name: "fake",
-            host_noun: "server",
-            id_base: 0,
-            ip_prefix: "192.0.2",
-            price_usd: 0.01,
-            latency: Duration::ZERO,
-            capacity: |_| None,
-        }));
-        let fleet = Fleet::new(
-            cloud.clone(),
-            "p",
-            default_mix(4, ["a", "b"], ["z1", "z2"]),
-            Arc::new(PriceBook::new(|_, _| Some(0.01))),
-            Arc::new(CapacityBook::new(|_| None)),
-            |_| StringMap::new(),
-        );
+        let (cloud, fleet) = crate::fleet::test_fleet(default_mix(4, ["a", "b"], ["z1", "z2"]));
         let options = EngineOptions::new(Telemetry::new("bigfleet_admintest"));
         let engine = Engine::start(
             Arc::new(fleet),

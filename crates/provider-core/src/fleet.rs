@@ -437,35 +437,41 @@ impl Backend for Fleet {
 /// Budget of the startup price warm-up and capacity resolution.
 pub const WARMUP_BUDGET: Duration = Duration::from_secs(20);
 
+/// A fleet over a fake cloud with no latency, `p` as the provider, a price of 0.01 everywhere and
+/// no known capacities, for tests; the cloud is returned too, to act behind the fleet's back.
+#[cfg(test)]
+pub(crate) fn test_fleet(offerings: Vec<Offering>) -> (Arc<crate::fake::FakeCloud>, Fleet) {
+    use crate::fake::{FakeCloud, FakeCloudProfile};
+    let cloud = Arc::new(FakeCloud::new(FakeCloudProfile {
+        name: "fake",
+        host_noun: "server",
+        id_base: 0,
+        ip_prefix: "192.0.2",
+        price_usd: 0.01,
+        latency: Duration::ZERO,
+        capacity: |_| None,
+    }));
+    let fleet = Fleet::new(
+        cloud.clone(),
+        "p",
+        offerings,
+        Arc::new(PriceBook::new(|_, _| Some(0.01))),
+        Arc::new(CapacityBook::new(|_| None)),
+        |_| StringMap::new(),
+    );
+    (cloud, fleet)
+}
+
 #[cfg(test)]
 mod tests {
-    use std::sync::Arc;
-
     use super::*;
-    use crate::fake::{FakeCloud, FakeCloudProfile};
     use crate::offerings::default_mix;
 
     #[test]
     fn offered_ids_are_the_ids_of_the_offered_slots() {
-        let cloud = Arc::new(FakeCloud::new(FakeCloudProfile {
-            name: "fake",
-            host_noun: "server",
-            id_base: 0,
-            ip_prefix: "192.0.2",
-            price_usd: 0.01,
-            latency: Duration::ZERO,
-            capacity: |_| None,
-        }));
         let mut offerings = default_mix(1003, ["a", "b"], ["z1", "z2"]);
         offerings[1].count = 0;
-        let fleet = Fleet::new(
-            cloud,
-            "p",
-            offerings,
-            Arc::new(PriceBook::new(|_, _| Some(0.01))),
-            Arc::new(CapacityBook::new(|_| None)),
-            |_| StringMap::new(),
-        );
+        let (_, fleet) = test_fleet(offerings);
         let offered = fleet.offered().expect("offered");
         let ids = fleet.offered_ids().expect("ids");
         assert_eq!(ids.len(), offered.len());

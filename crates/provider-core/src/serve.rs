@@ -365,28 +365,10 @@ pub async fn serve_http(
 mod tests {
     use super::*;
     use crate::engine::{Engine, EngineOptions};
-    use crate::fake::{FakeCloud, FakeCloudProfile};
-    use crate::fleet::{CapacityBook, Fleet, PriceBook};
     use crate::offerings::default_mix;
 
     async fn engine() -> Arc<Engine> {
-        let cloud = Arc::new(FakeCloud::new(FakeCloudProfile {
-            name: "fake",
-            host_noun: "server",
-            id_base: 0,
-            ip_prefix: "192.0.2",
-            price_usd: 0.01,
-            latency: Duration::ZERO,
-            capacity: |_| None,
-        }));
-        let fleet = Fleet::new(
-            cloud,
-            "p",
-            default_mix(8, ["a", "b"], ["z1", "z2"]),
-            Arc::new(PriceBook::new(|_, _| Some(0.01))),
-            Arc::new(CapacityBook::new(|_| None)),
-            |_| crate::StringMap::new(),
-        );
+        let (_, fleet) = crate::fleet::test_fleet(default_mix(8, ["a", "b"], ["z1", "z2"]));
         let options = EngineOptions::new(Telemetry::new("bigfleet_servetest"));
         Engine::start(
             Arc::new(fleet),

@@ -7,31 +7,12 @@ use std::time::Duration;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
 use super::*;
-use crate::StringMap;
 use crate::engine::EngineOptions;
-use crate::fake::{FakeCloud, FakeCloudProfile};
-use crate::fleet::{CapacityBook, Fleet, PriceBook};
 use crate::offerings::default_mix;
 use crate::telemetry::Telemetry;
 
 async fn engine() -> Arc<Engine> {
-    let cloud = Arc::new(FakeCloud::new(FakeCloudProfile {
-        name: "fake",
-        host_noun: "server",
-        id_base: 0,
-        ip_prefix: "192.0.2",
-        price_usd: 0.01,
-        latency: Duration::ZERO,
-        capacity: |_| None,
-    }));
-    let fleet = Fleet::new(
-        cloud,
-        "p",
-        default_mix(2, ["a", "b"], ["z1", "z2"]),
-        Arc::new(PriceBook::new(|_, _| Some(0.01))),
-        Arc::new(CapacityBook::new(|_| None)),
-        |_| StringMap::new(),
-    );
+    let (_, fleet) = crate::fleet::test_fleet(default_mix(2, ["a", "b"], ["z1", "z2"]));
     Engine::start(
         Arc::new(fleet),
         Arc::new(crate::store::MemoryStore),
