@@ -13,8 +13,9 @@ use std::task::{Context as TaskContext, Poll};
 use std::time::Duration;
 
 use anyhow::{Context, Result, bail};
+use fleet_proto::encoded::Encoded;
 use fleet_proto::v1alpha1 as pb;
-use prost::bytes::{BufMut, Bytes};
+use prost::bytes::Bytes;
 use tonic::codegen::{BoxFuture, Service, http};
 use tonic::server::{NamedService, UnaryService};
 use tonic_prost::ProstCodec;
@@ -52,34 +53,6 @@ pub(crate) async fn sample_machine(ours: &[String], size: usize) -> Result<Bytes
         .into_iter()
         .next()
         .context("the provider listed no machine for the floor to answer with")
-}
-
-/// A message that is already encoded: written as is.
-#[derive(Clone, Debug, Default, PartialEq)]
-struct Encoded(Bytes);
-
-impl prost::Message for Encoded {
-    fn encode_raw(&self, buf: &mut impl BufMut) {
-        buf.put_slice(&self.0);
-    }
-
-    fn merge_field(
-        &mut self,
-        tag: u32,
-        wire_type: prost::encoding::WireType,
-        buf: &mut impl prost::bytes::Buf,
-        ctx: prost::encoding::DecodeContext,
-    ) -> Result<(), prost::DecodeError> {
-        prost::encoding::skip_field(wire_type, tag, buf, ctx)
-    }
-
-    fn encoded_len(&self) -> usize {
-        self.0.len()
-    }
-
-    fn clear(&mut self) {
-        self.0 = Bytes::new();
-    }
 }
 
 /// The pre-encoded answers.
