@@ -547,9 +547,9 @@ impl Hold {
         let confirmed =
             self.origin + Duration::from_millis(self.confirmed_ms.load(Ordering::SeqCst));
         format!(
-            "no keep-alive of the lease was confirmed for {} ms (the last confirmed one was sent \
-             then); a claim is used at most {} ms after its last confirmed keep-alive (the TTL \
-             less the safety margin)",
+            "the last keep-alive of the lease that etcd confirmed was sent {} ms ago; a claim is \
+             used at most {} ms after its last confirmed keep-alive was sent (the TTL less the \
+             safety margin)",
             confirmed.elapsed().as_millis(),
             self.ttl.saturating_sub(self.margin).as_millis()
         )
