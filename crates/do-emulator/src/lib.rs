@@ -245,6 +245,11 @@ impl Emulator {
             .extend(std::iter::repeat_n(fault, count));
     }
 
+    /// How many queued request faults wait for a request.
+    pub fn pending_faults(&self) -> usize {
+        lock(&self.state).knobs.fail_next.len()
+    }
+
     /// The next `count` creates make the Droplet and then drop the connection unanswered.
     pub fn drop_create_responses(&self, count: u32) {
         lock(&self.state).knobs.drop_create_responses = count;

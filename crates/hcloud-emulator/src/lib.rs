@@ -1191,6 +1191,11 @@ impl Emulator {
         self.world().faults.extend(faults);
     }
 
+    /// How many queued faults wait for a request.
+    pub fn pending_faults(&self) -> usize {
+        self.world().faults.len()
+    }
+
     /// Every server not being deleted, as `(id, name)` (names derive from machine ids).
     pub fn live_servers(&self) -> Vec<(i64, String)> {
         self.world()

@@ -182,10 +182,24 @@ impl Emulated {
         self.live_hosts().iter().any(|(h, _)| h == id)
     }
 
+    /// Request faults queued and not yet met by a request.
+    fn pending_faults(&self) -> usize {
+        match self {
+            Emulated::Hetzner(e) => e.pending_faults(),
+            Emulated::DigitalOcean { emulator, .. } => emulator.pending_faults(),
+        }
+    }
+
     /// Injects one fault chosen by `chance`; returns its name for the counts.
     pub(crate) fn inject_random(&self, chance: &mut Chance) -> &'static str {
         let roll = chance.below(100);
         let burst = 2 + chance.below(10) as usize;
+        // A storm or burst is queued for the next requests. While the provider makes few (a
+        // quiet spell, a restart), queued ones would pile up into an outage of unbounded
+        // length, which a real storm is not: at most one storm's worth waits at a time.
+        if roll < 40 && self.pending_faults() + burst > MAX_PENDING_FAULTS {
+            return "storm_still_pending";
+        }
         match self {
             Emulated::Hetzner(e) => {
                 use hcloud_emulator::{CreateFault, Fault};
@@ -311,6 +325,10 @@ impl Emulated {
         }
     }
 }
+
+/// At most this many request faults wait at once (one storm of the largest size): fewer than
+/// a restarted provider's startup look-ups meet on two attempts (each gives up after 6 to 8).
+const MAX_PENDING_FAULTS: usize = 11;
 
 /// Reads before a new host runs: mostly quick, sometimes longer than the Create deadline.
 fn slow_boot(chance: &mut Chance) -> u32 {
