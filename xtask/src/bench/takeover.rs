@@ -127,7 +127,9 @@ pub(crate) async fn measure(
             };
             match client.create(request).await {
                 Ok(_) => break,
-                Err(status) if status.code() == tonic::Code::Unavailable => {}
+                // A standby refuses, then closes its connections (docs/ha.md); the channel
+                // reconnects on the next call, as a shard's does.
+                Err(status) if refused_or_closed(&status) => {}
                 Err(status) => bail!("round {round}: Create {id} answered {status:?}"),
             }
             if killed.elapsed() > TAKEOVER_DEADLINE {
@@ -154,4 +156,13 @@ pub(crate) async fn measure(
             .set(P50, p50)
             .set(P99, max),
     ])
+}
+
+/// UNAVAILABLE from a replica that does not lead, or the connection it closed under the call.
+fn refused_or_closed(status: &tonic::Status) -> bool {
+    match status.code() {
+        tonic::Code::Unavailable | tonic::Code::Cancelled => true,
+        tonic::Code::Unknown => status.message().contains("transport error"),
+        _ => false,
+    }
 }
