@@ -485,7 +485,6 @@ pub(crate) struct Hold {
     /// Milliseconds after `origin` at which the last confirmed keep-alive was sent.
     confirmed_ms: std::sync::atomic::AtomicU64,
     ttl: Duration,
-    margin: Duration,
     lost: CancellationToken,
     /// Why the claim was given up, when something other than time ended it.
     why: Mutex<Option<String>>,
@@ -498,7 +497,6 @@ impl Hold {
             valid_until_ms: std::sync::atomic::AtomicU64::new(0),
             confirmed_ms: std::sync::atomic::AtomicU64::new(0),
             ttl: claim.ttl,
-            margin: safety_margin(claim.ttl),
             lost: CancellationToken::new(),
             why: Mutex::new(None),
         });
@@ -513,7 +511,7 @@ impl Hold {
     /// A keep-alive sent at `sent` was answered with `ttl`.
     fn confirm(&self, sent: Instant, ttl: Duration) {
         let until = (sent + ttl).saturating_duration_since(self.origin);
-        let until = until.saturating_sub(self.margin).as_millis() as u64;
+        let until = until.saturating_sub(safety_margin(self.ttl)).as_millis() as u64;
         self.valid_until_ms.fetch_max(until, Ordering::SeqCst);
         let sent = sent.saturating_duration_since(self.origin).as_millis() as u64;
         self.confirmed_ms.fetch_max(sent, Ordering::SeqCst);
@@ -551,7 +549,7 @@ impl Hold {
              used at most {} ms after its last confirmed keep-alive was sent (the TTL less the \
              safety margin)",
             confirmed.elapsed().as_millis(),
-            self.ttl.saturating_sub(self.margin).as_millis()
+            self.ttl.saturating_sub(safety_margin(self.ttl)).as_millis()
         )
     }
 
