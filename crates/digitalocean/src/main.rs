@@ -136,7 +136,7 @@ async fn launch(cli: Cli) -> Result<(), String> {
             tracing::warn!(
                 "using the IN-MEMORY fake DigitalOcean backend (dev / conformance only) — no real Droplets will be created"
             );
-            Arc::new(FakeCloud::new(FakeCloudProfile {
+            let fake = Arc::new(FakeCloud::new(FakeCloudProfile {
                 name: "dofake",
                 host_noun: "droplet",
                 id_base: 300_000_000,
@@ -144,7 +144,11 @@ async fn launch(cli: Cli) -> Result<(), String> {
                 price_usd: 0.03571,
                 latency: cli.common.fake_latency,
                 capacity: catalog::pinned_capacity,
-            }))
+            }));
+            // A replica that takes an etcd state over finds its Droplets in the fake cloud.
+            let restored = fake.clone();
+            leading.on_takeover(move |snapshot| restored.restore(snapshot));
+            fake
         }
         Mode::Real => {
             let flags = real_flags(&cli, cli.common.read_base_user_data()?);

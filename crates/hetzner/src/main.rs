@@ -59,12 +59,13 @@ async fn launch(cli: Cli) -> Result<(), String> {
         catalog::pinned_price_eur(server_type).map(|eur| eur * eur_usd)
     }));
     let capacities = Arc::new(CapacityBook::new(catalog::pinned_capacity));
+    let leading = provider_core::replica::Leading::default();
     let cloud: Arc<dyn provider_core::cloud::Cloud> = match mode {
         Mode::Fake => {
             tracing::warn!(
                 "using the IN-MEMORY fake Hetzner backend (dev / conformance only) — no real servers will be created"
             );
-            Arc::new(FakeCloud::new(FakeCloudProfile {
+            let fake = Arc::new(FakeCloud::new(FakeCloudProfile {
                 name: "hcloudfake",
                 host_noun: "server",
                 id_base: 1_000_000,
@@ -72,7 +73,11 @@ async fn launch(cli: Cli) -> Result<(), String> {
                 price_usd: 0.0065,
                 latency: cli.common.fake_latency,
                 capacity: catalog::pinned_capacity,
-            }))
+            }));
+            // A replica that takes an etcd state over finds its servers in the fake cloud.
+            let restored = fake.clone();
+            leading.on_takeover(move |snapshot| restored.restore(snapshot));
+            fake
         }
         Mode::Real => real_cloud(&cli, &offerings, telemetry).await?,
     };
@@ -113,7 +118,7 @@ async fn launch(cli: Cli) -> Result<(), String> {
         side_servers: Vec::new(),
         require_zone: true,
         real_backend: mode == Mode::Real,
-        leading: Default::default(),
+        leading,
     })
     .await
 }

@@ -11,6 +11,7 @@ use async_trait::async_trait;
 use crate::backend::{BackendError, ConfigureOrder, TransitionContext};
 use crate::cloud::{Capacity, Cloud, OwnedHost};
 use crate::machine::Machine;
+use crate::records::Snapshot;
 
 /// How a fake cloud looks.
 #[derive(Clone, Debug)]
@@ -90,6 +91,43 @@ impl FakeCloud {
     /// The hosts that exist now.
     pub fn hosts(&self) -> Vec<OwnedHost> {
         self.state().hosts.values().cloned().collect()
+    }
+
+    /// Makes the hosts exactly those the state records, as a real cloud still holds them when
+    /// another process takes the state over: each process has its own fake cloud, so a new
+    /// leader's would otherwise be empty, and its reconcile would rightly find every recorded
+    /// host gone. New hosts are numbered after the recorded ones.
+    pub fn restore(&self, snapshot: &Snapshot) {
+        let mut state = self.state();
+        state.hosts.clear();
+        state.by_machine.clear();
+        for slot in &snapshot.slots {
+            let machine = &slot.machine;
+            let Some(host) = machine.host.as_ref().filter(|h| !h.id.is_empty()) else {
+                continue;
+            };
+            let n = host
+                .id
+                .parse::<u64>()
+                .ok()
+                .and_then(|id| id.checked_sub(self.profile.id_base));
+            if let Some(n) = n {
+                state.next = state.next.max(n);
+            }
+            let restored = OwnedHost {
+                id: host.id.clone(),
+                machine_id: machine.id.clone(),
+                instance_type: machine.instance_type.clone(),
+                zone: machine.zone.clone(),
+                public_ipv4: n.map(|n| format!("{}.{}", self.profile.ip_prefix, n % 250 + 1)),
+                cluster: (!machine.cluster.is_empty()).then(|| machine.cluster.clone()),
+                running: true,
+            };
+            state
+                .by_machine
+                .insert(restored.machine_id.clone(), restored.id.clone());
+            state.hosts.insert(restored.id.clone(), restored);
+        }
     }
 }
 

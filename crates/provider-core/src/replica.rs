@@ -5,9 +5,19 @@
 //! | Role | Mutations | Get, List | gRPC health, `/readyz`, bootstrap channel |
 //! |---|---|---|---|
 //! | single | engine | engine | SERVING, 200, served |
-//! | leader | engine, while its claim is held | engine | SERVING, 200, served |
-//! | degraded (leader that lost etcd) | UNAVAILABLE | engine (memory) | SERVING, 200, served |
+//! | leader, claim held | engine | engine | SERVING, 200, served |
+//! | leader whose claim lapsed, or that stepped down: etcd unreachable for it | UNAVAILABLE | UNAVAILABLE | NOT_SERVING, 503, 503 (a standby) |
+//! | degraded: the same, while a majority of the etcd members refuse connections | UNAVAILABLE | engine (memory) | SERVING, 200, served |
 //! | standby | UNAVAILABLE | UNAVAILABLE | NOT_SERVING, 503, 503 |
+//!
+//! The claim's validity is a monotonic deadline ([`HoldCheck`], the same check every commit
+//! makes), consulted per request by the mutation and read gates, gRPC health and `/readyz`: a
+//! leader paused or cut off past its lease answers as a standby from its first instruction
+//! after it runs again, before the replica loop notices. Reads are answered from memory
+//! without a claim only with positive evidence that no etcd quorum exists for anyone
+//! ([`OutageCheck`]: a majority of the configured members actively refusing connections).
+//! Silence — timeouts, which is what a partition from etcd looks like while the others still
+//! have a quorum and another replica may lead — is no such evidence.
 //!
 //! A standby never answers FAILED_PRECONDITION: the shard reads that as a zombie.
 
@@ -16,6 +26,7 @@ use std::sync::{Arc, RwLock};
 use tonic::Status;
 
 use crate::engine::Engine;
+use crate::records::Snapshot;
 use crate::telemetry::Telemetry;
 
 /// A replica's role.
@@ -50,16 +61,55 @@ impl Role {
 /// A flag that side servers (the DigitalOcean bootstrap channel) consult per request: set
 /// while this replica serves (always for a single replica). Side servers also wait on it to
 /// close their connections when the replica stops serving.
-#[derive(Clone, Debug)]
-pub struct Leading(Arc<tokio::sync::watch::Sender<bool>>);
+///
+/// It is also the one handle the binary shares with its replica before anything starts, so it
+/// carries the binary's takeover hooks ([`Leading::on_takeover`]).
+#[derive(Clone)]
+pub struct Leading(
+    Arc<tokio::sync::watch::Sender<bool>>,
+    Arc<std::sync::Mutex<Vec<TakeoverHook>>>,
+);
+
+/// Called with the state a new term starts on, before its engine starts.
+pub type TakeoverHook = Box<dyn Fn(&Snapshot) + Send + Sync>;
+
+impl std::fmt::Debug for Leading {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_tuple("Leading").field(&self.get()).finish()
+    }
+}
 
 impl Default for Leading {
     fn default() -> Leading {
-        Leading(Arc::new(tokio::sync::watch::channel(false).0))
+        Leading(
+            Arc::new(tokio::sync::watch::channel(false).0),
+            Arc::default(),
+        )
     }
 }
 
 impl Leading {
+    /// Registers `hook`, called with the state each term of a replicated provider starts on,
+    /// before its engine starts (the fake backend's cloud takes the hosts the state records, as
+    /// a real cloud keeps them across a failover).
+    pub fn on_takeover(&self, hook: impl Fn(&Snapshot) + Send + Sync + 'static) {
+        self.1
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .push(Box::new(hook));
+    }
+
+    fn taking_over(&self, snapshot: &Snapshot) {
+        for hook in self
+            .1
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .iter()
+        {
+            hook(snapshot);
+        }
+    }
+
     pub fn get(&self) -> bool {
         *self.0.borrow()
     }
@@ -81,10 +131,35 @@ impl Leading {
 /// May the leader still commit? (Its claim was confirmed by a keep-alive recently enough.)
 pub type HoldCheck = Arc<dyn Fn() -> bool + Send + Sync>;
 
+/// Is there positive evidence that no etcd quorum exists for anyone right now (so no other
+/// replica can lead either, and reads from memory show the last committed state)?
+pub type OutageCheck = Arc<dyn Fn() -> bool + Send + Sync>;
+
 struct Current {
     role: Role,
     engine: Option<Arc<Engine>>,
     hold: Option<HoldCheck>,
+    outage: Option<OutageCheck>,
+}
+
+impl Current {
+    fn claim_held(&self) -> bool {
+        self.hold.as_ref().is_none_or(|held| held())
+    }
+
+    fn etcd_down_for_all(&self) -> bool {
+        self.outage.as_ref().is_some_and(|down| down())
+    }
+
+    /// Whether this replica answers reads and passes health and readiness at this instant.
+    fn serves_now(&self) -> bool {
+        match self.role {
+            Role::Single => true,
+            Role::Leader => self.claim_held() || self.etcd_down_for_all(),
+            Role::Degraded => self.etcd_down_for_all(),
+            Role::Standby => false,
+        }
+    }
 }
 
 /// The engine this process serves with, if any, and its role.
@@ -113,7 +188,8 @@ fn unavailable(role: Role) -> Status {
         ),
         _ => Status::unavailable(
             "this replica lost its claim on the state in etcd (etcd unreachable or the lease \
-             ran out): no mutation is acknowledged until it leads again",
+             ran out): nothing is answered as the leader until it leads again (retry; the \
+             Service routes to the leader)",
         ),
     }
 }
@@ -134,6 +210,7 @@ impl Replica {
                 role: Role::Single,
                 engine: Some(engine),
                 hold: None,
+                outage: None,
             }),
             warm: Arc::default(),
             telemetry,
@@ -151,6 +228,7 @@ impl Replica {
                 role: Role::Standby,
                 engine: None,
                 hold: None,
+                outage: None,
             }),
             warm: Arc::default(),
             telemetry,
@@ -171,9 +249,17 @@ impl Replica {
         self.read().role
     }
 
-    /// Whether this replica answers reads and passes readiness.
+    /// Whether this replica's role answers reads and passes readiness (what the role says;
+    /// [`Replica::serves_now`] also checks the claim and the evidence behind it).
     pub fn serves(&self) -> bool {
         self.role().serves()
+    }
+
+    /// Whether this replica answers reads and passes gRPC health and `/readyz` at this
+    /// instant: a leader whose claim lapsed does not, from the first request after the lapse,
+    /// unless etcd is down for everyone (see the module's table).
+    pub fn serves_now(&self) -> bool {
+        self.read().serves_now()
     }
 
     /// Whether this replica's copy of the state follows etcd (set by the follower of a
@@ -195,9 +281,9 @@ impl Replica {
     /// The engine for Get and List.
     pub fn reader(&self) -> Result<Arc<Engine>, Status> {
         let current = self.read();
-        match (&current.engine, current.role) {
-            (Some(engine), role) if role.serves() => Ok(engine.clone()),
-            (_, role) => Err(unavailable(role)),
+        match &current.engine {
+            Some(engine) if current.serves_now() => Ok(engine.clone()),
+            _ => Err(unavailable(current.role)),
         }
     }
 
@@ -206,9 +292,7 @@ impl Replica {
         let current = self.read();
         match (&current.engine, current.role) {
             (Some(engine), Role::Single) => Ok(engine.clone()),
-            (Some(engine), Role::Leader) if current.hold.as_ref().is_none_or(|held| held()) => {
-                Ok(engine.clone())
-            }
+            (Some(engine), Role::Leader) if current.claim_held() => Ok(engine.clone()),
             (_, role) => Err(unavailable(role)),
         }
     }
@@ -218,32 +302,66 @@ impl Replica {
         self.changed.subscribe()
     }
 
-    fn set(&self, role: Role, engine: Option<Arc<Engine>>, hold: Option<HoldCheck>) {
+    fn set(
+        &self,
+        role: Role,
+        engine: Option<Arc<Engine>>,
+        hold: Option<HoldCheck>,
+        outage: Option<OutageCheck>,
+    ) {
         {
             let mut current = self.current.write().unwrap_or_else(|e| e.into_inner());
             current.role = role;
             current.engine = engine;
             current.hold = hold;
+            current.outage = outage;
         }
         self.leading.set(role.serves());
         self.telemetry.leader(role == Role::Leader);
         self.changed.send_replace(role);
     }
 
-    /// Leads with `engine` while `hold` says the claim is held.
-    pub(crate) fn lead(&self, engine: Arc<Engine>, hold: HoldCheck) {
+    /// Leads with `engine` while `hold` says the claim is held (reads also while `outage` says
+    /// etcd is down for everyone).
+    pub(crate) fn lead(&self, engine: Arc<Engine>, hold: HoldCheck, outage: OutageCheck) {
         self.telemetry.store_accepting();
-        self.set(Role::Leader, Some(engine), Some(hold));
+        self.set(Role::Leader, Some(engine), Some(hold), Some(outage));
     }
 
-    /// Keeps answering reads from the engine of the lost term, acknowledging nothing.
-    pub(crate) fn degrade(&self) {
+    /// Keeps answering reads from the engine of the lost term while `outage` holds (etcd down
+    /// for everyone), acknowledging nothing.
+    pub(crate) fn degrade(&self, outage: OutageCheck) {
         let engine = self.engine();
-        self.set(Role::Degraded, engine, None);
+        self.set(Role::Degraded, engine, None, Some(outage));
     }
 
     /// Drops the engine and answers UNAVAILABLE to everything.
     pub(crate) fn stand_by(&self) {
-        self.set(Role::Standby, None, None);
+        self.set(Role::Standby, None, None, None);
+    }
+
+    /// [`Replica::stand_by`] if the role is still degraded (atomically: a term that started
+    /// meanwhile is left alone); whether it did.
+    pub(crate) fn stand_by_if_degraded(&self) -> bool {
+        {
+            let mut current = self.current.write().unwrap_or_else(|e| e.into_inner());
+            if current.role != Role::Degraded {
+                return false;
+            }
+            current.role = Role::Standby;
+            current.engine = None;
+            current.hold = None;
+            current.outage = None;
+        }
+        self.leading.set(false);
+        self.telemetry.leader(false);
+        self.changed.send_replace(Role::Standby);
+        true
+    }
+
+    /// A term is about to start on `snapshot`: runs the hooks the binary registered on its
+    /// [`Leading`] (the fake cloud takes the hosts the state records).
+    pub(crate) fn taking_over(&self, snapshot: &Snapshot) {
+        self.leading.taking_over(snapshot);
     }
 }

@@ -111,11 +111,12 @@ pub async fn serve_grpc(
     // Connections end when a replica stops serving, so clients move to the leader; the only
     // replica (local state) always serves.
     let roles = (replica.role() != crate::replica::Role::Single).then(|| replica.subscribe());
-    let service = Routes::new(replica);
+    let service = Routes::new(replica.clone());
     let mut builder = Server::builder()
         .layer(tower::util::MapResponseLayer::new(
             oversize_is_resource_exhausted,
         ))
+        .layer(ReplicaLayer(replica.clone()))
         // The reference's keepalive: a ping every 2h, a dead peer dropped 20s later. tonic
         // 0.14 offers no enforcement of the client's ping rate (grpc-go's EnforcementPolicy);
         // hyper bounds the reset-stream and header abuse instead, with its defaults.
@@ -185,8 +186,60 @@ pub async fn serve_grpc(
     result.map_err(|e| format!("gRPC server: {e}"))
 }
 
+/// Hands every gRPC request the replica it reaches, so the health service can ask it per
+/// request whether it serves right now (see [`ObservedHealth`]).
+#[derive(Clone)]
+struct ReplicaLayer(Arc<Replica>);
+
+impl<S> tower::Layer<S> for ReplicaLayer {
+    type Service = WithReplica<S>;
+
+    fn layer(&self, inner: S) -> WithReplica<S> {
+        WithReplica {
+            inner,
+            replica: self.0.clone(),
+        }
+    }
+}
+
+/// The replica a request reached, in its extensions.
+#[derive(Clone)]
+struct Reached(Arc<Replica>);
+
+#[derive(Clone)]
+struct WithReplica<S> {
+    inner: S,
+    replica: Arc<Replica>,
+}
+
+impl<S, B> tower::Service<http::Request<B>> for WithReplica<S>
+where
+    S: tower::Service<http::Request<B>>,
+{
+    type Response = S::Response;
+    type Error = S::Error;
+    type Future = S::Future;
+
+    fn poll_ready(
+        &mut self,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<Result<(), Self::Error>> {
+        self.inner.poll_ready(cx)
+    }
+
+    fn call(&mut self, mut request: http::Request<B>) -> Self::Future {
+        request
+            .extensions_mut()
+            .insert(Reached(self.replica.clone()));
+        self.inner.call(request)
+    }
+}
+
 /// The health service, with `Check` logged and counted like every other unary RPC (the
-/// reference's `<prefix>_grpc_requests_total{method="Check"}`).
+/// reference's `<prefix>_grpc_requests_total{method="Check"}`). `Check` of the server or of
+/// CapacityProvider also asks the replica whether it serves at this instant: a leader whose
+/// claim lapsed (paused past its lease, cut off from etcd) answers NOT_SERVING from its first
+/// request after the lapse, before its role changes and the reported status follows.
 pub struct ObservedHealth {
     inner: tonic_health::server::HealthService,
     telemetry: Telemetry,
@@ -198,6 +251,25 @@ impl Health for ObservedHealth {
         &self,
         request: tonic::Request<tonic_health::pb::HealthCheckRequest>,
     ) -> Result<tonic::Response<tonic_health::pb::HealthCheckResponse>, tonic::Status> {
+        let lapsed = request
+            .extensions()
+            .get::<Reached>()
+            .is_some_and(|Reached(replica)| !replica.serves_now());
+        let ours = matches!(
+            request.get_ref().service.as_str(),
+            "" | fleet_proto::SERVICE_NAME
+        );
+        if lapsed && ours {
+            let answer = async {
+                Ok(tonic::Response::new(
+                    tonic_health::pb::HealthCheckResponse {
+                        status: tonic_health::pb::health_check_response::ServingStatus::NotServing
+                            as i32,
+                    },
+                ))
+            };
+            return crate::server::observe(self.telemetry, "Check", "", answer).await;
+        }
         crate::server::observe(self.telemetry, "Check", "", self.inner.check(request)).await
     }
 
@@ -250,8 +322,10 @@ async fn healthz() -> &'static str {
     "ok\n"
 }
 
+/// 200 while this replica serves at this instant (a leader whose claim lapsed does not, before
+/// its role changes).
 async fn readyz(State(state): State<HttpState>) -> (StatusCode, &'static str) {
-    if state.ready.get() {
+    if state.ready.get() && state.replica.serves_now() {
         (StatusCode::OK, "ready\n")
     } else {
         (StatusCode::SERVICE_UNAVAILABLE, "not ready\n")

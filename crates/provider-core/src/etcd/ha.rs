@@ -6,10 +6,16 @@
 //! claim's revision (or read it) → start an engine on it exactly as a restart does (counters
 //! continued, interrupted Creates, Drains and Deletes resumed under their operation ids) →
 //! reconcile when reconciling is on → serve. The term ends when the claim is no longer held:
-//! a keep-alive not confirmed within the TTL less the margin, a commit etcd refused or could not
-//! take. The engine then stops acknowledging at once and stops its in-flight work (the next
-//! leader resumes it); the replica keeps answering reads from memory until it learns who leads
-//! (another replica: it becomes a standby) or wins the claim again with a fresh read.
+//! a keep-alive not confirmed within the TTL less the margin, a commit etcd could not take or
+//! refused for want of the claim. The engine then stops acknowledging at once and stops its
+//! in-flight work (the next leader resumes it), and the replica becomes a standby — unless a
+//! majority of the etcd members refuse connections (etcd is down for everyone, so nobody else
+//! can lead): then it keeps answering reads from memory while that lasts (`Role::Degraded`).
+//! It campaigns again either way, and wins the claim with a fresh read.
+//!
+//! A transaction etcd refuses for what it is (too large for `--max-request-bytes`) is no reason
+//! to step down: the claim is kept, the engine that built it (poisoned by the failed commit) is
+//! replaced by one on a fresh read of the state under the same claim, as a takeover would.
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -19,9 +25,13 @@ use tokio_util::sync::CancellationToken;
 use super::follow::Follower;
 use super::keys::Keys;
 use super::target::{self, Client, EtcdArgs};
-use super::{Attempt, EtcdStore, guard, holder, new_token, read_state, revoke, try_claim};
+use super::{
+    Attempt, EtcdStore, Guarded, TxnLimits, guard, holder, new_token, read_state, release, revoke,
+    try_claim,
+};
 use crate::engine::Engine;
-use crate::replica::{Replica, Role};
+use crate::records::Snapshot;
+use crate::replica::{OutageCheck, Replica, Role};
 use crate::store::SharedStore;
 
 /// How often a replica that does not lead looks at the claim.
@@ -60,6 +70,7 @@ pub fn prepare(state: &str, args: &EtcdArgs) -> Result<Prepared, String> {
         keys: Keys::new(&target.prefix),
         client,
         ttl_seconds: args.ttl_seconds(),
+        limits: TxnLimits::of(args.etcd_max_request_bytes),
     })
 }
 
@@ -69,6 +80,7 @@ pub struct Prepared {
     keys: Keys,
     client: Client,
     ttl_seconds: i64,
+    limits: TxnLimits,
 }
 
 impl std::fmt::Debug for Prepared {
@@ -95,9 +107,14 @@ pub async fn run(prepared: Prepared, setup: ReplicaSetup, stop: CancellationToke
         keys,
         client,
         ttl_seconds,
+        limits,
     } = prepared;
     let replica = setup.replica.clone();
     let telemetry = replica.telemetry();
+    let outage: OutageCheck = {
+        let client = client.clone();
+        Arc::new(move || client.quorum_refused())
+    };
     // The lease and token of the last term, so a replica that lost its hold but whose claim is
     // still in etcd can give it up at once instead of waiting for the TTL.
     let mut previous: Option<(i64, Vec<u8>)> = None;
@@ -113,6 +130,13 @@ pub async fn run(prepared: Prepared, setup: ReplicaSetup, stop: CancellationToke
         let claim = loop {
             if stop.is_cancelled() {
                 return;
+            }
+            if !outage() && replica.stand_by_if_degraded() {
+                tracing::warn!(
+                    state = describe,
+                    "standby: the etcd members no longer refuse connections; answering as a \
+                     standby until this replica leads again"
+                );
             }
             let attempt_started = Instant::now();
             let seen = holder(&client, &keys).await;
@@ -165,7 +189,13 @@ pub async fn run(prepared: Prepared, setup: ReplicaSetup, stop: CancellationToke
         };
         announced_standby = false;
         let (lease, token, at) = (claim.lease, claim.token.clone(), claim.revision);
-        let (guarded, keep_alive) = guard(client.clone(), keys.clone(), claim, describe.clone());
+        let (guarded, keep_alive) = guard(
+            client.clone(),
+            keys.clone(),
+            claim,
+            describe.clone(),
+            limits,
+        );
         let hold = guarded.hold.clone();
         // Take the state: the follower's copy once it saw our own claim, or a full read.
         // Leading: the follower stops either way.
@@ -193,12 +223,10 @@ pub async fn run(prepared: Prepared, setup: ReplicaSetup, stop: CancellationToke
             }
         };
         let machines = snapshot.slots.len();
-        let store = Arc::new(EtcdStore::claimed(guarded, keep_alive, snapshot));
-        let engine = match (setup.start_engine)(store.clone() as SharedStore).await {
-            Ok(engine) => engine,
+        let (engine, store) = match start_term(&setup, guarded, keep_alive, snapshot).await {
+            Ok(started) => started,
             Err(e) => {
                 tracing::error!(state = describe, error = %e, "takeover: the engine did not start on the state; giving the claim up");
-                let _ = store.release_bounded().await;
                 follower = Some(Follower::start(
                     client.clone(),
                     keys.clone(),
@@ -208,19 +236,9 @@ pub async fn run(prepared: Prepared, setup: ReplicaSetup, stop: CancellationToke
                 continue;
             }
         };
-        if setup.reconcile && hold.is_held() {
-            match tokio::time::timeout(Duration::from_secs(5), engine.reconcile()).await {
-                Ok(Ok(report)) => tracing::info!(?report, "takeover: reconciled with the cloud"),
-                Ok(Err(e)) => {
-                    tracing::warn!(error = %e, "takeover: reconcile failed; the periodic reconcile retries")
-                }
-                Err(_) => tracing::warn!(
-                    "takeover: reconcile took longer than 5s; serving, the periodic reconcile continues"
-                ),
-            }
-        }
         let check = hold.clone();
-        replica.lead(engine.clone(), Arc::new(move || check.is_held()));
+        let held = Arc::new(move || check.is_held());
+        replica.lead(engine.clone(), held.clone(), outage.clone());
         let took = started.elapsed();
         telemetry.takeover(took);
         tracing::info!(
@@ -230,7 +248,7 @@ pub async fn run(prepared: Prepared, setup: ReplicaSetup, stop: CancellationToke
             took_ms = took.as_millis() as u64,
             "leader: claimed the state; serving"
         );
-        let term = Term {
+        let mut term = Term {
             engine,
             store,
             hold,
@@ -238,22 +256,57 @@ pub async fn run(prepared: Prepared, setup: ReplicaSetup, stop: CancellationToke
             token,
         };
         // Lead until the claim goes or the process stops.
-        tokio::select! {
-            _ = term.hold.lost() => {}
-            _ = stop.cancelled() => {
-                shut_down(term, setup.shutdown_grace).await;
-                return;
+        loop {
+            tokio::select! {
+                _ = term.hold.lost() => break,
+                _ = term.store.refused() => {
+                    match renew(&setup, &client, &keys, &term).await {
+                        Ok((engine, store)) => {
+                            replica.lead(engine.clone(), held.clone(), outage.clone());
+                            term.engine = engine;
+                            term.store = store;
+                            tracing::info!(
+                                state = describe,
+                                "leader: serving on with a fresh read of the state after etcd refused a commit"
+                            );
+                        }
+                        Err(e) => {
+                            term.hold.lose(format!(
+                                "etcd refused a commit, and restarting on a fresh read of the \
+                                 state failed: {e}"
+                            ));
+                            break;
+                        }
+                    }
+                }
+                _ = stop.cancelled() => {
+                    shut_down(term, setup.shutdown_grace).await;
+                    return;
+                }
             }
         }
         term.engine.step_down();
-        replica.degrade();
         telemetry.step_down();
+        let degraded = outage();
+        if degraded {
+            replica.degrade(outage.clone());
+        } else {
+            replica.stand_by();
+        }
         tracing::error!(
             state = describe,
             why = term.hold.loss(),
-            "leader: the claim on the state is no longer held; acknowledging nothing more, \
-             answering reads from memory until a leader is known"
+            "leader: the claim on the state is no longer held; acknowledging nothing more, {}",
+            if degraded {
+                "answering reads from memory while a majority of the etcd members refuse \
+                 connections (etcd is down for everyone)"
+            } else {
+                "answering as a standby (etcd may have a quorum that this replica cannot reach)"
+            }
         );
+        if degraded {
+            watch_degraded(replica.clone(), outage.clone());
+        }
         let _ = term.store.release_bounded().await;
         previous = Some((term.lease, term.token.clone()));
         drop(term);
@@ -263,6 +316,82 @@ pub async fn run(prepared: Prepared, setup: ReplicaSetup, stop: CancellationToke
             replica.warmth(),
         ));
     }
+}
+
+/// Starts the store and the engine of a term on a claim and the state read under it; gives the
+/// claim up when the engine does not start.
+async fn start_term(
+    setup: &ReplicaSetup,
+    guarded: Guarded,
+    keep_alive: CancellationToken,
+    snapshot: Snapshot,
+) -> Result<(Arc<Engine>, Arc<EtcdStore>), String> {
+    setup.replica.taking_over(&snapshot);
+    let hold = guarded.hold.clone();
+    let store = Arc::new(EtcdStore::claimed(guarded, keep_alive, snapshot));
+    match (setup.start_engine)(store.clone() as SharedStore).await {
+        Ok(engine) => {
+            if setup.reconcile && hold.is_held() {
+                match tokio::time::timeout(Duration::from_secs(5), engine.reconcile()).await {
+                    Ok(Ok(report)) => {
+                        tracing::info!(?report, "takeover: reconciled with the cloud")
+                    }
+                    Ok(Err(e)) => {
+                        tracing::warn!(error = %e, "takeover: reconcile failed; the periodic reconcile retries")
+                    }
+                    Err(_) => tracing::warn!(
+                        "takeover: reconcile took longer than 5s; serving, the periodic reconcile continues"
+                    ),
+                }
+            }
+            Ok((engine, store))
+        }
+        Err(e) => {
+            let _ = store.release_bounded().await;
+            Err(e)
+        }
+    }
+}
+
+/// After etcd refused a commit of this term: the engine stops (it acknowledges nothing after a
+/// failed commit), and a new one starts on a fresh read under the same claim.
+async fn renew(
+    setup: &ReplicaSetup,
+    client: &Client,
+    keys: &Keys,
+    term: &Term,
+) -> Result<(Arc<Engine>, Arc<EtcdStore>), String> {
+    term.engine.step_down();
+    let (guarded, keep_alive) = term
+        .store
+        .hand_over()
+        .await
+        .ok_or("the store's writer had stopped")?;
+    let snapshot = match read_state(client, keys).await {
+        Ok(s) => s,
+        Err(e) => {
+            release(&guarded, &keep_alive).await;
+            return Err(e);
+        }
+    };
+    start_term(setup, guarded, keep_alive, snapshot).await
+}
+
+/// While degraded, turns the replica into a standby as soon as the evidence that etcd is down
+/// for everyone goes (the campaign loop may be waiting on etcd meanwhile).
+fn watch_degraded(replica: Arc<Replica>, outage: OutageCheck) {
+    tokio::spawn(async move {
+        while replica.role() == Role::Degraded {
+            if !outage() && replica.stand_by_if_degraded() {
+                tracing::warn!(
+                    "standby: the etcd members no longer refuse connections; answering as a \
+                     standby until this replica leads again"
+                );
+                return;
+            }
+            tokio::time::sleep(CAMPAIGN_EVERY).await;
+        }
+    });
 }
 
 /// A leader's graceful stop: wait for in-flight work within the grace, then give the claim up so

@@ -36,6 +36,8 @@ mod keys;
 mod target;
 mod transfer;
 
+#[cfg(test)]
+mod ha_tests;
 #[cfg(any(test, feature = "etcd-testing"))]
 #[doc(hidden)]
 pub mod testing;
@@ -66,8 +68,69 @@ use crate::store::{Commit, Store, StoreError};
 
 /// etcd's default `--max-txn-ops`.
 pub(crate) const MAX_TXN_OPS: usize = 128;
-/// Under etcd's default `--max-request-bytes` (1.5 MiB), leaving room for the guard and framing.
-pub(crate) const MAX_TXN_BYTES: usize = 1_400_000;
+/// The bytes of the writes of one transaction under etcd's default `--max-request-bytes`, with
+/// a guard of the longest token ([`TxnLimits::of`]).
+#[cfg(test)]
+pub(crate) const MAX_TXN_BYTES: usize = TxnLimits::DEFAULT.txn_bytes;
+
+/// The size limits of one transaction, from `--etcd-max-request-bytes`.
+///
+/// etcd measures a request as the raft entry it proposes: the transaction with a small header
+/// (request id, user name, auth revision). A transaction is its guard (the owner key and the
+/// claim's token) plus its writes; [`write_size`] is an upper bound of one write's encoding
+/// (key and value plus at most 24 bytes of tags and lengths), and [`FIXED_BYTES`] bounds the
+/// rest: the raft header, the guard's framing, and the owner key and token of any prefix and
+/// host name the claim can have (an owner key of at most 1 KiB, a token of at most 256 bytes).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct TxnLimits {
+    /// The largest request etcd accepts (`--max-request-bytes`).
+    pub request_bytes: usize,
+    /// The bytes the writes of one transaction may take.
+    pub txn_bytes: usize,
+}
+
+/// Everything in a transaction's request that is not one of its writes (see [`TxnLimits`]).
+const FIXED_BYTES: usize = 2048;
+
+impl TxnLimits {
+    #[cfg(test)]
+    const DEFAULT: TxnLimits = TxnLimits::of(target::DEFAULT_MAX_REQUEST_BYTES);
+
+    pub(crate) const fn of(request_bytes: usize) -> TxnLimits {
+        TxnLimits {
+            request_bytes,
+            txn_bytes: request_bytes.saturating_sub(FIXED_BYTES),
+        }
+    }
+
+    /// The largest machine record (the encoded slot, the value of `PREFIX/m/<id>`) whose
+    /// Configure still fits one transaction: the writes' room less the fence mark, the counters
+    /// and the record's own key, with `shard_id` and `machine_id` at their limits (the fence
+    /// key escapes every byte of both, three bytes each, in the worst case).
+    pub(crate) fn max_record_bytes(&self, keys: &Keys) -> usize {
+        let id = "/".repeat(crate::limits::MAX_ID_BYTES);
+        let fence = write_size(
+            &keys.fence(&id, &id),
+            Some(&keys::encode_fence(
+                &id,
+                &id,
+                crate::fence::HighWaterMark {
+                    epoch: i64::MAX,
+                    sequence: i64::MAX,
+                },
+            )),
+        );
+        let counters = write_size(
+            &keys.meta(),
+            Some(&keys::encode_meta(Meta {
+                revision: i64::MAX,
+                next_op: u64::MAX,
+            })),
+        );
+        let slot_key = write_size(&keys.slot(&id), None);
+        self.txn_bytes.saturating_sub(fence + counters + slot_key)
+    }
+}
 /// Attempts of one request before etcd counts as unavailable.
 const ATTEMPTS: u32 = 6;
 /// Keys read per page when loading (a page stays far below the gRPC message limit).
@@ -88,9 +151,57 @@ fn retryable(status: &tonic::Status) -> bool {
         || message.contains("timed out")
 }
 
+/// etcd's refusal of the request itself: it would refuse it again, whoever sent it and however
+/// often (too large for `--max-request-bytes` or the gRPC limit, too many operations, a
+/// duplicate key). Retrying it is useless and it says nothing about the claim.
+fn refuses_the_request(status: &tonic::Status) -> bool {
+    use tonic::Code;
+    let message = status.message();
+    match status.code() {
+        Code::InvalidArgument => true,
+        Code::ResourceExhausted | Code::OutOfRange => {
+            message.contains("larger than max") || message.contains("too large")
+        }
+        _ => false,
+    }
+}
+
+/// Why an etcd request failed for good.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) enum RequestError {
+    /// etcd refused this request itself ([`refuses_the_request`]); etcd is fine.
+    Refused(String),
+    /// etcd did not take the request: unreachable, no leader, out of attempts, or an answer
+    /// that a retry cannot cure.
+    Failed(String),
+}
+
+impl From<RequestError> for String {
+    fn from(error: RequestError) -> String {
+        match error {
+            RequestError::Refused(m) | RequestError::Failed(m) => m,
+        }
+    }
+}
+
 /// Runs `request` until it succeeds, fails for good or the attempts run out (backoff 100 ms
 /// doubling up to 1 s: about 3 s in all, longer than an etcd leader election).
-async fn retry<T, F, Fut>(client: &Client, what: &str, mut request: F) -> Result<T, String>
+async fn retry<T, F, Fut>(client: &Client, what: &str, request: F) -> Result<T, String>
+where
+    F: FnMut() -> Fut,
+    Fut: Future<Output = Result<tonic::Response<T>, tonic::Status>>,
+{
+    retry_classified(client, what, request)
+        .await
+        .map_err(String::from)
+}
+
+/// [`retry`], telling a refusal of the request itself from etcd not taking it.
+async fn retry_classified<T, F, Fut>(
+    client: &Client,
+    what: &str,
+    mut request: F,
+) -> Result<T, RequestError>
 where
     F: FnMut() -> Fut,
     Fut: Future<Output = Result<tonic::Response<T>, tonic::Status>>,
@@ -100,21 +211,34 @@ where
     loop {
         let at = client.at();
         match request().await {
-            Ok(response) => return Ok(response.into_inner()),
+            Ok(response) => {
+                client.answered(at);
+                return Ok(response.into_inner());
+            }
             Err(status) if attempt < ATTEMPTS && retryable(&status) => {
-                client.failed(at);
+                client.failed_with(at, &status);
                 tracing::debug!(what, attempt, member = at, code = ?status.code(), message = status.message(), "etcd request failed; retrying on the next member");
                 tokio::time::sleep(delay).await;
                 delay = (delay * 2).min(Duration::from_secs(1));
                 attempt += 1;
             }
             Err(status) => {
-                return Err(format!(
+                let message = format!(
                     "{what}: etcd answered {:?}: {} (after {attempt} attempt{})",
                     status.code(),
                     status.message(),
                     if attempt == 1 { "" } else { "s" }
-                ));
+                );
+                if refuses_the_request(&status) {
+                    client.answered(at);
+                    return Err(RequestError::Refused(message));
+                }
+                if retryable(&status) {
+                    client.failed_with(at, &status);
+                } else {
+                    client.answered(at);
+                }
+                return Err(RequestError::Failed(message));
             }
         }
     }
@@ -159,7 +283,11 @@ impl Pending {
                     machine_id,
                 } => (keys.fence(&shard_id, &machine_id), None),
                 Change::Counters { revision, next_op } => {
-                    pending.meta = Some(Meta { revision, next_op });
+                    let meta = Meta { revision, next_op };
+                    if pending.meta.is_none() {
+                        pending.bytes += write_size(&keys.meta(), Some(&keys::encode_meta(meta)));
+                    }
+                    pending.meta = Some(meta);
                     continue;
                 }
             };
@@ -181,12 +309,12 @@ impl Pending {
         self.ops() == 0
     }
 
-    fn fits(&self) -> bool {
-        self.ops() <= MAX_TXN_OPS && self.bytes + 64 <= MAX_TXN_BYTES
+    fn fits(&self, limits: TxnLimits) -> bool {
+        self.ops() <= MAX_TXN_OPS && self.bytes <= limits.txn_bytes
     }
 
-    fn fits_with(&self, other: &Pending) -> bool {
-        self.ops() + other.ops() <= MAX_TXN_OPS && self.bytes + other.bytes + 64 <= MAX_TXN_BYTES
+    fn fits_with(&self, other: &Pending, limits: TxnLimits) -> bool {
+        self.ops() + other.ops() <= MAX_TXN_OPS && self.bytes + other.bytes <= limits.txn_bytes
     }
 
     fn merge(&mut self, other: Pending) {
@@ -229,7 +357,7 @@ fn op(key: Vec<u8>, value: Option<Vec<u8>>) -> pb::RequestOp {
 
 /// Packs batches into transactions: whole batches while they fit, a batch too large for one
 /// transaction on its own split in commit order.
-fn plan(keys: &Keys, batches: Vec<Vec<Change>>) -> Vec<Vec<pb::RequestOp>> {
+fn plan(keys: &Keys, batches: Vec<Vec<Change>>, limits: TxnLimits) -> Vec<Vec<pb::RequestOp>> {
     let mut txns = Vec::new();
     let mut current = Pending::default();
     for batch in batches {
@@ -237,17 +365,17 @@ fn plan(keys: &Keys, batches: Vec<Vec<Change>>) -> Vec<Vec<pb::RequestOp>> {
         if next.is_empty() {
             continue;
         }
-        if current.fits_with(&next) {
+        if current.fits_with(&next, limits) {
             current.merge(next);
             continue;
         }
         if !current.is_empty() {
             txns.push(std::mem::take(&mut current).into_ops(keys));
         }
-        if next.fits() {
+        if next.fits(limits) {
             current = next;
         } else {
-            txns.extend(split(next.into_ops(keys)));
+            txns.extend(split(next.into_ops(keys), limits));
         }
     }
     if !current.is_empty() {
@@ -265,15 +393,16 @@ fn op_size(op: &pb::RequestOp) -> usize {
 }
 
 /// Cuts an ordered list of writes into transactions within the limits, keeping the order.
-fn split(ops: Vec<pb::RequestOp>) -> Vec<Vec<pb::RequestOp>> {
+fn split(ops: Vec<pb::RequestOp>, limits: TxnLimits) -> Vec<Vec<pb::RequestOp>> {
     let mut txns = Vec::new();
     let mut current = Vec::new();
-    let mut bytes = 64;
+    let mut bytes = 0;
     for op in ops {
         let size = op_size(&op);
-        if !current.is_empty() && (current.len() == MAX_TXN_OPS || bytes + size > MAX_TXN_BYTES) {
+        if !current.is_empty() && (current.len() == MAX_TXN_OPS || bytes + size > limits.txn_bytes)
+        {
             txns.push(std::mem::take(&mut current));
-            bytes = 64;
+            bytes = 0;
         }
         bytes += size;
         current.push(op);
@@ -596,7 +725,7 @@ fn keep_alive(client: Client, claim: &Claim, hold: Arc<Hold>, stop: Cancellation
                 Ok(Ok(r)) => r.into_inner(),
                 Ok(Err(status)) => {
                     tracing::debug!(code = ?status.code(), message = status.message(), "etcd keep-alive stream failed to open");
-                    client.failed(at);
+                    client.failed_with(at, &status);
                     tokio::time::sleep(Duration::from_millis(50)).await;
                     continue;
                 }
@@ -613,6 +742,7 @@ fn keep_alive(client: Client, claim: &Claim, hold: Arc<Hold>, stop: Cancellation
                 };
                 match answer {
                     Ok(Some(Ok(response))) if response.ttl > 0 => {
+                        client.answered(at);
                         hold.confirm(sent, Duration::from_secs(response.ttl as u64));
                         let took = sent.elapsed();
                         if took > every {
@@ -628,7 +758,11 @@ fn keep_alive(client: Client, claim: &Claim, hold: Arc<Hold>, stop: Cancellation
                         hold.lose("etcd answered a keep-alive saying the claim's lease expired");
                         break 'streams;
                     }
-                    Ok(Some(Err(_)) | None) | Err(_) => {
+                    Ok(Some(Err(status))) => {
+                        client.failed_with(at, &status);
+                        continue 'streams;
+                    }
+                    Ok(None) | Err(_) => {
                         client.failed(at);
                         continue 'streams;
                     }
@@ -664,6 +798,7 @@ pub(crate) struct Guarded {
     pub claim: Claim,
     pub describe: String,
     pub hold: Arc<Hold>,
+    pub limits: TxnLimits,
 }
 
 impl Guarded {
@@ -677,41 +812,50 @@ impl Guarded {
         }
     }
 
-    /// Commits `ops` as one transaction under the claim.
-    pub async fn txn(&self, ops: Vec<pb::RequestOp>) -> Result<(), String> {
+    /// Commits `ops` as one transaction under the claim. A transaction etcd refuses for what
+    /// it is (too large, say) fails as [`RequestError::Refused`] and leaves the claim alone;
+    /// anything else that fails it ends the claim's use.
+    pub async fn txn(&self, ops: Vec<pb::RequestOp>) -> Result<(), RequestError> {
         if !self.hold.is_held() {
-            return Err(format!(
+            return Err(RequestError::Failed(format!(
                 "{}: the claim on the prefix was lost (lease not kept alive); nothing more is committed",
                 self.describe
-            ));
+            )));
         }
         let request = pb::TxnRequest {
             compare: vec![self.guard()],
             success: ops,
             failure: Vec::new(),
         };
-        let response = retry(&self.client, "commit", || {
+        let response = retry_classified(&self.client, "commit", || {
             let (mut kv, request) = (self.client.kv(), request.clone());
             async move { kv.txn(request).await }
         })
         .await
-        .map_err(|e| format!("{}: {e}", self.describe))?;
+        .map_err(|e| match e {
+            RequestError::Refused(m) => RequestError::Refused(format!(
+                "{}: {m}; the transaction is refused as it is (if it is too large, raise etcd's \
+                 --max-request-bytes and --etcd-max-request-bytes together, docs/ha.md)",
+                self.describe
+            )),
+            RequestError::Failed(m) => RequestError::Failed(format!("{}: {m}", self.describe)),
+        })?;
         if !response.succeeded {
             self.hold.lose(
                 "etcd refused a commit: the claim's key no longer holds this provider's token",
             );
-            return Err(format!(
+            return Err(RequestError::Failed(format!(
                 "{}: commit refused: this provider no longer holds the claim on the prefix \
                  (its lease expired or another provider took it over)",
                 self.describe
-            ));
+            )));
         }
         Ok(())
     }
 
     /// Commits batches in order, in as few transactions as the limits allow.
-    pub async fn commit(&self, batches: Vec<Vec<Change>>) -> Result<(), String> {
-        for ops in plan(&self.keys, batches) {
+    pub async fn commit(&self, batches: Vec<Vec<Change>>) -> Result<(), RequestError> {
+        for ops in plan(&self.keys, batches, self.limits) {
             self.txn(ops).await?;
         }
         Ok(())
@@ -839,6 +983,8 @@ enum Message {
     Flush(oneshot::Sender<Result<(), StoreError>>),
     /// Commit what is queued, revoke the claim, then call this and stop.
     Stop(Box<dyn FnOnce() + Send>),
+    /// Stop without giving the claim up, handing it (and its keep-alive) back.
+    HandOver(oneshot::Sender<(Guarded, CancellationToken)>),
 }
 
 /// The etcd store: a claimed prefix, its keep-alive and its writer task.
@@ -846,6 +992,9 @@ pub struct EtcdStore {
     describe: String,
     queue: mpsc::UnboundedSender<Message>,
     loaded: Mutex<Option<Snapshot>>,
+    /// Cancelled when etcd refused a transaction for what it is (see [`EtcdStore::refused`]).
+    refused: CancellationToken,
+    max_record_bytes: usize,
 }
 
 impl std::fmt::Debug for EtcdStore {
@@ -869,7 +1018,8 @@ pub(crate) async fn open_guarded(
     let keys = Keys::new(&target.prefix);
     let wait = args.etcd_lease_ttl * 2 + Duration::from_secs(1);
     let claim = claim(&client, &keys, args.ttl_seconds(), &describe, wait).await?;
-    Ok(guard(client, keys, claim, describe))
+    let limits = TxnLimits::of(args.etcd_max_request_bytes);
+    Ok(guard(client, keys, claim, describe, limits))
 }
 
 /// Starts keeping a won claim alive; the guarded writes and the token that stops the keep-alive.
@@ -878,6 +1028,7 @@ pub(crate) fn guard(
     keys: Keys,
     claim: Claim,
     describe: String,
+    limits: TxnLimits,
 ) -> (Guarded, CancellationToken) {
     let hold = Hold::new(&claim);
     let stop = CancellationToken::new();
@@ -889,6 +1040,7 @@ pub(crate) fn guard(
             claim,
             describe,
             hold,
+            limits,
         },
         stop,
     )
@@ -955,12 +1107,33 @@ impl EtcdStore {
     ) -> EtcdStore {
         let (queue, receiver) = mpsc::unbounded_channel();
         let describe = guarded.describe.clone();
-        tokio::spawn(run_writer(guarded, stop, receiver));
+        let refused = CancellationToken::new();
+        let max_record_bytes = guarded.limits.max_record_bytes(&guarded.keys);
+        tokio::spawn(run_writer(guarded, stop, receiver, refused.clone()));
         EtcdStore {
             describe,
             queue,
             loaded: Mutex::new(Some(snapshot)),
+            refused,
+            max_record_bytes,
         }
+    }
+
+    /// Completes once etcd refused one of this store's transactions for what it is (too large,
+    /// say). The claim is still held, but that commit and every later one of this store failed
+    /// (batches become durable in order or not at all), so the engine on it must be replaced by
+    /// one on a fresh read: [`EtcdStore::hand_over`].
+    pub(crate) async fn refused(&self) {
+        self.refused.cancelled().await;
+    }
+
+    /// Stops the writer after what is queued without giving the claim up, and returns the claim
+    /// with its keep-alive (a new store continues the term). `None` when the writer already
+    /// stopped.
+    pub(crate) async fn hand_over(&self) -> Option<(Guarded, CancellationToken)> {
+        let (reply, receiver) = oneshot::channel();
+        self.queue.send(Message::HandOver(reply)).ok()?;
+        receiver.await.ok()
     }
 
     /// Gives the claim up after the queued commits, waiting at most a few seconds.
@@ -997,12 +1170,14 @@ async fn run_writer(
     guarded: Guarded,
     stop: CancellationToken,
     mut receiver: mpsc::UnboundedReceiver<Message>,
+    refused: CancellationToken,
 ) {
     let mut failed: Option<StoreError> = None;
     while let Some(first) = receiver.recv().await {
         let mut batches = Vec::new();
         let mut replies = Vec::new();
         let mut stopping = None;
+        let mut handing_over = None;
         let mut next = Some(first);
         while let Some(message) = next.take() {
             match message {
@@ -1015,25 +1190,46 @@ async fn run_writer(
                     stopping = Some(done);
                     break;
                 }
+                Message::HandOver(reply) => {
+                    handing_over = Some(reply);
+                    break;
+                }
             }
             next = receiver.try_recv().ok();
         }
         let result = match &failed {
             Some(e) => Err(e.clone()),
             None if batches.is_empty() => Ok(()),
-            None => guarded.commit(batches).await.map_err(StoreError),
+            None => match guarded.commit(batches).await {
+                Ok(()) => Ok(()),
+                // etcd is fine and the claim is held: this transaction is what etcd refuses.
+                // Later batches were built on it, so they fail too, but nobody steps down.
+                Err(RequestError::Refused(e)) => {
+                    tracing::error!(error = %e, "state: etcd refused a commit as it is; the claim is kept, this engine commits nothing more and is replaced by one on a fresh read");
+                    failed = Some(StoreError(e.clone()));
+                    refused.cancel();
+                    Err(StoreError(e))
+                }
+                Err(RequestError::Failed(e)) => {
+                    guarded.hold.lose(format!("a commit failed: {e}"));
+                    tracing::error!(error = %e, "state: etcd commit failed; no further commits from this provider");
+                    failed = Some(StoreError(e.clone()));
+                    Err(StoreError(e))
+                }
+            },
         };
-        if let (Err(e), None) = (&result, &failed) {
-            guarded.hold.lose(format!("a commit failed: {e}"));
-            tracing::error!(error = %e, "state: etcd commit failed; no further commits from this provider");
-            failed = Some(e.clone());
-        }
         for reply in replies {
             let _ = reply.send(result.clone());
         }
         if let Some(done) = stopping {
             release(&guarded, &stop).await;
             done();
+            return;
+        }
+        if let Some(reply) = handing_over {
+            if let Err((guarded, stop)) = reply.send((guarded, stop)) {
+                release(&guarded, &stop).await;
+            }
             return;
         }
     }
@@ -1068,6 +1264,10 @@ impl Store for EtcdStore {
 
     fn describe(&self) -> String {
         format!("{} (etcd)", self.describe)
+    }
+
+    fn max_record_bytes(&self) -> Option<usize> {
+        Some(self.max_record_bytes)
     }
 
     fn release(&self) -> Commit {

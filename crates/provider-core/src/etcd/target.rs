@@ -2,7 +2,7 @@
 //! `--etcd-*` flags, and the gRPC channel to the members (mTLS when the flags ask for it).
 
 use std::path::Path;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use clap::Args;
 use etcd_proto::etcdserverpb::kv_client::KvClient;
@@ -25,7 +25,7 @@ const CONNECT_TIMEOUT: Duration = Duration::from_secs(2);
 pub(crate) const REQUEST_TIMEOUT: Duration = Duration::from_secs(3);
 
 /// The flags of the etcd store (used only when `--state` is an `etcd://` address).
-#[derive(Args, Debug, Clone, Default, PartialEq)]
+#[derive(Args, Debug, Clone, PartialEq)]
 pub struct EtcdArgs {
     /// CA bundle PEM that signs the etcd members' certificates; switches the etcd connection to TLS.
     #[arg(
@@ -57,6 +57,34 @@ pub struct EtcdArgs {
     /// TTL of the etcd lease that holds this provider's claim on the state prefix.
     #[arg(long = "etcd-lease-ttl", env = "BIGFLEET_ETCD_LEASE_TTL", default_value = "3s", value_parser = duration::flag, value_name = "DURATION")]
     pub etcd_lease_ttl: Duration,
+
+    /// etcd's --max-request-bytes: the largest request the members accept. Raise both together.
+    #[arg(
+        long = "etcd-max-request-bytes",
+        env = "BIGFLEET_ETCD_MAX_REQUEST_BYTES",
+        default_value_t = DEFAULT_MAX_REQUEST_BYTES,
+        value_name = "BYTES"
+    )]
+    pub etcd_max_request_bytes: usize,
+}
+
+/// etcd's own default `--max-request-bytes` (1.5 MiB).
+pub const DEFAULT_MAX_REQUEST_BYTES: usize = 1_572_864;
+
+/// The smallest `--etcd-max-request-bytes` accepted: room for a transaction's fixed part with
+/// ids at their limits, and a machine record of a useful size.
+const MIN_MAX_REQUEST_BYTES: usize = 64 * 1024;
+
+impl Default for EtcdArgs {
+    fn default() -> EtcdArgs {
+        EtcdArgs {
+            etcd_ca: String::new(),
+            etcd_cert: String::new(),
+            etcd_key: String::new(),
+            etcd_lease_ttl: Duration::from_secs(3),
+            etcd_max_request_bytes: DEFAULT_MAX_REQUEST_BYTES,
+        }
+    }
 }
 
 impl EtcdArgs {
@@ -78,6 +106,13 @@ impl EtcdArgs {
             return Err(format!(
                 "--etcd-lease-ttl must be at least 1s (etcd grants whole seconds), got {}",
                 duration::format(self.etcd_lease_ttl)
+            ));
+        }
+        if self.etcd_max_request_bytes < MIN_MAX_REQUEST_BYTES {
+            return Err(format!(
+                "--etcd-max-request-bytes must be at least {MIN_MAX_REQUEST_BYTES} (and match etcd's \
+                 --max-request-bytes, 1572864 by default), got {}",
+                self.etcd_max_request_bytes
             ));
         }
         Ok(())
@@ -180,6 +215,52 @@ struct MemberClients {
 pub(crate) struct Client {
     members: std::sync::Arc<Vec<MemberClients>>,
     current: std::sync::Arc<std::sync::atomic::AtomicUsize>,
+    /// What each member did with its last request (see [`Client::quorum_refused`]).
+    heard: std::sync::Arc<Vec<std::sync::Mutex<Option<(Heard, Instant)>>>>,
+}
+
+/// How a member answered the last request sent to it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Heard {
+    /// It answered (whatever the answer said).
+    Answered,
+    /// Its address actively refused: connection refused or reset. Nothing listens there, so it
+    /// serves nobody.
+    Refused,
+    /// Silence: a timeout, a dropped stream, an error that says nothing about the others.
+    Silent,
+}
+
+/// How long what a member did counts as evidence.
+const HEARD_FOR: Duration = Duration::from_secs(10);
+
+/// Whether a failed request was actively refused by the member's address (connection refused or
+/// reset), as opposed to silence (a timeout, which is what a partition looks like).
+pub(crate) fn refused(status: &tonic::Status) -> bool {
+    use std::error::Error as _;
+    let said = |text: &str| {
+        let text = text.to_ascii_lowercase();
+        text.contains("connection refused") || text.contains("connection reset")
+    };
+    if said(status.message()) {
+        return true;
+    }
+    let mut source = status.source();
+    while let Some(error) = source {
+        if let Some(io) = error.downcast_ref::<std::io::Error>()
+            && matches!(
+                io.kind(),
+                std::io::ErrorKind::ConnectionRefused | std::io::ErrorKind::ConnectionReset
+            )
+        {
+            return true;
+        }
+        if said(&error.to_string()) {
+            return true;
+        }
+        source = error.source();
+    }
+    false
 }
 
 impl Client {
@@ -200,9 +281,60 @@ impl Client {
         self.members[self.at()].watch.clone()
     }
 
-    /// A request to member `at` failed: move on to the next one (unless another request
-    /// already did).
+    /// Member `at` answered a request.
+    pub fn answered(&self, at: usize) {
+        self.hear(at, Heard::Answered);
+    }
+
+    /// A request to member `at` failed with `status`: remembers whether it was refused, and
+    /// moves on to the next member.
+    pub fn failed_with(&self, at: usize, status: &tonic::Status) {
+        self.hear(
+            at,
+            if refused(status) {
+                Heard::Refused
+            } else {
+                Heard::Silent
+            },
+        );
+        self.next_after(at);
+    }
+
+    fn hear(&self, at: usize, heard: Heard) {
+        if let Some(slot) = self.heard.get(at) {
+            *slot
+                .lock()
+                .unwrap_or_else(std::sync::PoisonError::into_inner) = Some((heard, Instant::now()));
+        }
+    }
+
+    /// Positive evidence that no etcd quorum exists for anyone: a majority of the configured
+    /// members actively refused this process's last request to them (connection refused or
+    /// reset) within the last few seconds, and none of those answered since. Silence (timeouts)
+    /// is no evidence: a partition looks like that while the other side has a quorum.
+    pub fn quorum_refused(&self) -> bool {
+        let refusing = self
+            .heard
+            .iter()
+            .filter(|slot| {
+                matches!(
+                    *slot.lock().unwrap_or_else(std::sync::PoisonError::into_inner),
+                    Some((Heard::Refused, at)) if at.elapsed() < HEARD_FOR
+                )
+            })
+            .count();
+        refusing > self.members.len() / 2
+    }
+
+    /// A request to member `at` went unanswered (a timeout, a stream that ended): move on to
+    /// the next one.
     pub fn failed(&self, at: usize) {
+        self.hear(at, Heard::Silent);
+        self.next_after(at);
+    }
+
+    /// Moves on from member `at` to the next one (unless another request already did).
+    fn next_after(&self, at: usize) {
         let next = (at + 1) % self.members.len();
         let _ = self.current.compare_exchange(
             at,
@@ -270,7 +402,12 @@ pub(crate) fn connect(target: &Target, args: &EtcdArgs) -> Result<Client, String
         })
         .collect();
     let start = rand::random::<u32>() as usize % members.len();
+    let heard = members
+        .iter()
+        .map(|_| std::sync::Mutex::new(None))
+        .collect();
     Ok(Client {
+        heard: std::sync::Arc::new(heard),
         members: std::sync::Arc::new(members),
         current: std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(start)),
     })

@@ -111,8 +111,18 @@ fn parses_state_addresses_and_names_the_flag_in_errors() {
     };
     let e = validate_with_state("/var/lib/state", &a).unwrap_err();
     assert!(e.contains("--etcd-ca is set"), "{e}");
-    let e = validate_with_state("etcd://a/p", &EtcdArgs::default()).unwrap_err();
+    let zero_ttl = EtcdArgs {
+        etcd_lease_ttl: Duration::ZERO,
+        ..args()
+    };
+    let e = validate_with_state("etcd://a/p", &zero_ttl).unwrap_err();
     assert!(e.contains("--etcd-lease-ttl"), "{e}");
+    let small = EtcdArgs {
+        etcd_max_request_bytes: 1000,
+        ..args()
+    };
+    let e = validate_with_state("etcd://a/p", &small).unwrap_err();
+    assert!(e.contains("--etcd-max-request-bytes"), "{e}");
     let e = validate_with_state(
         "etcd://a/p",
         &EtcdArgs {
@@ -148,7 +158,7 @@ fn whole_batches_share_a_transaction_and_only_an_oversized_batch_is_split() {
             ]
         })
         .collect();
-    let txns = plan(&keys, batches);
+    let txns = plan(&keys, batches, TxnLimits::DEFAULT);
     assert!(
         txns.len() > 1,
         "150 writes and counters need more than one transaction"
@@ -178,7 +188,7 @@ fn whole_batches_share_a_transaction_and_only_an_oversized_batch_is_split() {
         .collect();
     big.push(fence("s", "m000", 1, 1));
     big.push(counters(300, 9));
-    let txns = plan(&keys, vec![big]);
+    let txns = plan(&keys, vec![big], TxnLimits::DEFAULT);
     assert_eq!(txns.len(), 3);
     let flat: Vec<&[u8]> = txns
         .iter()
@@ -202,7 +212,7 @@ fn whole_batches_share_a_transaction_and_only_an_oversized_batch_is_split() {
             Change::PutSlot(s)
         })
         .collect();
-    let txns = plan(&keys, vec![heavy]);
+    let txns = plan(&keys, vec![heavy], TxnLimits::DEFAULT);
     assert!(txns.len() >= 2);
     for ops in &txns {
         assert!(ops.iter().map(op_size).sum::<usize>() <= MAX_TXN_BYTES);

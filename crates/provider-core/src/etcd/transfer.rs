@@ -127,7 +127,10 @@ impl Side {
                 // The counters go last: until they are written the prefix reads as an
                 // interrupted import, never as a state with ids that could be reissued.
                 guarded.commit(vec![changes]).await?;
-                guarded.commit(vec![vec![counters]]).await
+                guarded
+                    .commit(vec![vec![counters]])
+                    .await
+                    .map_err(String::from)
             }
         }
     }
