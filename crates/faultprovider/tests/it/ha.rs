@@ -672,6 +672,20 @@ async fn a_leader_paused_past_its_lease_commits_nothing_and_steps_down() {
     tokio::time::sleep(Duration::from_secs(1)).await;
     let resumed = Instant::now();
     replicas[0].signal("CONT").expect("SIGCONT");
+    // From its first answer after it runs again, the old leader is no leader: readiness and
+    // health consult the claim's validity per request, before its replica loop notices.
+    let ready_after = readyz(replicas[0].metrics.unwrap()).await;
+    let health_after = wire::health(&replicas[0].default_channel().await.unwrap(), "").await;
+    assert_eq!(ready_after, 503, "/readyz right after SIGCONT");
+    assert_eq!(
+        health_after.expect("health answers"),
+        tonic_health::pb::health_check_response::ServingStatus::NotServing,
+        "gRPC health right after SIGCONT"
+    );
+    eprintln!(
+        "SIGSTOP: /readyz 503 and health NOT_SERVING {:?} after SIGCONT",
+        resumed.elapsed()
+    );
     // The old leader answers only UNAVAILABLE for mutations from the moment it runs again, and
     // becomes a standby.
     let mut old = client(&replicas[0]);
@@ -767,6 +781,15 @@ async fn etcd_losing_a_member_serves_on_and_losing_all_refuses_then_recovers() {
         .await
         .expect("reads are answered from memory while etcd is down");
     assert_eq!(read.into_inner().id, "fault-spec-000");
+    // Every member refuses connections: positive evidence that nobody has a quorum, so the
+    // replica keeps serving reads and says so.
+    assert_eq!(readyz(replicas[serving].metrics.unwrap()).await, 200);
+    assert_eq!(
+        wire::health(&replicas[serving].default_channel().await.unwrap(), "")
+            .await
+            .expect("health answers"),
+        tonic_health::pb::health_check_response::ServingStatus::Serving
+    );
     let refused = c
         .create(wire::create_request(
             "fault-spec-007",
@@ -1096,5 +1119,169 @@ async fn the_leader_labels_its_pod_and_a_new_leader_takes_the_label_over() {
     );
     assert_eq!(api.seen()[0].authorization, format!("Bearer {TOKEN}"));
     let _ = std::fs::remove_dir_all(&credentials);
+    drop(cluster);
+}
+
+/// A loopback TCP forwarder to one etcd member that can be cut: a cut connection stays open but
+/// nothing more crosses it in either direction, and new connections are accepted and then
+/// ignored — a network partition, not a refusal (nothing is closed or reset).
+struct Partition {
+    addr: SocketAddr,
+    cut: Arc<AtomicBool>,
+    task: tokio::task::JoinHandle<()>,
+}
+
+impl Partition {
+    async fn start(member: &str) -> Partition {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let cut = Arc::new(AtomicBool::new(false));
+        let to: SocketAddr = member.parse().unwrap();
+        let flag = cut.clone();
+        let task = tokio::spawn(async move {
+            while let Ok((inbound, _)) = listener.accept().await {
+                let flag = flag.clone();
+                tokio::spawn(async move {
+                    let Ok(outbound) = tokio::net::TcpStream::connect(to).await else {
+                        return;
+                    };
+                    let (from_client, to_client) = inbound.into_split();
+                    let (from_member, to_member) = outbound.into_split();
+                    let up = tokio::spawn(pump(from_client, to_member, flag.clone()));
+                    pump(from_member, to_client, flag).await;
+                    let _ = up.await;
+                });
+            }
+        });
+        Partition { addr, cut, task }
+    }
+
+    fn cut(&self) {
+        self.cut.store(true, Ordering::SeqCst);
+    }
+}
+
+impl Drop for Partition {
+    fn drop(&mut self) {
+        self.task.abort();
+    }
+}
+
+/// Copies bytes one way until either side closes; drops them once `cut`.
+async fn pump(
+    mut from: tokio::net::tcp::OwnedReadHalf,
+    mut to: tokio::net::tcp::OwnedWriteHalf,
+    cut: Arc<AtomicBool>,
+) {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let mut buffer = vec![0u8; 64 * 1024];
+    loop {
+        let n = match from.read(&mut buffer).await {
+            Ok(0) | Err(_) => return,
+            Ok(n) => n,
+        };
+        if cut.load(Ordering::SeqCst) {
+            continue;
+        }
+        if to.write_all(&buffer[..n]).await.is_err() {
+            return;
+        }
+    }
+}
+
+/// The leader is cut off from etcd (etcd itself healthy, the other replicas reach it): once its
+/// claim lapses it stops answering as the leader, reads included — Get and List UNAVAILABLE,
+/// gRPC health NOT_SERVING, /readyz 503 — while another replica takes over and serves. Timeouts
+/// are no evidence that etcd is down for everyone, so nothing is answered from a frozen copy.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_leader_cut_off_from_etcd_stops_answering_reads_while_another_leads() {
+    let cluster = blocking(|| Cluster::start(3));
+    let prefix = "/bigfleet/ha-cut";
+    let direct = cluster.state(prefix);
+    let mut partitions = Vec::new();
+    for member in &cluster.members {
+        partitions.push(Partition::start(&member.client).await);
+    }
+    let through: Vec<String> = partitions.iter().map(|p| p.addr.to_string()).collect();
+    let cut_off = format!("etcd://{}{prefix}", through.join(","));
+    let first = start_replica(&cut_off, "replica-0", TTL).await;
+    assert_eq!(
+        leader(std::slice::from_ref(&first), Duration::from_secs(10)).await,
+        0
+    );
+    let mut replicas = vec![first];
+    for i in 1..3 {
+        replicas.push(start_replica(&direct, &format!("replica-{i}"), TTL).await);
+    }
+    let _logs = LogsOnFailure(&replicas);
+    let mut old = client(&replicas[0]);
+    let get = || pb::MachineRef {
+        id: "fault-spec-000".into(),
+    };
+    old.get(get()).await.expect("the leader answers");
+    old.create(wire::create_request("fault-spec-000", (SHARD.into(), 1, 1)))
+        .await
+        .expect("the leader acknowledges");
+
+    for p in &partitions {
+        p.cut();
+    }
+    let cut = Instant::now();
+    let metrics = replicas[0].metrics.unwrap();
+    let deadline = cut + Duration::from_secs(10);
+    while readyz(metrics).await != 503 {
+        assert!(
+            Instant::now() < deadline,
+            "the cut-off leader stayed ready"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let not_ready = cut.elapsed();
+    let new_leader = leader(&replicas[1..], Duration::from_secs(15)).await + 1;
+    let took_over = cut.elapsed();
+    // The new leader serves what the old one acknowledged.
+    let mut new = client(&replicas[new_leader]);
+    let machine = new.get(get()).await.expect("the new leader answers");
+    assert_ne!(machine.into_inner().state(), pb::MachineState::Speculative);
+
+    // The old one, still cut off, answers nothing as the leader: fresh connections, every
+    // kind of answer.
+    let mut old = client(&replicas[0]);
+    let refused = old.get(get()).await.expect_err("Get on the cut-off replica");
+    assert_eq!(refused.code(), Code::Unavailable, "{refused:?}");
+    let refused = old
+        .list(pb::ListFilter::default())
+        .await
+        .expect_err("List on the cut-off replica");
+    assert_eq!(refused.code(), Code::Unavailable, "{refused:?}");
+    let refused = old
+        .create(wire::create_request("fault-spec-001", (SHARD.into(), 1, 2)))
+        .await
+        .expect_err("Create on the cut-off replica");
+    assert_eq!(refused.code(), Code::Unavailable, "{refused:?}");
+    assert_eq!(
+        wire::health(&replicas[0].default_channel().await.unwrap(), "")
+            .await
+            .expect("health answers"),
+        tonic_health::pb::health_check_response::ServingStatus::NotServing
+    );
+    assert_eq!(readyz(metrics).await, 503);
+    // And it stays that way while the partition lasts.
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    let refused = client(&replicas[0])
+        .get(get())
+        .await
+        .expect_err("Get on the cut-off replica, later");
+    assert_eq!(refused.code(), Code::Unavailable, "{refused:?}");
+    assert_eq!(readyz(metrics).await, 503);
+    assert!(
+        !replicas[0].logs().contains("answering reads from memory"),
+        "a partition is no etcd outage"
+    );
+    eprintln!(
+        "partition of the leader from etcd (lease TTL {TTL}): the old leader answered 503 \
+         {not_ready:?} after the cut; replica {new_leader} ready {took_over:?} after it"
+    );
+    drop(partitions);
     drop(cluster);
 }
