@@ -1230,10 +1230,7 @@ async fn a_leader_cut_off_from_etcd_stops_answering_reads_while_another_leads() 
     let metrics = replicas[0].metrics.unwrap();
     let deadline = cut + Duration::from_secs(10);
     while readyz(metrics).await != 503 {
-        assert!(
-            Instant::now() < deadline,
-            "the cut-off leader stayed ready"
-        );
+        assert!(Instant::now() < deadline, "the cut-off leader stayed ready");
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
     let not_ready = cut.elapsed();
@@ -1247,7 +1244,10 @@ async fn a_leader_cut_off_from_etcd_stops_answering_reads_while_another_leads() 
     // The old one, still cut off, answers nothing as the leader: fresh connections, every
     // kind of answer.
     let mut old = client(&replicas[0]);
-    let refused = old.get(get()).await.expect_err("Get on the cut-off replica");
+    let refused = old
+        .get(get())
+        .await
+        .expect_err("Get on the cut-off replica");
     assert_eq!(refused.code(), Code::Unavailable, "{refused:?}");
     let refused = old
         .list(pb::ListFilter::default())
@@ -1283,5 +1283,232 @@ async fn a_leader_cut_off_from_etcd_stops_answering_reads_while_another_leads() 
          {not_ready:?} after the cut; replica {new_leader} ready {took_over:?} after it"
     );
     drop(partitions);
+    drop(cluster);
+}
+
+/// Every answer a retry loop saw: (machine, operation id, replica, when).
+type Answers = Arc<Mutex<Vec<(String, String, usize, Instant)>>>;
+
+/// Retries of a Create — with the zero token (no fencing) for half the machines, two at once,
+/// with a newer fence token on every attempt for the others — sent from before the leader is
+/// killed (`kill -9`, while the first attempts are being admitted) until the new leader answers:
+/// every answer for a machine, before and after the kill, carries the same operation id (an
+/// answer is given only for an operation that is durable), and no operation id is handed to two
+/// machines.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn retries_across_a_kill_of_the_leader_keep_the_first_acknowledged_operation_id() {
+    let cluster = blocking(|| Cluster::start(3));
+    let state = cluster.state("/bigfleet/ha-retry");
+    let replicas = three(&state, TTL).await;
+    let _logs = LogsOnFailure(&replicas);
+    let clients: Arc<Vec<CapacityProviderClient<Channel>>> =
+        Arc::new(replicas.iter().map(client).collect());
+    let sequence = Arc::new(AtomicI64::new(0));
+    let stop = Arc::new(AtomicBool::new(false));
+    let answers: Answers = Arc::default();
+    let wrong: Arc<Mutex<Vec<String>>> = Arc::default();
+    let mut tasks = Vec::new();
+    for (i, id) in machine_ids().into_iter().enumerate() {
+        let (clients, sequence, stop, answers, wrong) = (
+            clients.clone(),
+            sequence.clone(),
+            stop.clone(),
+            answers.clone(),
+            wrong.clone(),
+        );
+        tasks.push(tokio::spawn(async move {
+            let zero_token = i % 2 == 0;
+            let mut replica = 0;
+            while !stop.load(Ordering::SeqCst) {
+                let token = || {
+                    if zero_token {
+                        (String::new(), 0, 0)
+                    } else {
+                        (
+                            SHARD.to_owned(),
+                            1,
+                            sequence.fetch_add(1, Ordering::SeqCst) + 1,
+                        )
+                    }
+                };
+                let at = replica % clients.len();
+                let (mut a, mut b) = (clients[at].clone(), clients[at].clone());
+                // Zero-token retries race each other; fenced ones go one after the other, as a
+                // shard stamps them (two in flight at once may arrive out of order and be
+                // fenced, rightly).
+                let (first, second) = if zero_token {
+                    tokio::join!(
+                        a.create(wire::create_request(&id, token())),
+                        b.create(wire::create_request(&id, token()))
+                    )
+                } else {
+                    let first = a.create(wire::create_request(&id, token())).await;
+                    (first, b.create(wire::create_request(&id, token())).await)
+                };
+                for answer in [first, second] {
+                    match answer {
+                        Ok(ack) => answers.lock().unwrap().push((
+                            id.clone(),
+                            ack.into_inner().operation_id,
+                            at,
+                            Instant::now(),
+                        )),
+                        Err(status) if retryable(&status) => replica = at + 1,
+                        Err(status) => wrong.lock().unwrap().push(format!(
+                            "create {id} answered {:?}: {}",
+                            status.code(),
+                            status.message()
+                        )),
+                    }
+                }
+                tokio::time::sleep(Duration::from_millis(5)).await;
+            }
+        }));
+    }
+    // Kill the leader while the first attempts are being admitted.
+    tokio::time::sleep(Duration::from_millis(15)).await;
+    replicas[0].signal("KILL").expect("kill -9");
+    let killed = Instant::now();
+    let deadline = killed + Duration::from_secs(15);
+    loop {
+        let answered_after: std::collections::HashSet<String> = answers
+            .lock()
+            .unwrap()
+            .iter()
+            .filter(|(_, _, replica, at)| *replica != 0 && *at > killed)
+            .map(|(id, ..)| id.clone())
+            .collect();
+        if answered_after.len() == MACHINES {
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "the new leader did not answer every retry: {answered_after:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let took = killed.elapsed();
+    stop.store(true, Ordering::SeqCst);
+    for t in tasks {
+        t.await.expect("retry task");
+    }
+    let wrong = wrong.lock().unwrap();
+    assert!(wrong.is_empty(), "wrong answers: {wrong:?}");
+    let answers = answers.lock().unwrap();
+    let mut per_machine: BTreeMap<&str, &str> = BTreeMap::new();
+    let mut owner: HashMap<&str, &str> = HashMap::new();
+    let before_kill = answers.iter().filter(|(_, _, r, _)| *r == 0).count();
+    for (id, op, replica, _) in answers.iter() {
+        let first = *per_machine.entry(id).or_insert(op);
+        assert_eq!(
+            first, op,
+            "{id}: answered {op} by replica {replica} after {first}"
+        );
+        if let Some(other) = owner.insert(op, id)
+            && other != id
+        {
+            panic!("operation id {op} handed to {other} and to {id}");
+        }
+    }
+    eprintln!(
+        "retries across kill -9 of the leader: {} answers ({before_kill} from the killed leader), \
+         every machine answered by the new leader {took:?} after the kill, one operation id per \
+         machine",
+        answers.len()
+    );
+    drop(cluster);
+}
+
+/// A List cursor taken from the leader under load, used after a `kill -9` of that leader on
+/// the new one: the answer holds every machine that changed since the cursor (a delta, or the
+/// full list a cursor of an earlier term yields), never silently skipping one.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_list_cursor_from_before_a_kill_misses_no_change_on_the_new_leader() {
+    let cluster = blocking(|| Cluster::start(3));
+    let state = cluster.state("/bigfleet/ha-cursor");
+    let replicas = three(&state, TTL).await;
+    let _logs = LogsOnFailure(&replicas);
+    let load = Load::new(&replicas);
+    let tasks = start_load(&load);
+    let started = Instant::now();
+    while acks_since(&load, started) < 30 {
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let mut old = client(&replicas[0]);
+    let at_cursor = old
+        .list(pb::ListFilter::default())
+        .await
+        .expect("the leader lists")
+        .into_inner();
+    let cursor = at_cursor.revision.clone();
+    assert!(!cursor.is_empty(), "a List answers a revision");
+    // Changes after the cursor, some of them in flight at the kill.
+    let after_cursor = Instant::now();
+    while acks_since(&load, after_cursor) < 10 {
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    replicas[0].signal("KILL").expect("kill -9");
+    let killed = Instant::now();
+    let new_leader = leader(&replicas[1..], Duration::from_secs(15)).await + 1;
+    while acks_since(&load, killed) < 10 {
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    load.stop.store(true, Ordering::SeqCst);
+    for t in tasks {
+        t.await.expect("driver task");
+    }
+    // Nothing changes any more once every machine settled.
+    let mut new = client(&replicas[new_leader]);
+    let deadline = Instant::now() + Duration::from_secs(20);
+    let full = loop {
+        let full = new
+            .list(pb::ListFilter::default())
+            .await
+            .expect("the new leader lists")
+            .into_inner();
+        if full.machines.iter().all(|m| settled(m.state())) {
+            break full;
+        }
+        assert!(Instant::now() < deadline, "machines did not settle");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    };
+    let delta = new
+        .list(pb::ListFilter {
+            since_revision: cursor,
+            ..Default::default()
+        })
+        .await
+        .expect("the new leader answers the old cursor")
+        .into_inner();
+    let before: HashMap<&str, &pb::Machine> = at_cursor
+        .machines
+        .iter()
+        .map(|m| (m.id.as_str(), m))
+        .collect();
+    let in_delta: HashMap<&str, &pb::Machine> =
+        delta.machines.iter().map(|m| (m.id.as_str(), m)).collect();
+    let mut changed = 0;
+    for machine in &full.machines {
+        if before.get(machine.id.as_str()) == Some(&machine) {
+            continue;
+        }
+        changed += 1;
+        assert_eq!(
+            in_delta.get(machine.id.as_str()),
+            Some(&machine),
+            "{} changed since the cursor ({:?} then, {:?} now) but the answer to the cursor \
+             does not show it as it is",
+            machine.id,
+            before.get(machine.id.as_str()).map(|m| m.state()),
+            machine.state()
+        );
+    }
+    assert!(changed > 0, "the load changed machines after the cursor");
+    eprintln!(
+        "List cursor across kill -9: {changed} machines changed since the cursor, the new leader \
+         answered {} machines for it (of {})",
+        delta.machines.len(),
+        full.machines.len()
+    );
     drop(cluster);
 }
