@@ -51,6 +51,10 @@ struct FakeReplica {
 }
 
 fn fake_replica(state: &str, name: &str) -> FakeReplica {
+    fake_replica_with(state, name, args())
+}
+
+fn fake_replica_with(state: &str, name: &str, etcd: EtcdArgs) -> FakeReplica {
     let (cloud, fleet) = crate::fleet::test_fleet(default_mix(4, ["a", "b"], ["z1", "z2"]));
     let fleet: Arc<dyn crate::backend::Backend> = Arc::new(fleet);
     let leading = Leading::default();
@@ -72,7 +76,7 @@ fn fake_replica(state: &str, name: &str) -> FakeReplica {
         reconcile: true,
         shutdown_grace: Duration::from_secs(2),
     };
-    let prepared = ha::prepare(state, &args()).expect("prepare");
+    let prepared = ha::prepare(state, &etcd).expect("prepare");
     let stop = tokio_util::sync::CancellationToken::new();
     let task = tokio::spawn(ha::run(prepared, setup, stop.clone()));
     let _ = name;
@@ -566,5 +570,78 @@ fn a_record_at_the_limit_commits_and_one_etcd_refuses_keeps_the_claim() {
             .await
             .expect("the claim commits on in a new store");
         renewed.release().wait().await.expect("release");
+    });
+}
+
+/// A transaction etcd refuses as too large (here: the provider is told etcd takes 3 MiB, etcd
+/// keeps its default 1.5 MiB, so the record passes the provider's own limit) fails that
+/// Configure with UNAVAILABLE, and the leader keeps its claim: it serves on with a new engine on
+/// a fresh read, without a step-down, and the next mutation is acknowledged.
+#[test]
+fn a_transaction_etcd_refuses_keeps_the_leader_leading_on_a_fresh_read() {
+    let cluster = Cluster::start(1);
+    let prefix = "/bigfleet/refused";
+    let state = cluster.state(prefix);
+    runtime().block_on(async {
+        let etcd = EtcdArgs {
+            etcd_max_request_bytes: 3 << 20,
+            ..args()
+        };
+        let leader = fake_replica_with(&state, "leader", etcd);
+        until("the replica leads", Duration::from_secs(10), || {
+            leader.replica.role() == Role::Leader
+        })
+        .await;
+        let client = cluster.client();
+        let keys = Keys::new(prefix);
+        let claim = holder(&client, &keys)
+            .await
+            .expect("read")
+            .expect("claimed");
+        let engine = leader.replica.writer().expect("the leader writes");
+        let id = "p/OnDemand/a/z1/000";
+        engine.create(id, token(1)).await.expect("create");
+        settle(&engine, id, MachineState::Idle).await;
+        let metadata = [("blob".to_owned(), "x".repeat(2 << 20))]
+            .into_iter()
+            .collect();
+        let refused = engine
+            .configure(id, "c".into(), b"blob".to_vec(), metadata, token(2))
+            .await
+            .expect_err("etcd refuses the transaction");
+        assert_eq!(refused.code(), Code::Unavailable, "{refused}");
+        assert!(refused.to_string().contains("too large"), "{refused}");
+        until("a new engine serves", Duration::from_secs(10), || {
+            leader
+                .replica
+                .writer()
+                .is_ok_and(|e| !Arc::ptr_eq(&e, &engine))
+        })
+        .await;
+        assert_eq!(leader.replica.role(), Role::Leader);
+        assert_eq!(
+            holder(&client, &keys).await.expect("read"),
+            Some(claim),
+            "the same claim: no step-down"
+        );
+        let renewed = leader.replica.writer().expect("the leader writes");
+        assert_eq!(
+            renewed.get(id).expect("get").state,
+            MachineState::Idle,
+            "the refused Configure left nothing behind"
+        );
+        renewed
+            .configure(
+                id,
+                "c".into(),
+                b"blob".to_vec(),
+                Default::default(),
+                token(3),
+            )
+            .await
+            .expect("the next mutation is acknowledged");
+        settle(&renewed, id, MachineState::Configured).await;
+        leader.stop.cancel();
+        leader.task.await.expect("replica");
     });
 }

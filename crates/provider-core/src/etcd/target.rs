@@ -216,8 +216,11 @@ pub(crate) struct Client {
     members: std::sync::Arc<Vec<MemberClients>>,
     current: std::sync::Arc<std::sync::atomic::AtomicUsize>,
     /// What each member did with its last request (see [`Client::quorum_refused`]).
-    heard: std::sync::Arc<Vec<std::sync::Mutex<Option<(Heard, Instant)>>>>,
+    heard: std::sync::Arc<Vec<LastHeard>>,
 }
+
+/// What a member did with the last request sent to it, and when.
+type LastHeard = std::sync::Mutex<Option<(Heard, Instant)>>;
 
 /// How a member answered the last request sent to it.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
