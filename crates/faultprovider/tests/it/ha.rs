@@ -1512,3 +1512,150 @@ async fn a_list_cursor_from_before_a_kill_misses_no_change_on_the_new_leader() {
     );
     drop(cluster);
 }
+
+/// A Configure at the size limit on etcd (default `--max-request-bytes`): the largest
+/// `shard_metadata` the leader accepts commits in etcd, one byte more is refused up front with
+/// INVALID_ARGUMENT naming `shard_metadata`, and the leader does not step down. The limit is found
+/// with a stale fence token, which the size check answers before the fence is consulted, so the
+/// search changes nothing.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_configure_at_the_etcd_size_limit_commits_and_one_over_is_invalid_argument() {
+    let cluster = blocking(|| Cluster::start(3));
+    let state = cluster.state("/bigfleet/ha-limit");
+    let replicas = three(&state, DEFAULT_TTL).await;
+    let _logs = LogsOnFailure(&replicas);
+    let mut leader = client(&replicas[0]);
+    let channel = wire::endpoint(
+        &replicas[0].spec.pki,
+        replicas[0].grpc,
+        ClientSecurity::Plaintext,
+    )
+    .expect("endpoint")
+    .timeout(Duration::from_secs(10))
+    .connect_lazy();
+    let mut big = CapacityProviderClient::new(channel)
+        .max_encoding_message_size(8 << 20)
+        .max_decoding_message_size(8 << 20);
+    let (under_id, over_id) = ("fault-spec-000", "fault-spec-001");
+    let mut sequence = 0;
+    let mut next = || {
+        sequence += 1;
+        (SHARD.to_owned(), 1, sequence)
+    };
+    for id in [under_id, over_id] {
+        leader
+            .create(wire::create_request(id, next()))
+            .await
+            .expect("create");
+    }
+    let metadata = |bytes: usize| -> HashMap<String, String> {
+        [("blob".to_owned(), "x".repeat(bytes))]
+            .into_iter()
+            .collect()
+    };
+    // Smallest refused size, with a stale token (sequence 0 is behind every mark here).
+    let stale = (SHARD.to_owned(), 1, 0);
+    let (mut fits, mut refused) = (1024usize, 3 << 20);
+    while refused - fits > 1 {
+        let size = (fits + refused) / 2;
+        let answer = big
+            .configure(wire::configure_request(
+                under_id,
+                "ha-cluster",
+                metadata(size),
+                stale.clone(),
+            ))
+            .await
+            .expect_err("a stale token is never accepted");
+        match answer.code() {
+            Code::InvalidArgument => {
+                assert!(answer.message().contains("shard_metadata"), "{answer:?}");
+                refused = size;
+            }
+            Code::FailedPrecondition => fits = size,
+            other => panic!("configure of {size} bytes answered {other:?}: {answer:?}"),
+        }
+    }
+    assert!(
+        (1_400_000..1_572_864).contains(&fits),
+        "the largest shard_metadata accepted is {fits} bytes"
+    );
+    for id in [under_id, over_id] {
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while leader
+            .get(pb::MachineRef { id: id.into() })
+            .await
+            .expect("get")
+            .into_inner()
+            .state()
+            != pb::MachineState::Idle
+        {
+            assert!(Instant::now() < deadline, "{id} never Idle");
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    }
+    let accepted = big
+        .configure(wire::configure_request(
+            under_id,
+            "ha-cluster",
+            metadata(fits),
+            next(),
+        ))
+        .await
+        .expect("the largest accepted record commits in etcd");
+    assert_eq!(
+        accepted.into_inner().machine.unwrap().state(),
+        pb::MachineState::Configuring
+    );
+    let over = big
+        .configure(wire::configure_request(
+            over_id,
+            "ha-cluster",
+            metadata(refused),
+            next(),
+        ))
+        .await
+        .expect_err("one byte more is refused");
+    assert_eq!(over.code(), Code::InvalidArgument, "{over:?}");
+    assert!(over.message().contains("shard_metadata"), "{over:?}");
+    // The leader leads on: it acknowledges the next mutation and never stepped down.
+    leader
+        .drain(wire::drain_request(over_id, next()))
+        .await
+        .expect_err("an Idle machine is not drained");
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        let machine = big
+            .get(pb::MachineRef {
+                id: under_id.into(),
+            })
+            .await
+            .expect("get")
+            .into_inner();
+        if machine.state() == pb::MachineState::Configured {
+            assert_eq!(machine.shard_metadata["blob"].len(), fits);
+            break;
+        }
+        assert!(Instant::now() < deadline, "{under_id} never Configured");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    leader
+        .configure(wire::configure_request(
+            over_id,
+            "ha-cluster",
+            HashMap::new(),
+            next(),
+        ))
+        .await
+        .expect("the leader acknowledges on");
+    assert_eq!(readyz(replicas[0].metrics.unwrap()).await, 200);
+    assert!(
+        !replicas[0].logs().contains("no longer held"),
+        "the leader stepped down"
+    );
+    eprintln!(
+        "size limit on etcd: shard_metadata of {fits} bytes committed, {refused} refused with \
+         INVALID_ARGUMENT; the leader led on"
+    );
+    drop(cluster);
+}
