@@ -59,11 +59,6 @@ pub trait Store: Send + Sync + 'static {
     fn release(&self) -> Commit {
         Commit::done()
     }
-    /// The largest machine record (encoded slot) this store can commit in one piece, when it
-    /// has such a limit (etcd's request size); a larger one would be refused by the store.
-    fn max_record_bytes(&self) -> Option<usize> {
-        None
-    }
 }
 
 /// State in process memory only: lost on restart, as with the reference without `--state`.
