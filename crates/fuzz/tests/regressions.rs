@@ -45,6 +45,7 @@ fn a_slot_whose_map_keys_are_out_of_order_is_refused() {
         machine: Arc::new(machine),
         last_change: 0,
         operations: Default::default(),
+        sealed: None,
     };
     let mut encoded = Vec::new();
     codec::encode_slot(&slot, &mut encoded);

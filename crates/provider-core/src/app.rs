@@ -150,6 +150,7 @@ pub async fn run(launch: Launch) -> Result<(), String> {
     } = launch;
     let shutdown = shutdown_signal()?;
     common.validate()?;
+    let state_keys = common.state_keys()?;
     // TLS is settled before anything else binds or loads.
     let (security, tls_config) = tls::grpc_tls(&common.tls_flags())?;
     if let Some(warning) = plaintext_warning(security, real_backend) {
@@ -171,6 +172,18 @@ pub async fn run(launch: Launch) -> Result<(), String> {
     options.timeouts = common.timeouts();
     options.orphan_grace = common.orphan_grace;
     options.require_zone = require_zone;
+    options.state_keys = state_keys;
+    options.fail_unreadable_configures = common.fail_unreadable_configures;
+    match (&options.state_keys, common.state.is_empty()) {
+        (Some(keys), _) => tracing::info!(
+            keys = keys.len(),
+            "state encryption on: the bootstrap blob of a Configure in flight is kept sealed in the state until it ends, so a restart or a takeover resumes it"
+        ),
+        (None, false) => tracing::warn!(
+            "no --state-encryption-key-file: a restart or a takeover fails every Configure in flight (its bootstrap blob is not kept); set --state-encryption-key-file to resume them"
+        ),
+        (None, true) => {}
+    }
     // With the state in etcd this process is one of several replicas: it starts as a standby
     // and leads when it wins the claim. Otherwise it is the only one and serves at once.
     let (replica, mode) = if crate::etcd::is_etcd(&common.state) {

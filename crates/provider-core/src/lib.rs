@@ -27,6 +27,7 @@ pub mod offerings;
 pub mod records;
 pub mod replica;
 pub mod retry;
+pub mod seal;
 pub mod serve;
 pub mod server;
 pub mod store;

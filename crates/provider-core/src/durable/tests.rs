@@ -17,7 +17,7 @@ use super::{DurableStore, export_json};
 use crate::fence::HighWaterMark;
 use crate::lifecycle::OperationKind;
 use crate::machine::{CapacityType, HostRef, Machine, MachineState, StringMap};
-use crate::records::{Change, FenceRecord, Slot, Snapshot};
+use crate::records::{Change, FenceRecord, SealedConfigure, Slot, Snapshot};
 use crate::store::Store;
 
 // --- helpers ------------------------------------------------------------------------------
@@ -95,6 +95,7 @@ fn slot(id: &str, last_change: i64) -> Slot {
         machine: Arc::new(machine),
         last_change,
         operations: Default::default(),
+        sealed: None,
     }
 }
 
@@ -128,6 +129,10 @@ fn rich_slot(id: &str) -> Slot {
             None,
             Some(String::new()),
         ],
+        sealed: Some(Arc::new(SealedConfigure {
+            deadline_unix_ms: u64::MAX,
+            sealed: vec![1, 0, 255, 7],
+        })),
     }
 }
 
