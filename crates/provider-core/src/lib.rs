@@ -24,6 +24,7 @@ pub mod limits;
 pub mod listener;
 pub mod machine;
 pub mod offerings;
+pub mod price_cache;
 pub mod records;
 pub mod replica;
 pub mod retry;
