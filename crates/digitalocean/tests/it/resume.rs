@@ -3,7 +3,8 @@
 //! leader), and the resumed transition delivers its command again under the same operation
 //! id. The real agent process never runs the hook or the drain twice for it: the resumed
 //! delivery ends with the outcome of the one run, whether the restart came while the command
-//! ran or after it finished but before its ack arrived.
+//! ran or after it finished but before its ack arrived. Also the agent's record itself: an old
+//! state file loads, and a command whose start cannot be recorded is not run.
 
 use std::path::Path;
 use std::time::Duration;
@@ -225,8 +226,9 @@ async fn a_failed_hook_is_answered_from_the_record_on_redelivery_not_run_again()
     );
 }
 
-/// A drain finished before its ack arrived; the resumed drain (which has lost its grace
-/// period: the core resumes with 1 s) is answered from the record and not run again.
+/// A drain finished while no provider listened and the agent gave up acking; the resumed
+/// drain (which has lost its grace period: the core resumes it with 1 s) is answered from the
+/// record and not run again.
 #[tokio::test]
 async fn a_drain_resumed_by_a_new_process_is_answered_from_the_record() {
     let pki = pki();
@@ -240,11 +242,15 @@ async fn a_drain_resumed_by_a_new_process_is_answered_from_the_record() {
     assert!(eventually(Duration::from_secs(10), || runs(dir, "drain") == 1).await);
     kill_provider(first, delivery).await;
     release(dir, "drain");
+    // The agent gives up acking while no provider listens, so only the record can answer
+    // the resumed delivery.
     assert!(
         droplet
             .agent
-            .wait_for_output("ack failed", Duration::from_secs(10))
-            .await
+            .wait_for_output("ack not delivered", Duration::from_secs(20))
+            .await,
+        "{}",
+        droplet.agent.output()
     );
     let second = channel_on(addr, &pki).await;
     deliver(&second, Command::Drain { grace_seconds: 1 }, "op-51")
@@ -363,4 +369,57 @@ async fn an_agent_state_file_of_the_earlier_release_still_loads() {
         state["executed"][1]["outcome"]["Err"],
         "bootstrap hook failed: exit status: 3"
     );
+}
+
+/// An agent that cannot record a command as started does not run it (a crash during the run
+/// could not be told from a command never run), answers why, and runs it once it can.
+#[tokio::test]
+async fn an_agent_that_cannot_record_a_command_does_not_run_it() {
+    let pki = pki();
+    let channel = RunningChannel::start(&pki, Duration::from_secs(2), AuthLimit::default()).await;
+    let dir = tempfile::tempdir().unwrap();
+    // The state file is written through `executed.tmp`; a directory there makes every write
+    // fail while the (missing) state file itself loads.
+    let blocker = dir.path().join("state/executed.tmp");
+    std::fs::create_dir_all(&blocker).unwrap();
+    let agent = AgentProcess::spawn(AgentSetup {
+        dir: dir.path(),
+        config_json: serde_json::json!({
+            "endpoint": channel.endpoint(), "ca_pem": pki.ca_pem, "machine_id": MACHINE,
+            "token": token(MACHINE),
+        })
+        .to_string(),
+        hook: recording_hook(dir.path(), 0),
+        drain_command: "true".into(),
+        readiness_command: None,
+    });
+    let err = channel
+        .channel
+        .deliver(
+            MACHINE,
+            configure(),
+            &ctx_of("op-81", Duration::from_secs(20)),
+        )
+        .await
+        .unwrap_err();
+    assert!(
+        err.0.starts_with(&format!(
+            "agent bootstrap failed for {MACHINE}: the agent could not record the command before \
+             running it, so it did not run it: write state "
+        )),
+        "{err}"
+    );
+    assert!(!dir.path().join("hook.runs").exists(), "{}", agent.output());
+    // Once the disk takes writes again, the same command runs, once.
+    std::fs::remove_dir(&blocker).unwrap();
+    channel
+        .channel
+        .deliver(
+            MACHINE,
+            configure(),
+            &ctx_of("op-81", Duration::from_secs(20)),
+        )
+        .await
+        .unwrap();
+    assert_eq!(runs(dir.path(), "hook"), 1, "{}", agent.output());
 }
