@@ -462,7 +462,12 @@ impl Channel {
     /// transitions; the agent's record is per machine, so ids of different machines cannot
     /// meet either. Without an operation id the id is `<random per-process prefix>-<n>`,
     /// the older form, which never repeats and holds no dot.
-    pub fn command_id(&self, machine_id: &str, command: &Command, operation_id: &str) -> String {
+    pub(crate) fn command_id(
+        &self,
+        machine_id: &str,
+        command: &Command,
+        operation_id: &str,
+    ) -> String {
         if operation_id.is_empty() {
             return format!(
                 "{}-{}",
@@ -501,8 +506,8 @@ impl Channel {
     /// Makes `command` the pending command of `machine_id` and waits until the agent acks it,
     /// the transition's deadline passes or it is cancelled. A newer delivery for the same
     /// machine supersedes this one. The command id comes from the transition's operation id
-    /// ([`Channel::command_id`]), so an ack for it is accepted whichever process delivered it
-    /// first.
+    /// (`command_id`), so a resumed transition delivers the same id from any process, and an
+    /// ack for it is accepted whichever process delivered it first.
     pub async fn deliver(
         &self,
         machine_id: &str,

@@ -423,3 +423,86 @@ async fn an_agent_that_cannot_record_a_command_does_not_run_it() {
         .unwrap();
     assert_eq!(runs(dir.path(), "hook"), 1, "{}", agent.output());
 }
+
+/// The whole resumed Configure through the backend: the provider dies while the hook runs; a
+/// new process (a new channel on the address and a new `DigitalOceanCloud` over it, against
+/// the same DigitalOcean) runs `configure_host` and `confirm_ready` again under the same
+/// operation id. Both end `Ok`, the hook ran once, and the cluster binding is set.
+#[tokio::test]
+async fn a_configure_resumed_through_the_backend_by_a_new_process_binds_the_machine_once() {
+    use provider_core::backend::{BootstrapBlob, ConfigureOrder};
+    use provider_core::cloud::Cloud;
+    use provider_core::machine::HostRef;
+
+    let emulator = do_emulator::Emulator::new(API_TOKEN);
+    let api_listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let api_url = format!("http://{}", api_listener.local_addr().unwrap());
+    let emulator_stop = tokio_util::sync::CancellationToken::new();
+    tokio::spawn(emulator.clone().serve(api_listener, emulator_stop.clone()));
+    let _stop_emulator = emulator_stop.drop_guard();
+    let pki = pki();
+    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    let first =
+        RunningChannel::start_on(listener, &pki, Duration::from_secs(2), AuthLimit::default());
+    let cloud = cloud_for(&api_url, &first, &pki, None, PROVIDER);
+    let mut m = machine(5);
+    let host = cloud
+        .create_host(&m, &ctx(Duration::from_secs(20)))
+        .await
+        .unwrap();
+    m.host = Some(HostRef {
+        provider: PROVIDER.into(),
+        id: host.id.clone(),
+    });
+    let d = emulator.droplet(host.id.parse().unwrap()).unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let hook = dir.path().join("bootstrap");
+    write_executable(
+        &hook,
+        &format!("#!/bin/sh\n{}", gated(dir.path(), "hook", 0)),
+    );
+    let agent = AgentProcess::spawn(AgentSetup {
+        dir: dir.path(),
+        config_json: agent_config_from_user_data(&d.user_data),
+        hook,
+        drain_command: "true".into(),
+        readiness_command: Some(format!("echo run >> '{}/probe.runs'", dir.path().display())),
+    });
+    let order = || ConfigureOrder {
+        cluster_id: "prod-eu".into(),
+        blob: BootstrapBlob(BLOB.to_vec()),
+    };
+    let configure = |cloud: std::sync::Arc<digitalocean::DigitalOceanCloud>| {
+        let (m, host_id, order) = (m.clone(), host.id.clone(), order());
+        tokio::spawn(async move {
+            let ctx = ctx_of("op-91", Duration::from_secs(30));
+            cloud.configure_host(&m, &host_id, &order, &ctx).await?;
+            cloud.confirm_ready(&m, &host_id, "prod-eu", &ctx).await
+        })
+    };
+    let interrupted = configure(std::sync::Arc::new(cloud));
+    assert!(eventually(Duration::from_secs(10), || runs(dir.path(), "hook") == 1).await);
+    interrupted.abort();
+    first.stop().await;
+
+    let second = channel_on(addr, &pki).await;
+    let resumed = configure(std::sync::Arc::new(cloud_for(
+        &api_url, &second, &pki, None, PROVIDER,
+    )));
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    release(dir.path(), "hook");
+    resumed
+        .await
+        .unwrap()
+        .unwrap_or_else(|e| panic!("{e}: {}", agent.output()));
+    assert_eq!(runs(dir.path(), "hook"), 1, "{}", agent.output());
+    assert_eq!(runs(dir.path(), "probe"), 1, "{}", agent.output());
+    let d = emulator.droplet(host.id.parse().unwrap()).unwrap();
+    assert!(
+        d.tags
+            .contains(&digitalocean::naming::cluster_tag("prod-eu")),
+        "{:?}",
+        d.tags
+    );
+}
