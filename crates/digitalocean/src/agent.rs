@@ -255,6 +255,35 @@ impl AgentState {
     }
 }
 
+/// One entry of the agent's record (`--state`): a command id and its outcome, `None` from the
+/// start of its run until it ends, and for good when an agent restart cut the run short.
+pub type RecordedCommand = (String, Option<Result<(), String>>);
+
+/// The record in the `--state` file at `path`, oldest first, as the agent reads it at startup
+/// (a missing file is an empty record; a damaged one an error).
+pub fn read_record(path: &Path) -> Result<Vec<RecordedCommand>, String> {
+    AgentState::load(path).map(|state| {
+        state
+            .executed
+            .into_iter()
+            .map(|e| (e.id, e.outcome))
+            .collect()
+    })
+}
+
+/// Records `entries` in order as the agent does (an id seen again keeps its place and takes
+/// the later outcome; the newest 256 ids are kept) and writes the file as the agent does.
+pub fn write_record(path: &Path, entries: &[RecordedCommand]) -> Result<(), String> {
+    let mut state = AgentState::default();
+    for (id, outcome) in entries {
+        state.record(id, outcome.clone());
+    }
+    state.save(path)
+}
+
+/// How many command ids the record keeps.
+pub const RECORDED_COMMANDS: usize = REMEMBERED;
+
 /// The running agent.
 pub struct Agent {
     /// Replaced (its pooled connections dropped) when a replica that does not lead answers.
