@@ -186,8 +186,13 @@ impl HetznerCloud {
             .resolve_host("configure", machine, host_id, ctx.deadline)
             .await?;
         let run = ssh::run_name("configure", &ctx.operation_id);
-        let start =
-            ssh::configure_start_script(&self.hook, &run, &order.cluster_id, order.blob.0.len());
+        let start = ssh::configure_start_script(
+            &self.hook,
+            &run,
+            &order.cluster_id,
+            order.blob.0.len(),
+            ctx.remaining(),
+        );
         let mut link = Link::first(self, identity, &server, &ip, ctx);
         let record = match link.finish(&run, &start, &order.blob.0).await {
             Ok(record) => record,
@@ -297,7 +302,7 @@ impl HetznerCloud {
             grace_period_seconds
         };
         let run = ssh::run_name("drain", &ctx.operation_id);
-        let start = ssh::drain_start_script(&self.hook, &run, grace);
+        let start = ssh::drain_start_script(&self.hook, &run, grace, ctx.remaining());
         let mut link = Link::first(self, identity, &server, &ip, ctx);
         let record = link.finish(&run, &start, b"").await;
         link.close().await;

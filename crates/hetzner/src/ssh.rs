@@ -466,13 +466,25 @@ fn detach(runner: &str, argument: &str) -> String {
 /// The detached part of a run: takes the run directory as the lock (only its creator goes
 /// on; a second start of the same run does nothing), records its pid, runs `command` with its
 /// output to a file, and records `exit <status>` and the output's tail in `record`, written to
-/// a temporary name and moved into place. `before` and `after` run around the command.
-fn runner(dir: &str, loser: &str, before: &str, command: &str, after: &str) -> String {
+/// a temporary name and moved into place. `before` and `after` run around the command. Where
+/// the host has `timeout`, the command is killed once `limit` (the time left before the
+/// transition's deadline) has passed, as nothing would take its outcome any more.
+fn runner(
+    dir: &str,
+    loser: &str,
+    before: &str,
+    command: &str,
+    after: &str,
+    limit: Duration,
+) -> String {
+    let seconds = limit.as_secs().max(1);
     format!(
         "umask 077; st=; d={dir}; if ! mkdir \"$d\" 2>/dev/null; then {loser} exit 0; fi; \
          echo $$ > \"$d/pid.tmp\"; mv -f \"$d/pid.tmp\" \"$d/pid\"; \
+         if command -v timeout >/dev/null 2>&1; then limit='timeout -s KILL {seconds}'; \
+         else limit=; fi; \
          {before} \
-         if [ -z \"$st\" ]; then {command} > \"$d/output\" 2>&1 < /dev/null; st=$?; fi; \
+         if [ -z \"$st\" ]; then $limit {command} > \"$d/output\" 2>&1 < /dev/null; st=$?; fi; \
          {after} \
          {{ echo \"exit $st\"; tail -c {RECORD_TAIL} \"$d/output\" 2>/dev/null; }} > \"$d/record.tmp\"; \
          mv -f \"$d/record.tmp\" \"$d/record\"; rm -f \"$d/output\"",
@@ -496,7 +508,13 @@ fn wait_until(condition: &str) -> String {
 /// `<hook>.blob`, runs `<hook> <cluster_id>`, removes `<hook>.blob` when the hook exits, and
 /// records the outcome; any other start's runner discards its copy. A truncated blob exits 97
 /// before any runner starts.
-pub fn configure_start_script(hook: &str, run: &str, cluster_id: &str, blob_len: usize) -> String {
+pub fn configure_start_script(
+    hook: &str,
+    run: &str,
+    cluster_id: &str,
+    blob_len: usize,
+    limit: Duration,
+) -> String {
     let runs = runs_dir(hook);
     let dir = run_dir(hook, run);
     let blob = quote(&format!("{hook}.blob"));
@@ -508,7 +526,7 @@ pub fn configure_start_script(hook: &str, run: &str, cluster_id: &str, blob_len:
     );
     let command = format!("{} {}", quote(hook), quote(cluster_id));
     let after = format!("rm -f {blob};");
-    let runner = runner(&dir, "rm -f \"$1\";", &before, &command, &after);
+    let runner = runner(&dir, "rm -f \"$1\";", &before, &command, &after, limit);
     format!(
         "set -eu; umask 077; mkdir -p {runs}; \
          if [ -e {dir} ]; then cat > /dev/null; echo started; exit 0; fi; \
@@ -525,11 +543,11 @@ pub fn configure_start_script(hook: &str, run: &str, cluster_id: &str, blob_len:
 }
 
 /// The Drain start script: unless the run exists, start [`drain_script`] as a detached run.
-pub fn drain_start_script(hook: &str, run: &str, grace: i64) -> String {
+pub fn drain_start_script(hook: &str, run: &str, grace: i64, limit: Duration) -> String {
     let runs = runs_dir(hook);
     let dir = run_dir(hook, run);
     let command = format!("sh -c {}", quote(&drain_script(grace)));
-    let runner = runner(&dir, "", "", &command, "");
+    let runner = runner(&dir, "", "", &command, "", limit);
     format!(
         "set -eu; umask 077; mkdir -p {runs}; \
          if [ -e {dir} ]; then echo started; exit 0; fi; {detach}; {wait}; echo started",
@@ -696,6 +714,8 @@ mod tests {
         }
     }
 
+    const MINUTE: Duration = Duration::from_secs(60);
+
     fn executable(path: &std::path::Path, body: &str) {
         use std::os::unix::fs::PermissionsExt;
         std::fs::create_dir_all(path.parent().unwrap()).unwrap();
@@ -748,7 +768,7 @@ mod tests {
         let blob = b"\x00binary\xffblob'with quotes\n".to_vec();
         let hook_path = hook.to_str().unwrap();
         let run = run_name("configure", "op-1");
-        let script = configure_start_script(hook_path, &run, "cluster 'one'", blob.len());
+        let script = configure_start_script(hook_path, &run, "cluster 'one'", blob.len(), MINUTE);
         assert!(
             !script.contains("binary"),
             "the blob never enters the command line"
@@ -803,7 +823,7 @@ mod tests {
         );
         let hook = hook.to_str().unwrap();
         let run = run_name("configure", "op-7");
-        let script = configure_start_script(hook, &run, "c", 4);
+        let script = configure_start_script(hook, &run, "c", 4, MINUTE);
         // Two deliveries at once, one while the hook runs, and one after it finished.
         let (first, second) = tokio::join!(
             sh(&script, b"blob", dir.path()),
@@ -824,7 +844,7 @@ mod tests {
 
         // Another operation is another run.
         let other = run_name("configure", "op-8");
-        let script = configure_start_script(hook, &other, "c", 4);
+        let script = configure_start_script(hook, &other, "c", 4, MINUTE);
         assert_eq!(sh(&script, b"blob", dir.path()).await.0, 0);
         assert_eq!(finished(hook, &other, dir.path()).await.status, 0);
         assert_eq!(lines(&count), 2);
@@ -842,7 +862,7 @@ mod tests {
         // `sh` returns once the script has exited and its output pipes are closed: the run
         // holds no descriptor of the session.
         let (code, out) = sh(
-            &configure_start_script(hook, &run, "c", 1),
+            &configure_start_script(hook, &run, "c", 1, MINUTE),
             b"b",
             dir.path(),
         )
@@ -857,6 +877,24 @@ mod tests {
     }
 
     #[tokio::test]
+    async fn a_hook_still_running_at_the_deadline_is_killed() {
+        let dir = tempfile::tempdir().unwrap();
+        let hook = dir.path().join("hook");
+        let done = dir.path().join("done");
+        executable(&hook, &format!("#!/bin/sh\nsleep 5\ntouch {}\n", q(&done)));
+        let hook = hook.to_str().unwrap();
+        let run = run_name("configure", "op-10");
+        let script = configure_start_script(hook, &run, "c", 1, Duration::from_secs(1));
+        let started = std::time::Instant::now();
+        assert_eq!(sh(&script, b"b", dir.path()).await.0, 0);
+        let record = finished(hook, &run, dir.path()).await;
+        assert_eq!(record.status, 137, "killed");
+        assert!(started.elapsed() < Duration::from_secs(4));
+        assert!(!done.exists());
+        assert!(!dir.path().join("hook.blob").exists());
+    }
+
+    #[tokio::test]
     async fn a_failing_hooks_status_and_output_tail_are_recorded() {
         let dir = tempfile::tempdir().unwrap();
         let hook = dir.path().join("hook");
@@ -867,7 +905,7 @@ mod tests {
         let hook = hook.to_str().unwrap();
         let run = run_name("configure", "op-3");
         let (code, _) = sh(
-            &configure_start_script(hook, &run, "c", 1),
+            &configure_start_script(hook, &run, "c", 1, MINUTE),
             b"b",
             dir.path(),
         )
@@ -902,7 +940,7 @@ mod tests {
         let script = format!(
             "PATH={}:$PATH; export PATH; {}",
             q(&bin),
-            configure_start_script(hook, &run, "c", 1)
+            configure_start_script(hook, &run, "c", 1, MINUTE)
         );
         assert_eq!(sh(&script, b"b", dir.path()).await.0, 0);
         let record = dir.path().join("hook.runs").join(&run).join("record");
@@ -930,7 +968,7 @@ mod tests {
         executable(&hook, &format!("#!/bin/sh\ntouch {}\n", q(&ran)));
         let hook = hook.to_str().unwrap();
         let run = run_name("configure", "op-5");
-        let script = configure_start_script(hook, &run, "c", 100);
+        let script = configure_start_script(hook, &run, "c", 100, MINUTE);
         let (code, out) = sh(&script, b"only ten b", dir.path()).await;
         assert_eq!(code, 97);
         assert!(out.contains("got 10 of 100 bytes"), "{out}");
@@ -945,7 +983,7 @@ mod tests {
         assert_eq!(parse_probe(out.as_bytes()), Some(RunState::Absent));
         // The full blob then starts the run.
         let (code, _) = sh(
-            &configure_start_script(hook, &run, "c", 4),
+            &configure_start_script(hook, &run, "c", 4, MINUTE),
             b"full",
             dir.path(),
         )
@@ -978,7 +1016,7 @@ mod tests {
         let (_, out) = sh(&probe_script(hook, &run), b"", dir.path()).await;
         assert_eq!(parse_probe(out.as_bytes()), Some(RunState::Running));
         let (code, _) = sh(
-            &configure_start_script(hook, &run, "c", 1),
+            &configure_start_script(hook, &run, "c", 1, MINUTE),
             b"b",
             dir.path(),
         )
@@ -1003,7 +1041,7 @@ mod tests {
         let script = format!(
             "PATH={}:$PATH; export PATH; {}",
             q(&bin),
-            drain_start_script(hook, &run, 5)
+            drain_start_script(hook, &run, 5, MINUTE)
         );
         assert_eq!(sh(&script, b"", dir.path()).await, (0, "started\n".into()));
         assert_eq!(sh(&script, b"", dir.path()).await, (0, "started\n".into()));
