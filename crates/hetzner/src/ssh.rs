@@ -559,15 +559,18 @@ pub fn drain_start_script(hook: &str, run: &str, grace: i64, limit: Duration) ->
 }
 
 /// Reports a run's state: `absent`, `running`, `lost` (its runner is gone and left no
-/// record), or `finished` followed by the record.
+/// record), or `finished` followed by the record. A finished run's probe also removes any blob
+/// copy a delivery cut short (killed before it could start its runner) left behind.
 pub fn probe_script(hook: &str, run: &str) -> String {
     format!(
         "d={dir}; if [ -f \"$d/record\" ]; then echo finished; cat \"$d/record\"; \
+         rm -f {runs}/.{run}.blob.* 2>/dev/null || true; \
          elif [ -d \"$d\" ]; then p=$(cat \"$d/pid\" 2>/dev/null || true); \
          if [ -n \"$p\" ] && ! kill -0 \"$p\" 2>/dev/null && [ ! -f \"$d/record\" ]; \
          then echo lost; else echo running; fi; \
          else echo absent; fi",
         dir = quote(&run_dir(hook, run)),
+        runs = quote(&runs_dir(hook)),
     )
 }
 
@@ -835,6 +838,11 @@ mod tests {
         assert_eq!(sh(&script, b"blob", dir.path()).await.0, 0);
         tokio::time::sleep(Duration::from_millis(400)).await;
         assert_eq!(lines(&count), 1, "the hook ran once");
+        // A copy left by a delivery killed before it started its runner goes at the next probe.
+        let stale = dir.path().join(format!("hook.runs/.{run}.blob.12345"));
+        std::fs::write(&stale, b"blob").unwrap();
+        finished(hook, &run, dir.path()).await;
+        assert!(!stale.exists());
         assert!(!dir.path().join("hook.blob").exists());
         let copies = std::fs::read_dir(dir.path().join("hook.runs"))
             .unwrap()
