@@ -186,15 +186,18 @@ impl HetznerCloud {
             .resolve_host("configure", machine, host_id, ctx.deadline)
             .await?;
         let run = ssh::run_name("configure", &ctx.operation_id);
-        let start = ssh::configure_start_script(
-            &self.hook,
-            &run,
-            &order.cluster_id,
-            order.blob.0.len(),
-            ctx.remaining(),
-        );
+        // Built when sent, so the run's time limit is what is left of the deadline then.
+        let start = || {
+            ssh::configure_start_script(
+                &self.hook,
+                &run,
+                &order.cluster_id,
+                order.blob.0.len(),
+                ctx.remaining(),
+            )
+        };
         let mut link = Link::first(self, identity, &server, &ip, ctx);
-        let record = match link.finish(&run, &start, &order.blob.0).await {
+        let record = match link.finish(&run, start, &order.blob.0).await {
             Ok(record) => record,
             Err(e) => {
                 link.close().await;
@@ -302,9 +305,9 @@ impl HetznerCloud {
             grace_period_seconds
         };
         let run = ssh::run_name("drain", &ctx.operation_id);
-        let start = ssh::drain_start_script(&self.hook, &run, grace, ctx.remaining());
+        let start = || ssh::drain_start_script(&self.hook, &run, grace, ctx.remaining());
         let mut link = Link::first(self, identity, &server, &ip, ctx);
-        let record = link.finish(&run, &start, b"").await;
+        let record = link.finish(&run, start, b"").await;
         link.close().await;
         let record = record?;
         if record.status != 0 {
@@ -449,13 +452,13 @@ impl<'a> Link<'a> {
     }
 
     /// Drives the detached run `run` to its recorded outcome: a run that has finished gives
-    /// its record at once, a running one is polled, and an absent one is started with `start`
-    /// (fed `stdin`) first. Starting is idempotent on the host, so a start whose answer was
-    /// lost is simply probed again.
+    /// its record at once, a running one is polled, and an absent one is started with the
+    /// script `start` makes (fed `stdin`) first. Starting is idempotent on the host, so a start
+    /// whose answer was lost is simply probed again.
     async fn finish(
         &mut self,
         run: &str,
-        start: &str,
+        start: impl Fn() -> String,
         stdin: &[u8],
     ) -> Result<ssh::RunRecord, BackendError> {
         let ip = self.ip.clone();
@@ -487,7 +490,7 @@ impl<'a> Link<'a> {
                              outcome (was the server restarted?); it is not run again"
                         )));
                     }
-                    Some(ssh::RunState::Absent) => match self.exec(start, stdin).await? {
+                    Some(ssh::RunState::Absent) => match self.exec(&start(), stdin).await? {
                         Ok(exit) if exit.status == 0 => {
                             tracing::info!(ip = %ip, run, "run started on the host");
                             announced = true;

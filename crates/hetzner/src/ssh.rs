@@ -477,7 +477,8 @@ fn runner(
     after: &str,
     limit: Duration,
 ) -> String {
-    let seconds = limit.as_secs().max(1);
+    // Rounded up: the run is never killed before the deadline.
+    let seconds = (limit.as_secs() + u64::from(limit.subsec_nanos() > 0)).max(1);
     format!(
         "umask 077; st=; d={dir}; if ! mkdir \"$d\" 2>/dev/null; then {loser} exit 0; fi; \
          echo $$ > \"$d/pid.tmp\"; mv -f \"$d/pid.tmp\" \"$d/pid\"; \
