@@ -421,12 +421,12 @@ pub fn quote(value: &str) -> String {
 const MAX_OUTPUT: usize = 64 * 1024;
 
 /// How many bytes at the end of a detached run's output its record keeps.
-pub const RECORD_TAIL: usize = 2048;
+pub(crate) const RECORD_TAIL: usize = 2048;
 
 /// The name of the detached run of one operation, usable as a file name: `<kind>-<id>` when
 /// the operation id is plain (ASCII letters, digits, `-`, `_`, `.`, at most 64 bytes), else its
 /// plain characters followed by a hash of the whole id, so two ids never share a run.
-pub fn run_name(kind: &str, operation_id: &str) -> String {
+pub(crate) fn run_name(kind: &str, operation_id: &str) -> String {
     let plain = |c: char| c.is_ascii_alphanumeric() || matches!(c, '-' | '_' | '.');
     if !operation_id.is_empty() && operation_id.len() <= 64 && operation_id.chars().all(plain) {
         return format!("{kind}-{operation_id}");
@@ -509,7 +509,7 @@ fn wait_until(condition: &str) -> String {
 /// `<hook>.blob`, runs `<hook> <cluster_id>`, removes `<hook>.blob` when the hook exits, and
 /// records the outcome; any other start's runner discards its copy. A truncated blob exits 97
 /// before any runner starts.
-pub fn configure_start_script(
+pub(crate) fn configure_start_script(
     hook: &str,
     run: &str,
     cluster_id: &str,
@@ -544,7 +544,7 @@ pub fn configure_start_script(
 }
 
 /// The Drain start script: unless the run exists, start [`drain_script`] as a detached run.
-pub fn drain_start_script(hook: &str, run: &str, grace: i64, limit: Duration) -> String {
+pub(crate) fn drain_start_script(hook: &str, run: &str, grace: i64, limit: Duration) -> String {
     let runs = runs_dir(hook);
     let dir = run_dir(hook, run);
     let command = format!("sh -c {}", quote(&drain_script(grace)));
@@ -562,7 +562,7 @@ pub fn drain_start_script(hook: &str, run: &str, grace: i64, limit: Duration) ->
 /// Reports a run's state: `absent`, `running`, `lost` (its runner is gone and left no
 /// record), or `finished` followed by the record. A finished run's probe also removes any blob
 /// copy a delivery cut short (killed before it could start its runner) left behind.
-pub fn probe_script(hook: &str, run: &str) -> String {
+pub(crate) fn probe_script(hook: &str, run: &str) -> String {
     format!(
         "d={dir}; if [ -f \"$d/record\" ]; then echo finished; cat \"$d/record\"; \
          rm -f {runs}/.{run}.blob.* 2>/dev/null || true; \
@@ -577,7 +577,7 @@ pub fn probe_script(hook: &str, run: &str) -> String {
 
 /// What a detached run recorded when it finished.
 #[derive(Clone, Debug, PartialEq, Eq)]
-pub struct RunRecord {
+pub(crate) struct RunRecord {
     pub status: u32,
     /// The end of the run's output (at most [`RECORD_TAIL`] bytes).
     pub tail: Vec<u8>,
@@ -585,7 +585,7 @@ pub struct RunRecord {
 
 /// A run's state on the host, as [`probe_script`] reports it.
 #[derive(Clone, Debug, PartialEq, Eq)]
-pub enum RunState {
+pub(crate) enum RunState {
     /// Never started: deliver and start it.
     Absent,
     /// Started and not finished.
@@ -597,7 +597,7 @@ pub enum RunState {
 }
 
 /// Reads what [`probe_script`] printed.
-pub fn parse_probe(output: &[u8]) -> Option<RunState> {
+pub(crate) fn parse_probe(output: &[u8]) -> Option<RunState> {
     let (first, rest) = split_line(output);
     match first {
         b"absent" => Some(RunState::Absent),
@@ -627,7 +627,7 @@ fn split_line(bytes: &[u8]) -> (&[u8], &[u8]) {
 
 /// The last few lines of a run's output, printable, for an error message; withheld when they
 /// contain any 16-byte stretch of `secret` (a hook that echoes part of the blob).
-pub fn output_tail(tail: &[u8], secret: &[u8]) -> Option<String> {
+pub(crate) fn output_tail(tail: &[u8], secret: &[u8]) -> Option<String> {
     const WINDOW: usize = 16;
     const SHOWN: usize = 400;
     if !secret.is_empty() {
