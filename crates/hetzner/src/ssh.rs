@@ -1115,6 +1115,40 @@ mod tests {
         assert_eq!(output_tail(b"\n\n", blob), None);
     }
 
+    proptest::proptest! {
+        #[test]
+        fn a_probe_answer_never_panics_and_a_record_reads_back(
+            status in proptest::prelude::any::<u32>(),
+            tail in proptest::collection::vec(proptest::prelude::any::<u8>(), 0..3000),
+            junk in proptest::collection::vec(proptest::prelude::any::<u8>(), 0..200),
+        ) {
+            let _ = parse_probe(&junk);
+            let mut answer = format!("finished\nexit {status}\n").into_bytes();
+            answer.extend_from_slice(&tail);
+            proptest::prop_assert_eq!(
+                parse_probe(&answer),
+                Some(RunState::Finished(RunRecord { status, tail: tail.clone() }))
+            );
+        }
+
+        #[test]
+        fn an_output_tail_never_shows_a_stretch_of_the_blob(
+            blob in proptest::collection::vec(proptest::prelude::any::<u8>(), 16..400),
+            at in 0usize..400,
+            before in proptest::collection::vec(proptest::prelude::any::<u8>(), 0..300),
+            after in proptest::collection::vec(proptest::prelude::any::<u8>(), 0..300),
+        ) {
+            let at = at % (blob.len() - 15);
+            let mut tail = before;
+            tail.extend_from_slice(&blob[at..at + 16]);
+            tail.extend_from_slice(&after);
+            let shown = output_tail(&tail, &blob).unwrap();
+            proptest::prop_assert_eq!(shown, "[withheld: it contains part of the bootstrap blob]");
+            let shown = output_tail(&after, b"").unwrap_or_default();
+            proptest::prop_assert!(shown.chars().count() <= 400);
+        }
+    }
+
     #[test]
     fn drain_script_clamps_grace() {
         assert!(drain_script(0).ends_with("--grace-period=1 --timeout=1s"));
