@@ -165,6 +165,7 @@ fn same_change(a: &Change, b: &Change) -> bool {
                 }
                 && x.last_change == y.last_change
                 && x.operations == y.operations
+                && x.sealed == y.sealed
         }
         _ => a == b,
     }
