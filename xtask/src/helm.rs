@@ -3,7 +3,10 @@
 //! Deployments against the rules the charts promise, compares the renders and the README
 //! values tables with the committed copies, validates the Secret examples, and makes sure
 //! bad values are refused. With the alerts and the dashboard on (the `alerts` and `full`
-//! cases), the rendered rules and the dashboard are checked with promtool (`alerts.rs`).
+//! cases), the rendered rules and the dashboard are checked with promtool (`alerts.rs`). The
+//! state encryption key Secret a chart generates is random, so it stays out of the snapshots
+//! and is checked apart: two installs get different keys, and an upgrade keeps the key the
+//! cluster already holds (the chart's `lookup`, replaced by a fake cluster answer).
 //!
 //! Helm and the schemas come from the Python environment that `deploy/ci-setup.sh` installs
 //! (`deploy/ci/chartcheck.py` does the Helm and schema work); this module drives the cases
@@ -21,7 +24,7 @@ mod cases;
 mod policy;
 
 use cases::{CHARTS, REFUSALS};
-use policy::check_policy;
+use policy::{check_generated_key, check_policy};
 
 /// Where `deploy/ci-setup.sh` puts the Python environment; `BIGFLEET_CI_PYTHON` overrides it.
 const DEFAULT_PYTHON: &str = "/opt/bigfleet-ci/venv/bin/python3";
@@ -29,6 +32,15 @@ const RELEASE: &str = "bigfleet";
 const NAMESPACE: &str = "bigfleet";
 const TABLE_START: &str = "<!-- values-table:start -->";
 const TABLE_END: &str = "<!-- values-table:end -->";
+/// The template of the generated state encryption key Secret, and how it asks the cluster for
+/// the Secret an earlier install created.
+const KEY_TEMPLATE: &str = "templates/state-key-secret.yaml";
+const KEY_LOOKUP: &str = r#"lookup "v1" "Secret" .Release.Namespace $name"#;
+/// What the fake cluster holds for an upgrade: a key file of two keys (`a` and `b` 32 times),
+/// base64 as in Secret data.
+const EXISTING_KEY_FILE: &str =
+    "YWFhYWFhYWFhYWFhYWFhYWFhYWFhYWFhYWFhYWFhYWE=\nYmJiYmJiYmJiYmJiYmJiYmJiYmJiYmJiYmJiYmJiYmI=\n";
+const EXISTING_KEY_DATA: &str = "WVdGaFlXRmhZV0ZoWVdGaFlXRmhZV0ZoWVdGaFlXRmhZV0ZoWVdGaFlXRT0KWW1KaVltSmlZbUppWW1KaVltSmlZbUppWW1KaVltSmlZbUppWW1KaVltST0K";
 
 pub(crate) fn run(args: &[String]) -> Result<()> {
     let mut update = false;
@@ -84,6 +96,14 @@ pub(crate) fn run(args: &[String]) -> Result<()> {
             );
             passed += 1;
         }
+
+        check_key_generation(&python, &root, chart, &scratch)
+            .with_context(|| format!("chart {}: generated state encryption key", chart.name))?;
+        println!(
+            "helm: {}: generated state encryption key: random per install, kept on uninstall, reused on upgrade",
+            chart.name
+        );
+        passed += 1;
 
         if !crate::alerts::sync_chart_dashboard(&root, chart.name, update)? {
             stale.push(crate::alerts::chart_dashboard_path(&root, chart.name));
@@ -162,6 +182,93 @@ pub(crate) fn run(args: &[String]) -> Result<()> {
         );
     }
     println!("helm: {passed} passed, 0 failed");
+    Ok(())
+}
+
+/// The Secret a chart generates for the state encryption key, which no snapshot holds: a fresh
+/// install draws a new random key each time, and an install that finds the Secret in the
+/// cluster (an upgrade, or a reinstall after `keep` left it behind) reuses its data unchanged,
+/// and refuses a Secret without the key rather than replacing it.
+fn check_key_generation(
+    python: &Path,
+    root: &Path,
+    chart: &cases::Chart,
+    scratch: &Path,
+) -> Result<()> {
+    let values = scratch.join(format!("{}-generated-key.yaml", chart.name));
+    fs::write(&values, "state:\n  enabled: true\n")?;
+    let json = scratch.join(format!("{}-generated-key.json", chart.name));
+    let render = |chart_dir: &Path| -> Result<String> {
+        let mut command = Command::new(python);
+        command
+            .arg(root.join("deploy/ci/chartcheck.py"))
+            .arg("check")
+            .arg(chart_dir)
+            .args(["--release", RELEASE, "--namespace", NAMESPACE])
+            .arg("--values")
+            .arg(&values)
+            .arg("--json")
+            .arg(&json);
+        output(&mut command)?;
+        let objects: Vec<Value> = serde_json::from_str(&fs::read_to_string(&json)?)?;
+        check_generated_key(chart, &objects)
+    };
+
+    let dir = root.join("deploy/helm").join(chart.name);
+    let first = render(&dir)?;
+    let second = render(&dir)?;
+    ensure!(
+        first != second,
+        "two installs generated the same key; it must be random"
+    );
+
+    let template = fs::read_to_string(dir.join(KEY_TEMPLATE))?;
+    ensure!(
+        template.matches(KEY_LOOKUP).count() == 1,
+        "{KEY_TEMPLATE} must read the Secret of an earlier install with `{KEY_LOOKUP}`, or an upgrade would change the key"
+    );
+    let upgrade = scratch.join(format!("{}-upgrade", chart.name));
+    let fake_cluster = |data: &str| -> Result<()> {
+        if upgrade.exists() {
+            fs::remove_dir_all(&upgrade)?;
+        }
+        copy_tree(&dir, &upgrade)?;
+        let answer = format!(r#"dict "data" (dict {data})"#);
+        fs::write(
+            upgrade.join(KEY_TEMPLATE),
+            template.replace(KEY_LOOKUP, &answer),
+        )?;
+        Ok(())
+    };
+    fake_cluster(&format!(r#""keys" "{EXISTING_KEY_DATA}""#))?;
+    let kept = render(&upgrade)?;
+    ensure!(
+        kept == EXISTING_KEY_FILE,
+        "an upgrade replaced the key file the cluster holds:\n{kept}"
+    );
+    fake_cluster(r#""other" "eA==""#)?;
+    match render(&upgrade) {
+        Ok(_) => bail!("an existing Secret without the key was overwritten"),
+        Err(error) => ensure!(
+            format!("{error:#}").contains("the chart never replaces a state encryption key"),
+            "an existing Secret without the key was refused without saying why: {error:#}"
+        ),
+    }
+    fs::remove_dir_all(&upgrade)?;
+    Ok(())
+}
+
+fn copy_tree(from: &Path, to: &Path) -> Result<()> {
+    fs::create_dir_all(to)?;
+    for entry in fs::read_dir(from)? {
+        let entry = entry?;
+        let target = to.join(entry.file_name());
+        if entry.file_type()?.is_dir() {
+            copy_tree(&entry.path(), &target)?;
+        } else {
+            fs::copy(entry.path(), &target)?;
+        }
+    }
     Ok(())
 }
 

@@ -1,9 +1,12 @@
 //! The on-host agent (`bigfleet-agent`): reads the config the provider's user_data wrote,
 //! trusts only its pin over TLS 1.3 (the exact channel certificate, or the named CA), long-polls the bootstrap channel with its
 //! per-machine token, runs each command once (configure: write the blob and run the hook;
-//! ready: run the readiness command; drain: run the drain command), and acks it by id.
-//! Executed command ids are persisted, so a command re-served after a restart is acknowledged
-//! again from the record instead of being run twice. The token and the blob are never logged.
+//! drain: run the drain command; ready, a probe, each time it is served), and acks it by id.
+//! Executed command ids and their outcomes are persisted, so a command re-served after a
+//! restart of the agent or of the provider (the provider derives the id from the transition,
+//! so a resumed transition serves the same id) is answered from the record instead of being
+//! run twice; one whose run was cut short by an agent restart is answered as failed. The token
+//! and the blob are never logged.
 
 use std::collections::VecDeque;
 use std::io::Write as _;
@@ -229,6 +232,10 @@ impl AgentState {
         std::fs::rename(&tmp, path).map_err(fail)
     }
 
+    fn forget(&mut self, id: &str) {
+        self.executed.retain(|e| e.id != id);
+    }
+
     fn find(&self, id: &str) -> Option<&Executed> {
         self.executed.iter().find(|e| e.id == id)
     }
@@ -247,6 +254,35 @@ impl AgentState {
         }
     }
 }
+
+/// One entry of the agent's record (`--state`): a command id and its outcome, `None` from the
+/// start of its run until it ends, and for good when an agent restart cut the run short.
+pub type RecordedCommand = (String, Option<Result<(), String>>);
+
+/// The record in the `--state` file at `path`, oldest first, as the agent reads it at startup
+/// (a missing file is an empty record; a damaged one an error).
+pub fn read_record(path: &Path) -> Result<Vec<RecordedCommand>, String> {
+    AgentState::load(path).map(|state| {
+        state
+            .executed
+            .into_iter()
+            .map(|e| (e.id, e.outcome))
+            .collect()
+    })
+}
+
+/// Records `entries` in order as the agent does (an id seen again keeps its place and takes
+/// the later outcome; the newest 256 ids are kept) and writes the file as the agent does.
+pub fn write_record(path: &Path, entries: &[RecordedCommand]) -> Result<(), String> {
+    let mut state = AgentState::default();
+    for (id, outcome) in entries {
+        state.record(id, outcome.clone());
+    }
+    state.save(path)
+}
+
+/// How many command ids the record keeps.
+pub const RECORDED_COMMANDS: usize = REMEMBERED;
 
 /// The running agent.
 pub struct Agent {
@@ -384,6 +420,16 @@ impl Agent {
 
     async fn handle(&mut self, command: WireCommand) {
         let id = command.id.clone();
+        if command.kind == "ready" {
+            // Readiness is a probe that changes nothing: it is answered by running it each
+            // time it is served, so an earlier "not ready" is never replayed and a check
+            // interrupted by a restart of either side is simply asked again.
+            tracing::info!(command_id = %id, command = %command.kind, cluster_id = %command.cluster_id, "running command");
+            let outcome = self.execute(&command).await;
+            log_outcome(&id, &command.kind, &outcome);
+            self.ack(&id, &outcome).await;
+            return;
+        }
         let outcome = match self.state.find(&id) {
             Some(Executed {
                 outcome: Some(outcome),
@@ -398,33 +444,43 @@ impl Agent {
                     "the agent restarted while running this command; it was not run again"
                         .to_owned(),
                 );
-                self.remember(&id, Some(outcome.clone()));
+                if let Err(e) = self.remember(&id, Some(outcome.clone())) {
+                    tracing::error!(command_id = %id, error = %e, "cannot persist the outcome of the command");
+                }
                 outcome
             }
             None => {
-                self.remember(&id, None);
+                // Recorded as started before anything runs: if the start cannot be made
+                // durable, a crash during the run could not be told from a command never run,
+                // so it is not run at all.
+                if let Err(e) = self.remember(&id, None) {
+                    tracing::error!(command_id = %id, error = %e, "cannot record the command before running it; not running it");
+                    // Forget it again, so a later delivery once the disk is writable runs it.
+                    self.state.forget(&id);
+                    let outcome = Err(format!(
+                        "the agent could not record the command before running it, so it did \
+                         not run it: {e}"
+                    ));
+                    self.ack(&id, &outcome).await;
+                    return;
+                }
                 tracing::info!(command_id = %id, command = %command.kind, cluster_id = %command.cluster_id, "running command");
                 let outcome = self.execute(&command).await;
-                match &outcome {
-                    Ok(()) => {
-                        tracing::info!(command_id = %id, command = %command.kind, "command succeeded")
-                    }
-                    Err(e) => {
-                        tracing::warn!(command_id = %id, command = %command.kind, error = %e, "command failed")
-                    }
+                log_outcome(&id, &command.kind, &outcome);
+                if let Err(e) = self.remember(&id, Some(outcome.clone())) {
+                    // The start is on disk: a re-delivery after a restart is answered as
+                    // interrupted, never run again.
+                    tracing::error!(command_id = %id, error = %e, "cannot persist the outcome of the command");
                 }
-                self.remember(&id, Some(outcome.clone()));
                 outcome
             }
         };
         self.ack(&id, &outcome).await;
     }
 
-    fn remember(&mut self, id: &str, outcome: Option<Result<(), String>>) {
+    fn remember(&mut self, id: &str, outcome: Option<Result<(), String>>) -> Result<(), String> {
         self.state.record(id, outcome);
-        if let Err(e) = self.state.save(&self.options.state_path) {
-            tracing::error!(error = %e, "cannot persist executed commands");
-        }
+        self.state.save(&self.options.state_path)
     }
 
     async fn execute(&self, command: &WireCommand) -> Result<(), String> {
@@ -495,6 +551,16 @@ impl Agent {
                 Err(e) => tracing::warn!(command_id = %id, error = %describe(&e), "ack failed"),
             }
             tokio::time::sleep(self.backoff(attempt)).await;
+        }
+        tracing::warn!(command_id = %id, "ack not delivered; back to polling (a provider still waiting serves the command again, and it is answered from the record)");
+    }
+}
+
+fn log_outcome(id: &str, kind: &str, outcome: &Result<(), String>) {
+    match outcome {
+        Ok(()) => tracing::info!(command_id = %id, command = %kind, "command succeeded"),
+        Err(e) => {
+            tracing::warn!(command_id = %id, command = %kind, error = %e, "command failed")
         }
     }
 }
@@ -654,6 +720,58 @@ mod tests {
                 .unwrap()
                 .executed
                 .is_empty()
+        );
+    }
+
+    /// A state file as the release before transition-derived command ids wrote it (ids
+    /// `<random prefix>-<n>`; an outcome, a failure, and a run cut short) loads, answers from
+    /// its record, and keeps its entries when the new form is added beside them.
+    #[test]
+    fn a_state_file_of_the_earlier_release_loads() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("state.json");
+        std::fs::write(
+            &path,
+            br#"{"executed":[{"id":"9f2c4a1b7e30-1","outcome":{"Ok":null}},{"id":"9f2c4a1b7e30-2","outcome":{"Err":"bootstrap hook failed: exit status: 3"}},{"id":"9f2c4a1b7e30-3","outcome":null}]}"#,
+        )
+        .unwrap();
+        let mut state = AgentState::load(&path).unwrap();
+        assert_eq!(state.find("9f2c4a1b7e30-1").unwrap().outcome, Some(Ok(())));
+        assert_eq!(
+            state.find("9f2c4a1b7e30-2").unwrap().outcome,
+            Some(Err("bootstrap hook failed: exit status: 3".into()))
+        );
+        assert_eq!(state.find("9f2c4a1b7e30-3").unwrap().outcome, None);
+        state.record("op-7.configure.0123456789abcdef", Some(Ok(())));
+        state.save(&path).unwrap();
+        let reloaded = AgentState::load(&path).unwrap();
+        assert_eq!(reloaded.executed.len(), 4);
+        assert_eq!(reloaded.executed[0].id, "9f2c4a1b7e30-1");
+        assert_eq!(
+            reloaded
+                .find("op-7.configure.0123456789abcdef")
+                .unwrap()
+                .outcome,
+            Some(Ok(()))
+        );
+        // Unknown fields of a later release are ignored.
+        std::fs::write(
+            &path,
+            br#"{"executed":[{"id":"op-1.drain","outcome":{"Ok":null},"at":"later"}],"v":2}"#,
+        )
+        .unwrap();
+        assert!(
+            AgentState::load(&path)
+                .unwrap()
+                .find("op-1.drain")
+                .is_some()
+        );
+        // A damaged file stops the agent instead of letting it forget what it ran.
+        std::fs::write(&path, b"{\"executed\":[").unwrap();
+        assert!(
+            AgentState::load(&path)
+                .unwrap_err()
+                .starts_with("parse state")
         );
     }
 

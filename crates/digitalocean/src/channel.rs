@@ -47,6 +47,8 @@ pub const FAILURE_TABLE_CAP: usize = 65_536;
 const NOT_SERVING_CHECK: Duration = Duration::from_millis(100);
 /// How long such a connection waits for a first request to answer (503) before it closes.
 const NOT_SERVING_FIRST_REQUEST: Duration = Duration::from_secs(1);
+/// Longest operation id that appears verbatim in a command id (longer ones are digested).
+const MAX_VERBATIM_OPERATION_ID: usize = 128;
 /// How long shutdown waits for open connections.
 const SHUTDOWN_GRACE: Duration = Duration::from_secs(5);
 
@@ -266,6 +268,9 @@ enum Outcome {
 
 struct Pending {
     id: String,
+    /// Which delivery queued it: two deliveries may share an id (a transition resumed while
+    /// its earlier delivery still waits), and only the one that queued it may withdraw it.
+    delivery: u64,
     /// The wire form, blob included: zeroed when the command is acked, superseded or dropped.
     /// Each response gets its own copy, which leaves with the response.
     body: Zeroizing<Vec<u8>>,
@@ -370,8 +375,10 @@ struct Inner {
     poll_hold: Duration,
     auth_limit: AuthLimit,
     telemetry: Telemetry,
-    /// Random per process, so command ids never repeat across restarts.
+    /// Random per process: the prefix of the ids of commands delivered outside a transition
+    /// (no operation id), so those never repeat across restarts.
     id_prefix: String,
+    /// Numbers deliveries, and the ids of commands outside a transition.
     counter: AtomicU64,
     machines: Mutex<HashMap<String, MachineSlot>>,
     failures: Mutex<FailureTable>,
@@ -435,9 +442,72 @@ impl Channel {
         self.inner.secret.token_for(machine_id)
     }
 
+    /// The id under which `command` for `machine_id` is delivered in the transition
+    /// `operation_id`. It is derived from the transition, never from this process, so a
+    /// transition resumed by another process or replica (same operation id, same secret)
+    /// delivers the same id again and the agent answers it from its record instead of running
+    /// it twice:
+    ///
+    /// - `<op>.configure.<fingerprint>`, the fingerprint a keyed digest (the bootstrap secret)
+    ///   of the machine id, the cluster id and the blob: a resumed Configure carries the same
+    ///   ones, and an operation id that ever came round again (a provider whose state was
+    ///   wiped) with another cluster or blob still gets a new id, so its hook runs;
+    /// - `<op>.ready` and `<op>.drain` (a resumed Drain has lost its grace period, so nothing
+    ///   of its content may enter the id).
+    ///
+    /// `<op>` is the operation id verbatim when it is 1 to 128 characters of `A-Z a-z 0-9 _ :
+    /// -` (the core's ids are `op-<n>`), else `x.<keyed digest of it>`; verbatim ones hold no
+    /// dot, so no two forms meet. Operation ids never repeat within a provider's state, and
+    /// every command of a transition has its own kind, so ids never repeat across
+    /// transitions; the agent's record is per machine, so ids of different machines cannot
+    /// meet either. Without an operation id the id is `<random per-process prefix>-<n>`,
+    /// the older form, which never repeats and holds no dot.
+    pub(crate) fn command_id(
+        &self,
+        machine_id: &str,
+        command: &Command,
+        operation_id: &str,
+    ) -> String {
+        if operation_id.is_empty() {
+            return format!(
+                "{}-{}",
+                self.inner.id_prefix,
+                self.inner.counter.fetch_add(1, Ordering::Relaxed) + 1
+            );
+        }
+        let hex = |bytes: [u8; 8]| -> String { bytes.iter().map(|b| format!("{b:02x}")).collect() };
+        let verbatim = operation_id.len() <= MAX_VERBATIM_OPERATION_ID
+            && operation_id
+                .bytes()
+                .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'_' | b':' | b'-'));
+        let op = if verbatim {
+            operation_id.to_owned()
+        } else {
+            let digest = self
+                .inner
+                .secret
+                .fingerprint(&[b"operation", operation_id.as_bytes()]);
+            format!("x.{}", hex(digest))
+        };
+        match command {
+            Command::Configure { cluster_id, blob } => {
+                let digest = self.inner.secret.fingerprint(&[
+                    b"configure",
+                    machine_id.as_bytes(),
+                    cluster_id.as_bytes(),
+                    blob,
+                ]);
+                format!("{op}.configure.{}", hex(digest))
+            }
+            Command::Ready { .. } | Command::Drain { .. } => format!("{op}.{}", command.kind()),
+        }
+    }
+
     /// Makes `command` the pending command of `machine_id` and waits until the agent acks it,
     /// the transition's deadline passes or it is cancelled. A newer delivery for the same
-    /// machine supersedes this one.
+    /// machine supersedes this one. The command id comes from the transition's operation id
+    /// (`command_id`), so a resumed transition delivers the same id from any process, and an
+    /// ack for it is accepted whichever process delivered it first.
     pub async fn deliver(
         &self,
         machine_id: &str,
@@ -445,17 +515,15 @@ impl Channel {
         ctx: &TransitionContext,
     ) -> Result<(), DeliveryError> {
         let kind = command.kind();
-        let id = format!(
-            "{}-{}",
-            self.inner.id_prefix,
-            self.inner.counter.fetch_add(1, Ordering::Relaxed) + 1
-        );
+        let id = self.command_id(machine_id, &command, &ctx.operation_id);
+        let delivery = self.inner.counter.fetch_add(1, Ordering::Relaxed);
         let (tx, rx) = oneshot::channel();
         {
             let mut machines = lock(&self.inner.machines);
             let slot = machines.entry(machine_id.to_owned()).or_default();
             let previous = slot.pending.replace(Pending {
                 id: id.clone(),
+                delivery,
                 body: command.to_wire(&id),
                 waiter: tx,
             });
@@ -469,7 +537,7 @@ impl Channel {
         let guard = PendingGuard {
             channel: self,
             machine_id,
-            id: &id,
+            delivery,
         };
         let outcome = tokio::select! {
             r = rx => Ok(r.unwrap_or(Outcome::Superseded)),
@@ -904,14 +972,18 @@ impl Drop for Busy {
 struct PendingGuard<'a> {
     channel: &'a Channel,
     machine_id: &'a str,
-    id: &'a str,
+    delivery: u64,
 }
 
 impl Drop for PendingGuard<'_> {
     fn drop(&mut self) {
         let mut machines = lock(&self.channel.inner.machines);
         if let Some(slot) = machines.get_mut(self.machine_id) {
-            if slot.pending.as_ref().is_some_and(|p| p.id == self.id) {
+            if slot
+                .pending
+                .as_ref()
+                .is_some_and(|p| p.delivery == self.delivery)
+            {
                 slot.pending = None;
             }
             // Slots without a pending command or a waiting poll carry no state.
@@ -1037,6 +1109,91 @@ mod tests {
             b"{\"id\":\"4\",\"type\":\"ready\",\"cluster_id\":\"c\"}\n"
         );
         assert!(!format!("{configure:?}").contains("hi"));
+    }
+
+    /// Ids derive from the transition: the same in every channel with the secret, different
+    /// for every operation, kind, machine and configure content, and never one of the form of
+    /// ids outside a transition.
+    #[test]
+    fn command_ids_come_from_the_transition() {
+        let (one, two) = (
+            test_channel(AuthLimit::default()),
+            test_channel(AuthLimit::default()),
+        );
+        let configure = |cluster: &str, blob: &[u8]| Command::Configure {
+            cluster_id: cluster.into(),
+            blob: blob.to_vec(),
+        };
+        let ready = Command::Ready {
+            cluster_id: "c".into(),
+        };
+        let drain = |grace_seconds| Command::Drain { grace_seconds };
+        let m = "digitalocean/OnDemand/s-2vcpu-4gb/nyc3/000";
+        let id = one.command_id(m, &configure("c", b"blob"), "op-7");
+        assert_eq!(id, two.command_id(m, &configure("c", b"blob"), "op-7"));
+        assert!(id.starts_with("op-7.configure."), "{id}");
+        assert_eq!(id.len(), "op-7.configure.".len() + 16);
+        assert!(!id.contains("blob"));
+        assert_eq!(one.command_id(m, &ready, "op-7"), "op-7.ready");
+        assert_eq!(two.command_id(m, &ready, "op-7"), "op-7.ready");
+        // A resumed drain has lost its grace: the grace is not part of the id.
+        assert_eq!(one.command_id(m, &drain(30), "op-9"), "op-9.drain");
+        assert_eq!(two.command_id(m, &drain(1), "op-9"), "op-9.drain");
+        let others = [
+            one.command_id(m, &configure("c", b"blob"), "op-8"),
+            one.command_id(m, &configure("c", b"blob2"), "op-7"),
+            one.command_id(m, &configure("c2", b"blob"), "op-7"),
+            one.command_id("m-other", &configure("c", b"blob"), "op-7"),
+            one.command_id(m, &ready, "op-70"),
+        ];
+        for other in &others {
+            assert_ne!(&id, other);
+        }
+        // Another secret, another fingerprint.
+        let key = rcgen::KeyPair::generate().expect("key");
+        let cert = rcgen::CertificateParams::new(vec!["localhost".to_owned()])
+            .expect("params")
+            .self_signed(&key)
+            .expect("cert");
+        let other_secret = Channel::new(
+            ChannelSettings {
+                secret: BootstrapSecret::new("another-secret").expect("secret"),
+                tls: crate::setup::channel_tls(
+                    cert.pem().as_bytes(),
+                    key.serialize_pem().as_bytes(),
+                )
+                .expect("tls"),
+                poll_hold: Duration::from_secs(25),
+                auth_limit: AuthLimit::default(),
+            },
+            Telemetry::new("bigfleet_digitalocean_channel_unit_ids"),
+        );
+        assert_ne!(
+            id,
+            other_secret.command_id(m, &configure("c", b"blob"), "op-7")
+        );
+        // Operation ids outside the plain form are digested, stably, and never hold a dot of
+        // their own.
+        for odd in ["op.7", "op 7", "\u{e9}", &"o".repeat(129)] {
+            let a = one.command_id(m, &ready, odd);
+            assert_eq!(a, two.command_id(m, &ready, odd));
+            assert!(a.starts_with("x.") && a.ends_with(".ready"), "{a}");
+            assert_eq!(a.len(), "x.".len() + 16 + ".ready".len());
+        }
+        assert_ne!(
+            one.command_id(m, &ready, "op.7"),
+            one.command_id(m, &ready, "op 7")
+        );
+        let long = "o".repeat(128);
+        assert_eq!(one.command_id(m, &ready, &long), format!("{long}.ready"));
+        // Without an operation id: the per-process form, never repeated, never with a dot.
+        let (a, b) = (one.command_id(m, &ready, ""), one.command_id(m, &ready, ""));
+        assert_ne!(a, b);
+        assert_ne!(a, two.command_id(m, &ready, ""));
+        assert!(
+            !a.contains('.') && a.starts_with(&one.inner.id_prefix),
+            "{a}"
+        );
     }
 
     #[test]
@@ -1272,6 +1429,50 @@ mod tests {
         let (status, answered_at) = empty.await.expect("poll");
         assert_eq!(status, StatusCode::NO_CONTENT);
         assert_eq!(answered_at - start, hold);
+    }
+
+    /// A transition delivered again under its operation id (same command id) while the earlier
+    /// delivery still waits: the earlier one is superseded, and its ending does not withdraw
+    /// the command the later one is waiting on.
+    #[tokio::test(start_paused = true)]
+    async fn a_redelivery_of_the_same_id_supersedes_without_withdrawing_the_command() {
+        let ch = test_channel(AuthLimit::default());
+        let deliver = |ch: &Channel| {
+            let ch = ch.clone();
+            tokio::spawn(async move {
+                ch.deliver(
+                    "m-1",
+                    Command::Ready {
+                        cluster_id: "c".into(),
+                    },
+                    &TransitionContext::with_timeout("op-3", Duration::from_secs(600)),
+                )
+                .await
+            })
+        };
+        let first = deliver(&ch);
+        tokio::time::sleep(Duration::from_millis(1)).await;
+        let second = deliver(&ch);
+        let err = first.await.expect("first delivery").unwrap_err();
+        assert!(err.0.ends_with("superseded by a newer command"), "{err}");
+        let response = ch.poll("m-1", CancellationToken::new()).await;
+        assert_eq!(
+            response.status(),
+            StatusCode::OK,
+            "the command is still served"
+        );
+        let body = response
+            .into_body()
+            .collect()
+            .await
+            .expect("body")
+            .to_bytes();
+        assert_eq!(
+            &body[..],
+            b"{\"id\":\"op-3.ready\",\"type\":\"ready\",\"cluster_id\":\"c\"}\n"
+        );
+        assert!(!second.is_finished());
+        second.abort();
     }
 
     #[tokio::test(start_paused = true)]

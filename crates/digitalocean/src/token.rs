@@ -34,6 +34,23 @@ impl BootstrapSecret {
         expected.0.as_bytes().ct_eq(presented.as_bytes()).into()
     }
 
+    /// A short keyed digest of `parts` (each length-prefixed, under a label no token input
+    /// starts with), for names that must be stable across processes sharing this secret yet
+    /// reveal nothing about what they digest to anyone without it.
+    pub(crate) fn fingerprint(&self, parts: &[&[u8]]) -> [u8; 8] {
+        let mut mac = <Hmac<Sha256> as KeyInit>::new_from_slice(&self.0)
+            .expect("HMAC accepts keys of any length");
+        mac.update(b"bigfleet command fingerprint\0");
+        for part in parts {
+            mac.update(&(part.len() as u64).to_be_bytes());
+            mac.update(part);
+        }
+        let digest = mac.finalize().into_bytes();
+        let mut out = [0u8; 8];
+        out.copy_from_slice(&digest[..8]);
+        out
+    }
+
     fn mac(&self, machine_id: &str) -> [u8; 32] {
         let mut mac = <Hmac<Sha256> as KeyInit>::new_from_slice(&self.0)
             .expect("HMAC accepts keys of any length");

@@ -215,6 +215,8 @@ fn common(cli: &Cli) -> CommonArgs {
         offerings: String::new(),
         seed_count: cli.seed_count as i64,
         state: cli.state.clone(),
+        state_encryption_key_file: String::new(),
+        fail_unreadable_configures: false,
         image: String::new(),
         base_user_data: String::new(),
         price_refresh: Duration::ZERO,

@@ -23,6 +23,7 @@ pub const TARGETS: &[Target] = &[
     targets::offerings::JSON,
     targets::agent::COMMAND,
     targets::agent::CONFIG,
+    targets::agent_state::STATE,
     targets::channel::REQUESTS,
     targets::labels::HETZNER,
     targets::labels::DIGITALOCEAN,

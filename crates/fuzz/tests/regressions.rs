@@ -45,6 +45,7 @@ fn a_slot_whose_map_keys_are_out_of_order_is_refused() {
         machine: Arc::new(machine),
         last_change: 0,
         operations: Default::default(),
+        sealed: None,
     };
     let mut encoded = Vec::new();
     codec::encode_slot(&slot, &mut encoded);
@@ -109,4 +110,33 @@ fn rewriting_a_chunked_label_drops_stranded_chunks() {
     );
     assert!(!map.contains_key("bigfleet-cluster-3"));
     assert_eq!(map["bigfleet-cluster-x"], "not a chunk");
+}
+
+/// agent-state: the record a release before transition-derived command ids wrote still loads,
+/// outcomes and all, and is written back unchanged beside an id of the new form.
+#[test]
+fn an_agent_state_file_of_the_earlier_release_loads() {
+    use digitalocean::agent::{read_record, write_record};
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("state.json");
+    std::fs::write(
+        &path,
+        r#"{"executed":[{"id":"9f2c4a1b7e30-1","outcome":{"Ok":null}},{"id":"9f2c4a1b7e30-2","outcome":{"Err":"bootstrap hook failed: exit status: 3"}},{"id":"9f2c4a1b7e30-3","outcome":null}]}"#,
+    )
+    .unwrap();
+    let mut record = read_record(&path).unwrap();
+    assert_eq!(
+        record,
+        vec![
+            ("9f2c4a1b7e30-1".to_owned(), Some(Ok(()))),
+            (
+                "9f2c4a1b7e30-2".to_owned(),
+                Some(Err("bootstrap hook failed: exit status: 3".to_owned()))
+            ),
+            ("9f2c4a1b7e30-3".to_owned(), None),
+        ]
+    );
+    record.push(("op-7.configure.0123456789abcdef".to_owned(), Some(Ok(()))));
+    write_record(&path, &record).unwrap();
+    assert_eq!(read_record(&path).unwrap(), record);
 }

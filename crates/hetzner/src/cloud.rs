@@ -26,8 +26,9 @@
 //!
 //! Readiness (`--readiness-command`): Configure delivers the blob, runs the hook and records the
 //! cluster binding once the hook succeeded (the node has joined at that point). The connection
-//! is then kept for [`Cloud::confirm_ready`], which runs the command over the same pinned
-//! connection until it exits 0 or the Configure deadline passes.
+//! it last polled the hook over is then kept for [`Cloud::confirm_ready`], which runs the
+//! command over it (a new pinned connection if it drops) until it exits 0 or the Configure
+//! deadline passes.
 
 use std::collections::{HashMap, HashSet};
 use std::future::Future;
@@ -120,6 +121,8 @@ pub struct Timing {
     pub running_cap: Duration,
     /// Interval between readiness-command runs.
     pub readiness_poll: Duration,
+    /// Interval between reads of a detached run's record (the bootstrap hook, the drain).
+    pub run_poll: Duration,
     /// Budget of an inventory listing (it has no transition deadline of its own).
     pub list_budget: Duration,
     /// Budget of a price or capacity lookup.
@@ -134,6 +137,7 @@ impl Default for Timing {
             running_poll: Duration::from_secs(3),
             running_cap: Duration::from_secs(600),
             readiness_poll: Duration::from_secs(5),
+            run_poll: Duration::from_secs(2),
             list_budget: Duration::from_secs(60),
             lookup_budget: Duration::from_secs(30),
         }

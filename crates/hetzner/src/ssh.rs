@@ -1,7 +1,7 @@
-//! SSH delivery to a server: one host-key-pinned connection per Configure or Drain, retried
-//! until the server accepts it (sshd may not be up yet right after `running`), within the
-//! transition's deadline; remote commands run over that connection with their exit status as
-//! the verdict.
+//! SSH delivery to a server: host-key-pinned connections, retried until the server accepts
+//! one (sshd may not be up yet right after `running`), within the transition's deadline;
+//! remote commands run over them with their exit status as the verdict; and the scripts of
+//! the runs that must outlive a connection (the bootstrap hook, the drain).
 //!
 //! Guarantees:
 //! - The host key is judged inside the handshake, before authentication and before any channel
@@ -9,8 +9,14 @@
 //!   mismatch is never retried.
 //! - The bootstrap blob travels over the channel's stdin, never in the command line, so it is
 //!   not visible in the remote process list and has no exec-request size limit. The remote
-//!   script checks the byte count before it moves the file into place, so a connection that
-//!   drops mid-transfer can never start the hook on a truncated blob.
+//!   script checks the byte count before it hands the blob on, so a connection that drops
+//!   mid-transfer can never start the hook on a truncated blob.
+//! - The hook and the drain run detached from the SSH session, one run per operation, under
+//!   `<hook>.runs/<run name>/`: creating that directory is the lock, so however often a run is
+//!   started (a retry, a resumed operation, two starts at once) its command runs once. The run
+//!   records its exit status and the tail of its output in `record`, moved into place
+//!   complete; a probe reads it over any later connection. `<hook>.blob` exists only while the
+//!   hook runs.
 //! - Remote scripts are POSIX `sh` (no bash needed); every interpolated value is single-quoted.
 
 use std::sync::{Arc, Mutex};
@@ -310,6 +316,8 @@ async fn attempt(
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Exit {
     pub status: u32,
+    /// What it wrote to standard output (the first [`MAX_OUTPUT`] bytes).
+    pub output: Vec<u8>,
 }
 
 impl PinnedSession {
@@ -317,8 +325,9 @@ impl PinnedSession {
         &self.ip
     }
 
-    /// Runs `command`, feeding `stdin` (then end-of-file), and returns its exit status. When
-    /// the deadline passes or `cancel` fires first, the remote command is sent SIGKILL.
+    /// Runs `command`, feeding `stdin` (then end-of-file), and returns its exit status and
+    /// standard output. When the deadline passes or `cancel` fires first, the remote command is
+    /// sent SIGKILL.
     pub async fn run(
         &self,
         command: &str,
@@ -346,8 +355,13 @@ impl PinnedSession {
                 SshError::Session(format!("ssh command on {ip} did not complete: {e}"))
             })?;
             let mut status = None;
+            let mut output = Vec::new();
             while let Some(message) = channel.wait().await {
                 match message {
+                    ChannelMsg::Data { data } => {
+                        let room = MAX_OUTPUT.saturating_sub(output.len());
+                        output.extend_from_slice(&data[..data.len().min(room)]);
+                    }
                     ChannelMsg::ExitStatus { exit_status } => status = Some(exit_status),
                     ChannelMsg::ExitSignal { signal_name, .. } => {
                         return Err(SshError::Session(format!(
@@ -363,7 +377,9 @@ impl PinnedSession {
                     _ => {}
                 }
             }
-            status.map(|status| Exit { status }).ok_or_else(|| {
+            status
+                .map(|status| Exit { status, output })
+                .ok_or_else(|| {
                 SshError::Session(format!(
                     "ssh command on {ip} did not complete: the channel closed without an exit status"
                 ))
@@ -401,21 +417,242 @@ pub fn quote(value: &str) -> String {
     format!("'{}'", value.replace('\'', r"'\''"))
 }
 
-/// The Configure script: reads exactly `blob_len` bytes from stdin into `<hook>.blob` (mode
-/// 0600 via `umask 077`, written to a temporary name and moved into place only when complete),
-/// then runs `<hook> <cluster_id>`.
-pub fn configure_script(hook: &str, cluster_id: &str, blob_len: usize) -> String {
-    let blob = quote(&format!("{hook}.blob"));
-    let partial = quote(&format!("{hook}.blob.partial"));
+/// The most of a command's standard output kept by [`PinnedSession::run`].
+const MAX_OUTPUT: usize = 64 * 1024;
+
+/// How many bytes at the end of a detached run's output its record keeps.
+pub(crate) const RECORD_TAIL: usize = 2048;
+
+/// The name of the detached run of one operation, usable as a file name: `<kind>-<id>` when
+/// the operation id is plain (ASCII letters, digits, `-`, `_`, `.`, at most 64 bytes), else its
+/// plain characters followed by a hash of the whole id, so two ids never share a run.
+pub(crate) fn run_name(kind: &str, operation_id: &str) -> String {
+    let plain = |c: char| c.is_ascii_alphanumeric() || matches!(c, '-' | '_' | '.');
+    if !operation_id.is_empty() && operation_id.len() <= 64 && operation_id.chars().all(plain) {
+        return format!("{kind}-{operation_id}");
+    }
+    use sha2::{Digest, Sha256};
+    let digest = Sha256::digest(operation_id.as_bytes());
+    let hash: String = digest[..8].iter().map(|b| format!("{b:02x}")).collect();
+    let kept: String = operation_id
+        .chars()
+        .filter(|c| plain(*c))
+        .take(32)
+        .collect();
+    format!("{kind}-{kept}-{hash}")
+}
+
+/// Where detached runs live on a host: `<hook>.runs/<run>/`, next to `<hook>.blob`.
+fn runs_dir(hook: &str) -> String {
+    format!("{hook}.runs")
+}
+
+fn run_dir(hook: &str, run: &str) -> String {
+    format!("{}/{run}", runs_dir(hook))
+}
+
+/// Starts `runner` detached from the SSH session: in a session of its own (`setsid`) where
+/// the host has it, else immune to hangups (`nohup`), with no descriptor of the channel, so
+/// the connection can close (or drop) while the run goes on.
+fn detach(runner: &str, argument: &str) -> String {
+    let runner = quote(runner);
     format!(
-        "set -eu; umask 077; mkdir -p \"$(dirname {blob})\"; cat > {partial}; \
-         n=$(wc -c < {partial} | tr -d ' '); \
-         if [ \"$n\" != {blob_len} ]; then rm -f {partial}; \
-         echo \"bootstrap blob truncated: got $n of {blob_len} bytes\" >&2; exit 97; fi; \
-         mv -f {partial} {blob}; exec {hook} {cluster}",
-        hook = quote(hook),
-        cluster = quote(cluster_id),
+        "if command -v setsid >/dev/null 2>&1; then \
+         setsid sh -c {runner} sh {argument} </dev/null >/dev/null 2>&1 & \
+         else nohup sh -c {runner} sh {argument} </dev/null >/dev/null 2>&1 & fi"
     )
+}
+
+/// The detached part of a run: takes the run directory as the lock (only its creator goes
+/// on; a second start of the same run does nothing), records its pid, runs `command` with its
+/// output to a file, and records `exit <status>` and the output's tail in `record`, written to
+/// a temporary name and moved into place. `before` and `after` run around the command. Where
+/// the host has `timeout`, the command is killed once `limit` (the time left before the
+/// transition's deadline) has passed, as nothing would take its outcome any more.
+fn runner(
+    dir: &str,
+    loser: &str,
+    before: &str,
+    command: &str,
+    after: &str,
+    limit: Duration,
+) -> String {
+    // Rounded up: the run is never killed before the deadline.
+    let seconds = (limit.as_secs() + u64::from(limit.subsec_nanos() > 0)).max(1);
+    format!(
+        "umask 077; st=; d={dir}; if ! mkdir \"$d\" 2>/dev/null; then {loser} exit 0; fi; \
+         echo $$ > \"$d/pid.tmp\"; mv -f \"$d/pid.tmp\" \"$d/pid\"; \
+         if command -v timeout >/dev/null 2>&1; then limit='timeout -s KILL {seconds}'; \
+         else limit=; fi; \
+         {before} \
+         if [ -z \"$st\" ]; then $limit {command} > \"$d/output\" 2>&1 < /dev/null; st=$?; fi; \
+         {after} \
+         {{ echo \"exit $st\"; tail -c {RECORD_TAIL} \"$d/output\" 2>/dev/null; }} > \"$d/record.tmp\"; \
+         mv -f \"$d/record.tmp\" \"$d/record\"; rm -f \"$d/output\"",
+        dir = quote(dir),
+    )
+}
+
+/// Waits (a few seconds at most) for `condition` to hold, so that once the start script
+/// returns, a probe finds the run started (or its blob copy discarded).
+fn wait_until(condition: &str) -> String {
+    format!(
+        "i=0; while ! {condition} && [ \"$i\" -lt 100 ]; do i=$((i+1)); \
+         sleep 0.1 2>/dev/null || sleep 1; done"
+    )
+}
+
+/// The Configure start script, one idempotent step per run name: unless the run exists, read
+/// exactly `blob_len` bytes from stdin into a copy of this delivery's own (mode 0600 via
+/// `umask 077`; removed if the script ends before handing it over), check the length, and
+/// start the detached runner. The runner that creates the run directory moves its copy to
+/// `<hook>.blob`, runs `<hook> <cluster_id>`, removes `<hook>.blob` when the hook exits, and
+/// records the outcome; any other start's runner discards its copy. A truncated blob exits 97
+/// before any runner starts.
+pub(crate) fn configure_start_script(
+    hook: &str,
+    run: &str,
+    cluster_id: &str,
+    blob_len: usize,
+    limit: Duration,
+) -> String {
+    let runs = runs_dir(hook);
+    let dir = run_dir(hook, run);
+    let blob = quote(&format!("{hook}.blob"));
+    // `run` is a plain file name (`run_name`), so it needs no quoting and the glob works.
+    let copies = format!("{}/.{run}.blob.", quote(&runs));
+    let before = format!(
+        "if mv -f \"$1\" {blob}; then rm -f {copies}*; else st=98; \
+         echo 'the bootstrap blob was gone before the hook could start' > \"$d/output\"; fi;"
+    );
+    let command = format!("{} {}", quote(hook), quote(cluster_id));
+    let after = format!("rm -f {blob};");
+    let runner = runner(&dir, "rm -f \"$1\";", &before, &command, &after, limit);
+    format!(
+        "set -eu; umask 077; mkdir -p {runs}; \
+         if [ -e {dir} ]; then cat > /dev/null; echo started; exit 0; fi; \
+         tmp={copies}$$; trap 'rm -f \"$tmp\"' EXIT; trap 'exit 129' HUP; trap 'exit 143' TERM; \
+         cat > \"$tmp\"; n=$(wc -c < \"$tmp\" | tr -d ' '); \
+         if [ \"$n\" != {blob_len} ]; then \
+         echo \"bootstrap blob truncated: got $n of {blob_len} bytes\" >&2; exit 97; fi; \
+         {detach}; {wait}; echo started",
+        runs = quote(&runs),
+        dir = quote(&dir),
+        detach = detach(&runner, "\"$tmp\""),
+        wait = wait_until("[ ! -e \"$tmp\" ]"),
+    )
+}
+
+/// The Drain start script: unless the run exists, start [`drain_script`] as a detached run.
+pub(crate) fn drain_start_script(hook: &str, run: &str, grace: i64, limit: Duration) -> String {
+    let runs = runs_dir(hook);
+    let dir = run_dir(hook, run);
+    let command = format!("sh -c {}", quote(&drain_script(grace)));
+    let runner = runner(&dir, "", "", &command, "", limit);
+    format!(
+        "set -eu; umask 077; mkdir -p {runs}; \
+         if [ -e {dir} ]; then echo started; exit 0; fi; {detach}; {wait}; echo started",
+        runs = quote(&runs),
+        dir = quote(&dir),
+        detach = detach(&runner, "''"),
+        wait = wait_until(&format!("[ -e {} ]", quote(&dir))),
+    )
+}
+
+/// Reports a run's state: `absent`, `running`, `lost` (its runner is gone and left no
+/// record), or `finished` followed by the record. A finished run's probe also removes any blob
+/// copy a delivery cut short (killed before it could start its runner) left behind.
+pub(crate) fn probe_script(hook: &str, run: &str) -> String {
+    format!(
+        "d={dir}; if [ -f \"$d/record\" ]; then echo finished; cat \"$d/record\"; \
+         rm -f {runs}/.{run}.blob.* 2>/dev/null || true; \
+         elif [ -d \"$d\" ]; then p=$(cat \"$d/pid\" 2>/dev/null || true); \
+         if [ -n \"$p\" ] && ! kill -0 \"$p\" 2>/dev/null && [ ! -f \"$d/record\" ]; \
+         then echo lost; else echo running; fi; \
+         else echo absent; fi",
+        dir = quote(&run_dir(hook, run)),
+        runs = quote(&runs_dir(hook)),
+    )
+}
+
+/// What a detached run recorded when it finished.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub(crate) struct RunRecord {
+    pub status: u32,
+    /// The end of the run's output (at most [`RECORD_TAIL`] bytes).
+    pub tail: Vec<u8>,
+}
+
+/// A run's state on the host, as [`probe_script`] reports it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub(crate) enum RunState {
+    /// Never started: deliver and start it.
+    Absent,
+    /// Started and not finished.
+    Running,
+    /// Started, but its runner is gone without a record (the host restarted, or it was
+    /// killed); it is never started again.
+    Lost,
+    Finished(RunRecord),
+}
+
+/// Reads what [`probe_script`] printed.
+pub(crate) fn parse_probe(output: &[u8]) -> Option<RunState> {
+    let (first, rest) = split_line(output);
+    match first {
+        b"absent" => Some(RunState::Absent),
+        b"running" => Some(RunState::Running),
+        b"lost" => Some(RunState::Lost),
+        b"finished" => {
+            let (line, tail) = split_line(rest);
+            let status = std::str::from_utf8(line.strip_prefix(b"exit ")?)
+                .ok()?
+                .parse()
+                .ok()?;
+            Some(RunState::Finished(RunRecord {
+                status,
+                tail: tail.to_vec(),
+            }))
+        }
+        _ => None,
+    }
+}
+
+fn split_line(bytes: &[u8]) -> (&[u8], &[u8]) {
+    match bytes.iter().position(|b| *b == b'\n') {
+        Some(at) => (&bytes[..at], &bytes[at + 1..]),
+        None => (bytes, &[]),
+    }
+}
+
+/// The last few lines of a run's output, printable, for an error message; withheld when they
+/// contain any 16-byte stretch of `secret` (a hook that echoes part of the blob).
+pub(crate) fn output_tail(tail: &[u8], secret: &[u8]) -> Option<String> {
+    const WINDOW: usize = 16;
+    const SHOWN: usize = 400;
+    if !secret.is_empty() {
+        let leaks = if secret.len() <= WINDOW {
+            tail.windows(secret.len()).any(|w| w == secret)
+        } else {
+            let seen: std::collections::HashSet<&[u8]> = tail.windows(WINDOW).collect();
+            !seen.is_empty() && secret.windows(WINDOW).any(|w| seen.contains(w))
+        };
+        if leaks {
+            return Some("[withheld: it contains part of the bootstrap blob]".into());
+        }
+    }
+    let text = String::from_utf8_lossy(tail);
+    let text: String = text
+        .trim()
+        .chars()
+        .map(|c| if c.is_control() { ' ' } else { c })
+        .collect();
+    let text = text.split_whitespace().collect::<Vec<_>>().join(" ");
+    if text.is_empty() {
+        return None;
+    }
+    let skip = text.chars().count().saturating_sub(SHOWN);
+    Some(text.chars().skip(skip).collect())
 }
 
 /// The Drain script: cordon (failures tolerated) then drain with `grace` seconds as both the
@@ -481,38 +718,255 @@ mod tests {
         }
     }
 
+    const MINUTE: Duration = Duration::from_secs(60);
+
+    fn executable(path: &std::path::Path, body: &str) {
+        use std::os::unix::fs::PermissionsExt;
+        std::fs::create_dir_all(path.parent().unwrap()).unwrap();
+        std::fs::write(path, body).unwrap();
+        std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o755)).unwrap();
+    }
+
+    fn q(path: &std::path::Path) -> String {
+        quote(path.to_str().unwrap())
+    }
+
+    /// Probes `run` until it has finished (10 s at most).
+    async fn finished(hook: &str, run: &str, dir: &std::path::Path) -> RunRecord {
+        for _ in 0..500 {
+            let (code, out) = sh(&probe_script(hook, run), b"", dir).await;
+            assert_eq!(code, 0, "{out}");
+            match parse_probe(out.as_bytes()) {
+                Some(RunState::Finished(record)) => return record,
+                Some(RunState::Running | RunState::Absent) => {}
+                other => panic!("unexpected probe answer {other:?} ({out})"),
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        panic!("run {run} did not finish");
+    }
+
+    fn lines(path: &std::path::Path) -> usize {
+        std::fs::read_to_string(path)
+            .unwrap_or_default()
+            .lines()
+            .count()
+    }
+
     #[tokio::test]
-    async fn configure_script_delivers_the_blob_and_runs_the_hook() {
+    async fn configure_start_delivers_the_blob_and_runs_the_hook_detached() {
         let dir = tempfile::tempdir().unwrap();
         let hook = dir.path().join("opt dir/it's hook");
-        std::fs::create_dir_all(hook.parent().unwrap()).unwrap();
-        let record = dir.path().join("record");
-        std::fs::write(
+        let args = dir.path().join("args");
+        let copy = dir.path().join("copy");
+        let mode = dir.path().join("mode");
+        executable(
             &hook,
-            format!(
-                "#!/bin/sh\nprintf '%s|' \"$@\" > {}\n",
-                quote(record.to_str().unwrap())
+            &format!(
+                "#!/bin/sh\nprintf '%s|' \"$@\" > {}\ncp \"$0.blob\" {}\nstat -c %a \"$0.blob\" > {}\n",
+                q(&args),
+                q(&copy),
+                q(&mode),
             ),
-        )
-        .unwrap();
-        use std::os::unix::fs::PermissionsExt;
-        std::fs::set_permissions(&hook, std::fs::Permissions::from_mode(0o755)).unwrap();
+        );
         let blob = b"\x00binary\xffblob'with quotes\n".to_vec();
         let hook_path = hook.to_str().unwrap();
-        let script = configure_script(hook_path, "cluster 'one'", blob.len());
+        let run = run_name("configure", "op-1");
+        let script = configure_start_script(hook_path, &run, "cluster 'one'", blob.len(), MINUTE);
         assert!(
             !script.contains("binary"),
             "the blob never enters the command line"
         );
         let (code, out) = sh(&script, &blob, dir.path()).await;
-        assert_eq!(code, 0, "{out}");
-        assert_eq!(std::fs::read(format!("{hook_path}.blob")).unwrap(), blob);
-        let mode = std::fs::metadata(format!("{hook_path}.blob"))
+        assert_eq!((code, out.as_str()), (0, "started\n"));
+        let record = finished(hook_path, &run, dir.path()).await;
+        assert_eq!(
+            record,
+            RunRecord {
+                status: 0,
+                tail: Vec::new()
+            }
+        );
+        assert_eq!(std::fs::read_to_string(&args).unwrap(), "cluster 'one'|");
+        assert_eq!(
+            std::fs::read(&copy).unwrap(),
+            blob,
+            "the hook read the blob"
+        );
+        assert_eq!(std::fs::read_to_string(&mode).unwrap(), "600\n");
+        assert!(
+            !std::path::Path::new(&format!("{hook_path}.blob")).exists(),
+            "the blob is removed once the hook has exited"
+        );
+        let runs = std::path::PathBuf::from(format!("{hook_path}.runs"));
+        let left: Vec<_> = std::fs::read_dir(&runs)
             .unwrap()
-            .permissions()
-            .mode();
-        assert_eq!(mode & 0o777, 0o600);
-        assert_eq!(std::fs::read_to_string(&record).unwrap(), "cluster 'one'|");
+            .map(|e| e.unwrap().file_name())
+            .collect();
+        assert_eq!(
+            left,
+            vec![std::ffi::OsString::from(&run)],
+            "no blob copy is left"
+        );
+        let mut kept: Vec<_> = std::fs::read_dir(runs.join(&run))
+            .unwrap()
+            .map(|e| e.unwrap().file_name().into_string().unwrap())
+            .collect();
+        kept.sort();
+        assert_eq!(kept, ["pid", "record"]);
+    }
+
+    #[tokio::test]
+    async fn starting_a_run_twice_runs_the_hook_once() {
+        let dir = tempfile::tempdir().unwrap();
+        let hook = dir.path().join("hook");
+        let count = dir.path().join("count");
+        executable(
+            &hook,
+            &format!("#!/bin/sh\necho ran >> {}\nsleep 0.3\n", q(&count)),
+        );
+        let hook = hook.to_str().unwrap();
+        let run = run_name("configure", "op-7");
+        let script = configure_start_script(hook, &run, "c", 4, MINUTE);
+        // Two deliveries at once, one while the hook runs, and one after it finished.
+        let (first, second) = tokio::join!(
+            sh(&script, b"blob", dir.path()),
+            sh(&script, b"blob", dir.path())
+        );
+        assert_eq!((first.0, second.0), (0, 0), "{first:?} {second:?}");
+        assert_eq!(sh(&script, b"blob", dir.path()).await.0, 0);
+        assert_eq!(finished(hook, &run, dir.path()).await.status, 0);
+        assert_eq!(sh(&script, b"blob", dir.path()).await.0, 0);
+        tokio::time::sleep(Duration::from_millis(400)).await;
+        assert_eq!(lines(&count), 1, "the hook ran once");
+        // A copy left by a delivery killed before it started its runner goes at the next probe.
+        let stale = dir.path().join(format!("hook.runs/.{run}.blob.12345"));
+        std::fs::write(&stale, b"blob").unwrap();
+        finished(hook, &run, dir.path()).await;
+        assert!(!stale.exists());
+        assert!(!dir.path().join("hook.blob").exists());
+        let copies = std::fs::read_dir(dir.path().join("hook.runs"))
+            .unwrap()
+            .filter(|e| e.as_ref().unwrap().file_name() != run.as_str())
+            .count();
+        assert_eq!(copies, 0, "every delivery's blob copy is gone");
+
+        // Another operation is another run.
+        let other = run_name("configure", "op-8");
+        let script = configure_start_script(hook, &other, "c", 4, MINUTE);
+        assert_eq!(sh(&script, b"blob", dir.path()).await.0, 0);
+        assert_eq!(finished(hook, &other, dir.path()).await.status, 0);
+        assert_eq!(lines(&count), 2);
+    }
+
+    #[tokio::test]
+    async fn the_start_returns_while_the_detached_hook_runs_on() {
+        let dir = tempfile::tempdir().unwrap();
+        let hook = dir.path().join("hook");
+        let done = dir.path().join("done");
+        executable(&hook, &format!("#!/bin/sh\nsleep 1\ntouch {}\n", q(&done)));
+        let hook = hook.to_str().unwrap();
+        let run = run_name("configure", "op-2");
+        let started = std::time::Instant::now();
+        // `sh` returns once the script has exited and its output pipes are closed: the run
+        // holds no descriptor of the session.
+        let (code, out) = sh(
+            &configure_start_script(hook, &run, "c", 1, MINUTE),
+            b"b",
+            dir.path(),
+        )
+        .await;
+        assert_eq!((code, out.as_str()), (0, "started\n"));
+        assert!(started.elapsed() < Duration::from_millis(900));
+        assert!(!done.exists());
+        let (_, out) = sh(&probe_script(hook, &run), b"", dir.path()).await;
+        assert_eq!(parse_probe(out.as_bytes()), Some(RunState::Running));
+        assert_eq!(finished(hook, &run, dir.path()).await.status, 0);
+        assert!(done.exists());
+    }
+
+    #[tokio::test]
+    async fn a_hook_still_running_at_the_deadline_is_killed() {
+        let dir = tempfile::tempdir().unwrap();
+        let hook = dir.path().join("hook");
+        let done = dir.path().join("done");
+        executable(&hook, &format!("#!/bin/sh\nsleep 5\ntouch {}\n", q(&done)));
+        let hook = hook.to_str().unwrap();
+        let run = run_name("configure", "op-10");
+        let script = configure_start_script(hook, &run, "c", 1, Duration::from_secs(1));
+        let started = std::time::Instant::now();
+        assert_eq!(sh(&script, b"b", dir.path()).await.0, 0);
+        let record = finished(hook, &run, dir.path()).await;
+        assert_eq!(record.status, 137, "killed");
+        assert!(started.elapsed() < Duration::from_secs(4));
+        assert!(!done.exists());
+        assert!(!dir.path().join("hook.blob").exists());
+    }
+
+    #[tokio::test]
+    async fn a_failing_hooks_status_and_output_tail_are_recorded() {
+        let dir = tempfile::tempdir().unwrap();
+        let hook = dir.path().join("hook");
+        executable(
+            &hook,
+            "#!/bin/sh\nhead -c 3000 /dev/zero | tr '\\0' x\necho\necho 'join failed: boom' >&2\nexit 3\n",
+        );
+        let hook = hook.to_str().unwrap();
+        let run = run_name("configure", "op-3");
+        let (code, _) = sh(
+            &configure_start_script(hook, &run, "c", 1, MINUTE),
+            b"b",
+            dir.path(),
+        )
+        .await;
+        assert_eq!(code, 0);
+        let record = finished(hook, &run, dir.path()).await;
+        assert_eq!(record.status, 3);
+        assert_eq!(record.tail.len(), RECORD_TAIL);
+        assert!(record.tail.ends_with(b"xx\njoin failed: boom\n"));
+        let shown = output_tail(&record.tail, b"the-join-blob").unwrap();
+        assert!(shown.ends_with("xxx join failed: boom"), "{shown}");
+        assert!(shown.len() <= 400);
+        assert!(
+            !dir.path().join("hook.blob").exists(),
+            "removed after a failure too"
+        );
+    }
+
+    #[tokio::test]
+    async fn the_record_appears_only_when_complete() {
+        let dir = tempfile::tempdir().unwrap();
+        let hook = dir.path().join("hook");
+        executable(&hook, "#!/bin/sh\necho out\n");
+        // A `tail` that writes the record's tail in two halves, 300 ms apart.
+        let bin = dir.path().join("bin");
+        executable(
+            &bin.join("tail"),
+            "#!/bin/sh\nprintf part1\nsleep 0.3\nprintf part2\n",
+        );
+        let hook = hook.to_str().unwrap();
+        let run = run_name("configure", "op-4");
+        let script = format!(
+            "PATH={}:$PATH; export PATH; {}",
+            q(&bin),
+            configure_start_script(hook, &run, "c", 1, MINUTE)
+        );
+        assert_eq!(sh(&script, b"b", dir.path()).await.0, 0);
+        let record = dir.path().join("hook.runs").join(&run).join("record");
+        let mut seen = 0;
+        for _ in 0..300 {
+            if let Ok(text) = std::fs::read_to_string(&record) {
+                assert_eq!(text, "exit 0\npart1part2", "never a partial record");
+                let (_, out) = sh(&probe_script(hook, &run), b"", dir.path()).await;
+                assert_eq!(out, "finished\nexit 0\npart1part2");
+                seen += 1;
+                if seen > 3 {
+                    return;
+                }
+            }
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+        panic!("the record never appeared");
     }
 
     #[tokio::test]
@@ -520,19 +974,179 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let hook = dir.path().join("hook");
         let ran = dir.path().join("ran");
-        std::fs::write(
-            &hook,
-            format!("#!/bin/sh\ntouch {}\n", quote(ran.to_str().unwrap())),
-        )
-        .unwrap();
-        use std::os::unix::fs::PermissionsExt;
-        std::fs::set_permissions(&hook, std::fs::Permissions::from_mode(0o755)).unwrap();
-        let script = configure_script(hook.to_str().unwrap(), "c", 100);
+        executable(&hook, &format!("#!/bin/sh\ntouch {}\n", q(&ran)));
+        let hook = hook.to_str().unwrap();
+        let run = run_name("configure", "op-5");
+        let script = configure_start_script(hook, &run, "c", 100, MINUTE);
         let (code, out) = sh(&script, b"only ten b", dir.path()).await;
         assert_eq!(code, 97);
         assert!(out.contains("got 10 of 100 bytes"), "{out}");
+        tokio::time::sleep(Duration::from_millis(200)).await;
         assert!(!ran.exists());
         assert!(!dir.path().join("hook.blob").exists());
+        let left = std::fs::read_dir(dir.path().join("hook.runs"))
+            .unwrap()
+            .count();
+        assert_eq!(left, 0, "neither a run nor a blob copy is left");
+        let (_, out) = sh(&probe_script(hook, &run), b"", dir.path()).await;
+        assert_eq!(parse_probe(out.as_bytes()), Some(RunState::Absent));
+        // The full blob then starts the run.
+        let (code, _) = sh(
+            &configure_start_script(hook, &run, "c", 4, MINUTE),
+            b"full",
+            dir.path(),
+        )
+        .await;
+        assert_eq!(code, 0);
+        assert_eq!(finished(hook, &run, dir.path()).await.status, 0);
+        assert!(ran.exists());
+    }
+
+    #[tokio::test]
+    async fn a_run_whose_runner_vanished_is_lost_not_restarted() {
+        let dir = tempfile::tempdir().unwrap();
+        let hook = dir.path().join("hook");
+        let count = dir.path().join("count");
+        executable(&hook, &format!("#!/bin/sh\necho ran >> {}\n", q(&count)));
+        let hook = hook.to_str().unwrap();
+        let run = run_name("configure", "op-6");
+        // A run directory whose recorded runner has exited without a record.
+        let gone = std::process::Command::new("true").spawn().unwrap();
+        let pid = gone.id();
+        let mut gone = gone;
+        gone.wait().unwrap();
+        let run_dir = dir.path().join("hook.runs").join(&run);
+        std::fs::create_dir_all(&run_dir).unwrap();
+        std::fs::write(run_dir.join("pid"), format!("{pid}\n")).unwrap();
+        let (_, out) = sh(&probe_script(hook, &run), b"", dir.path()).await;
+        assert_eq!(parse_probe(out.as_bytes()), Some(RunState::Lost));
+        // Without a pid yet it is starting, which counts as running.
+        std::fs::remove_file(run_dir.join("pid")).unwrap();
+        let (_, out) = sh(&probe_script(hook, &run), b"", dir.path()).await;
+        assert_eq!(parse_probe(out.as_bytes()), Some(RunState::Running));
+        let (code, _) = sh(
+            &configure_start_script(hook, &run, "c", 1, MINUTE),
+            b"b",
+            dir.path(),
+        )
+        .await;
+        assert_eq!(code, 0);
+        tokio::time::sleep(Duration::from_millis(200)).await;
+        assert_eq!(lines(&count), 0, "an existing run is never started again");
+    }
+
+    #[tokio::test]
+    async fn a_drain_run_is_started_once() {
+        let dir = tempfile::tempdir().unwrap();
+        let bin = dir.path().join("bin");
+        let calls = dir.path().join("calls");
+        executable(
+            &bin.join("kubectl"),
+            &format!("#!/bin/sh\necho \"$@\" >> {}\nsleep 0.1\n", q(&calls)),
+        );
+        let hook = dir.path().join("hook");
+        let hook = hook.to_str().unwrap();
+        let run = run_name("drain", "op-9");
+        let script = format!(
+            "PATH={}:$PATH; export PATH; {}",
+            q(&bin),
+            drain_start_script(hook, &run, 5, MINUTE)
+        );
+        assert_eq!(sh(&script, b"", dir.path()).await, (0, "started\n".into()));
+        assert_eq!(sh(&script, b"", dir.path()).await, (0, "started\n".into()));
+        assert_eq!(finished(hook, &run, dir.path()).await.status, 0);
+        assert_eq!(sh(&script, b"", dir.path()).await.0, 0);
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        let text = std::fs::read_to_string(&calls).unwrap();
+        assert_eq!(text.lines().count(), 2, "one cordon and one drain: {text}");
+        assert!(text.lines().nth(1).unwrap().starts_with("drain "), "{text}");
+    }
+
+    #[test]
+    fn run_names_are_plain_file_names_and_never_shared() {
+        assert_eq!(run_name("configure", "op-123"), "configure-op-123");
+        assert_eq!(run_name("drain", "op_1.2"), "drain-op_1.2");
+        let odd = run_name("configure", "op/../x y");
+        assert!(odd.starts_with("configure-op..xy-"), "{odd}");
+        assert_ne!(odd, run_name("configure", "op/../xy "));
+        assert!(!odd.contains('/'));
+        let long = run_name("configure", &"a".repeat(500));
+        assert!(long.len() < 80, "{long}");
+        assert_ne!(long, run_name("configure", &"a".repeat(501)));
+        assert!(run_name("configure", "").starts_with("configure--"));
+        for name in [odd, long, run_name("configure", "\u{e9}\n'$(x)")] {
+            assert!(
+                name.chars()
+                    .all(|c| c.is_ascii_alphanumeric() || matches!(c, '-' | '_' | '.')),
+                "{name}"
+            );
+        }
+    }
+
+    #[test]
+    fn probe_answers_parse() {
+        assert_eq!(parse_probe(b"absent\n"), Some(RunState::Absent));
+        assert_eq!(parse_probe(b"running\n"), Some(RunState::Running));
+        assert_eq!(parse_probe(b"lost\n"), Some(RunState::Lost));
+        assert_eq!(
+            parse_probe(b"finished\nexit 7\nsome\noutput"),
+            Some(RunState::Finished(RunRecord {
+                status: 7,
+                tail: b"some\noutput".to_vec()
+            }))
+        );
+        assert_eq!(parse_probe(b"finished\nexit x\n"), None);
+        assert_eq!(parse_probe(b""), None);
+    }
+
+    #[test]
+    fn an_output_tail_with_part_of_the_blob_is_withheld() {
+        let blob = b"0123456789abcdefghij-the-join-token";
+        let withheld = Some("[withheld: it contains part of the bootstrap blob]".to_owned());
+        assert_eq!(
+            output_tail(b"error: token ghij-the-join-tok rejected", blob),
+            withheld
+        );
+        assert_eq!(output_tail(b"ab", b"ab"), withheld);
+        assert_eq!(
+            output_tail(b"line one\n\x1b[31mline two\n", blob).as_deref(),
+            Some("line one [31mline two")
+        );
+        assert_eq!(output_tail(b"\n\n", blob), None);
+    }
+
+    proptest::proptest! {
+        #[test]
+        fn a_probe_answer_never_panics_and_a_record_reads_back(
+            status in proptest::prelude::any::<u32>(),
+            tail in proptest::collection::vec(proptest::prelude::any::<u8>(), 0..3000),
+            junk in proptest::collection::vec(proptest::prelude::any::<u8>(), 0..200),
+        ) {
+            let _ = parse_probe(&junk);
+            let mut answer = format!("finished\nexit {status}\n").into_bytes();
+            answer.extend_from_slice(&tail);
+            proptest::prop_assert_eq!(
+                parse_probe(&answer),
+                Some(RunState::Finished(RunRecord { status, tail: tail.clone() }))
+            );
+        }
+
+        #[test]
+        fn an_output_tail_never_shows_a_stretch_of_the_blob(
+            blob in proptest::collection::vec(proptest::prelude::any::<u8>(), 16..400),
+            at in 0usize..400,
+            before in proptest::collection::vec(proptest::prelude::any::<u8>(), 0..300),
+            after in proptest::collection::vec(proptest::prelude::any::<u8>(), 0..300),
+        ) {
+            let at = at % (blob.len() - 15);
+            let mut tail = before;
+            tail.extend_from_slice(&blob[at..at + 16]);
+            tail.extend_from_slice(&after);
+            let shown = output_tail(&tail, &blob).unwrap();
+            proptest::prop_assert_eq!(shown, "[withheld: it contains part of the bootstrap blob]");
+            let shown = output_tail(&after, b"").unwrap_or_default();
+            proptest::prop_assert!(shown.chars().count() <= 400);
+        }
     }
 
     #[test]

@@ -150,6 +150,7 @@ pub async fn run(launch: Launch) -> Result<(), String> {
     } = launch;
     let shutdown = shutdown_signal()?;
     common.validate()?;
+    let state_keys = common.state_keys()?;
     // TLS is settled before anything else binds or loads.
     let (security, tls_config) = tls::grpc_tls(&common.tls_flags())?;
     if let Some(warning) = plaintext_warning(security, real_backend) {
@@ -159,8 +160,20 @@ pub async fn run(launch: Launch) -> Result<(), String> {
     // The pod label that routes the Service to the leader: flags, credentials and the API
     // address are checked now, before anything binds.
     let leader_label = crate::leader_label::LeaderLabel::prepare(&common.leader_label, telemetry)?;
+    // A restart serves from the prices and capacities the last run saved and refreshes them in
+    // the background; a first start (or one without a saved catalogue) waits for the cloud.
+    let price_cache = crate::price_cache::PriceCache::for_state(&common.state);
+    let mut refresh_now = false;
     if let Some(fleet) = &fleet {
-        warm_up(fleet, telemetry).await?;
+        match &price_cache {
+            Some(cache) if cache.restore(fleet) => {
+                tracing::info!(
+                    "pricing: serving with the prices and capacities saved by the last run; refreshing them from the cloud in the background"
+                );
+                refresh_now = true;
+            }
+            _ => warm_up(fleet, telemetry).await?,
+        }
     }
     if !backend.has_readiness_gate() {
         tracing::warn!(
@@ -171,6 +184,18 @@ pub async fn run(launch: Launch) -> Result<(), String> {
     options.timeouts = common.timeouts();
     options.orphan_grace = common.orphan_grace;
     options.require_zone = require_zone;
+    options.state_keys = state_keys;
+    options.fail_unreadable_configures = common.fail_unreadable_configures;
+    match (&options.state_keys, common.state.is_empty()) {
+        (Some(keys), _) => tracing::info!(
+            keys = keys.len(),
+            "state encryption on: the bootstrap blob of a Configure in flight is kept sealed in the state until it ends, so a restart or a takeover resumes it"
+        ),
+        (None, false) => tracing::warn!(
+            "no --state-encryption-key-file: a restart or a takeover fails every Configure in flight (its bootstrap blob is not kept); set --state-encryption-key-file to resume them"
+        ),
+        (None, true) => {}
+    }
     // With the state in etcd this process is one of several replicas: it starts as a standby
     // and leads when it wins the claim. Otherwise it is the only one and serves at once.
     let (replica, mode) = if crate::etcd::is_etcd(&common.state) {
@@ -184,6 +209,10 @@ pub async fn run(launch: Launch) -> Result<(), String> {
         let engine = Engine::start(backend.clone(), store.clone(), options.clone())
             .await
             .map_err(|e| format!("build provider: {e}"))?;
+        // The state directory exists now: keep what the warm-up learned for the next start.
+        if let (Some(cache), Some(fleet), false) = (&price_cache, &fleet, refresh_now) {
+            cache.save(fleet);
+        }
         (Replica::single_with(engine, leading), Mode::Single)
     };
 
@@ -231,7 +260,17 @@ pub async fn run(launch: Launch) -> Result<(), String> {
         .map_err(|e| format!("admin socket {}: {e}", common.admin_socket))?;
         tasks.push(handle);
     }
-    spawn_loops(&common, &replica, fleet.clone(), telemetry, &stop);
+    spawn_loops(
+        &common,
+        &replica,
+        fleet.clone(),
+        Prices {
+            cache: price_cache,
+            refresh_now,
+        },
+        telemetry,
+        &stop,
+    );
 
     let (health, health_service) = serve::grpc_health(telemetry).await;
     let grpc_stop = CancellationToken::new();
@@ -358,6 +397,7 @@ fn spawn_loops(
     common: &CommonArgs,
     replica: &Arc<Replica>,
     fleet: Option<Arc<Fleet>>,
+    prices: Prices,
     telemetry: Telemetry,
     stop: &CancellationToken,
 ) {
@@ -391,42 +431,85 @@ fn spawn_loops(
             }
         });
     }
-    if let Some(fleet) = fleet.filter(|_| !common.price_refresh.is_zero()) {
+    if let Some(fleet) = fleet {
         let (stop, every) = (stop.clone(), common.price_refresh);
         tokio::spawn(async move {
+            // Serving on saved prices: refresh them now, and again every minute until it works.
+            if prices.refresh_now {
+                loop {
+                    if refresh_prices(&fleet, telemetry).await {
+                        let _ = tokio::time::timeout(
+                            Duration::from_secs(30),
+                            fleet
+                                .capacities()
+                                .resolve(&**fleet.cloud(), &fleet.instance_types()),
+                        )
+                        .await;
+                        break;
+                    }
+                    tokio::select! {
+                        _ = tokio::time::sleep(Duration::from_secs(60)) => {}
+                        _ = stop.cancelled() => return,
+                    }
+                }
+                if let Some(cache) = &prices.cache {
+                    cache.save(&fleet);
+                }
+            }
+            if every.is_zero() {
+                return;
+            }
             let mut tick = tokio::time::interval_at(tokio::time::Instant::now() + every, every);
             loop {
                 tokio::select! { _ = tick.tick() => {}, _ = stop.cancelled() => return }
-                let pairs = fleet.price_pairs();
-                let outcome = tokio::time::timeout(
-                    Duration::from_secs(30),
-                    fleet.prices().refresh(&**fleet.cloud(), &pairs),
-                )
-                .await;
-                let failures = match outcome {
-                    Ok(f) => f,
-                    Err(_) => vec![(
-                        String::new(),
-                        String::new(),
-                        "price refresh timed out".to_owned(),
-                    )],
-                };
-                for (instance_type, zone, err) in &failures {
-                    tracing::warn!(
-                        instance_type,
-                        zone,
-                        err,
-                        "pricing: price fetch failed; keeping fallback"
-                    );
+                if refresh_prices(&fleet, telemetry).await
+                    && let Some(cache) = &prices.cache
+                {
+                    cache.save(&fleet);
                 }
-                telemetry.price_refresh_outcome(if failures.is_empty() {
-                    "success"
-                } else {
-                    "error"
-                });
             }
         });
     }
+}
+
+/// Where prices come from at the start: the saved catalogue to keep fresh, and whether the
+/// provider serves on it and must refresh at once.
+struct Prices {
+    cache: Option<crate::price_cache::PriceCache>,
+    refresh_now: bool,
+}
+
+/// One refresh of every offered price, counted for the `PriceRefreshFailing` alert; true when
+/// every price was fetched.
+async fn refresh_prices(fleet: &Fleet, telemetry: Telemetry) -> bool {
+    let pairs = fleet.price_pairs();
+    let outcome = tokio::time::timeout(
+        Duration::from_secs(30),
+        fleet.prices().refresh(&**fleet.cloud(), &pairs),
+    )
+    .await;
+    let failures = match outcome {
+        Ok(f) => f,
+        Err(_) => vec![(
+            String::new(),
+            String::new(),
+            "price refresh timed out".to_owned(),
+        )],
+    };
+    for (instance_type, zone, err) in &failures {
+        tracing::warn!(
+            instance_type,
+            zone,
+            err,
+            "pricing: price fetch failed; keeping fallback"
+        );
+    }
+    telemetry.price_refresh_outcome(if failures.is_empty() {
+        "success"
+    } else {
+        "error"
+    });
+    failures.is_empty()
 }
 
 /// The `main` of a provider binary: logging, the runtime, then either a subcommand (printing

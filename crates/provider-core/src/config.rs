@@ -116,6 +116,22 @@ pub struct CommonArgs {
     #[arg(long, default_value = "", value_name = "PATH")]
     pub state: String,
 
+    /// File of base64 32-byte keys, one per line, the current key first (older keys still open
+    /// what they sealed): with it, the bootstrap blob of a Configure in flight is kept sealed in
+    /// the state, so a restart or a takeover resumes the Configure instead of failing it.
+    #[arg(
+        long = "state-encryption-key-file",
+        env = "BIGFLEET_STATE_ENCRYPTION_KEY_FILE",
+        default_value = "",
+        value_name = "PATH"
+    )]
+    pub state_encryption_key_file: String,
+
+    /// Start even when the state holds sealed blobs that no key of
+    /// --state-encryption-key-file opens, failing exactly those Configures.
+    #[arg(long = "fail-unreadable-configures", default_value = "false", value_parser = go_bool, num_args = 0..=1, require_equals = true, default_missing_value = "true", action = ArgAction::Set)]
+    pub fail_unreadable_configures: bool,
+
     /// Base image name or id for new hosts (required for the real backend).
     #[arg(long, default_value = "", value_name = "IMAGE")]
     pub image: String,
@@ -240,6 +256,22 @@ impl CommonArgs {
             key: optional_path(&self.tls_key),
             ca: optional_path(&self.tls_ca),
         }
+    }
+
+    /// The state encryption keys, read and checked before anything binds.
+    pub fn state_keys(&self) -> Result<Option<std::sync::Arc<crate::seal::StateKeys>>, String> {
+        if self.state_encryption_key_file.is_empty() {
+            return Ok(None);
+        }
+        if self.state.is_empty() {
+            return Err(
+                "--state-encryption-key-file needs --state: without a durable state there is \
+                 nothing to seal"
+                    .into(),
+            );
+        }
+        crate::seal::StateKeys::load(std::path::Path::new(&self.state_encryption_key_file))
+            .map(|keys| Some(std::sync::Arc::new(keys)))
     }
 
     /// Checks what clap cannot: positive transition deadlines.

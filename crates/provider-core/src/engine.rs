@@ -24,9 +24,14 @@ use crate::inventory::{
 use crate::lifecycle::OperationKind;
 use crate::limits;
 use crate::machine::{CapacityType, Machine, MachineState, StringMap};
-use crate::records::{Change, Snapshot};
+use crate::records::{Change, SealedConfigure, Slot, Snapshot};
+use crate::seal::{KEY_FILE_FLAG, StateKeys};
 use crate::store::{Commit, SharedStore};
 use crate::telemetry::Telemetry;
+
+mod durability;
+
+use durability::{Durability, Mark};
 
 /// The deadline of each transition kind.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -73,6 +78,12 @@ pub struct EngineOptions {
     /// How long an owned host attached to no machine record is left alone before reconcile
     /// deletes it (`--orphan-grace`; zero keeps orphans forever).
     pub orphan_grace: Duration,
+    /// `--state-encryption-key-file`: with it, an accepted Configure's blob is kept sealed in
+    /// the state until the Configure ends, so a restart or a takeover resumes it.
+    pub state_keys: Option<Arc<StateKeys>>,
+    /// `--fail-unreadable-configures`: start even when sealed blobs of in-flight Configures
+    /// cannot be opened, and fail exactly those Configures.
+    pub fail_unreadable_configures: bool,
     pub telemetry: Telemetry,
 }
 
@@ -87,6 +98,8 @@ impl EngineOptions {
             describe_timeout: Duration::from_secs(30),
             max_unknown_id_marks: crate::fence::unknown_ids::DEFAULT_CAPACITY,
             orphan_grace: DEFAULT_ORPHAN_GRACE,
+            state_keys: None,
+            fail_unreadable_configures: false,
             telemetry,
         }
     }
@@ -101,6 +114,28 @@ pub enum StartError {
     Seed(String),
     #[error("providerkit: invalid machine record: {0}")]
     InvalidRecord(String),
+    #[error("providerkit: {0}")]
+    Sealed(String),
+}
+
+/// Why an interrupted Configure without a sealed blob cannot be resumed.
+pub const CONFIGURE_NOT_KEPT: &str = "configure transition interrupted by a provider restart; its \
+     bootstrap blob was not kept (the provider runs without --state-encryption-key-file), so it \
+     cannot be re-driven: release the slot (admin failed release) and configure another machine";
+
+/// A read that may still wait for its commit (see [`Engine::settle`]).
+#[derive(Debug)]
+pub enum Durable<T> {
+    /// Everything it shows is durable.
+    Now(T),
+    /// It shows changes up to `revision`, not all of them durable yet.
+    After { value: T, revision: i64 },
+}
+
+/// A batch submitted under the lock, and where it stands in the submission order.
+struct Pending {
+    commit: Option<Commit>,
+    mark: Mark,
 }
 
 /// A List request in domain terms.
@@ -171,6 +206,8 @@ pub struct Engine {
     next_capped_start: AtomicUsize,
     /// Cancelled when the shutdown grace runs out: in-flight work stops where it is.
     abandon: CancellationToken,
+    /// How far the state is durable: no answer shows more.
+    durability: Durability,
 }
 
 impl std::fmt::Debug for Engine {
@@ -188,6 +225,63 @@ fn unix_micros() -> u64 {
         .unwrap_or(1)
 }
 
+fn unix_millis() -> u64 {
+    unix_micros() / 1000
+}
+
+/// The blobs of the interrupted Configures in `snapshot`, opened with `keys`, and the number of
+/// sealed blobs that did not open.
+fn open_sealed(
+    snapshot: &Snapshot,
+    keys: Option<&StateKeys>,
+) -> (std::collections::HashMap<String, BootstrapBlob>, usize) {
+    let mut opened = std::collections::HashMap::new();
+    let mut unreadable = 0;
+    for slot in &snapshot.slots {
+        let (Some(sealed), Some(op)) = (&slot.sealed, slot.operation(OperationKind::Configure))
+        else {
+            continue;
+        };
+        if slot.machine.state != MachineState::Configuring {
+            continue;
+        }
+        match keys.map(|keys| keys.open(&slot.machine.id, op, &sealed.sealed)) {
+            Some(Ok(blob)) => {
+                opened.insert(slot.machine.id.clone(), blob);
+            }
+            Some(Err(_)) | None => unreadable += 1,
+        }
+    }
+    (opened, unreadable)
+}
+
+/// Why the Configure of `slot` cannot be resumed, if it cannot.
+fn configure_failure(
+    slot: &Slot,
+    opened: &std::collections::HashMap<String, BootstrapBlob>,
+    keys: Option<&StateKeys>,
+) -> Option<String> {
+    if opened.contains_key(&slot.machine.id) {
+        return None;
+    }
+    Some(match (&slot.sealed, keys) {
+        (None, _) => CONFIGURE_NOT_KEPT.to_owned(),
+        (Some(_), None) => format!(
+            "configure transition interrupted by a provider restart; its sealed bootstrap blob \
+             could not be opened: the provider started without {KEY_FILE_FLAG} \
+             (--fail-unreadable-configures): release the slot (admin failed release) and \
+             configure another machine"
+        ),
+        (Some(_), Some(keys)) => format!(
+            "configure transition interrupted by a provider restart; its sealed bootstrap blob \
+             could not be opened: none of the {} keys of {KEY_FILE_FLAG} sealed it \
+             (--fail-unreadable-configures): release the slot (admin failed release) and \
+             configure another machine",
+            keys.len()
+        ),
+    })
+}
+
 impl Engine {
     /// Loads the store, seeds a fresh one from the backend (validating every record), or
     /// recovers a persisted one: offered slots are added or trimmed to the quota, interrupted
@@ -198,6 +292,24 @@ impl Engine {
         options: EngineOptions,
     ) -> Result<Arc<Engine>, StartError> {
         let snapshot = store.load().map_err(|e| StartError::Store(e.0))?;
+        let keys = options.state_keys.as_deref();
+        // Checked before anything changes: a wrong key must not fail work a right one resumes.
+        let (mut opened, unreadable) = open_sealed(&snapshot, keys);
+        if unreadable > 0 && !options.fail_unreadable_configures {
+            let why = match keys {
+                None => format!("the provider was started without {KEY_FILE_FLAG}"),
+                Some(keys) => format!(
+                    "none of the {} keys of {KEY_FILE_FLAG} opens them",
+                    keys.len()
+                ),
+            };
+            return Err(StartError::Sealed(format!(
+                "the state holds the sealed bootstrap blobs of {unreadable} in-flight Configures \
+                 and {why}: give {KEY_FILE_FLAG} the key they were sealed with (older keys on \
+                 later lines), or start with --fail-unreadable-configures to fail exactly those \
+                 Configures; nothing was changed"
+            )));
+        }
         let fresh = snapshot.is_fresh();
         let mut inventory = Inventory::from_snapshot(snapshot);
         let mut changes = Vec::new();
@@ -236,7 +348,8 @@ impl Engine {
                 inventory.add_missing(offered, &mut changes);
                 inventory.enforce_quota(&ids, &mut changes);
             }
-            resume = inventory.recover_interrupted(&mut changes);
+            resume = inventory
+                .recover_interrupted(|slot| configure_failure(slot, &opened, keys), &mut changes);
         }
         if !store.is_durable() {
             // Without a durable store, ids and cursors of an earlier incarnation must not be
@@ -252,7 +365,9 @@ impl Engine {
                 .await
                 .map_err(|e| StartError::Store(e.0))?;
         }
+        let durability = Durability::new(inventory.revision());
         let engine = Arc::new(Engine {
+            durability,
             inventory: RwLock::new(inventory),
             backend,
             store,
@@ -269,6 +384,14 @@ impl Engine {
             operation_id,
         } in resume
         {
+            let Some((machine, sealed)) = engine
+                .read()
+                .get(&machine_id)
+                .map(|s| (s.machine.clone(), s.sealed.clone()))
+            else {
+                continue;
+            };
+            let mut deadline = None;
             let work = match kind {
                 OperationKind::Create => Work::Create,
                 // A resumed drain has lost its grace period; the shortest the providers use.
@@ -276,7 +399,18 @@ impl Engine {
                     grace_period_seconds: 1,
                 },
                 OperationKind::Delete => Work::Delete,
-                OperationKind::Configure => continue,
+                OperationKind::Configure => {
+                    let (Some(blob), Some(sealed)) = (opened.remove(&machine_id), sealed) else {
+                        continue;
+                    };
+                    // The Configure keeps the deadline it was accepted with.
+                    let left = sealed.deadline_unix_ms.saturating_sub(unix_millis());
+                    deadline = Some(Instant::now() + Duration::from_millis(left));
+                    Work::Configure(ConfigureOrder {
+                        cluster_id: machine.cluster.clone(),
+                        blob,
+                    })
+                }
             };
             tracing::info!(
                 machine_id,
@@ -284,10 +418,7 @@ impl Engine {
                 operation_id,
                 "resuming interrupted transition"
             );
-            let Some(machine) = engine.read().get(&machine_id).map(|s| s.machine.clone()) else {
-                continue;
-            };
-            engine.spawn_transition(machine, operation_id, work);
+            engine.spawn_transition(machine, operation_id, work, deadline);
         }
         Ok(engine)
     }
@@ -315,13 +446,20 @@ impl Engine {
 
     /// Commits a batch submitted under the lock and records the commit metrics. A failed commit
     /// poisons the engine: nothing more is acknowledged until an operator restarts it.
-    async fn commit(&self, commit: Commit) -> Result<(), CoreError> {
+    async fn commit(&self, pending: Pending) -> Result<(), CoreError> {
+        let Some(commit) = pending.commit else {
+            return Ok(());
+        };
         let started = std::time::Instant::now();
         let result = commit.wait().await;
         self.options
             .telemetry
             .store_commit(started.elapsed(), result.is_ok());
+        if result.is_ok() {
+            self.durability.committed(pending.mark);
+        }
         result.map_err(|e| {
+            self.durability.stop();
             if !self.store_failed.swap(true, Ordering::SeqCst) {
                 tracing::error!(error = %e, "state store commit failed; refusing further mutations until restart");
                 self.options.telemetry.store_refusing_mutations();
@@ -330,16 +468,97 @@ impl Engine {
         })
     }
 
-    /// Applies `f` under the write lock and submits its changes in order.
-    fn apply<T>(
-        &self,
-        f: impl FnOnce(&mut Inventory, &mut Vec<Change>) -> T,
-    ) -> (T, Option<Commit>) {
+    /// Applies `f` under the write lock and submits its changes in order. The mark says where
+    /// the batch (or, with no changes, everything `f` could see) stands in the submission order.
+    fn apply<T>(&self, f: impl FnOnce(&mut Inventory, &mut Vec<Change>) -> T) -> (T, Pending) {
         let mut inventory = self.write();
         let mut changes = Vec::new();
         let value = f(&mut inventory, &mut changes);
-        let commit = (!changes.is_empty()).then(|| self.store.submit(changes));
-        (value, commit)
+        let revision = inventory.revision();
+        let pending = if changes.is_empty() {
+            Pending {
+                commit: None,
+                mark: self.durability.head(revision),
+            }
+        } else {
+            Pending {
+                mark: self.durability.submit(revision),
+                commit: Some(self.store.submit(changes)),
+            }
+        };
+        (value, pending)
+    }
+
+    /// The blob of a Configure about to be admitted, sealed for the operation id admission will
+    /// mint, with the deadline the Configure gets; `None` without state keys.
+    fn seal_configure(
+        &self,
+        inventory: &Inventory,
+        machine_id: &str,
+        order: &ConfigureOrder,
+    ) -> Result<Option<Arc<SealedConfigure>>, CoreError> {
+        let Some(keys) = &self.options.state_keys else {
+            return Ok(None);
+        };
+        let operation_id = inventory.next_operation_id();
+        let sealed = keys
+            .seal(machine_id, &operation_id, &order.blob.0)
+            .map_err(CoreError::Store)?;
+        let timeout = self.options.timeouts.configure.as_millis() as u64;
+        Ok(Some(Arc::new(SealedConfigure {
+            deadline_unix_ms: unix_millis().saturating_add(timeout),
+            sealed,
+        })))
+    }
+
+    /// Refuses a Configure whose machine record could not fit the store's record limit (the
+    /// etcd store's request limit), before the fence and whether or not the machine exists.
+    fn check_record_size(
+        &self,
+        inventory: &Inventory,
+        machine_id: &str,
+        binding: &Binding,
+        blob_len: usize,
+    ) -> Result<(), CoreError> {
+        let Some(limit) = self.store.max_record_bytes() else {
+            return Ok(());
+        };
+        let mut slot = match inventory.get(machine_id) {
+            Some(slot) => Slot::clone(slot),
+            None => Slot {
+                machine: Arc::new(Machine::speculative(machine_id, "")),
+                last_change: 0,
+                operations: Default::default(),
+                sealed: None,
+            },
+        };
+        let machine = crate::machine::edit(&mut slot.machine);
+        machine.cluster = binding.cluster.clone();
+        machine.shard_metadata = binding.shard_metadata.clone();
+        slot.sealed = binding.sealed.clone();
+        let mut encoded = Vec::new();
+        crate::durable::encode_slot(&slot, &mut encoded);
+        if encoded.len() <= limit {
+            return Ok(());
+        }
+        let metadata: usize = binding
+            .shard_metadata
+            .iter()
+            .map(|(k, v)| k.len() + v.len())
+            .sum();
+        let field = if binding.sealed.is_some() && blob_len > metadata {
+            "bootstrap_blob"
+        } else {
+            "shard_metadata"
+        };
+        Err(CoreError::FieldTooLarge {
+            field,
+            detail: format!(
+                "the machine's record would be {} bytes, more than the {limit} bytes a record of \
+                 this state store may hold (--etcd-max-request-bytes, docs/ha.md)",
+                encoded.len()
+            ),
+        })
     }
 
     async fn mutate(
@@ -370,12 +589,18 @@ impl Engine {
             ));
         }
         let kind = work.kind();
-        let ((admission, unknown_marks), commit) = self.apply(|inv, changes| {
+        let (admitted, pending) = self.apply(|inv, changes| {
+            let mut binding = binding;
+            if let (Some(binding), Work::Configure(order)) = (&mut binding, &work) {
+                binding.sealed = self.seal_configure(inv, machine_id, order)?;
+                self.check_record_size(inv, machine_id, binding, order.blob.0.len())?;
+            }
             let (_, evicted_before) = inv.unknown_id_marks();
             let admission = inv.admit(kind, machine_id, &token, binding, changes);
             let (held, evicted_after) = inv.unknown_id_marks();
-            (admission, (held, evicted_after - evicted_before))
+            Ok((admission, (held, evicted_after - evicted_before)))
         });
+        let (admission, unknown_marks) = admitted?;
         self.options
             .telemetry
             .unknown_id_marks(unknown_marks.0, unknown_marks.1);
@@ -387,9 +612,16 @@ impl Engine {
         let finish = self.tasks.spawn(async move {
             // A passing token advanced the mark even when the request then fails: make it
             // durable.
-            if let Some(commit) = commit {
-                engine.commit(commit).await?;
-            }
+            let mark = pending.mark;
+            engine.commit(pending).await?;
+            // Nothing is answered from state the store has not kept: a retry's operation id, a
+            // mark another request advanced, a position another request took may all still be
+            // in a commit in flight (a new leader would not know them).
+            engine.durability.batches_durable(mark).await.map_err(|_| {
+                CoreError::Store(
+                    "the state store stopped before the state this answer shows was durable".into(),
+                )
+            })?;
             match admission? {
                 Admission::Retry {
                     operation_id,
@@ -403,7 +635,7 @@ impl Engine {
                     operation_id,
                     machine,
                 } => {
-                    engine.spawn_transition(machine.clone(), operation_id.clone(), work);
+                    engine.spawn_transition(machine.clone(), operation_id.clone(), work, None);
                     Ok(Ack {
                         operation_id,
                         machine,
@@ -436,6 +668,7 @@ impl Engine {
         let binding = Binding {
             cluster: cluster_id.clone(),
             shard_metadata,
+            sealed: None,
         };
         let order = ConfigureOrder {
             cluster_id,
@@ -479,6 +712,54 @@ impl Engine {
             .get(id)
             .map(|slot| slot.machine.clone())
             .ok_or_else(|| CoreError::GetNotFound(id.to_owned()))
+    }
+
+    /// Get as answered on the wire: the machine, and whether its last change is durable yet.
+    pub fn get_durable(&self, id: &str) -> Result<Durable<Arc<Machine>>, CoreError> {
+        if id.is_empty() {
+            return Err(CoreError::MissingId("id"));
+        }
+        limits::check_id("id", id)?;
+        let inventory = self.read();
+        let slot = inventory
+            .get(id)
+            .ok_or_else(|| CoreError::GetNotFound(id.to_owned()))?;
+        let value = slot.machine.clone();
+        Ok(self.durable_at(value, slot.last_change))
+    }
+
+    /// List as answered on the wire: the listing, and whether its revision is durable yet.
+    pub fn list_durable(&self, query: &ListQuery) -> Durable<Listing> {
+        let listing = self.list(query);
+        let revision = listing.revision;
+        self.durable_at(listing, revision)
+    }
+
+    fn durable_at<T>(&self, value: T, revision: i64) -> Durable<T> {
+        if self.durability.revision_is_durable(revision) {
+            Durable::Now(value)
+        } else {
+            Durable::After { value, revision }
+        }
+    }
+
+    /// Holds a read until what it shows is durable: an answer never shows a state or a revision
+    /// the store may still lose (a restart or a new leader would continue without it).
+    pub async fn settle<T>(&self, read: Durable<T>) -> Result<T, CoreError> {
+        match read {
+            Durable::Now(value) => Ok(value),
+            Durable::After { value, revision } => {
+                self.durability
+                    .revision_durable(revision)
+                    .await
+                    .map_err(|_| {
+                        CoreError::Store(
+                            "the state store stopped before this state was durable".into(),
+                        )
+                    })?;
+                Ok(value)
+            }
+        }
     }
 
     /// List with a state filter, a cap and a `since_revision` cursor (contract.md §8). A cursor
@@ -582,17 +863,13 @@ impl Engine {
         let (outcome, commit) = self.apply(|inv, changes| {
             inv.reconcile(survey, offered.as_ref(), since, now, grace, changes)
         });
-        if let Some(commit) = commit {
-            self.commit(commit).await?;
-        }
+        self.commit(commit).await?;
         let mut report = outcome.report;
         let confirmed = self.prove_vanished(outcome.suspects).await;
         if !confirmed.is_empty() {
             let (vanished, commit) =
                 self.apply(|inv, changes| inv.confirm_vanished(&confirmed, since, changes));
-            if let Some(commit) = commit {
-                self.commit(commit).await?;
-            }
+            self.commit(commit).await?;
             report.vanished += vanished;
         }
         for orphan in outcome.orphans_due {
@@ -707,9 +984,7 @@ impl Engine {
             self.write().remember_deleted_host(&host.id);
         }
         let (result, commit) = self.apply(|inv, changes| inv.release(machine_id, changes));
-        if let Some(commit) = commit {
-            self.commit(commit).await?;
-        }
+        self.commit(commit).await?;
         result
     }
 
@@ -746,13 +1021,21 @@ impl Engine {
         })
     }
 
-    fn spawn_transition(self: &Arc<Self>, machine: Arc<Machine>, operation_id: String, work: Work) {
+    /// Runs `work` in the background under `deadline` (the kind's timeout from now when
+    /// `None`; a resumed Configure keeps the one it was accepted with).
+    fn spawn_transition(
+        self: &Arc<Self>,
+        machine: Arc<Machine>,
+        operation_id: String,
+        work: Work,
+        deadline: Option<Instant>,
+    ) {
         let engine = self.clone();
         let kind = work.kind();
         let timeout = self.options.timeouts.of(kind);
         let ctx = TransitionContext {
             operation_id: operation_id.clone(),
-            deadline: Instant::now() + timeout,
+            deadline: deadline.unwrap_or_else(|| Instant::now() + timeout),
             cancel: self.abandon.child_token(),
         };
         let machine_id = machine.id.clone();
@@ -827,9 +1110,7 @@ impl Engine {
                 "discarded stale completion"
             );
         }
-        if let Some(commit) = commit {
-            let _ = self.commit(commit).await;
-        }
+        let _ = self.commit(commit).await;
     }
 
     /// Graceful shutdown: refuse new mutations, wait up to `grace` for in-flight transitions,
@@ -860,6 +1141,7 @@ impl Engine {
     /// resumes them under their operation ids). Reads keep answering from memory.
     pub fn step_down(&self) {
         self.store_failed.store(true, Ordering::SeqCst);
+        self.durability.stop();
         self.tasks.close();
         self.abandon.cancel();
     }

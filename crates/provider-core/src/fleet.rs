@@ -54,6 +54,20 @@ impl PriceBook {
             .or_else(|| (self.pinned)(instance_type, zone))
     }
 
+    /// The live prices fetched so far, by (instance type, zone).
+    pub fn live(&self) -> Vec<((String, String), f64)> {
+        let live = self.live.read().unwrap_or_else(|e| e.into_inner());
+        live.iter().map(|(k, v)| (k.clone(), *v)).collect()
+    }
+
+    /// Takes prices saved by an earlier run as live ones until the next refresh replaces them.
+    pub fn restore(&self, prices: impl IntoIterator<Item = ((String, String), f64)>) {
+        self.live
+            .write()
+            .unwrap_or_else(|e| e.into_inner())
+            .extend(prices);
+    }
+
     /// Fetches live prices for every pair; returns the failures as `(type, zone, error)`.
     pub async fn refresh(
         &self,
@@ -110,6 +124,20 @@ impl CapacityBook {
         self.capacity(instance_type)
             .map(|c| allocatable_of(c.vcpus, c.memory_mib))
             .unwrap_or_default()
+    }
+
+    /// The capacities the live catalogue resolved so far.
+    pub fn live(&self) -> Vec<(String, Capacity)> {
+        let live = self.live.read().unwrap_or_else(|e| e.into_inner());
+        live.iter().map(|(k, v)| (k.clone(), *v)).collect()
+    }
+
+    /// Takes capacities saved by an earlier run until the next resolve replaces them.
+    pub fn restore(&self, capacities: impl IntoIterator<Item = (String, Capacity)>) {
+        self.live
+            .write()
+            .unwrap_or_else(|e| e.into_inner())
+            .extend(capacities);
     }
 
     /// Overlays the live catalogue; returns how many of `types` it did not resolve.

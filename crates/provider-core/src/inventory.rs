@@ -11,7 +11,7 @@ use crate::fence::unknown_ids::{self, UnknownIdMarks};
 use crate::fence::{self, FenceDecision, FenceToken, HighWaterMark};
 use crate::lifecycle::OperationKind;
 use crate::machine::{HostRef, Machine, MachineState, StringMap};
-use crate::records::{Change, FenceRecord, Slot, Snapshot};
+use crate::records::{Change, FenceRecord, SealedConfigure, Slot, Snapshot};
 
 mod slot_table;
 
@@ -46,6 +46,9 @@ pub struct Selected {
 pub struct Binding {
     pub cluster: String,
     pub shard_metadata: StringMap,
+    /// The Configure's sealed blob, kept with the slot while it is Configuring (sealed for the
+    /// operation id [`Inventory::next_operation_id`] names).
+    pub sealed: Option<Arc<SealedConfigure>>,
 }
 
 /// What admission decided.
@@ -335,8 +338,19 @@ impl Inventory {
         let revision = self.revision;
         if let Some(mut slot) = self.slots.get_mut(id) {
             slot.last_change = revision;
+            // A sealed blob lives exactly as long as its Configure: the change that takes the
+            // slot out of Configuring is the one that forgets it.
+            if slot.machine.state != MachineState::Configuring {
+                slot.sealed = None;
+            }
             changes.push(Change::PutSlot(Slot::clone(&slot)));
         }
+    }
+
+    /// The operation id the next accepted transition gets (a Configure seals its blob for it
+    /// before admission, under the same lock).
+    pub fn next_operation_id(&self) -> String {
+        format!("{OPERATION_PREFIX}-{}", self.next_op.max(1))
     }
 
     fn mint_operation(&mut self) -> String {
@@ -417,6 +431,7 @@ impl Inventory {
             if let Some(binding) = binding {
                 machine.cluster = binding.cluster;
                 machine.shard_metadata = binding.shard_metadata;
+                slot.sealed = binding.sealed;
             }
         }
         self.touch(machine_id, changes);
@@ -538,6 +553,7 @@ impl Inventory {
             machine: Arc::new(machine),
             last_change: self.revision,
             operations: Default::default(),
+            sealed: None,
         };
         if let Some(changes) = changes {
             changes.push(Change::PutSlot(slot.clone()));
@@ -545,39 +561,45 @@ impl Inventory {
         self.slots.insert(id, slot);
     }
 
-    /// Turns transitional slots found at startup into work to resume or into FAILED.
-    /// Create, Drain and Delete are resumed under their original operation id; Configure cannot
-    /// be, because its bootstrap blob is never persisted.
-    pub fn recover_interrupted(&mut self, changes: &mut Vec<Change>) -> Vec<Interrupted> {
+    /// Turns transitional slots found at startup into work to resume or into FAILED. Every
+    /// transition with a recorded operation id is resumed under it, except a Configure for which
+    /// `configure_failure` gives a reason it cannot be (no sealed blob, or one no key opens): that
+    /// one goes FAILED with the reason as its `last_error`.
+    pub fn recover_interrupted(
+        &mut self,
+        configure_failure: impl Fn(&Slot) -> Option<String>,
+        changes: &mut Vec<Change>,
+    ) -> Vec<Interrupted> {
         let mut resumable = Vec::new();
         let mut failed = Vec::new();
         for slot in self.slots.values() {
             let Some(kind) = OperationKind::of_transitional(slot.machine.state) else {
                 continue;
             };
-            match (kind, slot.operation(kind)) {
-                (OperationKind::Configure, _) | (_, None) => {
-                    failed.push((slot.machine.id.clone(), kind))
-                }
-                (_, Some(op)) => resumable.push(Interrupted {
-                    machine_id: slot.machine.id.clone(),
-                    kind,
-                    operation_id: op.to_owned(),
-                }),
+            let Some(op) = slot.operation(kind) else {
+                failed.push((
+                    slot.machine.id.clone(),
+                    format!("{kind} transition interrupted by a provider restart; needs re-drive"),
+                ));
+                continue;
+            };
+            if kind == OperationKind::Configure
+                && let Some(reason) = configure_failure(slot)
+            {
+                failed.push((slot.machine.id.clone(), reason));
+                continue;
             }
+            resumable.push(Interrupted {
+                machine_id: slot.machine.id.clone(),
+                kind,
+                operation_id: op.to_owned(),
+            });
         }
-        for (id, kind) in failed {
+        for (id, reason) in failed {
             let mut slot = self.slots.get_mut(&id).expect("collected above");
             let machine = crate::machine::edit(&mut slot.machine);
             machine.state = MachineState::Failed;
-            machine.last_error = if kind == OperationKind::Configure {
-                "configure transition interrupted by a provider restart; the bootstrap blob is never \
-                 persisted, so it cannot be re-driven: release the slot (admin failed release) and \
-                 configure another machine"
-                    .to_owned()
-            } else {
-                format!("{kind} transition interrupted by a provider restart; needs re-drive")
-            };
+            machine.last_error = reason;
             drop(slot);
             self.touch(&id, changes);
         }

@@ -16,6 +16,29 @@ pub struct Slot {
     pub last_change: i64,
     /// The operation id recorded per kind (idempotency), indexed by [`OperationKind::index`].
     pub operations: [Option<String>; 4],
+    /// The sealed bootstrap blob of the Configure in flight: present only while the machine is
+    /// Configuring and the provider runs with `--state-encryption-key-file` (`seal`).
+    pub sealed: Option<Arc<SealedConfigure>>,
+}
+
+/// A Configure's bootstrap blob as the state keeps it while the Configure runs: sealed with the
+/// state encryption key (the machine id and operation id bound in as associated data), with the
+/// wall-clock deadline the Configure was accepted with, so a resumed Configure keeps it.
+#[derive(Clone, PartialEq, Eq)]
+pub struct SealedConfigure {
+    /// Milliseconds since the Unix epoch at which the Configure's deadline passes.
+    pub deadline_unix_ms: u64,
+    /// Format byte, nonce, ciphertext and tag (`seal::StateKeys::seal`).
+    pub sealed: Vec<u8>,
+}
+
+impl std::fmt::Debug for SealedConfigure {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("SealedConfigure")
+            .field("deadline_unix_ms", &self.deadline_unix_ms)
+            .field("sealed_bytes", &self.sealed.len())
+            .finish()
+    }
 }
 
 impl Slot {

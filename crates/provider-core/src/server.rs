@@ -12,13 +12,14 @@ use std::time::Instant;
 use fleet_proto::encoded::Encoded;
 use fleet_proto::v1alpha1 as pb;
 use fleet_proto::v1alpha1::capacity_provider_server::{CapacityProvider, CapacityProviderServer};
-use futures_util::FutureExt;
+use futures_util::future::Either;
+use futures_util::{FutureExt, TryFutureExt};
 use prost::bytes::Bytes;
 use tonic::codegen::{BoxFuture, StdError, http};
 use tonic::server::{NamedService, UnaryService};
 use tonic::{Code, Request, Response, Status};
 
-use crate::engine::{Ack, ListQuery};
+use crate::engine::{Ack, Durable, ListQuery};
 use crate::fence::FenceToken;
 use crate::machine::{Machine, MachineState, StringMap};
 use crate::replica::Replica;
@@ -75,21 +76,6 @@ where
 {
     let started = Instant::now();
     let result = match AssertUnwindSafe(handler).catch_unwind().await {
-        Ok(result) => result,
-        Err(panic) => Err(recovered(telemetry, method, panic)),
-    };
-    record(telemetry, method, machine_id, started, result)
-}
-
-/// [`observe`] for a handler that does not wait: no future to build and poll.
-pub fn observe_now<T>(
-    telemetry: Telemetry,
-    method: &'static str,
-    machine_id: &str,
-    handler: impl FnOnce() -> Result<T, Status>,
-) -> Result<T, Status> {
-    let started = Instant::now();
-    let result = match std::panic::catch_unwind(AssertUnwindSafe(handler)) {
         Ok(result) => result,
         Err(panic) => Err(recovered(telemetry, method, panic)),
     };
@@ -298,10 +284,13 @@ impl CapacityProvider for Service {
     /// both answer the same bytes.
     async fn get(&self, request: Request<pb::MachineRef>) -> Result<Response<pb::Machine>, Status> {
         let id = request.into_inner().id;
-        observe_now(self.telemetry, "Get", &id, || {
-            let m = self.replica.reader()?.get(&id)?;
+        let replica = self.replica.clone();
+        observe(self.telemetry, "Get", &id.clone(), async move {
+            let engine = replica.reader()?;
+            let m = engine.settle(engine.get_durable(&id)?).await?;
             Ok(Response::new(machine_to_wire(&m)))
         })
+        .await
     }
 
     async fn list(
@@ -322,7 +311,7 @@ impl CapacityProvider for Service {
                 max_results: r.max_results,
                 since_revision: r.since_revision,
             };
-            let listing = engine.list(&query);
+            let listing = engine.settle(engine.list_durable(&query)).await?;
             // Each machine is encoded once per change and reused by every later List and Get.
             let encoded = listing.machines.iter().map(|m| wire_bytes(m)).collect();
             Ok(Response::new(pb::MachineList {
@@ -338,13 +327,40 @@ impl CapacityProvider for Service {
 impl Service {
     /// Get's answer as the encoded machine: the bytes kept with the machine since its last
     /// change, encoded here only if no List or Get needed them since.
-    pub fn get_encoded(&self, id: &str) -> Result<Encoded, Status> {
-        observe_now(self.telemetry, "Get", id, || {
-            let m = self.replica.reader()?.get(id)?;
-            Ok(Encoded(wire_bytes(&m)))
-        })
+    /// Answered at once when the machine's last change is durable (the common case), else once
+    /// its commit lands.
+    pub fn get_encoded(&self, id: String) -> EncodedAnswer {
+        let telemetry = self.telemetry;
+        let started = Instant::now();
+        let read = std::panic::catch_unwind(AssertUnwindSafe(|| {
+            let engine = self.replica.reader()?;
+            let read = engine.get_durable(&id)?;
+            Ok::<_, Status>((engine, read))
+        }));
+        let result = match read {
+            Ok(Ok((_, Durable::Now(m)))) => Ok(Encoded(wire_bytes(&m))),
+            Ok(Ok((engine, later))) => {
+                return Either::Right(Box::pin(async move {
+                    let result = engine
+                        .settle(later)
+                        .await
+                        .map(|m| Encoded(wire_bytes(&m)))
+                        .map_err(Status::from);
+                    record(telemetry, "Get", &id, started, result)
+                }));
+            }
+            Ok(Err(status)) => Err(status),
+            Err(panic) => Err(recovered(telemetry, "Get", panic)),
+        };
+        Either::Left(std::future::ready(record(
+            telemetry, "Get", &id, started, result,
+        )))
     }
 }
+
+/// Get's answer: ready now, or once the change it shows is durable.
+pub type EncodedAnswer =
+    Either<std::future::Ready<Result<Encoded, Status>>, BoxFuture<Encoded, Status>>;
 
 /// The gRPC path of Get.
 const GET_PATH: &str = "/bigfleet.v1alpha1.CapacityProvider/Get";
@@ -406,11 +422,11 @@ struct EncodedGet(Arc<Service>);
 
 impl UnaryService<pb::MachineRef> for EncodedGet {
     type Response = Encoded;
-    type Future = std::future::Ready<Result<Response<Encoded>, Status>>;
+    type Future = futures_util::future::MapOk<EncodedAnswer, fn(Encoded) -> Response<Encoded>>;
 
     fn call(&mut self, request: Request<pb::MachineRef>) -> Self::Future {
         let id = request.into_inner().id;
-        std::future::ready(self.0.get_encoded(&id).map(Response::new))
+        self.0.get_encoded(id).map_ok(Response::new)
     }
 }
 

@@ -48,6 +48,11 @@ pub trait Store: Send + Sync + 'static {
     fn submit(&self, batch: Vec<Change>) -> Commit;
     /// Whether state survives a restart (false for the in-memory store).
     fn is_durable(&self) -> bool;
+    /// The largest encoded machine record the store can commit in one batch (the etcd store's
+    /// request limit less its overhead); `None` when any record a request can make fits.
+    fn max_record_bytes(&self) -> Option<usize> {
+        None
+    }
     /// Waits until everything submitted so far is durable (shutdown).
     fn flush(&self) -> Commit {
         Commit::done()

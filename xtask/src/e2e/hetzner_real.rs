@@ -10,8 +10,9 @@
 //! - the first-boot inventory has one SPECULATIVE slot per offered server, priced from the
 //!   emulator's live (net) prices;
 //! - Create makes a server in the emulator and settles IDLE with its host; Delete removes it;
-//! - Configure delivers the blob over SSH (`<hook>.blob` holds it byte for byte) and runs the hook
-//!   with the cluster id: CONFIGURED; Drain cordons and drains through `kubectl`: IDLE;
+//! - Configure delivers the blob over SSH (`<hook>.blob` holds it byte for byte while the hook
+//!   runs, which copies it, and is gone afterwards) and runs the hook with the cluster id:
+//!   CONFIGURED; Drain cordons and drains through `kubectl`: IDLE;
 //! - after a restart with no state file, the inventory is rebuilt from the servers' labels: the
 //!   drained machine is IDLE on the same server, the deleted one SPECULATIVE, no duplicates;
 //!   Delete then returns it to SPECULATIVE.
@@ -142,14 +143,15 @@ pub(super) fn server_root(dir: &Path, host: &str) -> PathBuf {
     dir.join("servers").join(host)
 }
 
-/// Installs the stand-in bootstrap hook in `host`'s root: it records its arguments.
+/// Installs the stand-in bootstrap hook in `host`'s root: it records its arguments and copies
+/// the blob (which is removed when it exits).
 pub(super) fn install_hook(dir: &Path, host: &str) -> Result<()> {
     use std::os::unix::fs::PermissionsExt;
     let hook = server_root(dir, host).join(HOOK);
     let parent = hook.parent().context("hook parent")?;
     std::fs::create_dir_all(parent).with_context(|| format!("create {}", parent.display()))?;
-    std::fs::write(&hook, "#!/bin/sh\nprintf '%s\\n' \"$@\" > hook.args\n")
-        .with_context(|| format!("write {}", hook.display()))?;
+    let body = "#!/bin/sh\nprintf '%s\\n' \"$@\" > hook.args\ncp \"$0.blob\" hook.blob.copy\n";
+    std::fs::write(&hook, body).with_context(|| format!("write {}", hook.display()))?;
     std::fs::set_permissions(&hook, std::fs::Permissions::from_mode(0o755))
         .with_context(|| format!("chmod {}", hook.display()))
 }
@@ -272,14 +274,19 @@ async fn exercise(dir: &Path, spec: &Spec) -> Result<()> {
         let server = server_root(dir, &host);
         let sent = wire::configure_request(&kept, CLUSTER, HashMap::new(), (String::new(), 0, 0))
             .bootstrap_blob;
-        let blob = server.join(format!("{HOOK}.blob"));
-        let delivered = std::fs::read(&blob).with_context(|| format!("read {}", blob.display()))?;
+        let copy = server.join("hook.blob.copy");
+        let delivered = std::fs::read(&copy).with_context(|| format!("read {}", copy.display()))?;
         ensure!(
             delivered == sent,
-            "{} holds {:?}, want the blob {:?}",
-            blob.display(),
+            "the hook read {:?} from {HOOK}.blob, want the blob {:?}",
             String::from_utf8_lossy(&delivered),
             String::from_utf8_lossy(&sent)
+        );
+        let blob = server.join(format!("{HOOK}.blob"));
+        ensure!(
+            !blob.exists(),
+            "{} is still there after the hook exited",
+            blob.display()
         );
         let args = read_text(&server.join("hook.args")).context("the hook did not run")?;
         ensure!(

@@ -42,6 +42,8 @@ pub(super) const COMMON_FLAGS: &[&str] = &[
     "etcd-key",
     "etcd-lease-ttl",
     "leader-label",
+    "state-encryption-key-file",
+    "fail-unreadable-configures",
 ];
 
 /// Flags that would put a secret on the command line, visible in the pod spec.
@@ -83,6 +85,7 @@ pub(super) const CHARTS: [Chart; 2] = [
             "etcd-ca",
             "etcd-cert",
             "etcd-key",
+            "state-encryption-key-file",
         ],
         secret_env: &["HCLOUD_TOKEN"],
     },
@@ -119,6 +122,7 @@ pub(super) const CHARTS: [Chart; 2] = [
             "etcd-ca",
             "etcd-cert",
             "etcd-key",
+            "state-encryption-key-file",
         ],
         secret_env: &["DIGITALOCEAN_TOKEN", "BIGFLEET_BOOTSTRAP_SECRET"],
     },
@@ -258,6 +262,36 @@ pub(super) const REFUSALS: &[Refusal] = &[
         what: "a local state and etcd at once",
         values: "replicaCount: 2\nstate:\n  enabled: true\nha:\n  etcd:\n    endpoints: [etcd-0:2379]\n    prefix: /bigfleet/do\n",
         message: "exclude each other",
+    },
+    Refusal {
+        chart: "hetzner",
+        what: "HA mode without state encryption",
+        values: "replicaCount: 2\nha:\n  etcd:\n    endpoints: [etcd-0:2379]\n    prefix: /bigfleet/h\nstateEncryption:\n  enabled: false\n",
+        message: "ha.etcd.endpoints needs stateEncryption.enabled=true",
+    },
+    Refusal {
+        chart: "digitalocean",
+        what: "HA mode without state encryption",
+        values: "ha:\n  etcd:\n    endpoints: [etcd-0:2379]\n    prefix: /bigfleet/do\nstateEncryption:\n  enabled: false\n",
+        message: "ha.etcd.endpoints needs stateEncryption.enabled=true",
+    },
+    Refusal {
+        chart: "hetzner",
+        what: "a state encryption Secret without a state",
+        values: "stateEncryption:\n  existingSecret: bigfleet-hetzner-state-key\n",
+        message: "stateEncryption.existingSecret is set but the state is in memory",
+    },
+    Refusal {
+        chart: "digitalocean",
+        what: "failing unreadable Configures without a state",
+        values: "stateEncryption:\n  failUnreadableConfigures: true\n",
+        message: "stateEncryption.failUnreadableConfigures=true needs a state",
+    },
+    Refusal {
+        chart: "hetzner",
+        what: "a state encryption Secret key Kubernetes refuses",
+        values: "state:\n  enabled: true\nstateEncryption:\n  secretKey: key/file\n",
+        message: "secretKey",
     },
     Refusal {
         chart: "hetzner",

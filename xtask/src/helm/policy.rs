@@ -1,5 +1,6 @@
 //! The promises the charts make about what they render: objects per case, the Deployment's
-//! security context, probes, arguments and mounts.
+//! security context, probes, arguments and mounts, and the state encryption key Secret the
+//! charts generate.
 
 use std::collections::BTreeSet;
 use std::path::Path;
@@ -11,9 +12,16 @@ use super::cases::{COMMON_FLAGS, Chart, SECRET_FLAGS};
 
 /// The runtime user of the images, which the charts' security contexts must match.
 const RUNTIME_UID: u64 = 65532;
+/// Permission bits a Secret volume's files must not have: write, execute and read for others
+/// (0440, read for the owner and the pod's fsGroup, is the widest the charts use).
+const SECRET_MODE_FORBIDDEN: u64 = 0o337;
+/// Bytes of one state encryption key (AES-256).
+const STATE_KEY_LEN: usize = 32;
 
 /// The promises the charts make about what they render.
 pub(super) fn check_policy(chart: &Chart, case: &str, objects: &[Value]) -> Result<()> {
+    // No case renders a Secret: the one the chart generates holds a random key, which a
+    // snapshot cannot hold (check_generated_key covers it).
     let kinds: BTreeSet<&str> = objects.iter().filter_map(|o| o["kind"].as_str()).collect();
     let expected: &[&str] = match (chart.name, case) {
         (_, "default") => &["Deployment", "Service", "ServiceAccount"],
@@ -124,6 +132,8 @@ pub(super) fn check_policy(chart: &Chart, case: &str, objects: &[Value]) -> Resu
             "tls-ca",
             "offerings",
             "base-user-data",
+            "state-encryption-key-file",
+            "fail-unreadable-configures",
         ] {
             ensure!(
                 args.iter().any(|(f, _)| f == flag),
@@ -203,6 +213,10 @@ fn check_ha(
             .find(|(f, _)| f == name)
             .map(|(_, v)| v.as_str())
     };
+    ensure!(
+        flag("state-encryption-key-file").is_some(),
+        "HA mode needs --state-encryption-key-file: without it every takeover fails the Configures in flight"
+    );
     for tls in ["etcd-ca", "etcd-cert", "etcd-key"] {
         if let Some(path) = flag(tls) {
             ensure!(
@@ -391,6 +405,12 @@ fn check_deployment(chart: &Chart, deployment: &Value) -> Result<Vec<(String, St
             "{probe} must GET {path} on the metrics port"
         );
     }
+    for needs_state in ["state-encryption-key-file", "fail-unreadable-configures"] {
+        ensure!(
+            flag(needs_state).is_none() || flag("state").is_some(),
+            "--{needs_state} without --state: the binary refuses it, there is no state to seal into"
+        );
+    }
     if replicated {
         ensure!(
             flag("state").is_some_and(|s| s.starts_with("etcd://")),
@@ -479,6 +499,30 @@ fn check_mounts(
         volume_names == mounted,
         "volumes {volume_names:?} and mounts {mounted:?} differ"
     );
+    for volume in volumes.iter().filter(|v| !v["secret"].is_null()) {
+        let name = volume["name"].as_str().unwrap_or_default();
+        ensure!(
+            mounts
+                .iter()
+                .filter(|m| m["name"] == name)
+                .all(|m| m["readOnly"] == true),
+            "Secret volume {name} must be mounted read-only"
+        );
+        let mode = volume["secret"]["defaultMode"]
+            .as_u64()
+            .with_context(|| format!("Secret volume {name} has no defaultMode"))?;
+        let item_modes = volume["secret"]["items"]
+            .as_array()
+            .into_iter()
+            .flatten()
+            .filter_map(|item| item["mode"].as_u64());
+        for mode in std::iter::once(mode).chain(item_modes) {
+            ensure!(
+                mode & SECRET_MODE_FORBIDDEN == 0,
+                "Secret volume {name} has mode {mode:#o}; at most 0440 (no write, execute or others)"
+            );
+        }
+    }
 
     for (flag, value) in args.iter().filter(|(flag, value)| {
         chart.path_flags.contains(&flag.as_str())
@@ -499,6 +543,16 @@ fn check_mounts(
                 "--{flag}={value} lies on a read-only mount"
             );
         }
+        if flag == "state-encryption-key-file" {
+            let volume = volumes
+                .iter()
+                .find(|v| v["name"] == mount["name"])
+                .context("state encryption key volume")?;
+            ensure!(
+                !volume["secret"].is_null(),
+                "--{flag}={value} must come from a Secret volume"
+            );
+        }
         if flag == "admin-socket" {
             let volume = volumes
                 .iter()
@@ -511,6 +565,116 @@ fn check_mounts(
         }
     }
     Ok(())
+}
+
+/// The render of a chart that generates its state encryption key: the Deployment keeps its
+/// promises and mounts the one Secret, which survives an uninstall and holds a key file the
+/// binary accepts. Returns the key file, for comparing renders.
+pub(super) fn check_generated_key(chart: &Chart, objects: &[Value]) -> Result<String> {
+    let deployment = objects
+        .iter()
+        .find(|o| o["kind"] == "Deployment")
+        .context("no Deployment")?;
+    let args = check_deployment(chart, deployment)?;
+    let path = args
+        .iter()
+        .find(|(f, _)| f == "state-encryption-key-file")
+        .map(|(_, v)| v.as_str())
+        .context(
+            "a state with stateEncryption.enabled does not pass --state-encryption-key-file",
+        )?;
+    let pod = &deployment["spec"]["template"]["spec"];
+    let (dir, file) = path
+        .rsplit_once('/')
+        .with_context(|| format!("--state-encryption-key-file={path}"))?;
+    let mount = pod["containers"][0]["volumeMounts"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .find(|m| m["mountPath"] == dir)
+        .with_context(|| format!("nothing is mounted at {dir}"))?;
+    let volume = pod["volumes"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .find(|v| v["name"] == mount["name"])
+        .context("the key mount has no volume")?;
+    let item = volume["secret"]["items"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .find(|item| item["path"] == file)
+        .with_context(|| format!("the key volume has no item {file}"))?;
+    let key = item["key"].as_str().context("item without a key")?;
+
+    let secrets: Vec<&Value> = objects.iter().filter(|o| o["kind"] == "Secret").collect();
+    ensure!(
+        secrets.len() == 1,
+        "want exactly one Secret, the generated key"
+    );
+    let secret = secrets[0];
+    ensure!(
+        secret["metadata"]["name"] == volume["secret"]["secretName"],
+        "the key volume mounts {}, the chart generates {}",
+        volume["secret"]["secretName"],
+        secret["metadata"]["name"]
+    );
+    ensure!(
+        secret["metadata"]["annotations"]["helm.sh/resource-policy"] == "keep",
+        "the generated key Secret needs helm.sh/resource-policy: keep, or an uninstall loses the key of the Configures in flight"
+    );
+    let data = secret["data"][key]
+        .as_str()
+        .with_context(|| format!("the generated Secret has no {key}"))?;
+    let text = String::from_utf8(base64_decode(data).context("the Secret's data")?)
+        .context("the key file is not text")?;
+    let mut count = 0;
+    for line in text.lines().map(str::trim) {
+        if line.is_empty() || line.starts_with('#') {
+            continue;
+        }
+        let bytes = base64_decode(line).context("a key file line is not base64")?;
+        ensure!(
+            bytes.len() == STATE_KEY_LEN,
+            "a generated key is {} bytes, want {STATE_KEY_LEN}",
+            bytes.len()
+        );
+        count += 1;
+    }
+    ensure!(count >= 1, "the generated key file holds no key");
+    Ok(text)
+}
+
+/// Standard base64 with padding, as Kubernetes Secret data and `openssl rand -base64` write it.
+fn base64_decode(text: &str) -> Result<Vec<u8>> {
+    const ALPHABET: &[u8] = b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/";
+    let bytes = text.trim().as_bytes();
+    ensure!(
+        bytes.len().is_multiple_of(4),
+        "base64 of {} characters is not padded",
+        bytes.len()
+    );
+    let mut out = Vec::with_capacity(bytes.len() / 4 * 3);
+    for (index, chunk) in bytes.chunks(4).enumerate() {
+        let last = index + 1 == bytes.len() / 4;
+        let padding = chunk.iter().rev().take_while(|&&c| c == b'=').count();
+        ensure!(
+            padding <= 2 && (padding == 0 || last),
+            "misplaced base64 padding"
+        );
+        let mut word = 0u32;
+        for &c in &chunk[..4 - padding] {
+            let value = ALPHABET
+                .iter()
+                .position(|&a| a == c)
+                .with_context(|| format!("{:?} is not a base64 character", c as char))?;
+            word = (word << 6) | value as u32;
+        }
+        word <<= 6 * padding as u32;
+        let decoded = word.to_be_bytes();
+        out.extend_from_slice(&decoded[1..4 - padding]);
+    }
+    Ok(out)
 }
 
 /// Seconds in a Go duration such as `25s`, `1m30s` or `1.5h`.
@@ -579,7 +743,7 @@ mod tests {
                     "volumes": [
                         {"name": "state", "emptyDir": {}},
                         {"name": "admin", "emptyDir": {"medium": "Memory"}},
-                        {"name": "tls", "secret": {"secretName": "t"}}
+                        {"name": "tls", "secret": {"secretName": "t", "defaultMode": 0o440}}
                     ],
                     "containers": [{
                         "name": "provider",
@@ -694,6 +858,38 @@ mod tests {
             ("command override", |d| {
                 container(d)["command"] = json!(["/bin/sh"])
             }),
+            ("writable Secret mount", |d| {
+                container(d)["volumeMounts"][2]["readOnly"] = json!(false)
+            }),
+            ("world-readable Secret", |d| {
+                d["spec"]["template"]["spec"]["volumes"][2]["secret"]["defaultMode"] = json!(0o444)
+            }),
+            ("Secret without a mode", |d| {
+                d["spec"]["template"]["spec"]["volumes"][2]["secret"]
+                    .as_object_mut()
+                    .unwrap()
+                    .remove("defaultMode");
+            }),
+            ("writable Secret item", |d| {
+                d["spec"]["template"]["spec"]["volumes"][2]["secret"]["items"] =
+                    json!([{"key": "tls.crt", "path": "tls.crt", "mode": 0o640}])
+            }),
+            ("key file without a state", |d| {
+                let args = container(d)["args"].as_array_mut().unwrap();
+                args.retain(|a| !a.as_str().unwrap().starts_with("--state="));
+                args.push(json!("--state-encryption-key-file=/etc/bigfleet/tls/keys"));
+            }),
+            ("failing unreadable Configures without a state", |d| {
+                let args = container(d)["args"].as_array_mut().unwrap();
+                args.retain(|a| !a.as_str().unwrap().starts_with("--state="));
+                args.push(json!("--fail-unreadable-configures=true"));
+            }),
+            ("key file off a Secret", |d| {
+                container(d)["args"]
+                    .as_array_mut()
+                    .unwrap()
+                    .push(json!("--state-encryption-key-file=/var/lib/x/keys"))
+            }),
         ];
         for (what, edit) in cases {
             assert!(verdict(edit).is_err(), "{what} was accepted");
@@ -721,7 +917,8 @@ mod tests {
             "--metrics-addr=:9090",
             "--shutdown-grace=25s",
             "--state=etcd://e:2379/bigfleet/p",
-            "--leader-label"
+            "--leader-label",
+            "--state-encryption-key-file=/etc/bigfleet/state-key/keys"
         ]);
         container["readinessProbe"]["httpGet"]["path"] = json!("/readyz/replica");
         container["env"] = json!([
@@ -729,8 +926,11 @@ mod tests {
             {"name": "BIGFLEET_POD_NAMESPACE",
              "valueFrom": {"fieldRef": {"fieldPath": "metadata.namespace"}}}
         ]);
-        container["volumeMounts"] = json!([]);
-        pod["volumes"] = json!([]);
+        container["volumeMounts"] = json!([
+            {"name": "state-key", "mountPath": "/etc/bigfleet/state-key", "readOnly": true}
+        ]);
+        pod["volumes"] = json!([{"name": "state-key", "secret": {"secretName": "k",
+            "defaultMode": 0o440, "items": [{"key": "keys", "path": "keys"}]}}]);
         vec![
             deployment,
             json!({"kind": "Service", "metadata": {"name": "p"}, "spec": {"type": "ClusterIP",
@@ -805,6 +1005,12 @@ mod tests {
             ("bound to another account", |o| {
                 o[5]["subjects"][0]["name"] = json!("other")
             }),
+            ("no state encryption", |o| {
+                o[0]["spec"]["template"]["spec"]["containers"][0]["args"]
+                    .as_array_mut()
+                    .unwrap()
+                    .pop();
+            }),
             ("a rolling update on a local state", |o| {
                 o[0]["spec"]["template"]["spec"]["containers"][0]["args"][3] =
                     json!("--state=/var/lib/x/state.json")
@@ -814,6 +1020,92 @@ mod tests {
             let mut broken = objects.clone();
             edit(&mut broken);
             assert!(check(&broken).is_err(), "{what} was not caught");
+        }
+    }
+
+    #[test]
+    fn base64_as_kubernetes_writes_it() {
+        assert_eq!(base64_decode("").unwrap(), b"");
+        assert_eq!(base64_decode("eA==").unwrap(), b"x");
+        assert_eq!(base64_decode("eHk=").unwrap(), b"xy");
+        assert_eq!(base64_decode("eHl6").unwrap(), b"xyz");
+        assert_eq!(
+            base64_decode("YWFhYWFhYWFhYWFhYWFhYWFhYWFhYWFhYWFhYWFhYWE=").unwrap(),
+            [b'a'; 32]
+        );
+        for bad in ["eA", "e===", "eA==eA==", "e!A="] {
+            assert!(base64_decode(bad).is_err(), "{bad:?}");
+        }
+    }
+
+    /// A rendered release whose chart generated the key Secret.
+    fn generated_key_objects() -> Vec<Value> {
+        let mut deployment = good_deployment();
+        let pod = &mut deployment["spec"]["template"]["spec"];
+        pod["volumes"]
+            .as_array_mut()
+            .unwrap()
+            .push(json!({"name": "state-key",
+            "secret": {"secretName": "r-state-key", "defaultMode": 0o440,
+                "items": [{"key": "keys", "path": "keys"}]}}));
+        let container = &mut pod["containers"][0];
+        container["args"].as_array_mut().unwrap().push(json!(
+            "--state-encryption-key-file=/etc/bigfleet/state-key/keys"
+        ));
+        container["volumeMounts"]
+            .as_array_mut()
+            .unwrap()
+            .push(json!(
+            {"name": "state-key", "mountPath": "/etc/bigfleet/state-key", "readOnly": true}));
+        // "YWFh...YWE=\n": the key file of one key, `a` 32 times.
+        vec![
+            deployment,
+            json!({"kind": "Secret", "metadata": {"name": "r-state-key",
+                "annotations": {"helm.sh/resource-policy": "keep"}},
+                "data": {"keys": "WVdGaFlXRmhZV0ZoWVdGaFlXRmhZV0ZoWVdGaFlXRmhZV0ZoWVdGaFlXRT0K"}}),
+        ]
+    }
+
+    #[test]
+    fn each_broken_generated_key_promise_is_caught() {
+        let objects = generated_key_objects();
+        assert_eq!(
+            check_generated_key(&CHARTS[0], &objects).unwrap(),
+            "YWFhYWFhYWFhYWFhYWFhYWFhYWFhYWFhYWFhYWFhYWE=\n"
+        );
+        type Edit = fn(&mut Vec<Value>);
+        let cases: &[(&str, Edit)] = &[
+            ("lost on uninstall", |o| {
+                o[1]["metadata"]["annotations"] = json!({})
+            }),
+            ("another Secret mounted", |o| {
+                o[1]["metadata"]["name"] = json!("other")
+            }),
+            ("no Secret", |o| {
+                o.pop();
+            }),
+            ("a short key", |o| {
+                o[1]["data"]["keys"] = json!("WVdGaFlRPT0K")
+            }),
+            ("no key", |o| o[1]["data"]["keys"] = json!("Cg==")),
+            ("not base64", |o| o[1]["data"]["keys"] = json!("!!!!")),
+            ("the key under another name", |o| {
+                o[1]["data"] = json!({"other": o[1]["data"]["keys"].clone()})
+            }),
+            ("no key file flag", |o| {
+                o[0]["spec"]["template"]["spec"]["containers"][0]["args"]
+                    .as_array_mut()
+                    .unwrap()
+                    .pop();
+            }),
+        ];
+        for (what, edit) in cases {
+            let mut broken = objects.clone();
+            edit(&mut broken);
+            assert!(
+                check_generated_key(&CHARTS[0], &broken).is_err(),
+                "{what} was not caught"
+            );
         }
     }
 }

@@ -29,7 +29,8 @@ struct Args {
     /// Without it, the hook's success is taken as readiness.
     #[arg(long)]
     readiness_command: Option<String>,
-    /// Where executed command ids are recorded.
+    /// Where executed command ids and their outcomes are recorded: an id found there is
+    /// answered from the record, never run again.
     #[arg(long, default_value = "/var/lib/bigfleet-agent/state.json")]
     state: PathBuf,
     /// Longest wait between retries while the provider is unreachable (e.g. `30s`, `500ms`).

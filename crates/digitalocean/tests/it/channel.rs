@@ -241,19 +241,25 @@ async fn the_poll_is_held_until_a_command_arrives() {
     delivery.await.unwrap().unwrap();
 }
 
+/// Two channel instances (two processes, or two replicas) deliver the same id for one
+/// transition and different ids for different transitions; a newer command supersedes.
 #[tokio::test]
-async fn command_ids_differ_across_channel_instances_and_newer_commands_supersede() {
+async fn command_ids_follow_the_transition_across_channel_instances_and_newer_commands_supersede() {
     let pki = pki();
     let one = RunningChannel::start(&pki, Duration::from_millis(100), AuthLimit::default()).await;
     let two = RunningChannel::start(&pki, Duration::from_millis(100), AuthLimit::default()).await;
     let client = channel_client(&pki.ca_pem);
     let m = "m-9";
     let mut ids = Vec::new();
-    for ch in [&one, &two] {
+    for (ch, operation_id) in [(&one, "op-1"), (&two, "op-1"), (&two, "op-2")] {
         let channel = ch.channel.clone();
         let first = tokio::spawn(async move {
             channel
-                .deliver(m, configure(b"1"), &ctx(Duration::from_secs(10)))
+                .deliver(
+                    m,
+                    configure(b"1"),
+                    &ctx_of(operation_id, Duration::from_secs(10)),
+                )
                 .await
         });
         let r: serde_json::Value = get_command(
@@ -280,10 +286,12 @@ async fn command_ids_differ_across_channel_instances_and_newer_commands_supersed
         );
         let _ = second.await;
     }
-    assert_ne!(
+    assert!(ids[0].starts_with("op-1.configure."), "{ids:?}");
+    assert_eq!(
         ids[0], ids[1],
-        "a restarted provider never reuses a command id"
+        "a restarted provider delivers the same id for the same transition"
     );
+    assert_ne!(ids[1], ids[2], "another transition, another id");
 }
 
 #[tokio::test]

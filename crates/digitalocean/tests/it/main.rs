@@ -11,4 +11,5 @@ mod cloud;
 mod lifecycle;
 mod pin;
 mod production;
+mod resume;
 mod support;

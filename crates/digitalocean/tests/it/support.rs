@@ -67,8 +67,17 @@ pub fn fast_backoff() -> Backoff {
     }
 }
 
+/// A transition context with an operation id of its own, as every new transition gets.
 pub fn ctx(timeout: Duration) -> TransitionContext {
-    TransitionContext::with_timeout("op-test", timeout)
+    static NEXT: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(1);
+    let n = NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    TransitionContext::with_timeout(format!("op-test-{n}"), timeout)
+}
+
+/// A transition context for the operation `operation_id`: the same id again is the same
+/// transition, resumed.
+pub fn ctx_of(operation_id: &str, timeout: Duration) -> TransitionContext {
+    TransitionContext::with_timeout(operation_id, timeout)
 }
 
 pub fn machine(index: u32) -> Machine {

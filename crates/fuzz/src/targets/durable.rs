@@ -10,7 +10,7 @@ use provider_core::durable::codec::{self, Entry, RECORD_HEADER_LEN};
 use provider_core::durable::{self, DurableStore};
 use provider_core::fence::HighWaterMark;
 use provider_core::machine::{CapacityType, HostRef, Machine, MachineState, StringMap};
-use provider_core::records::{Change, FenceRecord, Slot, Snapshot};
+use provider_core::records::{Change, FenceRecord, SealedConfigure, Slot, Snapshot};
 use provider_core::store::Store;
 use serde_json::Value;
 
@@ -111,6 +111,14 @@ pub(crate) fn slot(u: &mut Unstructured<'_>) -> Result<Slot> {
             option_string(u)?,
             option_string(u)?,
         ],
+        sealed: if u.arbitrary()? {
+            Some(Arc::new(SealedConfigure {
+                deadline_unix_ms: u.arbitrary()?,
+                sealed: u.arbitrary()?,
+            }))
+        } else {
+            None
+        },
     })
 }
 
@@ -157,6 +165,7 @@ fn same_change(a: &Change, b: &Change) -> bool {
                 }
                 && x.last_change == y.last_change
                 && x.operations == y.operations
+                && x.sealed == y.sealed
         }
         _ => a == b,
     }

@@ -58,6 +58,10 @@ pub struct Options {
     pub ssh: bool,
     pub readiness_command: Option<String>,
     pub hook_exit: i32,
+    /// How long the hook sleeps before it exits (after it has recorded its arguments).
+    pub hook_sleep: Duration,
+    /// A line the hook prints to standard error before it exits.
+    pub hook_says: Option<String>,
     pub base_user_data: Option<String>,
     pub request_timeout: Duration,
     pub telemetry_prefix: &'static str,
@@ -75,6 +79,8 @@ impl Default for Options {
             ssh: true,
             readiness_command: None,
             hook_exit: 0,
+            hook_sleep: Duration::ZERO,
+            hook_says: None,
             base_user_data: None,
             request_timeout: Duration::from_secs(5),
             telemetry_prefix: "bigfleet_hetzner_it",
@@ -83,6 +89,57 @@ impl Default for Options {
             server: hetzner::settings::ServerSpec::default(),
             offerings: Vec::new(),
         }
+    }
+}
+
+/// A TCP relay in front of an SSH server: counts connections and can cut every open one, as a
+/// network blip or a restarted NAT would.
+pub struct Relay {
+    connections: Arc<std::sync::atomic::AtomicUsize>,
+    open: Arc<Mutex<Vec<tokio::task::AbortHandle>>>,
+    task: tokio::task::JoinHandle<()>,
+}
+
+impl Relay {
+    fn start(listener: TcpListener, target: std::net::SocketAddr) -> Relay {
+        let connections = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+        let open = Arc::new(Mutex::new(Vec::new()));
+        let (count, handles) = (connections.clone(), open.clone());
+        let task = tokio::spawn(async move {
+            while let Ok((mut inbound, _)) = listener.accept().await {
+                count.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+                let forward = tokio::spawn(async move {
+                    if let Ok(mut outbound) = tokio::net::TcpStream::connect(target).await {
+                        let _ = tokio::io::copy_bidirectional(&mut inbound, &mut outbound).await;
+                    }
+                });
+                handles.lock().unwrap().push(forward.abort_handle());
+            }
+        });
+        Relay {
+            connections,
+            open,
+            task,
+        }
+    }
+
+    /// Connections accepted so far.
+    pub fn connections(&self) -> usize {
+        self.connections.load(std::sync::atomic::Ordering::SeqCst)
+    }
+
+    /// Drops every open connection.
+    pub fn cut(&self) {
+        for connection in self.open.lock().unwrap().drain(..) {
+            connection.abort();
+        }
+    }
+}
+
+impl Drop for Relay {
+    fn drop(&mut self) {
+        self.cut();
+        self.task.abort();
     }
 }
 
@@ -117,9 +174,18 @@ pub fn fast_timing(request_timeout: Duration) -> Timing {
         running_poll: Duration::from_millis(5),
         running_cap: Duration::from_secs(30),
         readiness_poll: Duration::from_millis(20),
+        run_poll: Duration::from_millis(20),
         list_budget: Duration::from_secs(10),
         lookup_budget: Duration::from_secs(10),
     }
+}
+
+/// How many of `commands` delivered a bootstrap blob (started a hook run).
+pub fn deliveries(commands: &[String]) -> usize {
+    commands
+        .iter()
+        .filter(|c| c.contains("bootstrap blob truncated"))
+        .count()
 }
 
 pub fn ctx(seconds: u64) -> TransitionContext {
@@ -153,12 +219,25 @@ impl Env {
         let hook = dir.path().join("opt/bigfleet/bootstrap");
         let record = dir.path().join("hook.args");
         let copy = dir.path().join("hook.blob.copy");
+        let mode = dir.path().join("hook.blob.mode");
+        let count = dir.path().join("hook.count");
+        let done = dir.path().join("hook.done");
+        let says = options
+            .hook_says
+            .as_ref()
+            .map(|line| format!("echo '{line}' >&2\n"))
+            .unwrap_or_default();
         executable(
             &hook,
             &format!(
-                "#!/bin/sh\nprintf '%s\\n' \"$@\" > '{}'\ncp \"$0.blob\" '{}'\nexit {}\n",
+                "#!/bin/sh\necho run >> '{}'\nprintf '%s\\n' \"$@\" > '{}'\ncp \"$0.blob\" '{}'\n\
+                 stat -c %a \"$0.blob\" > '{}'\nsleep {}\n{says}touch '{}'\nexit {}\n",
+                count.display(),
                 record.display(),
                 copy.display(),
+                mode.display(),
+                options.hook_sleep.as_secs_f64(),
+                done.display(),
                 options.hook_exit
             ),
         );
@@ -255,6 +334,30 @@ impl Env {
         .unwrap()
     }
 
+    /// Starts the SSH server on a port of its own behind a relay on the reserved port, whose
+    /// connections a test can cut.
+    pub async fn start_sshd_behind_relay(&mut self, host_key: PrivateKey) -> (Sshd, Relay) {
+        let listener = self.ssh_listener.take().expect("one SSH server per test");
+        let inner = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let sshd = Sshd::start(
+            inner,
+            SshdSetup {
+                host_key: HostKeySource::Given(Box::new(host_key)),
+                authorized: self.client_key.public_key().clone(),
+                user: "root".into(),
+                root: Root::Given {
+                    workdir: self.dir.path().to_owned(),
+                    path_prefix: self.dir.path().join("bin"),
+                },
+                drop_first: 0,
+                emulator: None,
+            },
+        )
+        .unwrap();
+        let relay = Relay::start(listener, sshd.addr());
+        (sshd, relay)
+    }
+
     /// Starts the emulator's own sshd on the reserved port: each server presents its injected
     /// host key and runs commands in `<dir>/servers/<id>`.
     pub fn start_emulator_sshd(&mut self) -> Sshd {
@@ -300,6 +403,25 @@ impl Env {
 
     pub fn blob_copy(&self) -> Option<Vec<u8>> {
         std::fs::read(self.dir.path().join("hook.blob.copy")).ok()
+    }
+
+    /// The blob file's mode as the hook saw it (`600`).
+    pub fn blob_mode(&self) -> Option<String> {
+        std::fs::read_to_string(self.dir.path().join("hook.blob.mode"))
+            .ok()
+            .map(|m| m.trim().to_owned())
+    }
+
+    /// How many times the hook has started.
+    pub fn hook_runs(&self) -> usize {
+        std::fs::read_to_string(self.dir.path().join("hook.count"))
+            .map(|text| text.lines().count())
+            .unwrap_or(0)
+    }
+
+    /// Whether the hook has run to its end.
+    pub fn hook_done(&self) -> bool {
+        self.dir.path().join("hook.done").exists()
     }
 
     pub fn blob_file(&self) -> PathBuf {

@@ -279,7 +279,11 @@ async fn a_pin_recorded_after_failed_writes_is_verified_on_a_fresh_connection() 
         2,
         "the first-use connection is dropped; delivery goes over a connection checked against the recorded pin"
     );
-    assert_eq!(sshd.observed.commands().len(), 1, "delivered once");
+    assert_eq!(
+        crate::harness::deliveries(&sshd.observed.commands()),
+        1,
+        "delivered once"
+    );
     assert_eq!(env.blob_copy().as_deref(), Some(BLOB));
     assert_eq!(env.labels(server)[labels::CLUSTER], "c2");
 }
@@ -307,7 +311,10 @@ async fn another_key_at_the_same_address_after_a_first_use_pin_is_refused() {
         "pinned on first use"
     );
     assert_eq!(env.blob_copy().as_deref(), Some(BLOB));
-    std::fs::remove_file(env.blob_file()).unwrap();
+    assert!(
+        !env.blob_file().exists(),
+        "the blob is gone once the hook has exited"
+    );
     std::fs::remove_file(env.dir.path().join("hook.args")).unwrap();
 
     // Same address, another server key.

@@ -8,7 +8,7 @@ use std::sync::Arc;
 use crate::fence::HighWaterMark;
 use crate::lifecycle::OperationKind;
 use crate::machine::{CapacityType, HostRef, Machine, MachineState, StringMap};
-use crate::records::{Change, Slot};
+use crate::records::{Change, SealedConfigure, Slot};
 
 /// The first eight bytes of every state file.
 pub(crate) const MAGIC: [u8; 8] = *b"BFSTATE\0";
@@ -252,6 +252,11 @@ pub(crate) fn encode_snapshot_end(slots: u64, fences: u64, out: &mut Vec<u8>) {
     put_u64(out, fences);
 }
 
+/// Marks the optional trailer of a slot that holds a sealed Configure. A slot without one ends
+/// after its operation ids, byte for byte as before the trailer existed, so files written
+/// before it read unchanged; a build without it refuses only a slot that carries one.
+const SEALED_TRAILER: u8 = 1;
+
 /// Encodes one slot. The machine id comes first, so [`slot_id`] can read it alone.
 pub fn encode_slot(slot: &Slot, out: &mut Vec<u8>) {
     let m = &*slot.machine;
@@ -285,6 +290,12 @@ pub fn encode_slot(slot: &Slot, out: &mut Vec<u8>) {
                 put_str(out, id);
             }
         }
+    }
+    if let Some(sealed) = &slot.sealed {
+        out.push(SEALED_TRAILER);
+        put_u64(out, sealed.deadline_unix_ms);
+        put_u32(out, sealed.sealed.len() as u32);
+        out.extend_from_slice(&sealed.sealed);
     }
 }
 
@@ -433,6 +444,21 @@ pub fn decode_slot(encoded: &[u8]) -> Result<Slot, String> {
             other => return Err(format!("slot {id}: bad operation marker {other}")),
         };
     }
+    let sealed = if r.remaining() == 0 {
+        None
+    } else {
+        match r.u8()? {
+            SEALED_TRAILER => {
+                let deadline_unix_ms = r.u64()?;
+                let len = r.u32()? as usize;
+                Some(Arc::new(SealedConfigure {
+                    deadline_unix_ms,
+                    sealed: r.bytes(len)?.to_vec(),
+                }))
+            }
+            other => return Err(format!("slot {id}: bad trailer marker {other}")),
+        }
+    };
     if r.remaining() != 0 {
         return Err(format!(
             "slot {id}: {} unexpected trailing bytes",
@@ -459,6 +485,7 @@ pub fn decode_slot(encoded: &[u8]) -> Result<Slot, String> {
         }),
         last_change,
         operations,
+        sealed,
     })
 }
 

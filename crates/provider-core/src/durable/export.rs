@@ -39,6 +39,16 @@ struct ExportMachine<'a> {
     shard_metadata: &'a StringMap,
     /// The revision of the machine's last change (what List cursors compare against).
     last_change: i64,
+    /// That a sealed bootstrap blob waits for the Configure in flight: its size and deadline,
+    /// never its content.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    sealed_configure: Option<ExportSealed>,
+}
+
+#[derive(Serialize)]
+struct ExportSealed {
+    sealed_bytes: usize,
+    deadline_unix_ms: u64,
 }
 
 #[derive(Serialize)]
@@ -98,6 +108,10 @@ pub fn render_json(snapshot: &Snapshot, source: &str) -> Result<String, String> 
                 cluster: &m.cluster,
                 shard_metadata: &m.shard_metadata,
                 last_change: slot.last_change,
+                sealed_configure: slot.sealed.as_ref().map(|sealed| ExportSealed {
+                    sealed_bytes: sealed.sealed.len(),
+                    deadline_unix_ms: sealed.deadline_unix_ms,
+                }),
             }
         })
         .collect();

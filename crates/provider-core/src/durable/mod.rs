@@ -76,6 +76,13 @@ pub use export::render_json;
 // The etcd store keeps machine slots in the same encoding.
 pub(crate) use codec::{decode_slot, encode_slot};
 
+/// Writes `name` in `dir` whole or not at all (temp file, fsync, rename, directory fsync), for
+/// files kept beside the state that are not part of it.
+pub(crate) fn write_file_atomically(dir: &Path, name: &str, bytes: &[u8]) -> std::io::Result<()> {
+    use std::io::Write;
+    layout::create_file_atomically(dir, name, |file| file.write_all(bytes)).map(drop)
+}
+
 use codec::{FileKind, HEADER_LEN};
 use replay::{Image, Tail};
 use writer::{Message, Tuning, Writer};

@@ -126,6 +126,7 @@ fn convert(state: RefState) -> Imported {
             // The reference resets every record's last change to the persisted head on load.
             last_change: state.rev,
             operations: Default::default(),
+            sealed: None,
         };
         if slots.insert(m.id.clone(), slot).is_some() {
             report.warnings.push(format!(

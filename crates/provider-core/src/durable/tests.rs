@@ -17,7 +17,7 @@ use super::{DurableStore, export_json};
 use crate::fence::HighWaterMark;
 use crate::lifecycle::OperationKind;
 use crate::machine::{CapacityType, HostRef, Machine, MachineState, StringMap};
-use crate::records::{Change, FenceRecord, Slot, Snapshot};
+use crate::records::{Change, FenceRecord, SealedConfigure, Slot, Snapshot};
 use crate::store::Store;
 
 // --- helpers ------------------------------------------------------------------------------
@@ -95,6 +95,7 @@ fn slot(id: &str, last_change: i64) -> Slot {
         machine: Arc::new(machine),
         last_change,
         operations: Default::default(),
+        sealed: None,
     }
 }
 
@@ -128,6 +129,10 @@ fn rich_slot(id: &str) -> Slot {
             None,
             Some(String::new()),
         ],
+        sealed: Some(Arc::new(SealedConfigure {
+            deadline_unix_ms: u64::MAX,
+            sealed: vec![1, 0, 255, 7],
+        })),
     }
 }
 
@@ -1583,4 +1588,54 @@ fn a_fence_removal_round_trips_through_the_codec() {
         seen,
         vec![r#"RemoveFence { shard_id: "s", machine_id: "m" }"#.to_owned()]
     );
+}
+
+#[test]
+fn a_sealed_blob_survives_reload_and_is_gone_from_every_file_after_compaction() {
+    let (_tmp, dir) = state_dir();
+    let store = open_tuned(&dir, 2 << 10);
+    store.load().expect("load");
+    let marker = b"SEALED-BYTES-THAT-MUST-GO".to_vec();
+    let mut configuring = slot("m-sealed", 1);
+    crate::machine::edit(&mut configuring.machine).state = MachineState::Configuring;
+    configuring.sealed = Some(Arc::new(SealedConfigure {
+        deadline_unix_ms: 42,
+        sealed: marker.clone(),
+    }));
+    let model = commit_all(&store, &[vec![Change::PutSlot(configuring.clone())]]);
+    drop(store);
+    let loaded = reload(&dir);
+    assert_eq!(loaded, model.snapshot());
+    assert_eq!(
+        machine_of(&loaded, "m-sealed").sealed.as_deref(),
+        configuring.sealed.as_deref()
+    );
+    // The Configure ends: the slot is written without it, then enough traffic to compact.
+    let store = open_tuned(&dir, 2 << 10);
+    store.load().expect("load");
+    let mut configured = configuring.clone();
+    crate::machine::edit(&mut configured.machine).state = MachineState::Configured;
+    configured.sealed = None;
+    let mut batches = vec![vec![Change::PutSlot(configured)]];
+    batches.extend((0..400i64).map(|i| vec![fence("shard", "m-sealed", 1, i)]));
+    let model = commit_all(&store, &batches);
+    drop(store);
+    assert!(
+        !layout::list(&dir).expect("list").snapshots.is_empty(),
+        "no compaction happened"
+    );
+    let loaded = reload(&dir);
+    assert_eq!(loaded, model.snapshot());
+    assert!(machine_of(&loaded, "m-sealed").sealed.is_none());
+    for entry in fs::read_dir(&dir).expect("read dir") {
+        let path = entry.expect("entry").path();
+        if path.is_file() {
+            let bytes = fs::read(&path).expect("read");
+            assert!(
+                !bytes.windows(marker.len()).any(|w| w == marker.as_slice()),
+                "{} still holds the sealed blob",
+                path.display()
+            );
+        }
+    }
 }

@@ -20,6 +20,8 @@ struct Scripted {
     ignore_cancel: AtomicBool,
     calls: AtomicUsize,
     machines: usize,
+    /// Every configure call: operation id, blob, time left before its deadline.
+    configured: Mutex<Vec<(String, Vec<u8>, Duration)>>,
 }
 
 impl Scripted {
@@ -78,9 +80,14 @@ impl Backend for Scripted {
     async fn configure(
         &self,
         _: &Machine,
-        _: &ConfigureOrder,
+        order: &ConfigureOrder,
         ctx: &TransitionContext,
     ) -> Result<(), BackendError> {
+        self.configured.lock().unwrap().push((
+            ctx.operation_id.clone(),
+            order.blob.0.clone(),
+            ctx.remaining(),
+        ));
         self.act(ctx).await
     }
     async fn drain(
@@ -441,7 +448,7 @@ async fn interrupted_work_resumes_after_a_restart_under_its_original_id() {
         .unwrap();
     let m1 = restarted.get("m-1").unwrap();
     assert_eq!(m1.state, MachineState::Failed);
-    assert!(m1.last_error.contains("bootstrap blob is never persisted"));
+    assert_eq!(m1.last_error, CONFIGURE_NOT_KEPT);
     settle(&restarted, "m-0", MachineState::Idle).await;
     let retry = restarted.create("m-0", zero()).await.unwrap();
     assert_eq!(
@@ -545,4 +552,303 @@ async fn invalid_seed_records_fail_startup_naming_them() {
         err.to_string(),
         "providerkit: invalid machine record: bad-1: instance_type is required (never labels-only)"
     );
+}
+
+// --- sealed Configures across a restart --------------------------------------------------
+
+const KEY_A: &str = "q83vEjRWeJCrze8SNFZ4kKvN7xI0VniQq83vEjRWeJA=";
+const KEY_B: &str = "AAECAwQFBgcICQoLDA0ODxAREhMUFRYXGBkaGxwdHh8=";
+
+fn sealing(keys: &str) -> EngineOptions {
+    let mut o = options();
+    o.state_keys = Some(Arc::new(StateKeys::parse(keys).unwrap()));
+    o
+}
+
+/// An Idle m-0 whose Configure (blob `join-secret`) is left in flight by a shutdown.
+async fn interrupted_configure(
+    backend: &Arc<Scripted>,
+    store: &Arc<KeptStore>,
+    options: EngineOptions,
+) -> String {
+    let engine = Engine::start(backend.clone(), store.clone(), options)
+        .await
+        .unwrap();
+    *backend.delay.lock().unwrap() = Some(Duration::from_millis(1));
+    engine.create("m-0", zero()).await.unwrap();
+    settle(&engine, "m-0", MachineState::Idle).await;
+    *backend.delay.lock().unwrap() = Some(Duration::from_secs(60));
+    let ack = engine
+        .configure(
+            "m-0",
+            "c".into(),
+            b"join-secret".to_vec(),
+            StringMap::from([("k".to_owned(), "v".to_owned())]),
+            zero(),
+        )
+        .await
+        .unwrap();
+    assert_eq!(engine.shutdown(Duration::from_secs(1)).await, 1);
+    ack.operation_id
+}
+
+fn stored_slot(store: &KeptStore, id: &str) -> Slot {
+    let state = store.state.lock().unwrap();
+    state
+        .slots
+        .iter()
+        .find(|s| s.machine.id == id)
+        .unwrap()
+        .clone()
+}
+
+#[tokio::test(start_paused = true)]
+async fn an_interrupted_configure_resumes_with_its_sealed_blob_and_its_deadline() {
+    let backend = Scripted::with(1, None);
+    let store = Arc::new(KeptStore::default());
+    let op = interrupted_configure(&backend, &store, sealing(KEY_A)).await;
+    let kept = stored_slot(&store, "m-0");
+    let sealed = kept.sealed.clone().expect("sealed with the acceptance");
+    assert!(
+        !sealed.sealed.windows(11).any(|w| w == b"join-secret"),
+        "the state never holds the blob in the clear"
+    );
+    // The deadline comes from the state: shorten it there and the resumed run must see it.
+    {
+        let mut state = store.state.lock().unwrap();
+        let slot = state
+            .slots
+            .iter_mut()
+            .find(|s| s.machine.id == "m-0")
+            .unwrap();
+        slot.sealed = Some(Arc::new(SealedConfigure {
+            deadline_unix_ms: unix_millis() + 3_000,
+            sealed: sealed.sealed.clone(),
+        }));
+    }
+    *backend.delay.lock().unwrap() = Some(Duration::from_millis(1));
+    let restarted = Engine::start(backend.clone(), store.clone(), sealing(KEY_A))
+        .await
+        .unwrap();
+    settle(&restarted, "m-0", MachineState::Configured).await;
+    let calls = backend.configured.lock().unwrap().clone();
+    assert_eq!(calls.len(), 2, "the first run and the resumed one");
+    assert_eq!(calls[1].0, op, "resumed under its operation id");
+    assert_eq!(calls[1].1, b"join-secret");
+    assert!(
+        calls[1].2 <= Duration::from_secs(3),
+        "the original deadline, not a new one: {:?}",
+        calls[1].2
+    );
+    let m = restarted.get("m-0").unwrap();
+    assert_eq!(
+        (m.cluster.as_str(), m.shard_metadata["k"].as_str()),
+        ("c", "v")
+    );
+    assert!(
+        stored_slot(&store, "m-0").sealed.is_none(),
+        "the commit that ends the Configure forgets the blob"
+    );
+    let retry = restarted
+        .configure(
+            "m-0",
+            "c".into(),
+            b"join-secret".to_vec(),
+            StringMap::new(),
+            zero(),
+        )
+        .await
+        .unwrap();
+    assert_eq!(retry.operation_id, op);
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_wrong_or_missing_key_fails_startup_and_changes_nothing() {
+    let backend = Scripted::with(1, None);
+    let store = Arc::new(KeptStore::default());
+    let op = interrupted_configure(&backend, &store, sealing(KEY_A)).await;
+    let before = store.load().unwrap();
+    for options in [sealing(KEY_B), options()] {
+        let err = Engine::start(backend.clone(), store.clone(), options)
+            .await
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("--state-encryption-key-file"), "{err}");
+        assert!(err.contains("1 in-flight Configures"), "{err}");
+        assert!(err.contains("--fail-unreadable-configures"), "{err}");
+        assert_eq!(store.load().unwrap(), before, "nothing changed");
+    }
+    // Rotation: the new key first, the old one after it, resumes.
+    *backend.delay.lock().unwrap() = Some(Duration::from_millis(1));
+    let rotated = Engine::start(
+        backend.clone(),
+        store.clone(),
+        sealing(&format!("{KEY_B}\n{KEY_A}\n")),
+    )
+    .await
+    .unwrap();
+    settle(&rotated, "m-0", MachineState::Configured).await;
+    assert_eq!(backend.configured.lock().unwrap().last().unwrap().0, op);
+}
+
+#[tokio::test(start_paused = true)]
+async fn fail_unreadable_configures_fails_exactly_those() {
+    let backend = Scripted::with(1, None);
+    let store = Arc::new(KeptStore::default());
+    interrupted_configure(&backend, &store, sealing(KEY_A)).await;
+    let mut forced = sealing(KEY_B);
+    forced.fail_unreadable_configures = true;
+    let engine = Engine::start(backend.clone(), store.clone(), forced)
+        .await
+        .unwrap();
+    let m = engine.get("m-0").unwrap();
+    assert_eq!(m.state, MachineState::Failed);
+    assert!(
+        m.last_error
+            .contains("none of the 1 keys of --state-encryption-key-file"),
+        "{}",
+        m.last_error
+    );
+    assert!(stored_slot(&store, "m-0").sealed.is_none());
+    assert_eq!(backend.configured.lock().unwrap().len(), 1, "never re-run");
+}
+
+#[tokio::test(start_paused = true)]
+async fn without_keys_no_blob_reaches_the_state() {
+    let backend = Scripted::with(1, None);
+    let store = Arc::new(KeptStore::default());
+    interrupted_configure(&backend, &store, options()).await;
+    assert!(stored_slot(&store, "m-0").sealed.is_none());
+    let engine = Engine::start(backend.clone(), store.clone(), options())
+        .await
+        .unwrap();
+    assert_eq!(engine.get("m-0").unwrap().last_error, CONFIGURE_NOT_KEPT);
+}
+
+// --- answers never show what is not durable ----------------------------------------------
+
+/// A durable store whose commits complete only when the test releases them, in order.
+#[derive(Default)]
+struct GatedStore {
+    hold: AtomicBool,
+    held: Mutex<Vec<tokio::sync::oneshot::Sender<Result<(), StoreError>>>>,
+}
+
+impl GatedStore {
+    fn release(&self) {
+        for tx in self.held.lock().unwrap().drain(..) {
+            let _ = tx.send(Ok(()));
+        }
+    }
+}
+
+impl Store for GatedStore {
+    fn load(&self) -> Result<Snapshot, StoreError> {
+        Ok(Snapshot::default())
+    }
+    fn submit(&self, _batch: Vec<Change>) -> Commit {
+        let (tx, rx) = tokio::sync::oneshot::channel();
+        if self.hold.load(Ordering::SeqCst) {
+            self.held.lock().unwrap().push(tx);
+        } else {
+            let _ = tx.send(Ok(()));
+        }
+        Commit::pending(rx)
+    }
+    fn is_durable(&self) -> bool {
+        true
+    }
+    fn describe(&self) -> String {
+        "gated".into()
+    }
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_zero_token_retry_is_answered_only_once_the_first_commit_is_durable() {
+    let backend = Scripted::with(1, None);
+    let store = Arc::new(GatedStore::default());
+    let engine = Engine::start(backend, store.clone(), options())
+        .await
+        .unwrap();
+    store.hold.store(true, Ordering::SeqCst);
+    let first = tokio::spawn({
+        let engine = engine.clone();
+        async move { engine.create("m-0", zero()).await }
+    });
+    tokio::time::sleep(Duration::from_millis(10)).await;
+    let retry = tokio::spawn({
+        let engine = engine.clone();
+        async move { engine.create("m-0", zero()).await }
+    });
+    tokio::time::sleep(Duration::from_millis(10)).await;
+    assert!(
+        !first.is_finished() && !retry.is_finished(),
+        "neither the accept nor its retry is answered before the commit"
+    );
+    store.hold.store(false, Ordering::SeqCst);
+    store.release();
+    let (first, retry) = (first.await.unwrap().unwrap(), retry.await.unwrap().unwrap());
+    assert!(first.accepted && !retry.accepted);
+    assert_eq!(first.operation_id, retry.operation_id);
+}
+
+#[tokio::test(start_paused = true)]
+async fn reads_wait_for_the_commit_of_what_they_show() {
+    let backend = Scripted::with(2, None);
+    let store = Arc::new(GatedStore::default());
+    let engine = Engine::start(backend, store.clone(), options())
+        .await
+        .unwrap();
+    let head = engine.list(&ListQuery::default()).revision;
+    assert!(matches!(
+        engine.list_durable(&ListQuery::default()),
+        Durable::Now(_)
+    ));
+    store.hold.store(true, Ordering::SeqCst);
+    let create = tokio::spawn({
+        let engine = engine.clone();
+        async move { engine.create("m-0", zero()).await }
+    });
+    tokio::time::sleep(Duration::from_millis(10)).await;
+    // m-1 did not change: answered at once. m-0 and the head wait for the commit.
+    assert!(matches!(
+        engine.get_durable("m-1").unwrap(),
+        Durable::Now(_)
+    ));
+    let get = engine.get_durable("m-0").unwrap();
+    let list = engine.list_durable(&ListQuery::default());
+    let Durable::After { revision, .. } = &list else {
+        panic!("the head is not durable yet: {list:?}");
+    };
+    assert!(*revision > head);
+    let reads = tokio::spawn({
+        let engine = engine.clone();
+        async move { (engine.settle(get).await, engine.settle(list).await) }
+    });
+    tokio::time::sleep(Duration::from_millis(10)).await;
+    assert!(!reads.is_finished(), "held until the commit lands");
+    store.release();
+    let (get, list) = reads.await.unwrap();
+    assert_eq!(get.unwrap().state, MachineState::Creating);
+    assert!(list.unwrap().revision > head);
+    create.await.unwrap().unwrap();
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_held_read_fails_unavailable_when_the_store_stops() {
+    let backend = Scripted::with(1, None);
+    let store = Arc::new(GatedStore::default());
+    let engine = Engine::start(backend, store.clone(), options())
+        .await
+        .unwrap();
+    store.hold.store(true, Ordering::SeqCst);
+    let _create = tokio::spawn({
+        let engine = engine.clone();
+        async move { engine.create("m-0", zero()).await }
+    });
+    tokio::time::sleep(Duration::from_millis(10)).await;
+    let get = engine.get_durable("m-0").unwrap();
+    engine.step_down();
+    let err = engine.settle(get).await.unwrap_err();
+    assert_eq!(err.code(), tonic::Code::Unavailable);
 }

@@ -29,6 +29,7 @@ fn slot(id: &str, last_change: i64) -> Slot {
         machine: Arc::new(machine),
         last_change,
         operations: [Some(format!("op-{last_change}")), None, None, None],
+        sealed: None,
     }
 }
 

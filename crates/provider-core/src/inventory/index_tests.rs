@@ -163,9 +163,16 @@ proptest! {
             match s {
                 Step::Admit(m, k) => {
                     let kind = OperationKind::ALL[k];
+                    // Every other Configure carries a sealed blob, so reloads cover the trailer.
                     let binding = (kind == OperationKind::Configure).then(|| Binding {
                         cluster: "c1".into(),
                         shard_metadata: Default::default(),
+                        sealed: m.is_multiple_of(2).then(|| {
+                            std::sync::Arc::new(crate::records::SealedConfigure {
+                                deadline_unix_ms: m as u64,
+                                sealed: vec![m as u8; 3],
+                            })
+                        }),
                     });
                     let token = FenceToken { shard_id: String::new(), epoch: 0, sequence: 0 };
                     let _ = inventory.admit(kind, &machine_id(m), &token, binding, &mut changes);
@@ -209,7 +216,10 @@ proptest! {
                 }
                 Step::Invalidate => inventory.invalidate_cursors(&mut changes),
                 Step::Recover => {
-                    inventory.recover_interrupted(&mut changes);
+                    inventory.recover_interrupted(
+                        |slot| slot.sealed.is_none().then(|| "not sealed".to_owned()),
+                        &mut changes,
+                    );
                 }
                 Step::Reload => {
                     let _ = store.submit(std::mem::take(&mut changes));

@@ -40,6 +40,10 @@ fn admit(
     let binding = (kind == Configure).then(|| Binding {
         cluster: "c1".into(),
         shard_metadata: StringMap::from([("k".into(), "v".into())]),
+        sealed: Some(std::sync::Arc::new(SealedConfigure {
+            deadline_unix_ms: 1,
+            sealed: b"sealed".to_vec(),
+        })),
     });
     inv.admit(kind, id, token, binding, &mut Vec::new())
 }
@@ -370,7 +374,10 @@ fn interrupted_transitions_resume_or_fail() {
     let delete = accepted_op(admit(&mut inv, Delete, "m-2", &zero()));
     let mut restarted = Inventory::from_snapshot(inv.snapshot());
     let mut changes = Vec::new();
-    let mut resumed = restarted.recover_interrupted(&mut changes);
+    let mut resumed = restarted.recover_interrupted(
+        |_| Some("configure transition interrupted by a provider restart; not sealed".into()),
+        &mut changes,
+    );
     resumed.sort_by(|a, b| a.machine_id.cmp(&b.machine_id));
     assert_eq!(
         resumed,
@@ -396,6 +403,78 @@ fn interrupted_transitions_resume_or_fail() {
         m1.last_error
     );
     assert!(!changes.is_empty());
+}
+
+#[test]
+fn a_sealed_blob_lives_exactly_as_long_as_its_configure() {
+    let mut inv = seeded(3);
+    for id in ["m-0", "m-1", "m-2"] {
+        let op = accepted_op(admit(&mut inv, Create, id, &zero()));
+        settle(&mut inv, id, Create, &op);
+    }
+    let sealed_of = |inv: &Inventory, id: &str| inv.get(id).unwrap().sealed.is_some();
+    // Accepted: the blob is in the same change as the acceptance.
+    let expected = inv.next_operation_id();
+    let mut changes = Vec::new();
+    let binding = Binding {
+        cluster: "c1".into(),
+        shard_metadata: StringMap::new(),
+        sealed: Some(std::sync::Arc::new(SealedConfigure {
+            deadline_unix_ms: 1,
+            sealed: b"sealed".to_vec(),
+        })),
+    };
+    let op = accepted_op(inv.admit(Configure, "m-0", &zero(), Some(binding), &mut changes));
+    assert_eq!(op, expected, "the peeked id is the one admission mints");
+    assert!(
+        changes
+            .iter()
+            .any(|c| matches!(c, Change::PutSlot(s) if s.sealed.is_some()))
+    );
+    assert!(sealed_of(&inv, "m-0"));
+    // A retry keeps it; success forgets it in the completing change.
+    let _ = admit(&mut inv, Configure, "m-0", &zero());
+    assert!(sealed_of(&inv, "m-0"));
+    let mut changes = Vec::new();
+    assert!(inv.complete("m-0", Configure, &op, Ok(Effect::default()), &mut changes));
+    assert!(!sealed_of(&inv, "m-0"));
+    assert!(
+        changes
+            .iter()
+            .all(|c| !matches!(c, Change::PutSlot(s) if s.sealed.is_some()))
+    );
+    // Failure forgets it too.
+    let op = accepted_op(admit(&mut inv, Configure, "m-1", &zero()));
+    assert!(inv.complete(
+        "m-1",
+        Configure,
+        &op,
+        Err("hook failed".into()),
+        &mut Vec::new()
+    ));
+    assert!(!sealed_of(&inv, "m-1"));
+    // A restart resumes a Configure the closure lets through, and fails one it does not.
+    let resumable = accepted_op(admit(&mut inv, Configure, "m-2", &zero()));
+    let mut restarted = Inventory::from_snapshot(inv.snapshot());
+    let resumed = restarted.recover_interrupted(|_| None, &mut Vec::new());
+    assert_eq!(
+        resumed,
+        vec![Interrupted {
+            machine_id: "m-2".into(),
+            kind: Configure,
+            operation_id: resumable,
+        }]
+    );
+    assert!(sealed_of(&restarted, "m-2"));
+    let mut restarted = Inventory::from_snapshot(inv.snapshot());
+    let resumed = restarted.recover_interrupted(|_| Some("no key".into()), &mut Vec::new());
+    assert!(resumed.is_empty());
+    let m2 = restarted.get("m-2").unwrap();
+    assert_eq!(
+        (m2.machine.state, m2.machine.last_error.as_str()),
+        (MachineState::Failed, "no key")
+    );
+    assert!(m2.sealed.is_none(), "a FAILED slot keeps no blob");
 }
 
 fn machine(id: &str, state: MachineState, host: Option<&str>) -> Machine {

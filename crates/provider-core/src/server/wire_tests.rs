@@ -146,6 +146,7 @@ fn apply(inventory: &mut Inventory, step: Step) {
             let binding = (kind == OperationKind::Configure).then_some(Binding {
                 cluster,
                 shard_metadata,
+                sealed: None,
             });
             let token = FenceToken {
                 shard_id: "s".into(),
@@ -215,7 +216,10 @@ fn apply(inventory: &mut Inventory, step: Step) {
             inventory.confirm_vanished(&[suspect], since, &mut changes);
         }
         Step::Recover => {
-            inventory.recover_interrupted(&mut changes);
+            inventory.recover_interrupted(
+                |slot| slot.sealed.is_none().then(|| "not sealed".to_owned()),
+                &mut changes,
+            );
         }
         Step::Invalidate => inventory.invalidate_cursors(&mut changes),
         Step::Reload => *inventory = Inventory::from_snapshot(inventory.snapshot()),
@@ -304,7 +308,7 @@ async fn served_get_answers_what_the_generated_get_answers() {
         for id in ["m-0", "m-1", "m-2", "unknown", "", &"x".repeat(300)] {
             let request = Request::new(pb::MachineRef { id: id.into() });
             let built = CapacityProvider::get(service, request).await;
-            let cached = service.get_encoded(id);
+            let cached = service.get_encoded(id.to_owned()).await;
             match (built, cached) {
                 (Ok(built), Ok(cached)) => {
                     let decoded = pb::Machine::decode(cached.encode_to_vec().as_slice()).unwrap();

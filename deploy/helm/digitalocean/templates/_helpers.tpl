@@ -107,3 +107,35 @@ severity: {{ .alert.severity }}
 {{- end -}}
 {{- $ports | uniq | sortAlpha | join "," -}}
 {{- end -}}
+
+{{/* A state that outlives the process, local (state.enabled) or in etcd ("true", or empty). */}}
+{{- define "bigfleet-digitalocean.durableState" -}}
+{{- if or .Values.state.enabled (include "bigfleet-digitalocean.ha" .) -}}true{{- end -}}
+{{- end -}}
+
+{{/* Sealed Configure blobs: the key Secret is mounted and passed ("true", or empty). Without a
+durable state there is nothing to seal and the binary refuses the flag, so it is left out. */}}
+{{- define "bigfleet-digitalocean.stateEncryption" -}}
+{{- if and .Values.stateEncryption.enabled (include "bigfleet-digitalocean.durableState" .) -}}true{{- end -}}
+{{- end -}}
+
+{{/* The Secret with the state encryption keys: the operator's, or the one the chart keeps. */}}
+{{- define "bigfleet-digitalocean.stateKeySecret" -}}
+{{- default (printf "%s-state-key" (include "bigfleet-digitalocean.fullname" .)) .Values.stateEncryption.existingSecret -}}
+{{- end -}}
+
+{{/* What state encryption refuses. */}}
+{{- define "bigfleet-digitalocean.stateEncryptionChecks" -}}
+{{- $enc := .Values.stateEncryption -}}
+{{- if and (include "bigfleet-digitalocean.ha" .) (not $enc.enabled) -}}
+{{- fail "ha.etcd.endpoints needs stateEncryption.enabled=true: without --state-encryption-key-file every leader change and rolling update fails the Configures in flight (their bootstrap blobs are not kept in etcd)" -}}
+{{- end -}}
+{{- if not (include "bigfleet-digitalocean.durableState" .) -}}
+{{- if $enc.existingSecret -}}
+{{- fail "stateEncryption.existingSecret is set but the state is in memory: set state.enabled=true (or ha.etcd.endpoints), there is nothing to seal without a state" -}}
+{{- end -}}
+{{- if $enc.failUnreadableConfigures -}}
+{{- fail "stateEncryption.failUnreadableConfigures=true needs a state (state.enabled=true or ha.etcd.endpoints): an in-memory state holds no sealed Configure" -}}
+{{- end -}}
+{{- end -}}
+{{- end -}}
