@@ -774,13 +774,25 @@ async fn etcd_losing_a_member_serves_on_and_losing_all_refuses_then_recovers() {
     let all_down = Instant::now();
     tokio::time::sleep(Duration::from_secs(4)).await;
     let mut c = client(&replicas[serving]);
+    // A machine the load never touched: its state is durable, so it is answered from memory.
     let read = c
         .get(pb::MachineRef {
-            id: "fault-spec-000".into(),
+            id: "fault-spec-006".into(),
         })
         .await
         .expect("reads are answered from memory while etcd is down");
-    assert_eq!(read.into_inner().id, "fault-spec-000");
+    assert_eq!(read.into_inner().id, "fault-spec-006");
+    // A machine under load is answered too, unless its last change was never made durable
+    // (an answer never shows what etcd did not keep): then it is UNAVAILABLE.
+    for id in machine_ids() {
+        match c.get(pb::MachineRef { id: id.clone() }).await {
+            Ok(m) => assert_eq!(m.into_inner().id, id),
+            Err(status) => {
+                assert_eq!(status.code(), Code::Unavailable, "{id}: {status:?}");
+                assert!(status.message().contains("durable"), "{id}: {status:?}");
+            }
+        }
+    }
     // Every member refuses connections: positive evidence that nobody has a quorum, so the
     // replica keeps serving reads and says so.
     assert_eq!(readyz(replicas[serving].metrics.unwrap()).await, 200);

@@ -474,17 +474,25 @@ fn slot_of_size(id: &str, record_bytes: usize) -> Slot {
         machine: Arc::new(machine),
         last_change: 1,
         operations: [Some("op-1".into()), None, None, None],
+        sealed: None,
     };
-    let base = keys::encode_slot(&slot).len();
+    // The record as the engine measures it: the durable slot encoding (the etcd value adds a
+    // format byte, which the limit accounts for).
+    let encoded = |slot: &Slot| {
+        let mut out = Vec::new();
+        crate::durable::encode_slot(slot, &mut out);
+        out.len()
+    };
+    let base = encoded(&slot);
     Arc::make_mut(&mut slot.machine)
         .shard_metadata
         .insert("blob".into(), "x".repeat(record_bytes - base - 64));
-    let now = keys::encode_slot(&slot).len();
+    let now = encoded(&slot);
     let pad = record_bytes - now;
     Arc::make_mut(&mut slot.machine)
         .shard_metadata
         .insert("blob".into(), "x".repeat(record_bytes - base - 64 + pad));
-    assert_eq!(keys::encode_slot(&slot).len(), record_bytes);
+    assert_eq!(encoded(&slot), record_bytes);
     slot
 }
 

@@ -103,10 +103,11 @@ impl TxnLimits {
         }
     }
 
-    /// The largest machine record (the encoded slot, the value of `PREFIX/m/<id>`) whose
-    /// Configure still fits one transaction: the writes' room less the fence mark, the counters
-    /// and the record's own key, with `shard_id` and `machine_id` at their limits (the fence
-    /// key escapes every byte of both, three bytes each, in the worst case).
+    /// The largest machine record (the slot's durable encoding; its value under
+    /// `PREFIX/m/<id>` adds one format byte) whose Configure still fits one transaction: the
+    /// writes' room less the fence mark, the counters, the record's own key and format byte,
+    /// with `shard_id` and `machine_id` at their limits (the fence key escapes every byte of
+    /// both, three bytes each, in the worst case).
     pub(crate) fn max_record_bytes(&self, keys: &Keys) -> usize {
         let id = "/".repeat(crate::limits::MAX_ID_BYTES);
         let fence = write_size(
@@ -128,7 +129,8 @@ impl TxnLimits {
             })),
         );
         let slot_key = write_size(&keys.slot(&id), None);
-        self.txn_bytes.saturating_sub(fence + counters + slot_key)
+        self.txn_bytes
+            .saturating_sub(fence + counters + slot_key + 1)
     }
 }
 /// Attempts of one request before etcd counts as unavailable.
