@@ -90,13 +90,22 @@ impl Default for Leading {
 
 impl Leading {
     /// Registers `hook`, called with the state each term of a replicated provider starts on,
-    /// before its engine starts (the fake backend's cloud takes the hosts the state records, as
-    /// a real cloud keeps them across a failover).
+    /// before its engine starts, and with the state a single provider started on (the fake
+    /// backend's cloud takes the hosts the state records, as a real cloud keeps them across a
+    /// failover or a restart).
     pub fn on_takeover(&self, hook: impl Fn(&Snapshot) + Send + Sync + 'static) {
         self.1
             .lock()
             .unwrap_or_else(std::sync::PoisonError::into_inner)
             .push(Box::new(hook));
+    }
+
+    fn has_takeover_hooks(&self) -> bool {
+        !self
+            .1
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .is_empty()
     }
 
     fn taking_over(&self, snapshot: &Snapshot) {
@@ -203,6 +212,12 @@ impl Replica {
     /// The only replica, serving with `engine`; sets `leading`.
     pub fn single_with(engine: Arc<Engine>, leading: Leading) -> Arc<Replica> {
         let telemetry = engine.options().telemetry;
+        // A restarted process continues a stored state too: the binary's hooks (the fake
+        // cloud) see it as a new leader's would. The engine has started by now; its resumed
+        // transitions reach the cloud only after the fake's latency, so the hosts are there.
+        if leading.has_takeover_hooks() {
+            leading.taking_over(&engine.snapshot());
+        }
         leading.set(true);
         telemetry.leader(true);
         Arc::new(Replica {

@@ -653,3 +653,62 @@ fn a_transaction_etcd_refuses_keeps_the_leader_leading_on_a_fresh_read() {
         leader.task.await.expect("replica");
     });
 }
+
+/// The same for a single provider restarted on a local state with the fake backend: the new
+/// process's fake cloud holds the recorded hosts, and a reconcile fails nothing.
+#[test]
+fn a_restart_on_a_local_state_finds_the_recorded_hosts_on_the_fake_cloud() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let state = dir.path().join("state").display().to_string();
+    let id = "p/OnDemand/a/z1/000";
+    let start = || async {
+        let (cloud, fleet) = crate::fleet::test_fleet(default_mix(4, ["a", "b"], ["z1", "z2"]));
+        let leading = Leading::default();
+        let restored = cloud.clone();
+        leading.on_takeover(move |snapshot| restored.restore(snapshot));
+        let store = crate::app::open_store(&state).expect("open the state");
+        let engine = Engine::start(
+            Arc::new(fleet),
+            store,
+            EngineOptions::new(Telemetry::new("etcd_ha_test")),
+        )
+        .await
+        .expect("engine");
+        (Replica::single_with(engine, leading), cloud)
+    };
+    runtime().block_on(async {
+        let (replica, _) = start().await;
+        let engine = replica.writer().expect("writes");
+        engine.create(id, token(1)).await.expect("create");
+        settle(&engine, id, MachineState::Idle).await;
+        engine
+            .configure(
+                id,
+                "c".into(),
+                b"blob".to_vec(),
+                Default::default(),
+                token(2),
+            )
+            .await
+            .expect("configure");
+        settle(&engine, id, MachineState::Configured).await;
+        engine.shutdown(Duration::from_secs(2)).await;
+        engine.store().release().wait().await.expect("release");
+        drop(engine);
+        drop(replica);
+
+        let (replica, cloud) = start().await;
+        let engine = replica.writer().expect("writes");
+        assert_eq!(cloud.hosts().len(), 1);
+        for _ in 0..2 {
+            engine.reconcile().await.expect("reconcile");
+        }
+        let machine = engine.get(id).expect("get");
+        assert_eq!(
+            machine.state,
+            MachineState::Configured,
+            "{}",
+            machine.last_error
+        );
+    });
+}
