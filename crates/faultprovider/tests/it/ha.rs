@@ -1234,6 +1234,21 @@ async fn a_leader_cut_off_from_etcd_stops_answering_reads_while_another_leads() 
     old.create(wire::create_request("fault-spec-000", (SHARD.into(), 1, 1)))
         .await
         .expect("the leader acknowledges");
+    // A client holding one connection to the leader, through a forwarder that counts them.
+    let service = Service::start(replicas[0].grpc).await;
+    let mut held = CapacityProviderClient::new(
+        wire::endpoint(
+            &replicas[0].spec.pki,
+            service.addr,
+            ClientSecurity::Plaintext,
+        )
+        .expect("endpoint")
+        .connect_timeout(Duration::from_millis(300))
+        .timeout(Duration::from_millis(1500))
+        .connect_lazy(),
+    );
+    held.get(get()).await.expect("the leader answers");
+    assert_eq!(service.connections.load(Ordering::SeqCst), 1);
 
     for p in &partitions {
         p.cut();
@@ -1278,6 +1293,22 @@ async fn a_leader_cut_off_from_etcd_stops_answering_reads_while_another_leads() 
         tonic_health::pb::health_check_response::ServingStatus::NotServing
     );
     assert_eq!(readyz(metrics).await, 503);
+    // The connection held from before the cut was closed (as a standby closes them), so the
+    // client's channel connects again through the forwarder.
+    let mut refusals = Vec::new();
+    let deadline = Instant::now() + Duration::from_secs(5);
+    while service.connections.load(Ordering::SeqCst) < 2 {
+        refusals.push(held.get(get()).await.map(|_| ()).map_err(|s| s.code()));
+        assert!(
+            Instant::now() < deadline,
+            "the old connection stayed open: {refusals:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    assert!(
+        refusals.iter().all(Result::is_err),
+        "the cut-off replica answered on its old connection: {refusals:?}"
+    );
     // And it stays that way while the partition lasts.
     tokio::time::sleep(Duration::from_secs(3)).await;
     let refused = client(&replicas[0])
