@@ -68,6 +68,8 @@ impl Role {
 pub struct Leading(
     Arc<tokio::sync::watch::Sender<bool>>,
     Arc<std::sync::Mutex<Vec<TakeoverHook>>>,
+    /// The replica the flag belongs to, asked per request whether it serves at this instant.
+    Arc<std::sync::OnceLock<std::sync::Weak<Replica>>>,
 );
 
 /// Called with the state a new term starts on, before its engine starts.
@@ -83,6 +85,7 @@ impl Default for Leading {
     fn default() -> Leading {
         Leading(
             Arc::new(tokio::sync::watch::channel(false).0),
+            Arc::default(),
             Arc::default(),
         )
     }
@@ -119,8 +122,15 @@ impl Leading {
         }
     }
 
+    /// Whether the replica serves right now: its role does, and (for a leader) its claim is
+    /// still valid at this instant, as for gRPC health and `/readyz`.
     pub fn get(&self) -> bool {
         *self.0.borrow()
+            && self
+                .2
+                .get()
+                .and_then(std::sync::Weak::upgrade)
+                .is_none_or(|replica| replica.serves_now())
     }
 
     /// Set by the replica as its role changes (public for side servers' tests).
@@ -220,7 +230,7 @@ impl Replica {
         }
         leading.set(true);
         telemetry.leader(true);
-        Arc::new(Replica {
+        Replica::gated(Replica {
             current: RwLock::new(Current {
                 role: Role::Single,
                 engine: Some(engine),
@@ -238,7 +248,7 @@ impl Replica {
     pub fn standby(telemetry: Telemetry, leading: Leading) -> Arc<Replica> {
         leading.set(false);
         telemetry.leader(false);
-        Arc::new(Replica {
+        Replica::gated(Replica {
             current: RwLock::new(Current {
                 role: Role::Standby,
                 engine: None,
@@ -250,6 +260,13 @@ impl Replica {
             leading,
             changed: tokio::sync::watch::channel(Role::Standby).0,
         })
+    }
+
+    /// Shares `replica` and lets its [`Leading`] flag ask it per request.
+    fn gated(replica: Replica) -> Arc<Replica> {
+        let replica = Arc::new(replica);
+        let _ = replica.leading.2.set(Arc::downgrade(&replica));
+        replica
     }
 
     fn read(&self) -> std::sync::RwLockReadGuard<'_, Current> {

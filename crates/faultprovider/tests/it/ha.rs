@@ -151,11 +151,15 @@ fn settled(state: pb::MachineState) -> bool {
     )
 }
 
+/// An answer the client retries. CANCELLED only as this client's own deadline (tonic reports an
+/// expired client timeout as CANCELLED "Timeout expired"): a provider never answers CANCELLED
+/// for a retryable failure (a commit cut off by an etcd election is UNAVAILABLE).
 fn retryable(status: &Status) -> bool {
-    matches!(
-        status.code(),
-        Code::Unavailable | Code::DeadlineExceeded | Code::Cancelled | Code::Unknown
-    )
+    match status.code() {
+        Code::Unavailable | Code::DeadlineExceeded | Code::Unknown => true,
+        Code::Cancelled => status.message() == "Timeout expired",
+        _ => false,
+    }
 }
 
 impl Load {
@@ -276,7 +280,10 @@ impl Load {
                         true
                     }
                     Err(status) => {
-                        if matches!(status.code(), Code::FailedPrecondition | Code::Internal) {
+                        if matches!(
+                            status.code(),
+                            Code::FailedPrecondition | Code::Internal | Code::Cancelled
+                        ) {
                             record.wrong.push(format!(
                                 "{} {machine} (seq {seq}) answered {:?}: {}",
                                 kind.name(),

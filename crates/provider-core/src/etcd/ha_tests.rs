@@ -249,15 +249,16 @@ const SERVING: i32 = tonic_health::pb::health_check_response::ServingStatus::Ser
 const NOT_SERVING: i32 = tonic_health::pb::health_check_response::ServingStatus::NotServing as i32;
 
 /// The claim's validity is consulted per request: when the hold's monotonic deadline passes
-/// (a leader paused past its lease, or cut off from etcd), the very next health check, `/readyz`
-/// and Get answer as a standby, while the role (and the health status the role mirror set) still
+/// (a leader paused past its lease, or cut off from etcd), the very next health check, `/readyz`,
+/// Get and bootstrap-channel request answer as a standby, while the role (and the health status the role mirror set) still
 /// says leader. With evidence that etcd is down for everyone, reads go on from memory.
 #[test]
 fn a_lapsed_claim_answers_as_a_standby_before_the_replica_loop_notices() {
     runtime().block_on(async {
         let engine = memory_engine().await;
         let telemetry = Telemetry::new("etcd_ha_test");
-        let replica = Replica::standby(telemetry, Leading::default());
+        let leading = Leading::default();
+        let replica = Replica::standby(telemetry, leading.clone());
         // A claim whose last keep-alive was confirmed now, with a 1 s lease: usable for 800 ms.
         let hold = Hold::new(&Claim {
             lease: 1,
@@ -309,6 +310,7 @@ fn a_lapsed_claim_answers_as_a_standby_before_the_replica_loop_notices() {
         assert_eq!(http_status(http_addr, "/readyz").await, 200);
         assert_eq!(health(grpc_addr).await, SERVING);
         assert!(replica.reader().is_ok() && replica.writer().is_ok());
+        assert!(leading.get(), "the bootstrap channel serves");
 
         // The hold lapses; nothing tells the replica.
         let lapse = hold.valid_until();
@@ -325,6 +327,7 @@ fn a_lapsed_claim_answers_as_a_standby_before_the_replica_loop_notices() {
             replica.writer().map(|_| ()).unwrap_err().code(),
             Code::Unavailable
         );
+        assert!(!leading.get(), "the bootstrap channel answers 503");
 
         // Evidence that etcd is down for everyone: reads from memory, still no mutation.
         outage.store(true, std::sync::atomic::Ordering::SeqCst);
