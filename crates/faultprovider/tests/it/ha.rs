@@ -151,13 +151,18 @@ fn settled(state: pb::MachineState) -> bool {
     )
 }
 
-/// An answer the client retries. CANCELLED only as this client's own deadline (tonic reports an
-/// expired client timeout as CANCELLED "Timeout expired"): a provider never answers CANCELLED
-/// for a retryable failure (a commit cut off by an etcd election is UNAVAILABLE).
+/// An answer the client retries. CANCELLED only as what the client library makes of its own
+/// failures — tonic reports its expired deadline as CANCELLED "Timeout expired" and a request
+/// whose connection closed under it (a killed or stepping-down replica) as CANCELLED "operation
+/// was canceled" — never as a provider's answer: a commit cut off by an etcd election is
+/// UNAVAILABLE.
 fn retryable(status: &Status) -> bool {
     match status.code() {
         Code::Unavailable | Code::DeadlineExceeded | Code::Unknown => true,
-        Code::Cancelled => status.message() == "Timeout expired",
+        Code::Cancelled => {
+            status.message() == "Timeout expired"
+                || status.message().starts_with("operation was canceled")
+        }
         _ => false,
     }
 }
