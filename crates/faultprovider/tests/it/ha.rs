@@ -1714,3 +1714,86 @@ async fn a_configure_at_the_etcd_size_limit_commits_and_one_over_is_invalid_argu
     );
     drop(cluster);
 }
+
+/// The deterministic case of a retry across a failover: the leader is cut off from etcd (its
+/// proxies black-hole), a zero-token Create is admitted there but its commit never reaches
+/// etcd, and its retry arrives while the claim is still valid. Neither may be acknowledged: the
+/// operation is not durable, and the new leader, which never heard of it, continues the
+/// operation counter from etcd (an answer from the cut-off leader would hand out an operation id
+/// that the new leader then issues again for another operation).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_retry_on_a_leader_whose_commit_hangs_is_answered_only_once_durable() {
+    let cluster = blocking(|| Cluster::start(3));
+    let prefix = "/bigfleet/ha-hang";
+    let direct = cluster.state(prefix);
+    let mut partitions = Vec::new();
+    for member in &cluster.members {
+        partitions.push(Partition::start(&member.client).await);
+    }
+    let through: Vec<String> = partitions.iter().map(|p| p.addr.to_string()).collect();
+    let cut_off = format!("etcd://{}{prefix}", through.join(","));
+    let first = start_replica(&cut_off, "replica-0", TTL).await;
+    assert_eq!(
+        leader(std::slice::from_ref(&first), Duration::from_secs(10)).await,
+        0
+    );
+    let mut replicas = vec![first];
+    for i in 1..3 {
+        replicas.push(start_replica(&direct, &format!("replica-{i}"), TTL).await);
+    }
+    let _logs = LogsOnFailure(&replicas);
+    let id = "fault-spec-000";
+    let zero = || (String::new(), 0, 0);
+    for p in &partitions {
+        p.cut();
+    }
+    // The first attempt: admitted, its commit hangs.
+    let original = tokio::spawn({
+        let mut old = client(&replicas[0]);
+        async move {
+            old.create(wire::create_request(id, (String::new(), 0, 0)))
+                .await
+        }
+    });
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    // Its retry, while the claim is still valid.
+    let retried = client(&replicas[0])
+        .create(wire::create_request(id, zero()))
+        .await
+        .map(|ack| ack.into_inner().operation_id);
+    let original = original
+        .await
+        .expect("first attempt")
+        .map(|ack| ack.into_inner().operation_id);
+    // The new leader answers the retry.
+    let new_leader = leader(&replicas[1..], Duration::from_secs(15)).await + 1;
+    let deadline = Instant::now() + Duration::from_secs(10);
+    let answered = loop {
+        match client(&replicas[new_leader])
+            .create(wire::create_request(id, zero()))
+            .await
+        {
+            Ok(ack) => break ack.into_inner().operation_id,
+            Err(status) => assert!(retryable(&status), "{status:?}"),
+        }
+        assert!(Instant::now() < deadline, "the new leader never answered");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    };
+    eprintln!(
+        "retry on a leader whose commit hangs: the cut-off leader answered the Create {:?} and \
+         its retry {:?}; the new leader answered {answered}",
+        original.as_ref().map_err(|s| s.code()),
+        retried.as_ref().map_err(|s| s.code()),
+    );
+    for (what, answer) in [("the Create", &original), ("its retry", &retried)] {
+        match answer {
+            Ok(op) => panic!(
+                "the cut-off leader acknowledged {what} with {op}, which never became durable \
+                 (the new leader answered {answered})"
+            ),
+            Err(status) => assert!(retryable(status), "{what}: {status:?}"),
+        }
+    }
+    drop(partitions);
+    drop(cluster);
+}
