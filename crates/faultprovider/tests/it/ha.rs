@@ -1717,7 +1717,8 @@ async fn a_configure_at_the_etcd_size_limit_commits_and_one_over_is_invalid_argu
 
 /// The deterministic case of a retry across a failover: the leader is cut off from etcd (its
 /// proxies black-hole), a zero-token Create is admitted there but its commit never reaches
-/// etcd, and its retry arrives while the claim is still valid. Neither may be acknowledged: the
+/// etcd, and its retry arrives while the claim is still valid. Neither may be acknowledged, nor
+/// shown by a Get: the
 /// operation is not durable, and the new leader, which never heard of it, continues the
 /// operation counter from etcd (an answer from the cut-off leader would hand out an operation id
 /// that the new leader then issues again for another operation).
@@ -1756,6 +1757,15 @@ async fn a_retry_on_a_leader_whose_commit_hangs_is_answered_only_once_durable() 
         }
     });
     tokio::time::sleep(Duration::from_millis(100)).await;
+    // A read there does not show the admitted Create either: it is not durable.
+    let read = client(&replicas[0])
+        .get(pb::MachineRef { id: id.into() })
+        .await
+        .map(|m| m.into_inner().state());
+    assert!(
+        !matches!(read, Ok(pb::MachineState::Creating)),
+        "the cut-off leader showed a Create that never became durable: {read:?}"
+    );
     // Its retry, while the claim is still valid.
     let retried = client(&replicas[0])
         .create(wire::create_request(id, zero()))
