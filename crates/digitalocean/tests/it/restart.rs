@@ -510,7 +510,7 @@ async fn a_first_start_saves_the_catalogue_and_a_restart_serves_from_it() {
     assert_eq!(machine.state, pb::MachineState::Speculative as i32);
     assert!(
         p.logs()
-            .contains("pricing: serving with the prices and capacities saved by the last run"),
+            .contains("pricing: starting with the prices and capacities saved by the last run"),
         "{}",
         p.logs()
     );
