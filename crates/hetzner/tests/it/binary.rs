@@ -69,7 +69,7 @@ async fn json_logs_carry_the_startup_fields_and_never_the_token() {
 
 /// Runs the binary with `args` and a free `--addr`; it must exit 1 quickly, print `expected`,
 /// and never have bound the gRPC port.
-fn refuses(args: &[&str], expected: &str) {
+pub(crate) fn refuses(args: &[&str], expected: &str) {
     let port = provider_process::free_port().unwrap();
     let output = Command::new(binary())
         .arg(format!("--addr=127.0.0.1:{port}"))

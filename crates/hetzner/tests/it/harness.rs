@@ -425,6 +425,16 @@ impl Env {
         .unwrap()
     }
 
+    /// The reserved SSH port (before an SSH server took it).
+    pub fn ssh_port(&self) -> u16 {
+        self.ssh_listener
+            .as_ref()
+            .expect("the reserved SSH port")
+            .local_addr()
+            .unwrap()
+            .port()
+    }
+
     /// Moves the reserved SSH port to the IPv6 loopback `[::1]` (same port number).
     pub async fn listen_on_ipv6(&mut self) {
         let port = self
