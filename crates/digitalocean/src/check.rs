@@ -7,6 +7,7 @@
 use std::collections::HashMap;
 
 use provider_core::check::Report;
+use provider_core::retry::Verdict;
 use tokio::time::Instant;
 
 use crate::api::{ApiClient, Firewall, Size};
@@ -43,9 +44,16 @@ pub async fn startup(
     wanted: &[Wanted],
     deadline: Instant,
 ) -> Result<HashMap<String, DropletProfile>, String> {
-    api.get_account(deadline)
-        .await
-        .map_err(|e| format!("digitalocean: the API token does not work (GET /v2/account): {e}"))?;
+    api.get_account(deadline).await.map_err(|e| match e.verdict() {
+        // Rate limits, server errors and no answer until the budget ran out say nothing about
+        // the token.
+        Verdict::Retry { .. } => format!(
+            "digitalocean: the API did not answer the startup checks (GET /v2/account) before their budget ran out: {e}"
+        ),
+        Verdict::Fatal => {
+            format!("digitalocean: the API token does not work (GET /v2/account): {e}")
+        }
+    })?;
     let sizes = api
         .list_sizes(deadline)
         .await

@@ -49,6 +49,10 @@ struct Cli {
     /// leads, the others stand by); empty keeps state in memory.
     #[arg(long, default_value = "")]
     state: String,
+    /// Keys that seal the blob of a Configure in flight into the state, so a restart or a
+    /// takeover resumes it (one base64 32-byte key per line, the current one first).
+    #[arg(long = "state-encryption-key-file", default_value = "")]
+    state_encryption_key_file: String,
     /// `/metrics`, `/healthz` and `/readyz` listen address; empty disables them.
     #[arg(long = "metrics-addr", default_value = "")]
     metrics_addr: String,
@@ -215,7 +219,7 @@ fn common(cli: &Cli) -> CommonArgs {
         offerings: String::new(),
         seed_count: cli.seed_count as i64,
         state: cli.state.clone(),
-        state_encryption_key_file: String::new(),
+        state_encryption_key_file: cli.state_encryption_key_file.clone(),
         fail_unreadable_configures: false,
         image: String::new(),
         base_user_data: String::new(),

@@ -168,7 +168,7 @@ pub async fn run(launch: Launch) -> Result<(), String> {
         match &price_cache {
             Some(cache) if cache.restore(fleet) => {
                 tracing::info!(
-                    "pricing: serving with the prices and capacities saved by the last run; refreshing them from the cloud in the background"
+                    "pricing: starting with the prices and capacities saved by the last run; they are refreshed from the cloud in the background once serving"
                 );
                 refresh_now = true;
             }

@@ -307,7 +307,7 @@ impl Engine {
                 "the state holds the sealed bootstrap blobs of {unreadable} in-flight Configures \
                  and {why}: give {KEY_FILE_FLAG} the key they were sealed with (older keys on \
                  later lines), or start with --fail-unreadable-configures to fail exactly those \
-                 Configures; nothing was changed"
+                 Configures; no machine, mark or operation id was changed"
             )));
         }
         let fresh = snapshot.is_fresh();

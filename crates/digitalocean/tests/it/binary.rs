@@ -20,7 +20,7 @@ use crate::support::*;
 const BLOB: &[u8] = b"kubeadm join 10.0.0.1:6443 --token binary.e2eblobsecret";
 
 /// A port that was free a moment ago, for a child process to bind.
-async fn free_port() -> u16 {
+pub(crate) async fn free_port() -> u16 {
     TcpListener::bind("127.0.0.1:0")
         .await
         .unwrap()
@@ -29,19 +29,21 @@ async fn free_port() -> u16 {
         .port()
 }
 
-struct Provider {
-    _child: tokio::process::Child,
-    output: Arc<Mutex<Vec<u8>>>,
-    client: CapacityProviderClient<Channel>,
-    sequence: i64,
-    emulator: Emulator,
+/// The emulated cloud and the files a provider process starts with. It outlives the
+/// processes: a restarted provider finds the same Droplets, and the agents reach whichever
+/// process serves now through one stable bootstrap endpoint (a [`Forwarder`], as a Service in
+/// front of the pod).
+pub(crate) struct Site {
+    pub emulator: Emulator,
     _emulator_stop: tokio_util::sync::DropGuard,
-    pki: Pki,
-    dir: tempfile::TempDir,
+    pub pki: Pki,
+    pub dir: tempfile::TempDir,
+    bootstrap: Forwarder,
+    args: Vec<String>,
 }
 
-impl Provider {
-    async fn start(extra: &[&str]) -> Provider {
+impl Site {
+    pub async fn start() -> Site {
         let emulator = Emulator::new(API_TOKEN);
         let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
         let api_url = format!("http://{}", listener.local_addr().unwrap());
@@ -63,33 +65,54 @@ impl Provider {
             "offerings.json",
             r#"[{"size":"s-2vcpu-4gb","region":"nyc3","count":4,"resources":{"cpu":"1","memory":"2Gi"}}]"#,
         );
-        let (grpc, bootstrap) = (free_port().await, free_port().await);
+        // Nothing listens behind it until a provider process starts.
+        let bootstrap = Forwarder::start(([127, 0, 0, 1], 9).into()).await;
+        let args = vec![
+            "--provider=do-bin".to_owned(),
+            "--region=nyc3".to_owned(),
+            "--image=ubuntu-24-04-x64".to_owned(),
+            "--reconcile-interval=0".to_owned(),
+            "--price-refresh=0".to_owned(),
+            format!("--offerings={offerings}"),
+            format!("--do-api-url={api_url}"),
+            format!(
+                "--bootstrap-endpoint=https://127.0.0.1:{}",
+                bootstrap.addr.port()
+            ),
+            format!("--bootstrap-tls-cert={cert}"),
+            format!("--bootstrap-tls-key={key}"),
+            format!("--bootstrap-ca={ca}"),
+        ];
+        Site {
+            emulator,
+            _emulator_stop: stop.drop_guard(),
+            pki,
+            dir,
+            bootstrap,
+            args,
+        }
+    }
+
+    /// Spawns the `digitalocean` binary on this site with gRPC on `grpc` and `extra` flags
+    /// (`--metrics-addr` is off unless `extra` sets it); the bootstrap endpoint leads to it
+    /// from now on.
+    pub async fn spawn(&self, grpc: u16, extra: &[&str]) -> Spawned {
+        let bootstrap = free_port().await;
+        self.bootstrap.retarget(([127, 0, 0, 1], bootstrap).into());
         let mut cmd = tokio::process::Command::new(env!("CARGO_BIN_EXE_digitalocean"));
-        cmd.args([
-            "--provider=do-bin",
-            "--region=nyc3",
-            "--image=ubuntu-24-04-x64",
-            "--metrics-addr=",
-            "--reconcile-interval=0",
-            "--price-refresh=0",
-        ])
-        .arg(format!("--offerings={offerings}"))
-        .arg(format!("--addr=127.0.0.1:{grpc}"))
-        .arg(format!("--do-api-url={api_url}"))
-        .arg(format!("--bootstrap-addr=127.0.0.1:{bootstrap}"))
-        .arg(format!(
-            "--bootstrap-endpoint=https://127.0.0.1:{bootstrap}"
-        ))
-        .arg(format!("--bootstrap-tls-cert={cert}"))
-        .arg(format!("--bootstrap-tls-key={key}"))
-        .arg(format!("--bootstrap-ca={ca}"))
-        .args(extra)
-        .env("DIGITALOCEAN_TOKEN", API_TOKEN)
-        .env("BIGFLEET_BOOTSTRAP_SECRET", SECRET)
-        .stdin(Stdio::null())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .kill_on_drop(true);
+        cmd.args(&self.args)
+            .arg(format!("--addr=127.0.0.1:{grpc}"))
+            .arg(format!("--bootstrap-addr=127.0.0.1:{bootstrap}"))
+            .args(extra)
+            .env("DIGITALOCEAN_TOKEN", API_TOKEN)
+            .env("BIGFLEET_BOOTSTRAP_SECRET", SECRET)
+            .stdin(Stdio::null())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .kill_on_drop(true);
+        if !extra.iter().any(|a| a.starts_with("--metrics-addr")) {
+            cmd.arg("--metrics-addr=");
+        }
         let mut child = cmd.spawn().unwrap();
         let output = Arc::new(Mutex::new(Vec::new()));
         for stream in [
@@ -118,43 +141,83 @@ impl Provider {
                 }
             });
         }
-        // The child binds its own ports: connect until it answers (bounded).
+        Spawned { child, output }
+    }
+}
+
+/// A `digitalocean` process with its output collected; killed when dropped.
+pub(crate) struct Spawned {
+    pub child: tokio::process::Child,
+    output: Arc<Mutex<Vec<u8>>>,
+}
+
+impl Spawned {
+    pub fn logs(&self) -> String {
+        String::from_utf8_lossy(&self.output.lock().unwrap()).into_owned()
+    }
+
+    /// Connects to its gRPC port until it answers (bounded); panics with the log if the process
+    /// exits first.
+    pub async fn connect(&mut self, grpc: u16) -> CapacityProviderClient<Channel> {
         let endpoint = format!("http://127.0.0.1:{grpc}");
-        let mut client = None;
         for _ in 0..400 {
             if let Ok(c) = CapacityProviderClient::connect(endpoint.clone()).await {
-                client = Some(c);
-                break;
+                return c;
             }
-            if let Ok(Some(status)) = child.try_wait() {
-                panic!(
-                    "provider exited with {status}: {}",
-                    String::from_utf8_lossy(&output.lock().unwrap())
-                );
+            if let Ok(Some(status)) = self.child.try_wait() {
+                panic!("provider exited with {status}: {}", self.logs());
             }
             tokio::time::sleep(Duration::from_millis(50)).await;
         }
-        let client = client.unwrap_or_else(|| {
-            panic!(
-                "provider never listened: {}",
-                String::from_utf8_lossy(&output.lock().unwrap())
-            )
-        });
+        panic!("provider never listened: {}", self.logs())
+    }
+}
+
+pub(crate) struct Provider {
+    pub process: Spawned,
+    pub client: CapacityProviderClient<Channel>,
+    sequence: i64,
+    pub site: Site,
+}
+
+impl Provider {
+    async fn start(extra: &[&str]) -> Provider {
+        Provider::start_on(Site::start().await, extra).await
+    }
+
+    /// Starts a provider process on `site`.
+    pub async fn start_on(site: Site, extra: &[&str]) -> Provider {
+        let grpc = free_port().await;
+        let mut process = site.spawn(grpc, extra).await;
+        let client = process.connect(grpc).await;
         Provider {
-            _child: child,
-            output,
+            process,
             client,
             sequence: 0,
-            emulator,
-            _emulator_stop: stop.drop_guard(),
-            pki,
-            dir,
+            site,
         }
+    }
+
+    /// Kills the process at once (SIGKILL), as a crash would, and waits until it is gone.
+    pub async fn kill_9(&mut self) {
+        self.process.child.kill().await.unwrap();
+    }
+
+    /// Starts a new process on the same site in place of the dead one; the shard keeps
+    /// counting its fence sequence.
+    pub async fn restart(&mut self, extra: &[&str]) {
+        assert!(
+            self.process.child.try_wait().unwrap().is_some(),
+            "restart of a running provider"
+        );
+        let grpc = free_port().await;
+        self.process = self.site.spawn(grpc, extra).await;
+        self.client = self.process.connect(grpc).await;
     }
 
     /// Waits up to 10 s for `line` in the log (lines from tasks that start next to gRPC may
     /// follow readiness by a moment).
-    async fn wait_for_log(&self, line: &str) {
+    pub async fn wait_for_log(&self, line: &str) {
         let deadline = Instant::now() + Duration::from_secs(10);
         while !self.logs().contains(line) {
             assert!(
@@ -166,16 +229,16 @@ impl Provider {
         }
     }
 
-    fn logs(&self) -> String {
-        String::from_utf8_lossy(&self.output.lock().unwrap()).into_owned()
+    pub fn logs(&self) -> String {
+        self.process.logs()
     }
 
-    fn next(&mut self) -> i64 {
+    pub fn next(&mut self) -> i64 {
         self.sequence += 1;
         self.sequence
     }
 
-    async fn speculative(&mut self, n: usize) -> Vec<String> {
+    pub async fn speculative(&mut self, n: usize) -> Vec<String> {
         let list = self
             .client
             .list(pb::ListFilter::default())
@@ -194,7 +257,7 @@ impl Provider {
         ids
     }
 
-    async fn get(&mut self, id: &str) -> pb::Machine {
+    pub async fn get(&mut self, id: &str) -> pb::Machine {
         self.client
             .get(pb::MachineRef { id: id.to_owned() })
             .await
@@ -203,7 +266,7 @@ impl Provider {
     }
 
     /// Waits until the machine reaches `state` (bounded), failing fast on an unexpected FAILED.
-    async fn wait_for(&mut self, id: &str, state: pb::MachineState) -> pb::Machine {
+    pub async fn wait_for(&mut self, id: &str, state: pb::MachineState) -> pb::Machine {
         for _ in 0..600 {
             let m = self.get(id).await;
             if m.state == state as i32 {
@@ -221,7 +284,7 @@ impl Provider {
         );
     }
 
-    async fn create(&mut self, id: &str) {
+    pub async fn create(&mut self, id: &str) {
         let sequence_number = self.next();
         let request = pb::CreateRequest {
             machine_id: id.into(),
@@ -233,6 +296,20 @@ impl Provider {
     }
 
     async fn configure(&mut self, id: &str, cluster: &str, blob: &[u8]) {
+        self.configure_with(id, cluster, blob, Default::default())
+            .await
+            .unwrap();
+    }
+
+    /// A Configure with the shard's next fence token; a retry of the same request is the same
+    /// call again.
+    pub async fn configure_with(
+        &mut self,
+        id: &str,
+        cluster: &str,
+        blob: &[u8],
+        shard_metadata: std::collections::HashMap<String, String>,
+    ) -> Result<pb::TransitionAck, tonic::Status> {
         let sequence_number = self.next();
         let request = pb::ConfigureRequest {
             machine_id: id.into(),
@@ -241,30 +318,41 @@ impl Provider {
             shard_id: "shard-a".into(),
             shard_epoch: 1,
             sequence_number,
-            shard_metadata: Default::default(),
+            shard_metadata,
         };
-        self.client.configure(request).await.unwrap();
+        self.client
+            .configure(request)
+            .await
+            .map(tonic::Response::into_inner)
     }
 
     /// Starts the agent of `machine_id`'s Droplet from the config its user_data carries.
     fn boot_droplet(&self, machine_id: &str, hook_exit: i32) -> (AgentProcess, PathBuf) {
-        let tag = machine_tag(machine_id);
-        let droplet = self
-            .emulator
-            .droplets()
-            .into_iter()
-            .find(|d| d.tags.contains(&tag))
-            .expect("droplet");
-        let dir = self.dir.path().join(droplet.id.to_string());
-        std::fs::create_dir_all(&dir).unwrap();
+        let (dir, config_json) = self.droplet_of(machine_id);
         let agent = AgentProcess::spawn(AgentSetup {
             dir: &dir,
-            config_json: agent_config_from_user_data(&droplet.user_data),
+            config_json,
             hook: recording_hook(&dir, hook_exit),
             drain_command: format!("echo \"$1\" > '{}/drain.args'", dir.display()),
             readiness_command: None,
         });
         (agent, dir)
+    }
+
+    /// A directory for the agent of `machine_id`'s Droplet, and the agent config its
+    /// user_data carries.
+    pub fn droplet_of(&self, machine_id: &str) -> (PathBuf, String) {
+        let tag = machine_tag(machine_id);
+        let droplet = self
+            .site
+            .emulator
+            .droplets()
+            .into_iter()
+            .find(|d| d.tags.contains(&tag))
+            .expect("droplet");
+        let dir = self.site.dir.path().join(droplet.id.to_string());
+        std::fs::create_dir_all(&dir).unwrap();
+        (dir, agent_config_from_user_data(&droplet.user_data))
     }
 }
 
@@ -286,7 +374,7 @@ async fn the_binary_runs_the_whole_lifecycle_with_real_agents() {
     let host = idle.host.clone().expect("an Idle machine has a host");
     assert_eq!(host.provider, "do-bin");
     p.wait_for(&bad, pb::MachineState::Idle).await;
-    assert_eq!(p.emulator.droplets().len(), 2);
+    assert_eq!(p.site.emulator.droplets().len(), 2);
 
     let (good_agent, good_dir) = p.boot_droplet(&good, 0);
     let (_bad_agent, _) = p.boot_droplet(&bad, 7);
@@ -332,7 +420,7 @@ async fn the_binary_runs_the_whole_lifecycle_with_real_agents() {
         .unwrap();
     p.wait_for(&good, pb::MachineState::Speculative).await;
     assert_eq!(
-        p.emulator.droplets().len(),
+        p.site.emulator.droplets().len(),
         1,
         "only the FAILED machine's Droplet is left"
     );
@@ -350,7 +438,7 @@ async fn the_binary_runs_the_whole_lifecycle_with_real_agents() {
             "a secret leaked into the logs:\n{logs}"
         );
     }
-    let _ = &p.pki;
+    let _ = &p.site.pki;
 }
 
 #[tokio::test]

@@ -11,5 +11,6 @@ mod cloud;
 mod lifecycle;
 mod pin;
 mod production;
+mod restart;
 mod resume;
 mod support;

@@ -524,3 +524,43 @@ async fn startup_fails_on_a_setting_that_does_not_resolve_before_any_port_binds(
         "nothing was created"
     );
 }
+
+/// A startup check that the API only ever rate-limits fails without blaming the token; a token
+/// the API refuses is named as the cause.
+#[tokio::test]
+async fn a_rate_limited_startup_check_does_not_blame_the_token() {
+    let env = Env::start().await;
+    env.emulator.fail_next(
+        1000,
+        do_emulator::Fault {
+            status: 429,
+            retry_after: Some(600),
+        },
+    );
+    let wanted = wanted(OfferingFields::default(), defaults());
+    let budget = Instant::now() + Duration::from_secs(1);
+    let e = startup(&api_client(&env.api_url), &wanted, budget)
+        .await
+        .unwrap_err();
+    assert!(
+        e.starts_with("digitalocean: the API did not answer the startup checks (GET /v2/account)")
+            && e.contains("HTTP 429")
+            && !e.contains("token"),
+        "{e}"
+    );
+
+    let env = Env::start().await;
+    let wrong = digitalocean::api::ApiClient::new(
+        digitalocean::api::parse_base_url(&env.api_url).unwrap(),
+        digitalocean::api::ApiToken::new("dop_v1_not_the_emulators_token_0000").unwrap(),
+        fast_backoff(),
+        telemetry(),
+    )
+    .unwrap();
+    let e = startup(&wrong, &wanted, soon()).await.unwrap_err();
+    assert!(
+        e.starts_with("digitalocean: the API token does not work (GET /v2/account)")
+            && e.contains("HTTP 401"),
+        "{e}"
+    );
+}

@@ -6,7 +6,6 @@
 //! ran or after it finished but before its ack arrived. Also the agent's record itself: an old
 //! state file loads, and a command whose start cannot be recorded is not run.
 
-use std::path::Path;
 use std::time::Duration;
 
 use digitalocean::channel::{AuthLimit, Command};
@@ -15,27 +14,6 @@ use tokio::net::TcpListener;
 use crate::support::*;
 
 const BLOB: &[u8] = b"kubeadm join 10.0.0.1:6443 --token abcdef.0123456789abcdef";
-
-/// A shell script that counts its runs in `<name>.runs`, waits until `<name>.go` exists, then
-/// exits with `exit_code`.
-fn gated(dir: &Path, name: &str, exit_code: i32) -> String {
-    format!(
-        "echo run >> '{d}/{name}.runs'\n\
-         while [ ! -e '{d}/{name}.go' ]; do sleep 0.05; done\n\
-         exit {exit_code}\n",
-        d = dir.display()
-    )
-}
-
-fn runs(dir: &Path, name: &str) -> usize {
-    std::fs::read_to_string(dir.join(format!("{name}.runs")))
-        .map(|s| s.lines().count())
-        .unwrap_or(0)
-}
-
-fn release(dir: &Path, name: &str) {
-    std::fs::write(dir.join(format!("{name}.go")), b"").unwrap();
-}
 
 fn configure() -> Command {
     Command::Configure {

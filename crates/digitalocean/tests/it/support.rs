@@ -323,6 +323,27 @@ pub fn recording_hook(dir: &Path, exit_code: i32) -> PathBuf {
     hook
 }
 
+/// A shell script that counts its runs in `<name>.runs`, waits until `<name>.go` exists, then
+/// exits with `exit_code`.
+pub fn gated(dir: &Path, name: &str, exit_code: i32) -> String {
+    format!(
+        "echo run >> '{d}/{name}.runs'\n\
+         while [ ! -e '{d}/{name}.go' ]; do sleep 0.05; done\n\
+         exit {exit_code}\n",
+        d = dir.display()
+    )
+}
+
+pub fn runs(dir: &Path, name: &str) -> usize {
+    std::fs::read_to_string(dir.join(format!("{name}.runs")))
+        .map(|s| s.lines().count())
+        .unwrap_or(0)
+}
+
+pub fn release(dir: &Path, name: &str) {
+    std::fs::write(dir.join(format!("{name}.go")), b"").unwrap();
+}
+
 /// A running `bigfleet-agent` process with its stderr captured.
 pub struct AgentProcess {
     child: tokio::process::Child,

@@ -46,6 +46,11 @@ fn spec(state: &str, name: &str, ttl: &str) -> Spec {
             format!("--etcd-lease-ttl={ttl}"),
             "--seed-count=8".into(),
             "--transition-timeout=5s".into(),
+            // Configures in flight resume on the next leader instead of failing.
+            format!(
+                "--state-encryption-key-file={}",
+                root().join("testdata/state-key").display()
+            ),
         ],
         metrics: true,
         security: ClientSecurity::Plaintext,
@@ -643,7 +648,7 @@ async fn kill_9_of_the_leader_under_load_loses_nothing() {
     while acks_since(&load, resumed) < 40 {
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
-    let checked = check(&load, tasks, &state, true).await;
+    let checked = check(&load, tasks, &state, false).await;
     eprintln!(
         "kill -9 of the leader (lease TTL {TTL}): replica {new_leader} acknowledged the first \
          mutation {takeover:?} after the kill; checker: {checked:?}"
@@ -733,7 +738,7 @@ async fn a_leader_paused_past_its_lease_commits_nothing_and_steps_down() {
         old_after.is_empty(),
         "the paused leader acknowledged requests sent after its pause: {old_after:?}"
     );
-    let checked = check(&load, tasks, &state, true).await;
+    let checked = check(&load, tasks, &state, false).await;
     eprintln!(
         "SIGSTOP of the leader (lease TTL {TTL}): first mutation on the new leader {takeover:?} \
          after the pause; checker: {checked:?}"
@@ -778,7 +783,9 @@ async fn etcd_losing_a_member_serves_on_and_losing_all_refuses_then_recovers() {
         cluster.restart(member);
         cluster.wait_ready();
     });
-    // Every member down: no mutation is acknowledged, reads are answered from memory.
+    // Every member down: no mutation is acknowledged, reads are answered from memory, but only
+    // what was durable: a machine of the load may have a change whose commit never landed (it is
+    // answered UNAVAILABLE), the seeded machine no request touches is answered.
     let serving = leader(&replicas, Duration::from_secs(5)).await;
     for m in &mut cluster.members {
         m.kill();
@@ -844,7 +851,7 @@ async fn etcd_losing_a_member_serves_on_and_losing_all_refuses_then_recovers() {
     while acks_since(&load, back) < 30 {
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
-    let checked = check(&load, tasks, &state, true).await;
+    let checked = check(&load, tasks, &state, false).await;
     eprintln!(
         "etcd: longest wait for an ack after the etcd leader was killed {gap:?}; first ack \
          {recovery:?} after all members returned; checker: {checked:?}"

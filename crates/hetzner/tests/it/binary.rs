@@ -2,27 +2,15 @@
 //! startup before any port binds, JSON logs, and secrets kept out of the output.
 
 use std::net::TcpListener;
-use std::path::PathBuf;
 use std::process::Command;
 use std::time::Duration;
 
+use crate::harness::{binary, process_spec};
 use crate::provider_process::{self, Spec};
-use crate::wire::{self, ClientSecurity};
-
-fn binary() -> PathBuf {
-    PathBuf::from(env!("CARGO_BIN_EXE_hetzner"))
-}
+use crate::wire;
 
 fn spec(args: &[&str]) -> Spec {
-    let root = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../..");
-    Spec {
-        name: "hetzner".into(),
-        binary: binary(),
-        args: args.iter().map(|a| (*a).to_owned()).collect(),
-        metrics: false,
-        security: ClientSecurity::Plaintext,
-        pki: wire::pki_dir(&root),
-    }
+    process_spec(args.iter().map(|a| (*a).to_owned()).collect())
 }
 
 #[tokio::test]
@@ -81,7 +69,7 @@ async fn json_logs_carry_the_startup_fields_and_never_the_token() {
 
 /// Runs the binary with `args` and a free `--addr`; it must exit 1 quickly, print `expected`,
 /// and never have bound the gRPC port.
-fn refuses(args: &[&str], expected: &str) {
+pub(crate) fn refuses(args: &[&str], expected: &str) {
     let port = provider_process::free_port().unwrap();
     let output = Command::new(binary())
         .arg(format!("--addr=127.0.0.1:{port}"))

@@ -3,119 +3,27 @@
 //! survive `kill -9`, a SIGTERM releases the claim, `state export` reads the prefix, and bad
 //! etcd flags fail before any port binds.
 
-use std::net::{Ipv4Addr, SocketAddrV4, TcpListener};
-use std::path::PathBuf;
-use std::process::{Child, Command, Stdio};
-use std::time::{Duration, Instant};
+use std::process::Command;
+use std::time::Duration;
 
+use provider_core::etcd::testing::Cluster;
+
+use crate::harness::{binary, blocking, process_spec, state_export as export};
 use crate::provider_process::{self, Spec};
-use crate::wire::{self, ClientSecurity};
-
-/// One etcd member on 127.0.0.21 (ports picked free, own data directory), killed on drop.
-struct Etcd {
-    client: String,
-    child: Child,
-    _data: tempfile::TempDir,
-}
-
-fn free_port(ip: Ipv4Addr) -> u16 {
-    TcpListener::bind(SocketAddrV4::new(ip, 0))
-        .and_then(|l| l.local_addr())
-        .map(|a| a.port())
-        .unwrap()
-}
-
-impl Etcd {
-    async fn start() -> Etcd {
-        let ip = Ipv4Addr::new(127, 0, 0, 21);
-        let data = tempfile::tempdir().unwrap();
-        let client = format!("{ip}:{}", free_port(ip));
-        let peer = format!("http://{ip}:{}", free_port(ip));
-        let child = Command::new("etcd")
-            .args([
-                "--name=e2e".to_owned(),
-                format!("--data-dir={}", data.path().join("e2e").display()),
-                format!("--listen-peer-urls={peer}"),
-                format!("--initial-advertise-peer-urls={peer}"),
-                format!("--listen-client-urls=http://{client}"),
-                format!("--advertise-client-urls=http://{client}"),
-                format!("--initial-cluster=e2e={peer}"),
-                "--heartbeat-interval=50".into(),
-                "--election-timeout=500".into(),
-                "--auto-compaction-mode=revision".into(),
-                "--auto-compaction-retention=1000".into(),
-                "--logger=zap".into(),
-                "--log-level=error".into(),
-            ])
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .spawn()
-            .expect("start etcd (apt-get install etcd-server; deploy/ci-setup.sh does)");
-        let etcd = Etcd {
-            client,
-            child,
-            _data: data,
-        };
-        // Ready once `state export` of an empty prefix answers (it needs a leader).
-        let started = Instant::now();
-        while export(&etcd.state("/probe")).is_err() {
-            assert!(
-                started.elapsed() < Duration::from_secs(20),
-                "etcd did not start"
-            );
-            tokio::time::sleep(Duration::from_millis(50)).await;
-        }
-        etcd
-    }
-
-    fn state(&self, prefix: &str) -> String {
-        format!("etcd://{}{prefix}", self.client)
-    }
-}
-
-impl Drop for Etcd {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-}
-
-fn binary() -> PathBuf {
-    PathBuf::from(env!("CARGO_BIN_EXE_hetzner"))
-}
+use crate::wire;
 
 fn spec(state: &str) -> Spec {
-    let root = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../..");
-    Spec {
-        name: "hetzner".into(),
-        binary: binary(),
-        args: vec![
-            "--use-fake-backend".into(),
-            "--seed-count=4".into(),
-            "--fake-latency=50ms".into(),
-            // The fake cloud's hosts live in the process: a reconcile after the kill would
-            // rightly find the servers of finished Creates gone and return their machines to
-            // SPECULATIVE, and a retried Create would then start a new operation.
-            "--reconcile-interval=0".into(),
-            format!("--state={state}"),
-            "--etcd-lease-ttl=1s".into(),
-        ],
-        metrics: false,
-        security: ClientSecurity::Plaintext,
-        pki: wire::pki_dir(&root),
-    }
-}
-
-/// `hetzner state export --state STATE` as parsed JSON.
-fn export(state: &str) -> Result<serde_json::Value, String> {
-    let out = Command::new(binary())
-        .args(["state", "export", "--state", state])
-        .output()
-        .unwrap();
-    if !out.status.success() {
-        return Err(String::from_utf8_lossy(&out.stderr).into_owned());
-    }
-    serde_json::from_slice(&out.stdout).map_err(|e| e.to_string())
+    process_spec(vec![
+        "--use-fake-backend".into(),
+        "--seed-count=4".into(),
+        "--fake-latency=50ms".into(),
+        // The fake cloud's hosts live in the process: a reconcile after the kill would
+        // rightly find the servers of finished Creates gone and return their machines to
+        // SPECULATIVE, and a retried Create would then start a new operation.
+        "--reconcile-interval=0".into(),
+        format!("--state={state}"),
+        "--etcd-lease-ttl=1s".into(),
+    ])
 }
 
 fn op_number(op: &str) -> u64 {
@@ -124,7 +32,7 @@ fn op_number(op: &str) -> u64 {
 
 #[tokio::test]
 async fn acknowledged_mutations_and_op_ids_survive_kill_9_of_a_provider_on_etcd() {
-    let etcd = Etcd::start().await;
+    let etcd = blocking(|| Cluster::start(1));
     let state = etcd.state("/bigfleet/hetzner-e2e");
 
     let first = provider_process::start(spec(&state)).await.unwrap();

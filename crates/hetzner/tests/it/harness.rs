@@ -24,6 +24,59 @@ use tokio::net::TcpListener;
 pub const TOKEN: &str = "it-token-5be0c7d1a9f2";
 pub const PROVIDER: &str = "hetzner-it";
 
+/// The `hetzner` binary cargo built for these tests.
+pub fn binary() -> PathBuf {
+    PathBuf::from(env!("CARGO_BIN_EXE_hetzner"))
+}
+
+/// The `hetzner` binary as a child process with `args` (besides `--addr`), over plaintext.
+pub fn process_spec(args: Vec<String>) -> crate::provider_process::Spec {
+    let root = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../..");
+    crate::provider_process::Spec {
+        name: "hetzner".into(),
+        binary: binary(),
+        args,
+        metrics: false,
+        security: crate::wire::ClientSecurity::Plaintext,
+        pki: crate::wire::pki_dir(&root),
+    }
+}
+
+/// `hetzner state export --state STATE` as parsed JSON, or its error output.
+pub fn state_export(state: &str) -> Result<serde_json::Value, String> {
+    let out = std::process::Command::new(binary())
+        .args(["state", "export", "--state", state])
+        .output()
+        .unwrap();
+    if !out.status.success() {
+        return Err(String::from_utf8_lossy(&out.stderr).into_owned());
+    }
+    serde_json::from_slice(&out.stdout).map_err(|e| e.to_string())
+}
+
+/// Runs `f` on a thread of its own: for what blocks on a runtime of its own, such as starting
+/// an etcd (`provider_core::etcd::testing::Cluster::start`).
+pub fn blocking<T: Send>(f: impl FnOnce() -> T + Send) -> T {
+    std::thread::scope(|s| s.spawn(f).join().expect("blocking helper"))
+}
+
+/// Waits (10 s at most, polling every `every`) until `condition` holds.
+pub async fn until_every(what: &str, every: Duration, condition: impl Fn() -> bool) {
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+    while !condition() {
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "timed out waiting until {what}"
+        );
+        tokio::time::sleep(every).await;
+    }
+}
+
+/// Waits (10 s at most) until `condition` holds.
+pub async fn until(what: &str, condition: impl Fn() -> bool) {
+    until_every(what, Duration::from_millis(10), condition).await
+}
+
 /// Log lines captured from `tracing`.
 #[derive(Clone, Default)]
 pub struct Logs(Arc<Mutex<Vec<u8>>>);
@@ -370,6 +423,16 @@ impl Env {
             "root",
         )
         .unwrap()
+    }
+
+    /// The reserved SSH port (before an SSH server took it).
+    pub fn ssh_port(&self) -> u16 {
+        self.ssh_listener
+            .as_ref()
+            .expect("the reserved SSH port")
+            .local_addr()
+            .unwrap()
+            .port()
     }
 
     /// Moves the reserved SSH port to the IPv6 loopback `[::1]` (same port number).

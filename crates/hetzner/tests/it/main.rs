@@ -11,6 +11,7 @@ mod harness;
 mod lifecycle;
 mod production;
 mod real_build;
+mod restart;
 mod resume;
 mod secrets;
 mod ssh_delivery;

@@ -13,7 +13,7 @@ use provider_core::backend::{BootstrapBlob, ConfigureOrder, TransitionContext};
 use provider_core::cloud::Cloud;
 use provider_core::machine::{HostRef, Machine};
 
-use crate::harness::{Env, Options, PROVIDER, ctx, deliveries};
+use crate::harness::{Env, Options, PROVIDER, ctx, deliveries, until};
 
 fn order(cluster: &str) -> ConfigureOrder {
     ConfigureOrder {
@@ -35,17 +35,6 @@ async fn created(env: &Env) -> (Machine, i64) {
         id: host.id.clone(),
     });
     (machine, host.id.parse().unwrap())
-}
-
-/// Waits (10 s at most) until `condition` holds.
-async fn until(what: &str, condition: impl Fn() -> bool) {
-    for _ in 0..1000 {
-        if condition() {
-            return;
-        }
-        tokio::time::sleep(Duration::from_millis(10)).await;
-    }
-    panic!("timed out waiting until {what}");
 }
 
 fn record(env: &Env, run: &str) -> PathBuf {

@@ -763,19 +763,29 @@ impl Store for GatedStore {
     }
 }
 
-#[tokio::test(start_paused = true)]
-async fn a_zero_token_retry_is_answered_only_once_the_first_commit_is_durable() {
-    let backend = Scripted::with(1, None);
+/// An engine over one machine whose commits are held from now on, and a zero-token Create of
+/// m-0 waiting on its commit.
+async fn held_create() -> (
+    Arc<Engine>,
+    Arc<GatedStore>,
+    tokio::task::JoinHandle<Result<Ack, CoreError>>,
+) {
     let store = Arc::new(GatedStore::default());
-    let engine = Engine::start(backend, store.clone(), options())
+    let engine = Engine::start(Scripted::with(1, None), store.clone(), options())
         .await
         .unwrap();
     store.hold.store(true, Ordering::SeqCst);
-    let first = tokio::spawn({
+    let create = tokio::spawn({
         let engine = engine.clone();
         async move { engine.create("m-0", zero()).await }
     });
     tokio::time::sleep(Duration::from_millis(10)).await;
+    (engine, store, create)
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_zero_token_retry_is_answered_only_once_the_first_commit_is_durable() {
+    let (engine, store, first) = held_create().await;
     let retry = tokio::spawn({
         let engine = engine.clone();
         async move { engine.create("m-0", zero()).await }
@@ -836,17 +846,7 @@ async fn reads_wait_for_the_commit_of_what_they_show() {
 
 #[tokio::test(start_paused = true)]
 async fn a_held_read_fails_unavailable_when_the_store_stops() {
-    let backend = Scripted::with(1, None);
-    let store = Arc::new(GatedStore::default());
-    let engine = Engine::start(backend, store.clone(), options())
-        .await
-        .unwrap();
-    store.hold.store(true, Ordering::SeqCst);
-    let _create = tokio::spawn({
-        let engine = engine.clone();
-        async move { engine.create("m-0", zero()).await }
-    });
-    tokio::time::sleep(Duration::from_millis(10)).await;
+    let (engine, _store, _create) = held_create().await;
     let get = engine.get_durable("m-0").unwrap();
     engine.step_down();
     let err = engine.settle(get).await.unwrap_err();
