@@ -715,3 +715,35 @@ fn a_restart_on_a_local_state_finds_the_recorded_hosts_on_the_fake_cloud() {
         );
     });
 }
+
+/// `--etcd-max-request-bytes` defaults to etcd's own 1.5 MiB and moves the record limit with it.
+#[test]
+fn the_request_size_flag_sets_the_record_limit() {
+    use clap::Parser;
+    #[derive(Parser)]
+    struct Flags {
+        #[command(flatten)]
+        etcd: EtcdArgs,
+    }
+    let default = Flags::try_parse_from(["p"]).expect("parse").etcd;
+    assert_eq!(default.etcd_max_request_bytes, 1_572_864);
+    assert_eq!(default, EtcdArgs::default());
+    let raised = Flags::try_parse_from(["p", "--etcd-max-request-bytes=3145728"])
+        .expect("parse")
+        .etcd;
+    assert!(raised.validate().is_ok());
+    let keys = Keys::new("/bigfleet/hetzner-fsn1");
+    let limit = TxnLimits::of(raised.etcd_max_request_bytes).max_record_bytes(&keys);
+    // The conformance program's 2 MiB shard_metadata fits, with room to spare.
+    assert!(limit > (2 << 20) + 500_000, "{limit}");
+    assert_eq!(
+        TxnLimits::of(3_145_728).max_record_bytes(&keys),
+        TxnLimits::DEFAULT.max_record_bytes(&keys) + (3_145_728 - 1_572_864)
+    );
+    let e = Flags::try_parse_from(["p", "--etcd-max-request-bytes=1000"])
+        .expect("parse")
+        .etcd
+        .validate()
+        .unwrap_err();
+    assert!(e.contains("--etcd-max-request-bytes"), "{e}");
+}
