@@ -189,11 +189,11 @@ pub struct CommonArgs {
     #[arg(long = "tls-ca", default_value = "", value_name = "PATH")]
     pub tls_ca: String,
 
-    /// Under mTLS: a Create, Configure, Drain or Delete is admitted only from a client
-    /// certificate whose one bigfleet:// URI SAN is bigfleet://shard/<the request's shard_id>
-    /// (enforce: else PERMISSION_DENIED; warn: admitted, logged and counted; off: not checked).
-    /// Get and List are open to every verified certificate. Default enforce with --tls-ca; any
-    /// value without --tls-ca is an error.
+    /// Under mTLS, admit a Create, Configure, Drain or Delete only from a client certificate
+    /// whose one bigfleet:// URI SAN is bigfleet://shard/<its shard_id>: enforce refuses the
+    /// others (PERMISSION_DENIED), warn admits, logs and counts them, off checks nothing. Get and
+    /// List are open to every verified certificate. Default: enforce with --tls-ca; any value
+    /// without --tls-ca is an error.
     #[arg(
         long = "shard-identity",
         env = "BIGFLEET_SHARD_IDENTITY",

@@ -19,6 +19,7 @@ use std::time::{Duration, Instant};
 use clap::ValueEnum;
 use rustls_pki_types::CertificateDer;
 
+use crate::error::CoreError;
 use crate::limits::MAX_ID_BYTES;
 use crate::telemetry::Telemetry;
 use crate::tls::SecurityMode;
@@ -27,11 +28,12 @@ use crate::tls::SecurityMode;
 /// (`--shard-identity`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
 pub enum ShardIdentity {
-    /// Refuse it with PERMISSION_DENIED (the default under mTLS).
+    // Plain comments, not doc comments: clap would list them in `--help` (and the flag table).
+    // Refuse it with PERMISSION_DENIED (the default under mTLS).
     Enforce,
-    /// Admit it, with a WARN line and a count (for an upgrade: see who would be refused).
+    // Admit it, with a WARN line and a count (for an upgrade: see who would be refused).
     Warn,
-    /// Check nothing (the behaviour before the check existed).
+    // Check nothing (the behaviour before the check existed).
     Off,
 }
 
@@ -297,7 +299,7 @@ impl ShardGuard {
             }
         }
         match self.mode {
-            ShardIdentity::Enforce => Err(tonic::Status::permission_denied(refusal.message())),
+            ShardIdentity::Enforce => Err(CoreError::ShardIdentity(refusal.message()).into()),
             ShardIdentity::Warn | ShardIdentity::Off => Ok(()),
         }
     }
