@@ -73,7 +73,7 @@ pub fn run(args: &[String]) -> Result<()> {
             provider.grpc
         );
         let channel = wire::channel(&pki, provider.grpc, ClientSecurity::Mtls).await?;
-        let mut caller = Caller::new(channel, Shard::new("demo-shard", 1));
+        let mut caller = Caller::new(channel, Shard::new(wire::TEST_SHARD, 1));
         let machines = caller.list_all().await?;
         println!("inventory: {} machines, e.g.", machines.len());
         for m in machines.iter().take(3) {
@@ -129,11 +129,22 @@ pub fn run(args: &[String]) -> Result<()> {
         println!("what a shard sees when it gets things wrong:");
         let stale = caller
             .client
-            .create(wire::create_request(&id, ("demo-shard".into(), 1, 1)))
+            .create(wire::create_request(&id, (wire::TEST_SHARD.into(), 1, 1)))
             .await;
         if let Err(status) = stale {
             println!(
                 "  stale fence token  -> {:?}: {}",
+                status.code(),
+                status.message()
+            );
+        }
+        let impostor = caller
+            .client
+            .create(wire::create_request(&id, ("another-shard".into(), 1, 1)))
+            .await;
+        if let Err(status) = impostor {
+            println!(
+                "  another shard's id  -> {:?}: {}",
                 status.code(),
                 status.message()
             );

@@ -189,6 +189,19 @@ pub struct CommonArgs {
     #[arg(long = "tls-ca", default_value = "", value_name = "PATH")]
     pub tls_ca: String,
 
+    /// Under mTLS, admit a Create, Configure, Drain or Delete only from a client certificate
+    /// whose one bigfleet:// URI SAN is bigfleet://shard/<its shard_id>: enforce refuses the
+    /// others (PERMISSION_DENIED), warn admits, logs and counts them, off checks nothing. Get and
+    /// List are open to every verified certificate. Default: enforce with --tls-ca; any value
+    /// without --tls-ca is an error.
+    #[arg(
+        long = "shard-identity",
+        env = "BIGFLEET_SHARD_IDENTITY",
+        value_enum,
+        value_name = "MODE"
+    )]
+    pub shard_identity: Option<crate::identity::ShardIdentity>,
+
     /// Log format.
     #[arg(long = "log-format", value_enum, default_value = "text")]
     pub log_format: LogFormat,
@@ -256,6 +269,15 @@ impl CommonArgs {
             key: optional_path(&self.tls_key),
             ca: optional_path(&self.tls_ca),
         }
+    }
+
+    /// What `--shard-identity` means on a port secured as `security` (a startup error when it
+    /// is given without mTLS).
+    pub fn shard_identity(
+        &self,
+        security: crate::tls::SecurityMode,
+    ) -> Result<crate::identity::ShardIdentity, String> {
+        crate::identity::ShardIdentity::resolve(self.shard_identity, security)
     }
 
     /// The state encryption keys, read and checked before anything binds.

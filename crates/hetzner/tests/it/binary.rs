@@ -53,6 +53,10 @@ async fn json_logs_carry_the_startup_fields_and_never_the_token() {
         .find(|v| v["message"] == "serving CapacityProvider")
         .unwrap_or_else(|| panic!("no JSON startup line in:\n{logs}"));
     assert_eq!(startup["security"], "insecure");
+    assert_eq!(
+        startup["shard_identity"], "off",
+        "nothing to check without mTLS"
+    );
     assert_eq!(startup["hetzner_backend"], "fake");
     assert!(startup["version"].is_string() && startup["addr"].is_string());
     assert!(
