@@ -352,6 +352,22 @@ pub fn listen_addr(addr: &str) -> String {
 }
 
 /// Installs the global tracing subscriber (stderr, text or JSON).
+/// Whether log lines on stderr may carry ANSI colour: only when stderr is a terminal and
+/// `NO_COLOR` is unset or empty (<https://no-color.org>). A pod's log, journald and a pipe get
+/// plain text.
+pub fn stderr_wants_colour() -> bool {
+    use std::io::IsTerminal;
+    colour_wanted(
+        std::io::stderr().is_terminal(),
+        std::env::var_os("NO_COLOR").as_deref(),
+    )
+}
+
+/// [`stderr_wants_colour`] for a given terminal check and `NO_COLOR` value.
+pub fn colour_wanted(terminal: bool, no_color: Option<&std::ffi::OsStr>) -> bool {
+    terminal && no_color.is_none_or(|v| v.is_empty())
+}
+
 pub fn init_logging(format: LogFormat, level: &str) {
     use tracing_subscriber::EnvFilter;
     let filter = std::env::var("RUST_LOG")
@@ -363,6 +379,7 @@ pub fn init_logging(format: LogFormat, level: &str) {
     let builder = tracing_subscriber::fmt()
         .with_env_filter(filter)
         .with_writer(std::io::stderr)
+        .with_ansi(stderr_wants_colour())
         .with_target(false);
     let _ = match format {
         LogFormat::Text => builder.try_init(),
@@ -433,5 +450,24 @@ mod secret_tests {
         assert_eq!(secret.expose(), "hcloud-token-123");
         secret.zeroize();
         assert!(secret.is_empty());
+    }
+}
+
+#[cfg(test)]
+mod colour_tests {
+    use std::ffi::OsStr;
+
+    use super::colour_wanted;
+
+    #[test]
+    fn colour_only_on_a_terminal_and_never_with_no_color() {
+        assert!(colour_wanted(true, None));
+        assert!(
+            colour_wanted(true, Some(OsStr::new(""))),
+            "an empty NO_COLOR counts as unset"
+        );
+        assert!(!colour_wanted(true, Some(OsStr::new("1"))));
+        assert!(!colour_wanted(false, None), "a pipe, a pod log or journald");
+        assert!(!colour_wanted(false, Some(OsStr::new("1"))));
     }
 }
