@@ -13,6 +13,30 @@ use crate::e2e::provider_process::{self, Spec};
 use crate::e2e::wire::{self, Caller, ClientSecurity, Shard};
 use crate::repo;
 
+/// `cpu=8 memory=16Gi`, keys sorted; `-` when there are none.
+fn resources_text(resources: &HashMap<String, String>) -> String {
+    let mut pairs: Vec<_> = resources.iter().collect();
+    pairs.sort();
+    let text: Vec<String> = pairs.iter().map(|(k, v)| format!("{k}={v}")).collect();
+    if text.is_empty() {
+        "-".to_owned()
+    } else {
+        text.join(" ")
+    }
+}
+
+/// A gRPC code as the gRPC documentation spells it (`FAILED_PRECONDITION`).
+fn code_text(code: tonic::Code) -> String {
+    let mut out = String::new();
+    for (i, c) in format!("{code:?}").chars().enumerate() {
+        if c.is_ascii_uppercase() && i > 0 {
+            out.push('_');
+        }
+        out.push(c.to_ascii_uppercase());
+    }
+    out
+}
+
 fn show(step: &str, machine: &pb::Machine) {
     let state = wire::state_of(machine)
         .as_str_name()
@@ -73,17 +97,19 @@ pub fn run(args: &[String]) -> Result<()> {
             provider.grpc
         );
         let channel = wire::channel(&pki, provider.grpc, ClientSecurity::Mtls).await?;
-        let mut caller = Caller::new(channel, Shard::new("demo-shard", 1));
+        let mut caller = Caller::new(channel, Shard::new(wire::TEST_SHARD, 1));
         let machines = caller.list_all().await?;
         println!("inventory: {} machines, e.g.", machines.len());
         for m in machines.iter().take(3) {
             println!(
-                "  {}  {}  {}  ${:.4}/h  allocatable={:?}",
+                "  {}  {}  {}  ${:.4}/h  allocatable: {}",
                 m.id,
                 m.instance_type,
                 m.zone,
                 m.price_per_hour,
-                m.allocatable.as_ref().map(|a| &a.resources)
+                m.allocatable
+                    .as_ref()
+                    .map_or_else(|| "-".to_owned(), |a| resources_text(&a.resources))
             );
         }
         let id = machines
@@ -129,28 +155,39 @@ pub fn run(args: &[String]) -> Result<()> {
         println!("what a shard sees when it gets things wrong:");
         let stale = caller
             .client
-            .create(wire::create_request(&id, ("demo-shard".into(), 1, 1)))
+            .create(wire::create_request(&id, (wire::TEST_SHARD.into(), 1, 1)))
             .await;
         if let Err(status) = stale {
             println!(
-                "  stale fence token  -> {:?}: {}",
-                status.code(),
+                "  stale fence token  -> {}: {}",
+                code_text(status.code()),
+                status.message()
+            );
+        }
+        let impostor = caller
+            .client
+            .create(wire::create_request(&id, ("another-shard".into(), 1, 1)))
+            .await;
+        if let Err(status) = impostor {
+            println!(
+                "  another shard's id  -> {}: {}",
+                code_text(status.code()),
                 status.message()
             );
         }
         let wrong = caller.drain(&id).await;
         if let Err(status) = wrong {
             println!(
-                "  drain a Speculative -> {:?}: {}",
-                status.code(),
+                "  drain a Speculative -> {}: {}",
+                code_text(status.code()),
                 status.message()
             );
         }
         let unknown = caller.get("no-such-machine").await;
         if let Err(status) = unknown {
             println!(
-                "  unknown machine    -> {:?}: {}",
-                status.code(),
+                "  unknown machine    -> {}: {}",
+                code_text(status.code()),
                 status.message()
             );
         }
@@ -158,4 +195,25 @@ pub fn run(args: &[String]) -> Result<()> {
         println!("stopped {binary} with SIGTERM");
         Ok(())
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn what_the_demo_prints_is_read_by_people() {
+        let resources = HashMap::from([
+            ("memory".to_owned(), "16Gi".to_owned()),
+            ("cpu".to_owned(), "8".to_owned()),
+        ]);
+        assert_eq!(resources_text(&resources), "cpu=8 memory=16Gi");
+        assert_eq!(resources_text(&HashMap::new()), "-");
+        assert_eq!(
+            code_text(tonic::Code::FailedPrecondition),
+            "FAILED_PRECONDITION"
+        );
+        assert_eq!(code_text(tonic::Code::NotFound), "NOT_FOUND");
+        assert_eq!(code_text(tonic::Code::Internal), "INTERNAL");
+    }
 }

@@ -3,7 +3,9 @@
 //!
 //! - starts it on free loopback ports with mTLS (the committed `testdata/pki`), its metrics
 //!   server on another port, `--fake-latency 50ms`, and waits for SERVING;
-//! - checks mTLS is enforced (no client certificate, or one from another CA, is refused);
+//! - checks mTLS is enforced (no client certificate, or one from another CA, is refused), and
+//!   the shard identity: a mutation asserting another shard than the client certificate's, or
+//!   from the admin certificate, is PERMISSION_DENIED, while reads pass;
 //! - walks a machine Create -> Configure -> Drain -> Delete over gRPC, checking each ack, the
 //!   transitional and settled states, the cluster binding and shard_metadata echo, the host,
 //!   idempotent retries and a fresh operation id for the next cycle;
@@ -211,10 +213,13 @@ async fn exercise(provider: &mut Provider, target: &Target) -> Result<Vec<pb::Ma
         .await
         .context("mTLS enforcement")?;
     let channel = provider.default_channel().await?;
-    let mut caller = Caller::new(channel, Shard::new("e2e-shard", 1));
+    let mut caller = Caller::new(channel, Shard::new(wire::TEST_SHARD, 1));
     let first_boot = caller.list_all().await?;
     check_seeded(&first_boot, target).context("first-boot inventory")?;
     let ids: Vec<String> = first_boot.iter().map(|m| m.id.clone()).collect();
+    shard_identity_is_enforced(provider, &ids[0])
+        .await
+        .context("shard identity")?;
 
     walk(&mut caller, &ids[0]).await.context("lifecycle walk")?;
     error_paths(&mut caller, &ids[1], &ids[2])
@@ -243,7 +248,7 @@ async fn restart(
     let mut provider = provider_process::start(spec).await.context("restart")?;
     let checks = async {
         let channel = provider.default_channel().await?;
-        let mut caller = Caller::new(channel, Shard::new("e2e-shard", 2));
+        let mut caller = Caller::new(channel, Shard::new(wire::TEST_SHARD, 2));
         let reseeded = caller.list_all().await?;
         check_seeded(&reseeded, target).context("re-seeded inventory")?;
         ensure!(
@@ -280,6 +285,43 @@ async fn mtls_is_enforced(provider: &Provider) -> Result<()> {
             other => bail!("a {security:?} client must be refused at the transport, got {other:?}"),
         }
     }
+    Ok(())
+}
+
+/// Under mTLS a mutation must come from the shard it asserts (`--shard-identity=enforce`, the
+/// default): the test client certificate proves `test-shard` and no other, the admin
+/// certificate no shard at all; reads stay open to both. The admin's refused token for
+/// `test-shard` on `id` is newer than any the walk then sends on `id`, so the walk passing shows
+/// it never reached the fence.
+async fn shard_identity_is_enforced(provider: &Provider, id: &str) -> Result<()> {
+    let mut impostor = Caller::new(
+        provider.default_channel().await?,
+        Shard::new("another-shard", i64::MAX),
+    );
+    expect_status(
+        impostor.create(id).await,
+        Code::PermissionDenied,
+        "shard identity: the client certificate is \"bigfleet://shard/test-shard\", but the \
+         request asserts shard_id \"another-shard\", which needs bigfleet://shard/another-shard",
+    )?;
+    let mut admin = Caller::new(
+        provider.channel(ClientSecurity::MtlsAdmin).await?,
+        Shard::new(wire::TEST_SHARD, i64::MAX),
+    );
+    ensure!(
+        admin.list_all().await?.len() == SEED_COUNT,
+        "an admin certificate reads"
+    );
+    admin.get(id).await?;
+    let status = admin
+        .delete(id)
+        .await
+        .err()
+        .context("an admin certificate's Delete must be refused")?;
+    ensure!(
+        status.code() == Code::PermissionDenied,
+        "an admin certificate's Delete: {status:?}"
+    );
     Ok(())
 }
 
@@ -495,6 +537,8 @@ const BASE_SERIES: &[(&str, &[(&str, &str)])] = &[
         "certificate_not_after_timestamp_seconds",
         &[("certificate", "grpc_client_ca")],
     ),
+    // Zero from the start under mTLS, for the ShardIdentityRejected alert.
+    ("shard_identity_rejected_total", &[("reason", "multiple")]),
 ];
 
 /// Series the first incarnation must export after the walk and the error paths.
@@ -511,6 +555,11 @@ const WALK_SERIES: &[(&str, &[(&str, &str)])] = &[
         "grpc_requests_total",
         &[("method", "Get"), ("code", "NotFound")],
     ),
+    (
+        "grpc_requests_total",
+        &[("method", "Create"), ("code", "PermissionDenied")],
+    ),
+    ("shard_identity_rejected_total", &[("reason", "mismatch")]),
     (
         "transitions_total",
         &[("kind", "delete"), ("outcome", "success")],

@@ -191,22 +191,26 @@ async fn launch(cli: Cli) -> Result<(), String> {
         cli.region.clone(),
         cli.common.metrics_addr.clone(),
     );
-    let announce = Box::new(move |security: provider_core::tls::SecurityMode| {
-        tracing::info!(
-            version = env!("CARGO_PKG_VERSION"),
-            addr,
-            provider,
-            do_backend = match mode {
-                Mode::Real => "digitalocean",
-                Mode::Fake => "fake",
-            },
-            region,
-            security = security.name(),
-            offerings = offering_count,
-            metrics_addr,
-            "serving CapacityProvider"
-        );
-    });
+    let announce = Box::new(
+        move |security: provider_core::tls::SecurityMode,
+              shard_identity: provider_core::identity::ShardIdentity| {
+            tracing::info!(
+                version = env!("CARGO_PKG_VERSION"),
+                addr,
+                provider,
+                do_backend = match mode {
+                    Mode::Real => "digitalocean",
+                    Mode::Fake => "fake",
+                },
+                region,
+                security = security.name(),
+                shard_identity = shard_identity.name(),
+                offerings = offering_count,
+                metrics_addr,
+                "serving CapacityProvider"
+            );
+        },
+    );
     app::run(Launch {
         common: cli.common,
         backend: fleet.clone(),

@@ -235,6 +235,7 @@ fn common(cli: &Cli) -> CommonArgs {
         tls_cert: String::new(),
         tls_key: String::new(),
         tls_ca: String::new(),
+        shard_identity: None,
         log_format: LogFormat::Text,
         log_level: "info".into(),
         fake_latency: Duration::ZERO,
@@ -268,7 +269,7 @@ fn main() -> ExitCode {
         backend,
         fleet: None,
         telemetry: Telemetry::new("bigfleet_faultprovider"),
-        announce: Box::new(move |security| {
+        announce: Box::new(move |security, shard_identity| {
             tracing::info!(
                 addr,
                 provider,
@@ -276,6 +277,7 @@ fn main() -> ExitCode {
                 transition_timeout = timeout,
                 state,
                 security = security.name(),
+                shard_identity = shard_identity.name(),
                 "serving fault CapacityProvider"
             );
         }),

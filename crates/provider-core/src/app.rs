@@ -12,6 +12,7 @@ use crate::backend::Backend;
 use crate::config::{CommonArgs, listen_addr};
 use crate::engine::{Engine, EngineOptions};
 use crate::fleet::{Fleet, WARMUP_BUDGET};
+use crate::identity::ShardIdentity;
 use crate::replica::{Leading, Replica};
 use crate::serve::{self, Readiness};
 use crate::store::{MemoryStore, SharedStore};
@@ -39,8 +40,9 @@ pub struct Launch {
     /// The offerings backend, for the price and capacity warm-up and the price refresh loop.
     pub fleet: Option<Arc<Fleet>>,
     pub telemetry: Telemetry,
-    /// Logs the startup line ("serving CapacityProvider") with the binary's own fields.
-    pub announce: Box<dyn Fn(SecurityMode) + Send>,
+    /// Logs the startup line ("serving CapacityProvider") with the binary's own fields, the
+    /// security mode and, beside it, the shard identity mode (`off` without mTLS).
+    pub announce: Box<dyn Fn(SecurityMode, ShardIdentity) + Send>,
     pub side_servers: Vec<SideServer>,
     /// Whether reported records must carry a zone.
     pub require_zone: bool,
@@ -61,6 +63,26 @@ pub fn plaintext_warning(security: SecurityMode, real_backend: bool) -> Option<&
          text is only for traffic that never leaves a trusted cluster network or for the fake \
          backend; set --tls-cert, --tls-key and --tls-ca (mTLS)",
     )
+}
+
+/// The warning logged when mTLS is on but the shard identity is not enforced: any client
+/// certificate the CA signed may then act as any shard. `None` when enforced or without mTLS.
+pub fn shard_identity_warning(
+    security: SecurityMode,
+    shard_identity: ShardIdentity,
+) -> Option<&'static str> {
+    match (security, shard_identity) {
+        (SecurityMode::MutualTls, ShardIdentity::Off) => Some(
+            "--shard-identity=off: the shard a mutation asserts is not checked against the \
+             client certificate, so any certificate the CA signed can act as any shard",
+        ),
+        (SecurityMode::MutualTls, ShardIdentity::Warn) => Some(
+            "--shard-identity=warn: mutations whose client certificate does not prove their \
+             shard are admitted, logged and counted (shard_identity_rejected_total); switch to \
+             enforce once the counter stays at zero",
+        ),
+        _ => None,
+    }
 }
 
 /// Opens the store behind `--state` (in memory when empty).
@@ -153,10 +175,17 @@ pub async fn run(launch: Launch) -> Result<(), String> {
     let state_keys = common.state_keys()?;
     // TLS is settled before anything else binds or loads.
     let (security, tls_config) = tls::grpc_tls(&common.tls_flags())?;
+    let shard_identity = common.shard_identity(security)?;
     if let Some(warning) = plaintext_warning(security, real_backend) {
         tracing::warn!(security = security.name(), "{warning}");
     }
     telemetry.startup_signals(&common.tls_flags());
+    if shard_identity != ShardIdentity::Off {
+        telemetry.shard_identity_signals();
+    }
+    if let Some(warning) = shard_identity_warning(security, shard_identity) {
+        tracing::warn!(shard_identity = shard_identity.name(), "{warning}");
+    }
     // The pod label that routes the Service to the leader: flags, credentials and the API
     // address are checked now, before anything binds.
     let leader_label = crate::leader_label::LeaderLabel::prepare(&common.leader_label, telemetry)?;
@@ -279,6 +308,7 @@ pub async fn run(launch: Launch) -> Result<(), String> {
         tokio::spawn(serve::serve_grpc(
             grpc_listener,
             tls_config,
+            shard_identity,
             replica,
             common.reflection,
             health_service,
@@ -331,7 +361,7 @@ pub async fn run(launch: Launch) -> Result<(), String> {
         }
         Mode::Single => None,
     };
-    announce(security);
+    announce(security, shard_identity);
 
     let mut grpc = grpc;
     tokio::select! {

@@ -267,6 +267,15 @@ pub fn common_checks(report: &mut Report, common: &CommonArgs) {
         });
         report.record("--tls-cert/--tls-key/--tls-ca", result);
     }
+    // A TLS setup that does not load is reported above already.
+    if let (Some(_), Ok((security, _))) = (common.shard_identity, crate::tls::grpc_tls(&tls)) {
+        report.progress("shard identity");
+        let result = common.shard_identity(security);
+        report.record(
+            "--shard-identity",
+            result.map(|mode| format!("{} under mTLS", mode.name())),
+        );
+    }
     if !common.base_user_data.is_empty() {
         report.progress("base user data");
         report.record(
@@ -383,6 +392,15 @@ mod tests {
         let mut report = Report::quiet(CheckOptions::default());
         common_checks(&mut report, &args.common);
         assert!(report.problems()[0].1.contains("--tls-ca"));
+        let args = Args::parse_from(["test", "--shard-identity=warn"]);
+        let mut report = Report::quiet(CheckOptions::default());
+        common_checks(&mut report, &args.common);
+        let problems = report.problems();
+        assert_eq!(problems.len(), 1, "{problems:?}");
+        assert!(
+            problems[0].1.contains("--shard-identity=warn needs mTLS"),
+            "{problems:?}"
+        );
     }
 
     #[test]

@@ -189,6 +189,19 @@ pub struct CommonArgs {
     #[arg(long = "tls-ca", default_value = "", value_name = "PATH")]
     pub tls_ca: String,
 
+    /// Under mTLS, admit a Create, Configure, Drain or Delete only from a client certificate
+    /// whose one bigfleet:// URI SAN is bigfleet://shard/<its shard_id>: enforce refuses the
+    /// others (PERMISSION_DENIED), warn admits, logs and counts them, off checks nothing. Get and
+    /// List are open to every verified certificate. Default: enforce with --tls-ca; any value
+    /// without --tls-ca is an error.
+    #[arg(
+        long = "shard-identity",
+        env = "BIGFLEET_SHARD_IDENTITY",
+        value_enum,
+        value_name = "MODE"
+    )]
+    pub shard_identity: Option<crate::identity::ShardIdentity>,
+
     /// Log format.
     #[arg(long = "log-format", value_enum, default_value = "text")]
     pub log_format: LogFormat,
@@ -256,6 +269,15 @@ impl CommonArgs {
             key: optional_path(&self.tls_key),
             ca: optional_path(&self.tls_ca),
         }
+    }
+
+    /// What `--shard-identity` means on a port secured as `security` (a startup error when it
+    /// is given without mTLS).
+    pub fn shard_identity(
+        &self,
+        security: crate::tls::SecurityMode,
+    ) -> Result<crate::identity::ShardIdentity, String> {
+        crate::identity::ShardIdentity::resolve(self.shard_identity, security)
     }
 
     /// The state encryption keys, read and checked before anything binds.
@@ -330,6 +352,22 @@ pub fn listen_addr(addr: &str) -> String {
 }
 
 /// Installs the global tracing subscriber (stderr, text or JSON).
+/// Whether log lines on stderr may carry ANSI colour: only when stderr is a terminal and
+/// `NO_COLOR` is unset or empty (<https://no-color.org>). A pod's log, journald and a pipe get
+/// plain text.
+pub fn stderr_wants_colour() -> bool {
+    use std::io::IsTerminal;
+    colour_wanted(
+        std::io::stderr().is_terminal(),
+        std::env::var_os("NO_COLOR").as_deref(),
+    )
+}
+
+/// [`stderr_wants_colour`] for a given terminal check and `NO_COLOR` value.
+pub fn colour_wanted(terminal: bool, no_color: Option<&std::ffi::OsStr>) -> bool {
+    terminal && no_color.is_none_or(|v| v.is_empty())
+}
+
 pub fn init_logging(format: LogFormat, level: &str) {
     use tracing_subscriber::EnvFilter;
     let filter = std::env::var("RUST_LOG")
@@ -341,6 +379,7 @@ pub fn init_logging(format: LogFormat, level: &str) {
     let builder = tracing_subscriber::fmt()
         .with_env_filter(filter)
         .with_writer(std::io::stderr)
+        .with_ansi(stderr_wants_colour())
         .with_target(false);
     let _ = match format {
         LogFormat::Text => builder.try_init(),
@@ -411,5 +450,24 @@ mod secret_tests {
         assert_eq!(secret.expose(), "hcloud-token-123");
         secret.zeroize();
         assert!(secret.is_empty());
+    }
+}
+
+#[cfg(test)]
+mod colour_tests {
+    use std::ffi::OsStr;
+
+    use super::colour_wanted;
+
+    #[test]
+    fn colour_only_on_a_terminal_and_never_with_no_color() {
+        assert!(colour_wanted(true, None));
+        assert!(
+            colour_wanted(true, Some(OsStr::new(""))),
+            "an empty NO_COLOR counts as unset"
+        );
+        assert!(!colour_wanted(true, Some(OsStr::new("1"))));
+        assert!(!colour_wanted(false, None), "a pipe, a pod log or journald");
+        assert!(!colour_wanted(false, Some(OsStr::new("1"))));
     }
 }

@@ -50,6 +50,10 @@ pub enum CoreError {
     /// The state store could not make a mutation durable; nothing was acknowledged.
     #[error("state store failure (mutation not acknowledged): {0}")]
     Store(String),
+    /// Under mTLS, a mutation whose client certificate does not prove the shard it asserts
+    /// (`identity`): checked before the fence, so it says nothing of marks or machines.
+    #[error("{0}")]
+    ShardIdentity(String),
     /// An admin request that does not apply (for example releasing a machine that is not FAILED).
     #[error("{0}")]
     Admin(String),
@@ -66,6 +70,7 @@ impl CoreError {
             CoreError::InvalidMachine(_) => Code::Internal,
             CoreError::DeleteUnsupported => Code::Unimplemented,
             CoreError::ShuttingDown | CoreError::Store(_) => Code::Unavailable,
+            CoreError::ShardIdentity(_) => Code::PermissionDenied,
             CoreError::Admin(_) => Code::Internal,
         }
     }
@@ -157,6 +162,11 @@ mod tests {
                 Code::Unavailable,
                 "state store failure (mutation not acknowledged): disk full",
             ),
+            (
+                CoreError::ShardIdentity("shard identity: …".into()),
+                Code::PermissionDenied,
+                "shard identity: …",
+            ),
             (CoreError::Admin("nope".into()), Code::Internal, "nope"),
         ];
         for (err, code, message) in cases {
@@ -184,6 +194,7 @@ mod tests {
             CoreError::DeleteUnsupported,
             CoreError::ShuttingDown,
             CoreError::Store(String::new()),
+            CoreError::ShardIdentity(String::new()),
             CoreError::Admin(String::new()),
         ];
         for err in others {

@@ -17,6 +17,7 @@ pub mod etcd;
 pub mod fake;
 pub mod fence;
 pub mod fleet;
+pub mod identity;
 pub mod inventory;
 pub mod leader_label;
 pub mod lifecycle;

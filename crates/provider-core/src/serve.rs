@@ -18,6 +18,7 @@ use tonic_health::ServingStatus;
 use tonic_health::pb::health_server::{Health, HealthServer};
 use tonic_health::server::HealthReporter;
 
+use crate::identity::ShardIdentity;
 use crate::listener;
 use crate::replica::Replica;
 use crate::server::Routes;
@@ -97,10 +98,14 @@ impl GrpcLimits {
     }
 }
 
-/// Serves gRPC on `listener` until `shutdown` completes.
+/// Serves gRPC on `listener` until `shutdown` completes. `shard_identity` is what mutations
+/// whose client certificate does not prove their shard get ([`ShardIdentity::Off`] unless `tls`
+/// verifies client certificates: see [`ShardIdentity::resolve`]).
+#[allow(clippy::too_many_arguments)]
 pub async fn serve_grpc(
     listener: TcpListener,
     tls: Option<Arc<rustls::ServerConfig>>,
+    shard_identity: ShardIdentity,
     replica: Arc<Replica>,
     reflection: bool,
     health_service: HealthServer<ObservedHealth>,
@@ -111,7 +116,7 @@ pub async fn serve_grpc(
     // Connections end when a replica stops serving, so clients move to the leader; the only
     // replica (local state) always serves.
     let roles = (replica.role() != crate::replica::Role::Single).then(|| replica.subscribe());
-    let service = Routes::new(replica.clone());
+    let service = Routes::new(replica.clone(), shard_identity);
     let mut builder = Server::builder()
         .layer(tower::util::MapResponseLayer::new(
             oversize_is_resource_exhausted,

@@ -1,7 +1,8 @@
 //! The tonic `CapacityProvider` service: wire <-> domain conversion, one log line and one
 //! metric sample per RPC (method, machine id, code, duration), and panics answered as INTERNAL
-//! "internal error" without taking the process down. [`Routes`] is the service as served: Get
-//! answers with the machine's cached encoding.
+//! "internal error" without taking the process down. Under mTLS a mutating RPC is first checked
+//! against the client certificate's shard identity ([`crate::identity`]), before the engine sees
+//! it. [`Routes`] is the service as served: Get answers with the machine's cached encoding.
 
 use std::convert::Infallible;
 use std::panic::AssertUnwindSafe;
@@ -21,6 +22,7 @@ use tonic::{Code, Request, Response, Status};
 
 use crate::engine::{Ack, Durable, ListQuery};
 use crate::fence::FenceToken;
+use crate::identity::{ShardGuard, ShardIdentity};
 use crate::machine::{Machine, MachineState, StringMap};
 use crate::replica::Replica;
 use crate::telemetry::Telemetry;
@@ -31,13 +33,28 @@ use crate::telemetry::Telemetry;
 pub struct Service {
     replica: Arc<Replica>,
     telemetry: Telemetry,
+    /// Checks the shard a mutation asserts against the client certificate (`--shard-identity`).
+    shard_identity: Arc<ShardGuard>,
 }
 
 impl Service {
-    pub fn new(replica: Arc<Replica>) -> Service {
+    /// The service; `shard_identity` is [`ShardIdentity::Off`] unless the port is mTLS.
+    pub fn new(replica: Arc<Replica>, shard_identity: ShardIdentity) -> Service {
         let telemetry = replica.telemetry();
-        Service { replica, telemetry }
+        Service {
+            replica,
+            telemetry,
+            shard_identity: Arc::new(ShardGuard::new(shard_identity, telemetry)),
+        }
     }
+}
+
+/// The verified certificates the client presented on this request's connection (leaf first);
+/// `None` without TLS.
+fn peer_certificates<T>(
+    request: &Request<T>,
+) -> Option<Arc<Vec<rustls_pki_types::CertificateDer<'static>>>> {
+    request.peer_certs()
 }
 
 /// The gRPC code name as the reference's metrics spell it (`OK`, `FailedPrecondition`, ...).
@@ -113,6 +130,16 @@ fn record<T>(
     let dur_ms = elapsed.as_secs_f64() * 1000.0;
     let mutating = matches!(method, "Create" | "Configure" | "Drain" | "Delete");
     match (&result, mutating) {
+        // The shard identity check writes its own WARN line, rate-limited: a client refused in
+        // a loop must not flood the log.
+        (Err(status), _) if code == Code::PermissionDenied => tracing::debug!(
+            method,
+            machine_id,
+            code = code_name(code),
+            dur_ms,
+            error = status.message(),
+            "rpc"
+        ),
         (Err(status), _) => tracing::warn!(
             method,
             machine_id,
@@ -195,13 +222,20 @@ impl CapacityProvider for Service {
         &self,
         request: Request<pb::CreateRequest>,
     ) -> Result<Response<pb::TransitionAck>, Status> {
+        let peer = peer_certificates(&request);
         let r = request.into_inner();
-        let replica = self.replica.clone();
+        let (replica, guard) = (self.replica.clone(), self.shard_identity.clone());
         observe(
             self.telemetry,
             "Create",
             &r.machine_id.clone(),
             async move {
+                guard.admit(
+                    "Create",
+                    &r.machine_id,
+                    peer.as_deref().map(Vec::as_slice),
+                    &r.shard_id,
+                )?;
                 let a = replica
                     .writer()?
                     .create(
@@ -219,10 +253,17 @@ impl CapacityProvider for Service {
         &self,
         request: Request<pb::ConfigureRequest>,
     ) -> Result<Response<pb::TransitionAck>, Status> {
+        let peer = peer_certificates(&request);
         let r = request.into_inner();
-        let replica = self.replica.clone();
+        let (replica, guard) = (self.replica.clone(), self.shard_identity.clone());
         let id = r.machine_id.clone();
         observe(self.telemetry, "Configure", &id, async move {
+            guard.admit(
+                "Configure",
+                &r.machine_id,
+                peer.as_deref().map(Vec::as_slice),
+                &r.shard_id,
+            )?;
             let engine = replica.writer()?;
             let metadata: StringMap = r.shard_metadata.into_iter().collect();
             let a = engine
@@ -243,10 +284,17 @@ impl CapacityProvider for Service {
         &self,
         request: Request<pb::DrainRequest>,
     ) -> Result<Response<pb::TransitionAck>, Status> {
+        let peer = peer_certificates(&request);
         let r = request.into_inner();
-        let replica = self.replica.clone();
+        let (replica, guard) = (self.replica.clone(), self.shard_identity.clone());
         let id = r.machine_id.clone();
         observe(self.telemetry, "Drain", &id, async move {
+            guard.admit(
+                "Drain",
+                &r.machine_id,
+                peer.as_deref().map(Vec::as_slice),
+                &r.shard_id,
+            )?;
             let engine = replica.writer()?;
             let a = engine
                 .drain(
@@ -264,10 +312,17 @@ impl CapacityProvider for Service {
         &self,
         request: Request<pb::DeleteRequest>,
     ) -> Result<Response<pb::TransitionAck>, Status> {
+        let peer = peer_certificates(&request);
         let r = request.into_inner();
-        let replica = self.replica.clone();
+        let (replica, guard) = (self.replica.clone(), self.shard_identity.clone());
         let id = r.machine_id.clone();
         observe(self.telemetry, "Delete", &id, async move {
+            guard.admit(
+                "Delete",
+                &r.machine_id,
+                peer.as_deref().map(Vec::as_slice),
+                &r.shard_id,
+            )?;
             let engine = replica.writer()?;
             let a = engine
                 .delete(
@@ -375,8 +430,8 @@ pub struct Routes {
 }
 
 impl Routes {
-    pub fn new(replica: Arc<Replica>) -> Routes {
-        let service = Arc::new(Service::new(replica));
+    pub fn new(replica: Arc<Replica>, shard_identity: ShardIdentity) -> Routes {
+        let service = Arc::new(Service::new(replica, shard_identity));
         Routes {
             generated: CapacityProviderServer::from_arc(service.clone()),
             service,

@@ -36,6 +36,8 @@ pub struct Telemetry {
     pub unknown_id_marks_evicted: &'static str,
     pub grpc_connections: &'static str,
     pub grpc_connections_refused: &'static str,
+    // Shard identity under mTLS (`identity`).
+    pub shard_identity_rejected: &'static str,
     // Alerting signals (see the `impl` block below).
     pub certificate_not_after: &'static str,
     pub ready: &'static str,
@@ -125,6 +127,7 @@ impl Telemetry {
             unknown_id_marks_evicted: leak(prefix, "unknown_id_fence_marks_evicted_total"),
             grpc_connections: leak(prefix, "grpc_connections"),
             grpc_connections_refused: leak(prefix, "grpc_connections_refused_total"),
+            shard_identity_rejected: leak(prefix, "shard_identity_rejected_total"),
             certificate_not_after: leak(prefix, "certificate_not_after_timestamp_seconds"),
             ready: leak(prefix, "ready"),
             store_refusing_mutations: leak(prefix, "store_refusing_mutations"),
@@ -242,6 +245,12 @@ impl Telemetry {
         counter!(self.grpc_connections_refused).increment(1);
     }
 
+    /// A mutating RPC whose client certificate does not prove its shard (refused under
+    /// `--shard-identity=enforce`, admitted under `warn`), by reason.
+    pub fn shard_identity_rejected(&self, reason: &'static str) {
+        counter!(self.shard_identity_rejected, "reason" => reason).increment(1);
+    }
+
     pub fn bootstrap_poll(&self, outcome: &'static str) {
         counter!(self.bootstrap_polls, "outcome" => outcome).increment(1);
     }
@@ -316,6 +325,15 @@ impl Telemetry {
         let _ = recorder();
         self.certificate_expiry("bootstrap", cert);
         counter!(self.bootstrap_unauthorized).absolute(0);
+    }
+
+    /// A zero `<prefix>_shard_identity_rejected_total` for every reason, once the check is on
+    /// (`--shard-identity` enforce or warn), for the same reasons as [`Self::startup_signals`].
+    pub fn shard_identity_signals(&self) {
+        let _ = recorder();
+        for reason in crate::identity::Reason::ALL {
+            counter!(self.shard_identity_rejected, "reason" => reason.label()).absolute(0);
+        }
     }
 
     /// `<prefix>_ready`: 1 while `/readyz` answers ready, else 0.

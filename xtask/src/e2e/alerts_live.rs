@@ -150,7 +150,7 @@ async fn faults_and_recovery(
     // agent answers: it times out and leaves the machine FAILED with its Droplet.
     let mut caller = Caller::new(
         provider.default_channel().await?,
-        Shard::new("e2e-alerts", 1),
+        Shard::new(wire::TEST_SHARD, 1),
     );
     let slots = caller.list_all().await?;
     ensure!(slots.len() == 2, "want 2 slots, got {slots:#?}");
@@ -415,7 +415,7 @@ pub(crate) async fn hetzner_dashboard(root: &Path) -> Result<()> {
         let checked = async {
             let mut caller = Caller::new(
                 provider.default_channel().await?,
-                Shard::new("e2e-dashboard", 1),
+                Shard::new(wire::TEST_SHARD, 1),
             );
             let id = caller.list_all().await?[0].id.clone();
             caller.create(&id).await?;

@@ -255,7 +255,7 @@ async fn walk(
     use pb::MachineState::*;
     let mut caller = Caller::new(
         provider.default_channel().await?,
-        Shard::new("e2e-do-prod", 1),
+        Shard::new(wire::TEST_SHARD, 1),
     );
     let slots = caller.list_all().await?;
     let id = slots.first().context("no offered slot")?.id.clone();

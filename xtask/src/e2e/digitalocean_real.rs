@@ -337,7 +337,10 @@ async fn walk(
     agent: &mut Option<Process>,
 ) -> Result<()> {
     use pb::MachineState::*;
-    let mut caller = Caller::new(provider.default_channel().await?, Shard::new("e2e-do", 1));
+    let mut caller = Caller::new(
+        provider.default_channel().await?,
+        Shard::new(wire::TEST_SHARD, 1),
+    );
     let first = caller.list_all().await?;
     ensure!(
         first.len() == 3,

@@ -172,7 +172,7 @@ async fn exercise(root: &Path, dir: &Path, emulator: &Emulator, flags: &[String]
     let checks = async {
         let mut caller = Caller::new(
             provider.default_channel().await?,
-            Shard::new("e2e-hcloud-production", 1),
+            Shard::new(wire::TEST_SHARD, 1),
         );
         let slots = caller.list_all().await?;
         ensure!(slots.len() == 4, "want 4 offered slots, got {slots:#?}");

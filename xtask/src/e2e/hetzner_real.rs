@@ -220,7 +220,7 @@ async fn exercise(dir: &Path, spec: &Spec) -> Result<()> {
     let checks = async {
         let mut caller = Caller::new(
             provider.default_channel().await?,
-            Shard::new("e2e-hcloud", 1),
+            Shard::new(wire::TEST_SHARD, 1),
         );
         let first = caller.list_all().await?;
         ensure!(
@@ -330,7 +330,7 @@ async fn exercise(dir: &Path, spec: &Spec) -> Result<()> {
     let checks = async {
         let mut caller = Caller::new(
             provider.default_channel().await?,
-            Shard::new("e2e-hcloud", 2),
+            Shard::new(wire::TEST_SHARD, 2),
         );
         let after = caller.list_all().await?;
         ensure!(

@@ -28,6 +28,11 @@ pub const RPC_TIMEOUT: Duration = Duration::from_secs(5);
 /// How often [`Caller::wait_for_state`] polls Get.
 pub const POLL_EVERY: Duration = Duration::from_millis(10);
 
+/// The shard id the test CA's client certificate (`client.pem`, [`ClientSecurity::Mtls`])
+/// proves: its one `bigfleet://` URI SAN is `bigfleet://shard/test-shard`, so under mTLS with
+/// `--shard-identity=enforce` (the default) mutations must assert this shard id.
+pub const TEST_SHARD: &str = "test-shard";
+
 /// The committed test PKI below the workspace root.
 pub fn pki_dir(workspace_root: &Path) -> PathBuf {
     workspace_root.join("testdata").join("pki")
@@ -40,8 +45,12 @@ pub enum ClientSecurity {
     Plaintext,
     /// TLS trusting the test CA, without a client certificate.
     Tls,
-    /// TLS trusting the test CA, with the test CA's client certificate.
+    /// TLS trusting the test CA, with the test CA's client certificate: the shard
+    /// [`TEST_SHARD`].
     Mtls,
+    /// TLS trusting the test CA, with its `bigfleet://admin` client certificate (reads pass,
+    /// mutations are refused under `--shard-identity=enforce`).
+    MtlsAdmin,
     /// TLS trusting the test CA, with a client certificate of the unrelated CA.
     MtlsOtherCa,
     /// TLS trusting only the unrelated CA (the server's certificate must be refused).
@@ -75,6 +84,7 @@ pub fn endpoint(pki: &Path, addr: SocketAddr, security: ClientSecurity) -> Resul
         .ca_certificate(Certificate::from_pem(read(pki, roots)?));
     let identity = match security {
         ClientSecurity::Mtls => Some(("client.pem", "client-key.pem")),
+        ClientSecurity::MtlsAdmin => Some(("admin-client.pem", "admin-client-key.pem")),
         ClientSecurity::MtlsOtherCa => Some(("other-client.pem", "other-client-key.pem")),
         _ => None,
     };

@@ -69,7 +69,8 @@ async fn main() -> std::process::ExitCode {
         .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
     let builder = tracing_subscriber::fmt()
         .with_env_filter(filter)
-        .with_writer(std::io::stderr);
+        .with_writer(std::io::stderr)
+        .with_ansi(provider_core::config::stderr_wants_colour());
     if args.log_format == "json" {
         builder.json().init();
     } else {

@@ -459,6 +459,11 @@ async fn a_polling_agent_survives_a_channel_restart() {
             .wait_for_output("bigfleet-agent polling", Duration::from_secs(10))
             .await
     );
+    assert!(
+        !agent.output().contains('\u{1b}'),
+        "the agent's text logs to a pipe (journald) carry no ANSI escape sequences: {:?}",
+        agent.output()
+    );
     // Stop the provider's channel while the agent's poll is held, then start a new one on
     // the same address.
     first.stop().await;

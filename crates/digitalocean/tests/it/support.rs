@@ -374,6 +374,8 @@ impl AgentProcess {
             .arg("--max-backoff")
             .arg("200ms")
             .env("RUST_LOG", "debug")
+            // Whatever the caller's environment, colour must be off because stderr is a pipe.
+            .env_remove("NO_COLOR")
             .stdin(std::process::Stdio::null())
             .stdout(std::process::Stdio::piped())
             .stderr(std::process::Stdio::piped())
@@ -429,6 +431,8 @@ impl AgentProcess {
             .arg("200ms")
             .args(extra)
             .env("RUST_LOG", "debug")
+            // Whatever the caller's environment, colour must be off because stderr is a pipe.
+            .env_remove("NO_COLOR")
             .stdin(std::process::Stdio::null())
             .stdout(std::process::Stdio::piped())
             .stderr(std::process::Stdio::piped())

@@ -53,6 +53,10 @@ async fn json_logs_carry_the_startup_fields_and_never_the_token() {
         .find(|v| v["message"] == "serving CapacityProvider")
         .unwrap_or_else(|| panic!("no JSON startup line in:\n{logs}"));
     assert_eq!(startup["security"], "insecure");
+    assert_eq!(
+        startup["shard_identity"], "off",
+        "nothing to check without mTLS"
+    );
     assert_eq!(startup["hetzner_backend"], "fake");
     assert!(startup["version"].is_string() && startup["addr"].is_string());
     assert!(
@@ -202,4 +206,26 @@ fn help_never_echoes_the_token_from_the_environment() {
             );
         }
     }
+}
+
+#[test]
+fn text_logs_to_a_pipe_carry_no_colour_codes_even_without_no_color() {
+    // A taken port makes the process log its startup WARN and exit at the bind.
+    let taken = TcpListener::bind("127.0.0.1:0").unwrap();
+    let output = Command::new(binary())
+        .args([
+            "--use-fake-backend",
+            "--seed-count=2",
+            "--metrics-addr=",
+            &format!("--addr={}", taken.local_addr().unwrap()),
+        ])
+        .env_remove("NO_COLOR")
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert!(stderr.contains("WARN"), "{stderr}");
+    assert!(
+        !stderr.contains('\u{1b}'),
+        "escape sequences in a pod's log: {stderr:?}"
+    );
 }

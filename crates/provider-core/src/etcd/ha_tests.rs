@@ -296,6 +296,7 @@ fn a_lapsed_claim_answers_as_a_standby_before_the_replica_loop_notices() {
         tokio::spawn(crate::serve::serve_grpc(
             grpc,
             None,
+            crate::identity::ShardIdentity::Off,
             replica.clone(),
             false,
             health_service,

@@ -298,7 +298,10 @@ async fn served_get_answers_what_the_generated_get_answers() {
     )
     .await
     .expect("engine");
-    let service = Service::new(Replica::single(engine.clone()));
+    let service = Service::new(
+        Replica::single(engine.clone()),
+        crate::identity::ShardIdentity::Off,
+    );
     let token = |sequence| FenceToken {
         shard_id: "s".into(),
         epoch: 1,

@@ -33,7 +33,7 @@ fn position(kind: &str, state: &str) -> String {
 #[tokio::test]
 async fn missing_and_unknown_ids() {
     let server = harness::start(TestBackend::instant(1), ServerSecurity::Mtls).await;
-    let mut caller = server.caller("shard-e").await;
+    let mut caller = server.caller(crate::wire::TEST_SHARD).await;
     for kind in KINDS {
         expect_status(
             mutate(&mut caller, kind, "").await,
@@ -62,7 +62,7 @@ async fn missing_and_unknown_ids() {
 async fn out_of_position_is_internal_with_the_reference_message() {
     let backend = TestBackend::gated(3);
     let server = harness::start(backend.clone(), ServerSecurity::Mtls).await;
-    let mut caller = server.caller("shard-p").await;
+    let mut caller = server.caller(crate::wire::TEST_SHARD).await;
     let (spec, moving, settled) = (machine_id(0), machine_id(1), machine_id(2));
 
     for kind in ["configure", "drain", "delete"] {

@@ -57,17 +57,19 @@ fn fenced(t: &Token, id: &str, mark: (i64, i64)) -> String {
 
 #[tokio::test]
 async fn replays_and_older_tokens_are_rejected() {
+    // Under mTLS the shard must be the one the client certificate proves.
+    const S1: &str = crate::wire::TEST_SHARD;
     let server = harness::start(TestBackend::instant(1), ServerSecurity::Mtls).await;
-    let mut caller = server.caller("unused").await;
+    let mut caller = server.caller(S1).await;
     let id = machine_id(0);
-    let first = create(&mut caller, &id, token("s1", 3, 7)).await.unwrap();
+    let first = create(&mut caller, &id, token(S1, 3, 7)).await.unwrap();
     caller.wait_for_state(&id, Idle, SETTLE).await.unwrap();
 
     for stale in [
-        token("s1", 3, 7),
-        token("s1", 3, 6),
-        token("s1", 2, 100),
-        token("s1", -1, 9),
+        token(S1, 3, 7),
+        token(S1, 3, 6),
+        token(S1, 2, 100),
+        token(S1, -1, 9),
     ] {
         expect_status(
             create(&mut caller, &id, stale.clone()).await,
@@ -77,22 +79,22 @@ async fn replays_and_older_tokens_are_rejected() {
         .unwrap_or_else(|e| panic!("{stale:?}: {e}"));
     }
     // A higher epoch accepts any sequence; here it is an idempotent retry of the Create.
-    let retry = create(&mut caller, &id, token("s1", 4, 1)).await.unwrap();
+    let retry = create(&mut caller, &id, token(S1, 4, 1)).await.unwrap();
     assert_eq!(retry.operation_id, first.operation_id);
     expect_status(
-        create(&mut caller, &id, token("s1", 3, 8)).await,
+        create(&mut caller, &id, token(S1, 3, 8)).await,
         Code::FailedPrecondition,
-        &fenced(&token("s1", 3, 8), &id, (4, 1)),
+        &fenced(&token(S1, 3, 8), &id, (4, 1)),
     )
     .unwrap();
     // int64 extremes are ordinary numbers.
-    create(&mut caller, &id, token("s1", i64::MAX, i64::MAX))
+    create(&mut caller, &id, token(S1, i64::MAX, i64::MAX))
         .await
         .unwrap();
     expect_status(
-        create(&mut caller, &id, token("s1", i64::MAX, i64::MAX)).await,
+        create(&mut caller, &id, token(S1, i64::MAX, i64::MAX)).await,
         Code::FailedPrecondition,
-        &fenced(&token("s1", i64::MAX, i64::MAX), &id, (i64::MAX, i64::MAX)),
+        &fenced(&token(S1, i64::MAX, i64::MAX), &id, (i64::MAX, i64::MAX)),
     )
     .unwrap();
     server.stop().await;

@@ -11,6 +11,7 @@ use std::time::Duration;
 
 use async_trait::async_trait;
 use provider_core::engine::EngineOptions;
+use provider_core::identity::ShardIdentity;
 use provider_core::inventory::Effect;
 use provider_core::serve::{self, GrpcHealth};
 use provider_core::store::MemoryStore;
@@ -239,6 +240,32 @@ pub async fn start_with(
             ca: (security == ServerSecurity::Mtls).then(|| pki.join("ca.pem")),
         },
     };
+    serve_with(backend, security, flags, None, reflection).await
+}
+
+/// An mTLS server with the committed server certificate that verifies clients against the CA
+/// bundle at `client_ca`, with `--shard-identity` set to `shard_identity` (`None`: not given).
+pub async fn start_mtls(
+    backend: Arc<dyn Backend>,
+    client_ca: &std::path::Path,
+    shard_identity: Option<ShardIdentity>,
+) -> TestServer {
+    let pki = pki();
+    let flags = TlsFlags {
+        cert: Some(pki.join("server.pem")),
+        key: Some(pki.join("server-key.pem")),
+        ca: Some(client_ca.to_owned()),
+    };
+    serve_with(backend, ServerSecurity::Mtls, flags, shard_identity, true).await
+}
+
+async fn serve_with(
+    backend: Arc<dyn Backend>,
+    security: ServerSecurity,
+    flags: TlsFlags,
+    shard_identity: Option<ShardIdentity>,
+    reflection: bool,
+) -> TestServer {
     let (mode, tls_config) = tls::grpc_tls(&flags).expect("the test PKI loads");
     assert_eq!(
         mode.name(),
@@ -248,6 +275,8 @@ pub async fn start_with(
             ServerSecurity::Mtls => "mTLS",
         }
     );
+    // As the binaries resolve it: enforce by default under mTLS.
+    let shard_identity = ShardIdentity::resolve(shard_identity, mode).expect("shard identity");
     let engine = Engine::start(
         backend,
         Arc::new(MemoryStore),
@@ -264,6 +293,7 @@ pub async fn start_with(
     let task = tokio::spawn(serve::serve_grpc(
         listener,
         tls_config,
+        shard_identity,
         provider_core::replica::Replica::single(engine.clone()),
         reflection,
         health_service,

@@ -21,7 +21,7 @@ async fn observed(caller: &mut Caller, id: &str) -> pb::Machine {
 async fn walk_full_cycle(security: ServerSecurity) {
     let backend = harness::TestBackend::gated(3);
     let server = harness::start(backend.clone(), security).await;
-    let mut caller = server.caller("shard-a").await;
+    let mut caller = server.caller(crate::wire::TEST_SHARD).await;
     let id = machine_id(1);
     let cluster = "cluster-1";
     let metadata = HashMap::from([("k".to_owned(), "v".to_owned())]);
@@ -136,7 +136,7 @@ fn listed(list: &pb::MachineList, id: &str) -> pb::Machine {
 async fn binding_is_echoed_byte_for_byte_and_cleared_by_drain() {
     let backend = TestBackend::gated(2);
     let server = harness::start(backend.clone(), ServerSecurity::Mtls).await;
-    let mut caller = server.caller("shard-m").await;
+    let mut caller = server.caller(crate::wire::TEST_SHARD).await;
     let id = machine_id(0);
     let cluster = "clüster-α\0β 🚀";
     let metadata = awkward_metadata();

@@ -94,6 +94,7 @@ async fn serve_with(limits: GrpcLimits, tls: Option<Arc<rustls::ServerConfig>>) 
     tokio::spawn(serve::serve_grpc(
         listener,
         tls,
+        provider_core::identity::ShardIdentity::Off,
         provider_core::replica::Replica::single(engine),
         false,
         health_service,

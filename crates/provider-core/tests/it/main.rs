@@ -10,6 +10,7 @@ mod wire;
 mod errors;
 mod fencing;
 mod harness;
+mod identity;
 mod lifecycle;
 mod limits;
 mod list;

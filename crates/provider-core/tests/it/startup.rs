@@ -1,5 +1,6 @@
 //! Startup through `app::run` in-process: plain-text gRPC in front of a real cloud backend is
-//! warned about; with the fake backend, or with TLS, it is not.
+//! warned about; with the fake backend, or with TLS, it is not. `--shard-identity` without mTLS
+//! fails startup.
 
 use std::io::Write;
 use std::sync::{Arc, Mutex};
@@ -61,7 +62,7 @@ fn startup_log(extra: &[String], real_backend: bool) -> String {
                 backend: TestBackend::instant(2),
                 fleet: None,
                 telemetry: Telemetry::new("bigfleet_startup"),
-                announce: Box::new(move |_| {
+                announce: Box::new(move |_, _| {
                     if let Some(tx) = announced_tx.lock().unwrap().take() {
                         let _ = tx.send(());
                     }
@@ -107,4 +108,76 @@ fn plaintext_with_the_fake_backend_or_tls_with_the_real_one_is_not() {
     ];
     let log = startup_log(&tls, true);
     assert!(!log.contains(WARNING), "{log}");
+}
+
+/// What `app::run` fails with for these flags (it must fail before serving).
+fn startup_error(extra: &[String]) -> String {
+    let mut args = vec![
+        "provider".to_owned(),
+        "--addr=127.0.0.1:0".to_owned(),
+        "--metrics-addr=".to_owned(),
+    ];
+    args.extend_from_slice(extra);
+    let common = Flags::try_parse_from(args).expect("flags").common;
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .expect("runtime");
+    let launch = Launch {
+        common,
+        backend: TestBackend::instant(2),
+        fleet: None,
+        telemetry: Telemetry::new("bigfleet_startup"),
+        announce: Box::new(|_, _| panic!("announced: startup should have failed")),
+        side_servers: Vec::new(),
+        require_zone: false,
+        real_backend: false,
+        leading: Default::default(),
+    };
+    runtime
+        .block_on(app::run(launch))
+        .expect_err("startup fails")
+}
+
+#[test]
+fn shard_identity_without_mtls_fails_startup_naming_the_flag() {
+    let err = startup_error(&["--shard-identity=warn".to_owned()]);
+    assert_eq!(
+        err,
+        "--shard-identity=warn needs mTLS (--tls-ca): without verified client certificates \
+         there is no shard identity to check"
+    );
+    // Server TLS without client certificates is not mTLS either.
+    let pki = pki();
+    let err = startup_error(&[
+        format!("--tls-cert={}", pki.join("server.pem").display()),
+        format!("--tls-key={}", pki.join("server-key.pem").display()),
+        "--shard-identity=enforce".to_owned(),
+    ]);
+    assert!(
+        err.starts_with("--shard-identity=enforce needs mTLS"),
+        "{err}"
+    );
+}
+
+#[test]
+fn startup_announces_the_shard_identity_mode_and_warns_when_it_is_not_enforced() {
+    let pki = pki();
+    let mtls = [
+        format!("--tls-cert={}", pki.join("server.pem").display()),
+        format!("--tls-key={}", pki.join("server-key.pem").display()),
+        format!("--tls-ca={}", pki.join("ca.pem").display()),
+    ];
+    let log = startup_log(&mtls, false);
+    assert!(
+        !log.contains("--shard-identity="),
+        "enforce by default: {log}"
+    );
+    let mut off = mtls.to_vec();
+    off.push("--shard-identity=off".to_owned());
+    let log = startup_log(&off, false);
+    assert!(
+        log.contains("--shard-identity=off: the shard a mutation asserts is not checked"),
+        "{log}"
+    );
 }

@@ -144,7 +144,7 @@ async fn mtls_refuses_missing_and_foreign_client_certificates_before_any_handler
     ] {
         refused(&server, security).await;
         if let Ok(channel) = wire::channel(&pki(), server.addr, security).await {
-            let mut zombie = Caller::new(channel, Shard::new("s1", 1));
+            let mut zombie = Caller::new(channel, Shard::new(wire::TEST_SHARD, 1));
             let status = zombie
                 .create(&id)
                 .await
@@ -156,10 +156,10 @@ async fn mtls_refuses_missing_and_foreign_client_certificates_before_any_handler
         }
     }
     assert_eq!(backend.calls(OperationKind::Create), 0);
-    // The same token (s1, 1, 1) the refused clients sent is accepted from a good client.
+    // The same token (shard, 1, 1) the refused clients sent is accepted from a good client.
     let mut good = Caller::new(
         server.channel(ClientSecurity::Mtls).await,
-        Shard::new("s1", 1),
+        Shard::new(wire::TEST_SHARD, 1),
     );
     let ack = good.create(&id).await.expect("the token was never seen");
     assert_eq!(state_of(acked(&ack)), pb::MachineState::Creating);
