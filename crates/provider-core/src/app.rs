@@ -235,6 +235,9 @@ pub async fn run(launch: Launch) -> Result<(), String> {
     } else {
         let store =
             open_store(&common.state).map_err(|e| format!("open state {}: {e}", common.state))?;
+        leading
+            .before_start(&*store)
+            .map_err(|e| format!("open state {}: {e}", common.state))?;
         let engine = Engine::start(backend.clone(), store.clone(), options.clone())
             .await
             .map_err(|e| format!("build provider: {e}"))?;

@@ -103,6 +103,19 @@ impl Leading {
             .push(Box::new(hook));
     }
 
+    /// A process restarted on a stored state continues it as a new leader would: the hooks see
+    /// the stored state before the engine starts, so no resumed transition reaches the cloud
+    /// the hooks prepare (the fake cloud) before it holds the recorded hosts.
+    pub fn before_start(&self, store: &dyn crate::store::Store) -> Result<(), String> {
+        if self.has_takeover_hooks() {
+            let snapshot = store.load().map_err(|e| e.0)?;
+            if !snapshot.is_fresh() {
+                self.taking_over(&snapshot);
+            }
+        }
+        Ok(())
+    }
+
     fn has_takeover_hooks(&self) -> bool {
         !self
             .1
@@ -222,12 +235,6 @@ impl Replica {
     /// The only replica, serving with `engine`; sets `leading`.
     pub fn single_with(engine: Arc<Engine>, leading: Leading) -> Arc<Replica> {
         let telemetry = engine.options().telemetry;
-        // A restarted process continues a stored state too: the binary's hooks (the fake
-        // cloud) see it as a new leader's would. The engine has started by now; its resumed
-        // transitions reach the cloud only after the fake's latency, so the hosts are there.
-        if leading.has_takeover_hooks() {
-            leading.taking_over(&engine.snapshot());
-        }
         leading.set(true);
         telemetry.leader(true);
         Replica::gated(Replica {
