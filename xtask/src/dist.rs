@@ -1,6 +1,14 @@
-//! `cargo xtask dist [--test] [--base IMAGE]`: builds the statically linked release binaries
-//! and the two provider images with buildah, and with `--test` checks each image the way a
-//! cluster would run it.
+//! `cargo xtask dist [--test] [--base IMAGE]`: builds the statically linked release binaries,
+//! the Debian package of `bigfleet-agent` and the two provider images with buildah, and with
+//! `--test` checks the package the way dpkg and systemd would take it and each image the way
+//! a cluster would run it.
+//!
+//! The package, `target/dist/bigfleet-agent_<version>_amd64.deb`, is put together by
+//! [`deb`] with `dpkg-deb` from the release binary and `deploy/digitalocean/deb`. Its test
+//! ([`check::deb`]) reads `dpkg-deb --info`/`--contents` (exact files, modes, root:root),
+//! the control fields and the unit against the agent's flags, runs `systemd-analyze verify`
+//! where that tool exists and lintian (no errors, no warnings), and runs `--help` from the
+//! unpacked package.
 //!
 //! The images come from `deploy/<provider>/Dockerfile` with `BUILDER=prebuilt`: cargo builds
 //! on the host, and a small build context under `target/dist/<provider>/context` carries the
@@ -21,11 +29,12 @@ use std::fs::{self, File};
 use std::os::unix::fs::PermissionsExt;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output, Stdio};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, bail, ensure};
 
 mod check;
+mod deb;
 
 /// Upper bound for one image: the sum of its uncompressed layers. Our binaries are about
 /// 10 MB each when stripped, so this leaves room for growth while catching a debug build,
@@ -94,13 +103,17 @@ struct Options {
 const USAGE: &str = "\
 usage: cargo xtask dist [--test] [--base IMAGE]
 
-Builds static release binaries ({TARGET}) and the images localhost/bigfleet-hetzner and
-localhost/bigfleet-digitalocean with buildah (vfs storage, chroot isolation).
+Builds static release binaries ({TARGET}), the Debian package
+target/dist/bigfleet-agent_<version>_amd64.deb (dpkg-deb) and the images
+localhost/bigfleet-hetzner and localhost/bigfleet-digitalocean with buildah (vfs storage,
+chroot isolation).
 
   --base IMAGE  runtime base image (default: scratch; production uses
                 gcr.io/distroless/static-debian12:nonroot)
-  --test        then test each image: config, size, contents, --help as uid 65532,
-                fake-backend serving with gRPC health, graceful SIGTERM";
+  --test        then test the package: members, modes and owners, control fields, the unit
+                (against the agent's flags and with systemd-analyze verify), lintian,
+                --help from the unpacked package; and each image: config, size, contents,
+                --help as uid 65532, fake-backend serving with gRPC health, graceful SIGTERM";
 
 fn parse_options(args: &[String]) -> Result<Option<Options>> {
     let mut options = Options {
@@ -143,9 +156,27 @@ pub(crate) fn run(args: &[String]) -> Result<()> {
         ensure_static(&path)?;
     }
 
+    let dist = target_dir.join("dist");
+    let started = Instant::now();
+    let package = deb::build(&root, &dist, &release, version)?;
+    println!(
+        "dist: built {} in {:.1}s",
+        package.display(),
+        started.elapsed().as_secs_f64()
+    );
+    if options.test {
+        let started = Instant::now();
+        check::deb::test_package(&root, &dist.join("deb/test"), &package, &release, version)?;
+        println!(
+            "dist: {}: package test passed in {:.1}s",
+            deb::file_name(version),
+            started.elapsed().as_secs_f64()
+        );
+    }
+
     let mut sizes = Vec::new();
     for image in &IMAGES {
-        let work = target_dir.join("dist").join(image.name);
+        let work = dist.join(image.name);
         let context = stage_context(&root, &work, image, &release)?;
         let tag = format!("localhost/bigfleet-{}:{version}", image.name);
         build_image(&root, &work, &context, image, &tag, &options.base, version)?;
@@ -164,7 +195,8 @@ pub(crate) fn run(args: &[String]) -> Result<()> {
                 MAX_IMAGE_BYTES as f64 / 1e6
             );
         }
-        println!("dist: {} passed, 0 failed", sizes.len());
+        // The package, then each image.
+        println!("dist: {} passed, 0 failed", sizes.len() + 1);
     }
     Ok(())
 }

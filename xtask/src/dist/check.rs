@@ -19,6 +19,8 @@ use super::{
 };
 use crate::grpc_health::{self, ServingStatus};
 
+pub(super) mod deb;
+
 /// Runs the image checks and returns the image size in bytes.
 pub(super) fn test_image(work: &Path, image: &Image, tag: &str, from_scratch: bool) -> Result<u64> {
     let inspect = output(buildah().args(["inspect", "--type", "image", tag]))?;
