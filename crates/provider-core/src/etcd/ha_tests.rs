@@ -671,7 +671,9 @@ fn a_restart_on_a_local_state_finds_the_recorded_hosts_on_the_fake_cloud() {
         let restored = cloud.clone();
         leading.on_takeover(move |snapshot| restored.restore(snapshot));
         let store = crate::app::open_store(&state).expect("open the state");
-        leading.before_start(&*store).expect("the hooks see the state");
+        leading
+            .before_start(&*store)
+            .expect("the hooks see the state");
         let engine = Engine::start(
             Arc::new(fleet),
             store,
