@@ -648,6 +648,25 @@ mod tests {
     }
 
     #[tokio::test]
+    async fn an_api_server_whose_certificate_the_mounted_ca_did_not_sign_gets_no_request() {
+        let f = fixture().await;
+        // ca.crt now holds another CA than the one that signed the stand-in's certificate.
+        let (other_ca, _) = certificate();
+        std::fs::write(f.dir.path().join("ca.crt"), other_ca).expect("ca");
+        let label = prepare(&f, &args(&f)).unwrap().expect("enabled");
+        let err = label.set(true).await.expect_err("an unverified API server");
+        assert!(
+            !err.contains(TOKEN),
+            "the token leaked into the error: {err}"
+        );
+        assert!(
+            f.api.seen().is_empty(),
+            "a request reached an API server the CA did not vouch for"
+        );
+        assert_eq!(f.api.label("bigfleet", "provider-7d9f-x2k4p"), None);
+    }
+
+    #[tokio::test]
     async fn a_refused_patch_is_an_error_without_the_token() {
         let f = fixture().await;
         let label = prepare(&f, &args(&f)).unwrap().expect("enabled");

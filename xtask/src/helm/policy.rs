@@ -266,12 +266,15 @@ fn check_ha(
                     .as_array()
                     .is_some_and(|a| a.iter().any(|v| v == want))
             };
-            has("apiGroups", "")
-                && has("resources", "pods")
-                && has("verbs", "get")
-                && has("verbs", "patch")
+            has("apiGroups", "") && has("resources", "pods") && has("verbs", "patch")
         }),
-        "the Role must allow get and patch on pods"
+        "the Role must allow patch on pods"
+    );
+    ensure!(
+        rules.iter().all(|r| r["verbs"]
+            .as_array()
+            .is_some_and(|a| a.iter().all(|v| v == "patch"))),
+        "the Role grants more than patch (the leader label needs nothing else)"
     );
     ensure!(
         rules.iter().all(|r| r["resources"]
@@ -940,7 +943,7 @@ mod tests {
             json!({"kind": "PodDisruptionBudget", "spec": {"maxUnavailable": 1,
                 "selector": {"matchLabels": {"app.kubernetes.io/name": "p"}}}}),
             json!({"kind": "Role", "metadata": {"name": "r"}, "rules": [
-                {"apiGroups": [""], "resources": ["pods"], "verbs": ["get", "patch"]}]}),
+                {"apiGroups": [""], "resources": ["pods"], "verbs": ["patch"]}]}),
             json!({"kind": "RoleBinding", "roleRef": {"name": "r"},
                 "subjects": [{"kind": "ServiceAccount", "name": "sa"}]}),
         ]
@@ -996,6 +999,9 @@ mod tests {
                     .remove(0);
             }),
             ("no patch", |o| o[4]["rules"][0]["verbs"] = json!(["get"])),
+            ("more than patch", |o| {
+                o[4]["rules"][0]["verbs"] = json!(["get", "patch"])
+            }),
             ("more than pods", |o| {
                 o[4]["rules"]
                     .as_array_mut()
