@@ -19,6 +19,7 @@ pub const TARGETS: &[Target] = &[
     targets::durable::CODEC,
     targets::durable::FILES,
     targets::durable::STORE,
+    targets::etcd::RECORDS,
     targets::reference::IMPORT,
     targets::offerings::JSON,
     targets::agent::COMMAND,

@@ -151,7 +151,7 @@ fn batch(u: &mut Unstructured<'_>) -> Result<Vec<Change>> {
 }
 
 /// Equality with floats compared bit for bit (NaN == NaN of the same payload).
-fn same_change(a: &Change, b: &Change) -> bool {
+pub(crate) fn same_change(a: &Change, b: &Change) -> bool {
     match (a, b) {
         (Change::PutSlot(x), Change::PutSlot(y)) => {
             let (mx, my) = (&*x.machine, &*y.machine);

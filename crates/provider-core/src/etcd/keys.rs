@@ -96,12 +96,12 @@ fn escape(id: &str) -> String {
 
 /// The revision head and the next operation number.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub(crate) struct Meta {
+pub struct Meta {
     pub revision: i64,
     pub next_op: u64,
 }
 
-pub(crate) fn encode_meta(meta: Meta) -> Vec<u8> {
+pub fn encode_meta(meta: Meta) -> Vec<u8> {
     let mut out = Vec::with_capacity(21);
     out.extend_from_slice(META_MAGIC);
     out.push(VALUE_VERSION);
@@ -110,7 +110,7 @@ pub(crate) fn encode_meta(meta: Meta) -> Vec<u8> {
     out
 }
 
-pub(crate) fn decode_meta(value: &[u8]) -> Result<Meta, String> {
+pub fn decode_meta(value: &[u8]) -> Result<Meta, String> {
     if value.len() < 5 || &value[..4] != META_MAGIC {
         return Err("not a state meta record".into());
     }
@@ -125,20 +125,20 @@ pub(crate) fn decode_meta(value: &[u8]) -> Result<Meta, String> {
     })
 }
 
-pub(crate) fn encode_slot(slot: &Slot) -> Vec<u8> {
+pub fn encode_slot(slot: &Slot) -> Vec<u8> {
     let mut out = Vec::with_capacity(256);
     out.push(VALUE_VERSION);
     crate::durable::encode_slot(slot, &mut out);
     out
 }
 
-pub(crate) fn decode_slot(value: &[u8]) -> Result<Slot, String> {
+pub fn decode_slot(value: &[u8]) -> Result<Slot, String> {
     let (&version, body) = value.split_first().ok_or("empty machine record")?;
     check_version(version)?;
     crate::durable::decode_slot(body)
 }
 
-pub(crate) fn encode_fence(shard_id: &str, machine_id: &str, mark: HighWaterMark) -> Vec<u8> {
+pub fn encode_fence(shard_id: &str, machine_id: &str, mark: HighWaterMark) -> Vec<u8> {
     let mut out = Vec::with_capacity(32 + shard_id.len() + machine_id.len());
     out.push(VALUE_VERSION);
     for s in [shard_id, machine_id] {
@@ -150,7 +150,7 @@ pub(crate) fn encode_fence(shard_id: &str, machine_id: &str, mark: HighWaterMark
     out
 }
 
-pub(crate) fn decode_fence(value: &[u8]) -> Result<FenceRecord, String> {
+pub fn decode_fence(value: &[u8]) -> Result<FenceRecord, String> {
     let (&version, mut body) = value.split_first().ok_or("empty fence record")?;
     check_version(version)?;
     let mut take = |n: usize| -> Result<&[u8], String> {

@@ -60,6 +60,14 @@ use tokio_util::sync::CancellationToken;
 pub use target::{EtcdArgs, is_etcd};
 pub use transfer::{export_json, import};
 
+/// The value encodings of the records under the prefix (machine slots, fence marks, the meta
+/// record), for the fuzz targets and tools that read a prefix without a store.
+pub mod records {
+    pub use super::keys::{
+        Meta, decode_fence, decode_meta, decode_slot, encode_fence, encode_meta, encode_slot,
+    };
+}
+
 use keys::{KeyKind, Keys, Meta};
 use target::{Client, Target};
 
