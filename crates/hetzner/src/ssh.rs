@@ -507,8 +507,9 @@ fn wait_until(condition: &str) -> String {
 /// `umask 077`; removed if the script ends before handing it over), check the length, and
 /// start the detached runner. The runner that creates the run directory moves its copy to
 /// `<hook>.blob`, runs `<hook> <cluster_id>`, removes `<hook>.blob` when the hook exits, and
-/// records the outcome; any other start's runner discards its copy. A truncated blob exits 97
-/// before any runner starts.
+/// records the outcome; any other start's runner discards its copy, and a start that finds the
+/// run begun once it has read its stdin discards its copy and answers `started`. A truncated
+/// blob exits 97 before any runner starts.
 pub(crate) fn configure_start_script(
     hook: &str,
     run: &str,
@@ -521,8 +522,11 @@ pub(crate) fn configure_start_script(
     let blob = quote(&format!("{hook}.blob"));
     // `run` is a plain file name (`run_name`), so it needs no quoting and the glob works.
     let copies = format!("{}/.{run}.blob.", quote(&runs));
+    // The winner leaves other deliveries' copies alone: one may still be reading its stdin, and
+    // its own runner (a loser) removes it. Copies of deliveries killed half way go at the probe
+    // of the finished run.
     let before = format!(
-        "if mv -f \"$1\" {blob}; then rm -f {copies}*; else st=98; \
+        "if ! mv -f \"$1\" {blob}; then st=98; \
          echo 'the bootstrap blob was gone before the hook could start' > \"$d/output\"; fi;"
     );
     let command = format!("{} {}", quote(hook), quote(cluster_id));
@@ -532,7 +536,8 @@ pub(crate) fn configure_start_script(
         "set -eu; umask 077; mkdir -p {runs}; \
          if [ -e {dir} ]; then cat > /dev/null; echo started; exit 0; fi; \
          tmp={copies}$$; trap 'rm -f \"$tmp\"' EXIT; trap 'exit 129' HUP; trap 'exit 143' TERM; \
-         cat > \"$tmp\"; n=$(wc -c < \"$tmp\" | tr -d ' '); \
+         cat > \"$tmp\"; n=$(wc -c 2>/dev/null < \"$tmp\" | tr -d ' '); \
+         if [ -e {dir} ]; then echo started; exit 0; fi; \
          if [ \"$n\" != {blob_len} ]; then \
          echo \"bootstrap blob truncated: got $n of {blob_len} bytes\" >&2; exit 97; fi; \
          {detach}; {wait}; echo started",
