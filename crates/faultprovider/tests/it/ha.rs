@@ -224,7 +224,11 @@ impl Load {
                                 tokio::time::sleep(Duration::from_millis(20)).await;
                             }
                         }
-                        Err(_) => {
+                        Err(status) => {
+                            // A kill is noticed by whichever call meets it, a state read too.
+                            if retryable(&status) {
+                                self.record.lock().unwrap().unavailable += 1;
+                            }
                             replica = at + 1;
                             tokio::time::sleep(Duration::from_millis(20)).await;
                         }
