@@ -97,25 +97,7 @@ pub fn open_store(state: &str) -> Result<SharedStore, String> {
 /// Warms prices and capacities from the cloud (best effort, bounded) and fails if an offered
 /// type has no price at all.
 pub async fn warm_up(fleet: &Fleet, telemetry: Telemetry) -> Result<(), String> {
-    let pairs = fleet.price_pairs();
-    match tokio::time::timeout(
-        WARMUP_BUDGET,
-        fleet.prices().refresh(&**fleet.cloud(), &pairs),
-    )
-    .await
-    {
-        Ok(failures) => {
-            for (instance_type, zone, err) in failures {
-                tracing::warn!(
-                    instance_type,
-                    zone,
-                    err,
-                    "pricing: price fetch failed; keeping fallback"
-                );
-            }
-        }
-        Err(_) => tracing::warn!("pricing: price warm-up timed out; keeping fallback"),
-    }
+    fetch_prices(fleet, WARMUP_BUDGET).await;
     let types = fleet.instance_types();
     match tokio::time::timeout(
         WARMUP_BUDGET,
@@ -515,34 +497,32 @@ struct Prices {
 /// One refresh of every offered price, counted for the `PriceRefreshFailing` alert; true when
 /// every price was fetched.
 async fn refresh_prices(fleet: &Fleet, telemetry: Telemetry) -> bool {
+    let fetched = fetch_prices(fleet, Duration::from_secs(30)).await;
+    telemetry.price_refresh_outcome(if fetched { "success" } else { "error" });
+    fetched
+}
+
+/// Fetches every offered price within `budget`, logging each failure (the fallback stays);
+/// true when every price was fetched.
+async fn fetch_prices(fleet: &Fleet, budget: Duration) -> bool {
     let pairs = fleet.price_pairs();
-    let outcome = tokio::time::timeout(
-        Duration::from_secs(30),
-        fleet.prices().refresh(&**fleet.cloud(), &pairs),
-    )
-    .await;
-    let failures = match outcome {
-        Ok(f) => f,
-        Err(_) => vec![(
-            String::new(),
-            String::new(),
-            "price refresh timed out".to_owned(),
-        )],
-    };
-    for (instance_type, zone, err) in &failures {
-        tracing::warn!(
-            instance_type,
-            zone,
-            err,
-            "pricing: price fetch failed; keeping fallback"
-        );
+    match tokio::time::timeout(budget, fleet.prices().refresh(&**fleet.cloud(), &pairs)).await {
+        Ok(failures) => {
+            for (instance_type, zone, err) in &failures {
+                tracing::warn!(
+                    instance_type,
+                    zone,
+                    err,
+                    "pricing: price fetch failed; keeping fallback"
+                );
+            }
+            failures.is_empty()
+        }
+        Err(_) => {
+            tracing::warn!("pricing: price refresh timed out; keeping fallback");
+            false
+        }
     }
-    telemetry.price_refresh_outcome(if failures.is_empty() {
-        "success"
-    } else {
-        "error"
-    });
-    failures.is_empty()
 }
 
 /// The `main` of a provider binary: logging, the runtime, then either a subcommand (printing

@@ -132,6 +132,15 @@ pub enum Durable<T> {
     After { value: T, revision: i64 },
 }
 
+impl<T> Durable<T> {
+    /// What the read shows, durable or not.
+    pub fn into_value(self) -> T {
+        match self {
+            Durable::Now(value) | Durable::After { value, .. } => value,
+        }
+    }
+}
+
 /// A batch submitted under the lock, and where it stands in the submission order.
 struct Pending {
     commit: Option<Commit>,
@@ -703,15 +712,10 @@ impl Engine {
         self.mutate(machine_id, token, None, Work::Delete).await
     }
 
+    /// The machine as memory holds it now, durable or not (admin and tests; the wire answers
+    /// with [`Engine::get_durable`]).
     pub fn get(&self, id: &str) -> Result<Arc<Machine>, CoreError> {
-        if id.is_empty() {
-            return Err(CoreError::MissingId("id"));
-        }
-        limits::check_id("id", id)?;
-        self.read()
-            .get(id)
-            .map(|slot| slot.machine.clone())
-            .ok_or_else(|| CoreError::GetNotFound(id.to_owned()))
+        self.get_durable(id).map(Durable::into_value)
     }
 
     /// Get as answered on the wire: the machine, and whether its last change is durable yet.
