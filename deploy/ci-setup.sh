@@ -106,5 +106,5 @@ if [ ! -x "$venv/bin/python3" ] || [ "$(cat "$stamp" 2>/dev/null)" != "$want" ];
   rm -f "$log"
   printf '%s\n' "$want" >"$stamp"
 fi
-"$venv/bin/python3" -c 'import helm_python, kubernetes_validate, yaml, jsonschema' \
+"$venv/bin/python3" -c 'import helm_python, kubernetes_validate, yaml, jsonschema, celpy' \
   || die "the chart tools in $venv do not import"

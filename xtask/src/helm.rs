@@ -74,6 +74,27 @@ pub(crate) fn run(args: &[String]) -> Result<()> {
             let objects: Vec<Value> = serde_json::from_str(&fs::read_to_string(&json)?)?;
             check_policy(chart, case, &objects)
                 .with_context(|| format!("chart {} with {case} values", chart.name))?;
+            if objects
+                .iter()
+                .any(|o| o["kind"] == "ValidatingAdmissionPolicy")
+            {
+                let verdicts = output(
+                    Command::new(&python)
+                        .arg(root.join("deploy/ci/chartcheck.py"))
+                        .arg("admission-cases")
+                        .arg("--json")
+                        .arg(&json)
+                        .args(["--namespace", NAMESPACE]),
+                )
+                .with_context(|| {
+                    format!("chart {} with {case} values: admission policy", chart.name)
+                })?;
+                println!(
+                    "helm: {} ({case} values): leader-label admission policy: {} patches judged as expected",
+                    chart.name,
+                    verdicts.lines().count()
+                );
+            }
             if case != "default" {
                 crate::alerts::check_render(
                     &root,

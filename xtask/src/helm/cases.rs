@@ -180,6 +180,12 @@ pub(super) const REFUSALS: &[Refusal] = &[
         message: "tls.mtls=true needs tls.enabled=true",
     },
     Refusal {
+        chart: "digitalocean",
+        what: "a leader-label policy mode that is not auto, true or false",
+        values: "ha:\n  leaderLabelPolicy: sometimes\n",
+        message: "leaderLabelPolicy",
+    },
+    Refusal {
         chart: "hetzner",
         what: "an unknown log format",
         values: "logFormat: yaml\n",

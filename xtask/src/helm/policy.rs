@@ -43,6 +43,8 @@ pub(super) fn check_policy(chart: &Chart, case: &str, objects: &[Value]) -> Resu
             "Service",
             "ServiceAccount",
             "ServiceMonitor",
+            "ValidatingAdmissionPolicy",
+            "ValidatingAdmissionPolicyBinding",
         ],
         ("hetzner", _) => &[
             "ConfigMap",
@@ -291,6 +293,7 @@ fn check_ha(
             && binding["subjects"][0]["name"] == pod["serviceAccountName"],
         "the RoleBinding must bind the Role to the pod's service account"
     );
+    check_leader_label_policy(objects, pod)?;
     if let Some(policy) = objects.iter().find(|o| o["kind"] == "NetworkPolicy")
         && let Some(egress) = policy["spec"]["egress"].as_array()
     {
@@ -714,6 +717,57 @@ fn go_duration_seconds(text: &str) -> Result<f64> {
     Ok(total)
 }
 
+/// The ValidatingAdmissionPolicy that narrows the Role: bound with Deny in the release's
+/// namespace, failing closed, matching pod updates by the pod's own service account only. What
+/// its expressions admit is evaluated apart (`chartcheck.py admission-cases`).
+fn check_leader_label_policy(objects: &[Value], pod: &Value) -> Result<()> {
+    let policy = objects
+        .iter()
+        .find(|o| o["kind"] == "ValidatingAdmissionPolicy")
+        .context("the leader label needs its ValidatingAdmissionPolicy (ha.leaderLabelPolicy)")?;
+    let spec = &policy["spec"];
+    ensure!(
+        spec["failurePolicy"] == "Fail",
+        "the leader-label policy must fail closed"
+    );
+    let rules = spec["matchConstraints"]["resourceRules"]
+        .as_array()
+        .context("the leader-label policy matches no resources")?;
+    ensure!(
+        rules
+            .iter()
+            .any(|r| r["resources"] == serde_json::json!(["pods"])
+                && r["operations"] == serde_json::json!(["UPDATE"])),
+        "the leader-label policy must match pod updates"
+    );
+    let account = pod["serviceAccountName"]
+        .as_str()
+        .context("pod without a service account")?;
+    let conditions = spec["matchConditions"].to_string();
+    ensure!(
+        conditions.contains(&format!(
+            "system:serviceaccount:{}:{account}",
+            super::NAMESPACE
+        )),
+        "the leader-label policy must match the provider's own service account"
+    );
+    let binding = objects
+        .iter()
+        .find(|o| o["kind"] == "ValidatingAdmissionPolicyBinding")
+        .context("the leader-label policy needs a binding")?;
+    ensure!(
+        binding["spec"]["policyName"] == policy["metadata"]["name"]
+            && binding["spec"]["validationActions"] == serde_json::json!(["Deny"]),
+        "the leader-label policy binding must bind the policy with Deny"
+    );
+    ensure!(
+        binding["spec"]["matchResources"]["namespaceSelector"]["matchLabels"]["kubernetes.io/metadata.name"]
+            == super::NAMESPACE,
+        "the leader-label policy binding must select the release's namespace"
+    );
+    Ok(())
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -946,6 +1000,16 @@ mod tests {
                 {"apiGroups": [""], "resources": ["pods"], "verbs": ["patch"]}]}),
             json!({"kind": "RoleBinding", "roleRef": {"name": "r"},
                 "subjects": [{"kind": "ServiceAccount", "name": "sa"}]}),
+            json!({"kind": "ValidatingAdmissionPolicy", "metadata": {"name": "v"}, "spec": {
+                "failurePolicy": "Fail",
+                "matchConstraints": {"resourceRules": [{"apiGroups": [""], "apiVersions": ["v1"],
+                    "operations": ["UPDATE"], "resources": ["pods"]}]},
+                "matchConditions": [{"name": "sa", "expression":
+                    "request.userInfo.username == 'system:serviceaccount:bigfleet:sa'"}],
+                "validations": [{"expression": "true"}]}}),
+            json!({"kind": "ValidatingAdmissionPolicyBinding", "spec": {"policyName": "v",
+                "validationActions": ["Deny"], "matchResources": {"namespaceSelector":
+                    {"matchLabels": {"kubernetes.io/metadata.name": "bigfleet"}}}}}),
         ]
     }
 
@@ -1010,6 +1074,23 @@ mod tests {
             }),
             ("bound to another account", |o| {
                 o[5]["subjects"][0]["name"] = json!("other")
+            }),
+            ("no admission policy", |o| {
+                o.retain(|x| x["kind"] != "ValidatingAdmissionPolicy")
+            }),
+            ("an admission policy that fails open", |o| {
+                o[6]["spec"]["failurePolicy"] = json!("Ignore")
+            }),
+            ("an admission policy for another account", |o| {
+                o[6]["spec"]["matchConditions"][0]["expression"] =
+                    json!("request.userInfo.username == 'system:serviceaccount:bigfleet:other'")
+            }),
+            ("an admission policy that only warns", |o| {
+                o[7]["spec"]["validationActions"] = json!(["Warn"])
+            }),
+            ("an admission policy bound to another namespace", |o| {
+                o[7]["spec"]["matchResources"]["namespaceSelector"]["matchLabels"]["kubernetes.io/metadata.name"] =
+                    json!("default")
             }),
             ("no state encryption", |o| {
                 o[0]["spec"]["template"]["spec"]["containers"][0]["args"]

@@ -74,6 +74,15 @@ severity: {{ .alert.severity }}
 {{- if and (include "bigfleet-hetzner.ha" .) .Values.ha.leaderLabel -}}true{{- end -}}
 {{- end -}}
 
+{{/* The ValidatingAdmissionPolicy narrowing the leader label's patch right ("true", or empty):
+with the leader label on, and ha.leaderLabelPolicy true, or auto on Kubernetes 1.30 and later. */}}
+{{- define "bigfleet-hetzner.leaderLabelPolicy" -}}
+{{- if include "bigfleet-hetzner.leaderLabel" . -}}
+{{- $mode := toString .Values.ha.leaderLabelPolicy -}}
+{{- if or (eq $mode "true") (and (eq $mode "auto") (semverCompare ">=1.30.0-0" .Capabilities.KubeVersion.Version)) -}}true{{- end -}}
+{{- end -}}
+{{- end -}}
+
 {{/* What HA mode refuses. */}}
 {{- define "bigfleet-hetzner.haChecks" -}}
 {{- $ha := include "bigfleet-hetzner.ha" . -}}
