@@ -327,7 +327,13 @@ impl HetznerCloud {
             .filter(|o| o.spec.placement == Placement::Spread)
         {
             if let Err(e) = self
-                .sweep_groups(&offering.server_type, &offering.location, deadline)
+                .spread
+                .sweep_groups(
+                    &self.api,
+                    &offering.server_type,
+                    &offering.location,
+                    deadline,
+                )
                 .await
             {
                 tracing::warn!(offering = %offering.key(), err = %e, "could not remove empty spread placement groups");
@@ -543,7 +549,9 @@ impl HetznerCloud {
             .await
             .map_err(|e| err(format!("delete: delete server {id}: {e}")))?;
         tracing::info!(server = id, "server deleted");
-        self.release_group(&server, ctx.deadline).await;
+        self.spread
+            .release_group(&self.api, &server, ctx.deadline)
+            .await;
         Ok(())
     }
 

@@ -92,7 +92,9 @@ impl HetznerCloud {
         deadline: Instant,
     ) -> Result<models::Server, ApiError> {
         if plan.spread {
-            self.create_in_spread_group(plan, request, deadline).await
+            self.spread
+                .create_server(&self.api, plan, request, deadline)
+                .await
         } else {
             self.api.create_server(request, Some(deadline)).await
         }

@@ -18,8 +18,7 @@ use hcloud::models;
 use sha2::{Digest, Sha256};
 use tokio::time::Instant;
 
-use crate::api::ApiError;
-use crate::cloud::HetznerCloud;
+use crate::api::{ApiError, HcloudApi};
 use crate::labels;
 use crate::resolve::Plan;
 
@@ -35,8 +34,11 @@ pub const OFFERING: &str = "bigfleet-offering";
 /// How many groups one Create may try (each full answer opens another).
 const ATTEMPTS: usize = 4;
 
-/// The per-offering locks and the group-name stem of this provider instance.
+/// The spread groups of one provider instance: its per-offering locks, its group-name stem and
+/// the instance name its group labels carry.
 pub struct SpreadGroups {
+    /// The provider instance (`--provider`), as the groups' labels record it.
+    provider: String,
     /// 8 base32 characters of the provider instance's digest (names are project-wide).
     stem: String,
     locks: Mutex<HashMap<String, Arc<tokio::sync::Mutex<()>>>>,
@@ -45,6 +47,7 @@ pub struct SpreadGroups {
 impl std::fmt::Debug for SpreadGroups {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("SpreadGroups")
+            .field("provider", &self.provider)
             .field("stem", &self.stem)
             .finish_non_exhaustive()
     }
@@ -54,6 +57,7 @@ impl SpreadGroups {
     pub fn new(provider: &str) -> SpreadGroups {
         let digest = Sha256::digest(provider.as_bytes());
         SpreadGroups {
+            provider: provider.to_owned(),
             stem: labels::base32(&digest)[..8].to_owned(),
             locks: Mutex::new(HashMap::new()),
         }
@@ -96,7 +100,7 @@ fn group_number(name: &str) -> Option<u64> {
     name.rsplit_once('-').and_then(|(_, n)| n.parse().ok())
 }
 
-impl HetznerCloud {
+impl SpreadGroups {
     fn group_labels(&self, server_type: &str, location: &str) -> Vec<(String, String)> {
         let mut pairs = vec![(labels::MANAGED.to_owned(), "true".to_owned())];
         pairs.extend(labels::text_labels(labels::PROVIDER, &self.provider));
@@ -118,14 +122,14 @@ impl HetznerCloud {
     /// This instance's spread groups of one offering, oldest first.
     pub(crate) async fn owned_groups(
         &self,
+        api: &HcloudApi,
         server_type: &str,
         location: &str,
         deadline: Instant,
     ) -> Result<Vec<models::PlacementGroup>, ApiError> {
         let key = offering_key(server_type, location);
         let selector = labels::selector(&self.group_labels(server_type, location));
-        let mut groups: Vec<models::PlacementGroup> = self
-            .api
+        let mut groups: Vec<models::PlacementGroup> = api
             .placement_groups(&selector, Some(deadline))
             .await?
             .into_iter()
@@ -138,6 +142,7 @@ impl HetznerCloud {
     /// Opens a new owned spread group for the offering.
     async fn open_group(
         &self,
+        api: &HcloudApi,
         plan: &Plan,
         existing: &[models::PlacementGroup],
         deadline: Instant,
@@ -153,9 +158,8 @@ impl HetznerCloud {
             .map_or(1, |m| m + 1);
         let mut last = None;
         for _ in 0..ATTEMPTS {
-            let name = self.spread.name(&plan.server_type, &plan.location, n);
-            match self
-                .api
+            let name = self.name(&plan.server_type, &plan.location, n);
+            match api
                 .create_placement_group(&name, labels.clone(), Some(deadline))
                 .await
             {
@@ -176,19 +180,20 @@ impl HetznerCloud {
 
     /// Creates the server in an owned spread group of its offering, opening groups as they
     /// fill up.
-    pub(crate) async fn create_in_spread_group(
+    pub(crate) async fn create_server(
         &self,
+        api: &HcloudApi,
         plan: &Plan,
         request: &mut models::CreateServerRequest,
         deadline: Instant,
     ) -> Result<models::Server, ApiError> {
-        let lock = self.spread.lock(&plan.key);
+        let lock = self.lock(&plan.key);
         let _held = lock.lock().await;
         let mut full: HashSet<i64> = HashSet::new();
         let mut last = None;
         for _ in 0..ATTEMPTS {
             let groups = self
-                .owned_groups(&plan.server_type, &plan.location, deadline)
+                .owned_groups(api, &plan.server_type, &plan.location, deadline)
                 .await?;
             let roomy = groups
                 .iter()
@@ -196,10 +201,10 @@ impl HetznerCloud {
                 .max_by_key(|g| (g.servers.len(), std::cmp::Reverse(g.id)));
             let group = match roomy {
                 Some(g) => g.clone(),
-                None => self.open_group(plan, &groups, deadline).await?,
+                None => self.open_group(api, plan, &groups, deadline).await?,
             };
             request.placement_group = Some(group.id);
-            match self.api.create_server(request, Some(deadline)).await {
+            match api.create_server(request, Some(deadline)).await {
                 Err(e) if e.code() == Some(GROUP_FULL) => {
                     tracing::info!(offering = %plan.key, group = group.id, "spread placement group is full; using another");
                     full.insert(group.id);
@@ -214,18 +219,20 @@ impl HetznerCloud {
     /// Deletes this instance's empty spread groups of the offering.
     pub(crate) async fn sweep_groups(
         &self,
+        api: &HcloudApi,
         server_type: &str,
         location: &str,
         deadline: Instant,
     ) -> Result<usize, ApiError> {
-        let lock = self.spread.lock(&offering_key(server_type, location));
+        let lock = self.lock(&offering_key(server_type, location));
         let _held = lock.lock().await;
         let mut deleted = 0;
-        for group in self.owned_groups(server_type, location, deadline).await? {
+        for group in self
+            .owned_groups(api, server_type, location, deadline)
+            .await?
+        {
             if group.servers.is_empty() {
-                self.api
-                    .delete_placement_group(group.id, Some(deadline))
-                    .await?;
+                api.delete_placement_group(group.id, Some(deadline)).await?;
                 tracing::info!(group = group.id, name = %group.name, "deleted an empty spread placement group");
                 deleted += 1;
             }
@@ -235,7 +242,12 @@ impl HetznerCloud {
 
     /// After a server of a spread offering is deleted: removes its group if it is ours and
     /// now empty (the others of the offering too).
-    pub(crate) async fn release_group(&self, server: &models::Server, deadline: Instant) {
+    pub(crate) async fn release_group(
+        &self,
+        api: &HcloudApi,
+        server: &models::Server,
+        deadline: Instant,
+    ) {
         let Some(Some(group)) = &server.placement_group else {
             return;
         };
@@ -244,7 +256,12 @@ impl HetznerCloud {
             return;
         }
         if let Err(e) = self
-            .sweep_groups(&server.server_type.name, &server.location.name, deadline)
+            .sweep_groups(
+                api,
+                &server.server_type.name,
+                &server.location.name,
+                deadline,
+            )
             .await
         {
             tracing::warn!(group = group.id, err = %e, "could not remove empty spread placement groups; the next delete or restart retries");

@@ -163,7 +163,7 @@ pub async fn run(launch: Launch) -> Result<(), String> {
     }
     telemetry.startup_signals(&common.tls_flags());
     if shard_identity != ShardIdentity::Off {
-        telemetry.shard_identity_signals();
+        telemetry.shard_identity_signals(crate::identity::Reason::ALL.iter().map(|r| r.label()));
     }
     if let Some(warning) = shard_identity_warning(security, shard_identity) {
         tracing::warn!(shard_identity = shard_identity.name(), "{warning}");

@@ -70,14 +70,7 @@ pub enum LogFormat {
     Json,
 }
 
-/// Parses a Go-style boolean value (`true`, `false`, `1`, `0`, `t`, `f`, any case).
-pub fn go_bool(text: &str) -> Result<bool, String> {
-    match text.to_ascii_lowercase().as_str() {
-        "1" | "t" | "true" => Ok(true),
-        "0" | "f" | "false" => Ok(false),
-        _ => Err(format!("invalid boolean value {text:?}")),
-    }
-}
+pub use crate::flag_syntax::go_bool;
 
 /// The flags shared by every provider binary.
 #[derive(Args, Debug, Clone)]

@@ -23,7 +23,7 @@ use tokio::sync::watch;
 use tokio_util::sync::CancellationToken;
 use zeroize::Zeroizing;
 
-use crate::config::go_bool;
+use crate::flag_syntax::go_bool;
 use crate::replica::Role;
 use crate::telemetry::Telemetry;
 

@@ -16,6 +16,7 @@ pub mod error;
 pub mod etcd;
 pub mod fake;
 pub mod fence;
+pub mod flag_syntax;
 pub mod fleet;
 pub mod identity;
 pub mod inventory;

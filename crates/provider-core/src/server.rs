@@ -25,7 +25,7 @@ use crate::fence::FenceToken;
 use crate::identity::{ShardGuard, ShardIdentity};
 use crate::machine::{Machine, MachineState, StringMap};
 use crate::replica::Replica;
-use crate::telemetry::Telemetry;
+use crate::telemetry::{Telemetry, code_name};
 
 /// The gRPC face of the engine this replica serves with (every RPC answers UNAVAILABLE while
 /// it does not: see [`Replica`]).
@@ -55,29 +55,6 @@ fn peer_certificates<T>(
     request: &Request<T>,
 ) -> Option<Arc<Vec<rustls_pki_types::CertificateDer<'static>>>> {
     request.peer_certs()
-}
-
-/// The gRPC code name as the reference's metrics spell it (`OK`, `FailedPrecondition`, ...).
-pub fn code_name(code: Code) -> &'static str {
-    match code {
-        Code::Ok => "OK",
-        Code::Cancelled => "Canceled",
-        Code::Unknown => "Unknown",
-        Code::InvalidArgument => "InvalidArgument",
-        Code::DeadlineExceeded => "DeadlineExceeded",
-        Code::NotFound => "NotFound",
-        Code::AlreadyExists => "AlreadyExists",
-        Code::PermissionDenied => "PermissionDenied",
-        Code::ResourceExhausted => "ResourceExhausted",
-        Code::FailedPrecondition => "FailedPrecondition",
-        Code::Aborted => "Aborted",
-        Code::OutOfRange => "OutOfRange",
-        Code::Unimplemented => "Unimplemented",
-        Code::Internal => "Internal",
-        Code::Unavailable => "Unavailable",
-        Code::DataLoss => "DataLoss",
-        Code::Unauthenticated => "Unauthenticated",
-    }
 }
 
 /// Runs one handler: catches a panic (INTERNAL "internal error", ERROR log, panic counter),
@@ -516,13 +493,6 @@ mod tests {
         let wire = machine_to_wire(&m);
         assert_eq!(wire.host.unwrap().r#ref, "42");
         assert_eq!(wire.resources.unwrap().resources["cpu"], "1");
-    }
-
-    #[test]
-    fn code_names_match_the_reference_metrics() {
-        assert_eq!(code_name(Code::FailedPrecondition), "FailedPrecondition");
-        assert_eq!(code_name(Code::Ok), "OK");
-        assert_eq!(code_name(Code::Cancelled), "Canceled");
     }
 }
 

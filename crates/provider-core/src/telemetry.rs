@@ -7,6 +7,7 @@ use std::time::Duration;
 
 use metrics::{Counter, Histogram, counter, gauge, histogram};
 use metrics_exporter_prometheus::{Matcher, PrometheusBuilder, PrometheusHandle};
+use tonic::Code;
 
 /// The metric names of one provider binary.
 #[derive(Debug, Clone, Copy)]
@@ -147,11 +148,9 @@ impl Telemetry {
 
     /// One finished RPC: `<prefix>_grpc_requests_total{method,code}` and
     /// `<prefix>_grpc_request_duration_seconds{method}`, `code` spelled as [`code_name`] does.
-    ///
-    /// [`code_name`]: crate::server::code_name
-    pub fn rpc(&self, method: &'static str, code: tonic::Code, elapsed: Duration) {
+    pub fn rpc(&self, method: &'static str, code: Code, elapsed: Duration) {
         let seconds = elapsed.as_secs_f64();
-        let code_label = crate::server::code_name(code);
+        let code_label = code_name(code);
         // Handles resolved before the process recorder exists would record nowhere forever:
         // until it is installed, every call goes through the registry.
         let cell = method_index(method)
@@ -327,12 +326,13 @@ impl Telemetry {
         counter!(self.bootstrap_unauthorized).absolute(0);
     }
 
-    /// A zero `<prefix>_shard_identity_rejected_total` for every reason, once the check is on
-    /// (`--shard-identity` enforce or warn), for the same reasons as [`Self::startup_signals`].
-    pub fn shard_identity_signals(&self) {
+    /// A zero `<prefix>_shard_identity_rejected_total` for every reason label the binding
+    /// counts, once the check is on (`--shard-identity` enforce or warn), for the same reasons as
+    /// [`Self::startup_signals`].
+    pub fn shard_identity_signals(&self, reasons: impl IntoIterator<Item = &'static str>) {
         let _ = recorder();
-        for reason in crate::identity::Reason::ALL {
-            counter!(self.shard_identity_rejected, "reason" => reason.label()).absolute(0);
+        for reason in reasons {
+            counter!(self.shard_identity_rejected, "reason" => reason).absolute(0);
         }
     }
 
@@ -409,6 +409,29 @@ pub fn status_class(status: u16) -> &'static str {
     }
 }
 
+/// The gRPC code name as the reference's metrics spell it (`OK`, `FailedPrecondition`, ...).
+pub fn code_name(code: Code) -> &'static str {
+    match code {
+        Code::Ok => "OK",
+        Code::Cancelled => "Canceled",
+        Code::Unknown => "Unknown",
+        Code::InvalidArgument => "InvalidArgument",
+        Code::DeadlineExceeded => "DeadlineExceeded",
+        Code::NotFound => "NotFound",
+        Code::AlreadyExists => "AlreadyExists",
+        Code::PermissionDenied => "PermissionDenied",
+        Code::ResourceExhausted => "ResourceExhausted",
+        Code::FailedPrecondition => "FailedPrecondition",
+        Code::Aborted => "Aborted",
+        Code::OutOfRange => "OutOfRange",
+        Code::Unimplemented => "Unimplemented",
+        Code::Internal => "Internal",
+        Code::Unavailable => "Unavailable",
+        Code::DataLoss => "DataLoss",
+        Code::Unauthenticated => "Unauthenticated",
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -422,17 +445,24 @@ mod tests {
     }
 
     #[test]
+    fn code_names_match_the_reference_metrics() {
+        assert_eq!(code_name(Code::FailedPrecondition), "FailedPrecondition");
+        assert_eq!(code_name(Code::Ok), "OK");
+        assert_eq!(code_name(Code::Cancelled), "Canceled");
+    }
+
+    #[test]
     fn rpc_series_keep_their_names_and_labels() {
         let handle = recorder();
         let t = Telemetry::new("bigfleet_rpctest");
         let ms = Duration::from_millis(1);
         for _ in 0..2 {
-            t.rpc("Get", tonic::Code::NotFound, ms);
+            t.rpc("Get", Code::NotFound, ms);
         }
-        t.rpc("Get", tonic::Code::Ok, ms);
-        t.rpc("Check", tonic::Code::Unavailable, ms);
+        t.rpc("Get", Code::Ok, ms);
+        t.rpc("Check", Code::Unavailable, ms);
         // A method outside the resolved table takes the registry path.
-        t.rpc("Watch", tonic::Code::Cancelled, ms);
+        t.rpc("Watch", Code::Cancelled, ms);
         let body = handle.render();
         for (series, value) in [
             (

@@ -11,6 +11,8 @@
 //!   timeout, `BigFleetProviderFailedMachinesHoldingHosts` and
 //!   `BigFleetProviderTransitionTimeouts` (resolved by `admin failed release` and the window);
 //! - an agent with a wrong token: `BigFleetProviderBootstrapUnauthorizedBurst`;
+//! - a Create for another shard than the client certificate proves:
+//!   `BigFleetProviderShardIdentityRejected`;
 //! - a 429 storm and a 503 storm from the emulator: `BigFleetProviderCloudAPIRateLimited` and
 //!   `BigFleetProviderCloudAPIErrors`;
 //! - the provider stopped: `BigFleetProviderDown` (resolved by the restart).
@@ -67,6 +69,7 @@ const LIVE_VALUES: &str = r#"prometheusRule:
     priceRefreshFailing: {enabled: true, window: 10s, for: 0s, severity: warning}
     bootstrapUnauthorized: {enabled: true, window: 15s, threshold: 5, for: 0s, severity: warning}
     certificateExpiry: {enabled: true, days: 14, for: 2s, severity: warning}
+    shardIdentityRejected: {enabled: true, window: 15s, threshold: 0, for: 0s, severity: warning}
 "#;
 
 /// Runs the whole live check; `Err` names the alert or step that deviated.
@@ -207,6 +210,30 @@ async fn faults_and_recovery(
     drop(agents.pop());
     println!("e2e alerts: a tampered agent token fired BigFleetProviderBootstrapUnauthorizedBurst");
 
+    // 3b. A shard's certificate used to act for another shard: refused before the fence, and
+    // alerted per reason.
+    let mut impostor = Caller::new(
+        provider.default_channel().await?,
+        Shard::new("other-shard", 1),
+    );
+    let refused = impostor
+        .create(&served)
+        .await
+        .expect_err("a Create for another shard than the certificate's must be refused");
+    ensure!(
+        refused.code() == tonic::Code::PermissionDenied,
+        "a Create for another shard: {refused:?}"
+    );
+    prometheus
+        .wait_firing(
+            "BigFleetProviderShardIdentityRejected",
+            &[("reason", "mismatch")],
+        )
+        .await?;
+    println!(
+        "e2e alerts: a Create for another shard than the certificate proves fired BigFleetProviderShardIdentityRejected"
+    );
+
     // 4. Storms from the cloud API: 429, then 503.
     storm(api, prometheus, 429, "BigFleetProviderCloudAPIRateLimited").await?;
     storm(api, prometheus, 503, "BigFleetProviderCloudAPIErrors").await?;
@@ -223,6 +250,7 @@ async fn faults_and_recovery(
         "BigFleetProviderCloudAPIErrors",
         "BigFleetProviderTransitionTimeouts",
         "BigFleetProviderBootstrapUnauthorizedBurst",
+        "BigFleetProviderShardIdentityRejected",
     ] {
         prometheus.wait_resolved(alert).await?;
     }
