@@ -153,8 +153,13 @@ pub struct HetznerCloud {
     pub(crate) offerings: Vec<OfferingSpec>,
     pub(crate) locations: HashSet<String>,
     pub(crate) ssh: Option<SshIdentity>,
-    /// Resolved settings per (server type, location), each resolved once.
+    /// Resolved settings per (server type, location), each resolved once and again at the
+    /// price-refresh cadence ([`HetznerCloud::refresh_plans`]).
     pub(crate) plans: PlanCache,
+    /// Where the offerings' plans are kept between runs (`plans.json` beside a local state).
+    pub(crate) plan_file: Option<crate::plan_cache::PlanFile>,
+    /// The digest of the settings, endpoint and token a saved plan file must match.
+    pub(crate) plan_fingerprint: String,
     pub(crate) spread: crate::placement::SpreadGroups,
     pub(crate) hook: String,
     pub(crate) base_user_data: Option<Secret>,
@@ -279,6 +284,11 @@ impl HetznerCloud {
             crate::settings::check_images(offering)?;
             offering.validate()?;
         }
+        let plan_fingerprint = crate::plan_cache::fingerprint(
+            &config.offerings,
+            &config.endpoint,
+            config.token.expose(),
+        );
         let api = HcloudApi::new(
             &config.endpoint,
             config.token,
@@ -293,6 +303,8 @@ impl HetznerCloud {
             locations,
             ssh,
             plans: Mutex::new(HashMap::new()),
+            plan_file: None,
+            plan_fingerprint,
             spread: crate::placement::SpreadGroups::new(&config.provider_instance),
             hook: config.bootstrap_hook,
             base_user_data: config.base_user_data.map(Secret::new),
@@ -305,22 +317,29 @@ impl HetznerCloud {
         })
     }
 
-    /// Resolves every offering's settings now (server types, locations, prices, images,
-    /// networks, firewalls, login keys) and removes owned spread groups left empty. Called at
-    /// startup so a broken setting fails before any port binds; the answer is cached.
+    /// Keeps the offerings' plans in `file` between runs (see [`crate::plan_cache`]).
+    pub fn set_plan_file(&mut self, file: Option<crate::plan_cache::PlanFile>) {
+        self.plan_file = file;
+    }
+
+    /// Prepares every offering's settings before any port binds: from the plans the last run
+    /// saved when they were resolved for these settings, endpoint and token (no API call; they
+    /// are resolved again at the price-refresh cadence), else from the API now (server types,
+    /// locations, prices, images, networks, firewalls, login keys), removing owned spread
+    /// groups left empty, so that a broken setting fails here.
     pub async fn resolve(&self) -> Result<(), String> {
+        if let Some(plans) = self.saved_plans() {
+            tracing::info!(
+                offerings = plans.len(),
+                "settings: starting with the plans saved by the last run; they are resolved again from the API at the price-refresh cadence"
+            );
+            self.install(plans);
+            return Ok(());
+        }
         let deadline = Instant::now() + self.timing.lookup_budget;
-        let mut problems = crate::resolve::Problems::default();
-        let mut resolver = crate::resolve::Resolver::new(&self.api, deadline);
-        for offering in &self.offerings {
-            if let Some(plan) = resolver.resolve(offering, &mut problems).await {
-                let cell = self.plan_cell(&offering.server_type, &offering.location);
-                let _ = cell.set(Arc::new(plan));
-            }
-        }
-        if !problems.0.is_empty() {
-            return Err(format!("hcloud: {}", problems.0.join("; ")));
-        }
+        // Saved once the state directory exists ([`Cloud::save_settings`]).
+        let plans = self.resolve_offerings(deadline).await?;
+        self.install(plans);
         for offering in self
             .offerings
             .iter()
@@ -340,6 +359,75 @@ impl HetznerCloud {
             }
         }
         Ok(())
+    }
+
+    /// Resolves every offering's settings again; with problems the plans in use are kept and
+    /// the problems returned.
+    pub async fn refresh_plans(&self) -> Result<(), String> {
+        let deadline = Instant::now() + self.timing.lookup_budget;
+        let plans = self.resolve_offerings(deadline).await?;
+        self.save_plans(&plans);
+        self.install(plans);
+        Ok(())
+    }
+
+    /// Every offering's plan from the API, or every problem found.
+    async fn resolve_offerings(&self, deadline: Instant) -> Result<Vec<Plan>, String> {
+        let mut problems = crate::resolve::Problems::default();
+        let mut resolver = crate::resolve::Resolver::new(&self.api, deadline);
+        let mut plans = Vec::with_capacity(self.offerings.len());
+        for offering in &self.offerings {
+            if let Some(plan) = resolver.resolve(offering, &mut problems).await {
+                plans.push(plan);
+            }
+        }
+        if !problems.0.is_empty() {
+            return Err(format!("hcloud: {}", problems.0.join("; ")));
+        }
+        Ok(plans)
+    }
+
+    /// The saved plans, when there is a file for these settings holding one per offering.
+    fn saved_plans(&self) -> Option<Vec<Plan>> {
+        let plans = self.plan_file.as_ref()?.load(&self.plan_fingerprint)?;
+        let saved: HashSet<(&str, &str)> = plans
+            .iter()
+            .map(|p| (p.server_type.as_str(), p.location.as_str()))
+            .collect();
+        let complete = saved.len() == self.offerings.len()
+            && self
+                .offerings
+                .iter()
+                .all(|o| saved.contains(&(o.server_type.as_str(), o.location.as_str())));
+        complete.then_some(plans)
+    }
+
+    /// The plans of the offerings in use.
+    fn offering_plans(&self) -> Vec<Plan> {
+        let cells = self.plans.lock().unwrap_or_else(|e| e.into_inner());
+        self.offerings
+            .iter()
+            .filter_map(|o| cells.get(&(o.server_type.clone(), o.location.clone())))
+            .filter_map(|cell| cell.get().map(|plan| Plan::clone(plan)))
+            .collect()
+    }
+
+    fn save_plans(&self, plans: &[Plan]) {
+        if let Some(file) = &self.plan_file {
+            file.save(&self.plan_fingerprint, plans);
+        }
+    }
+
+    /// Makes `plans` the ones every later use sees (uses in flight keep the one they hold).
+    fn install(&self, plans: Vec<Plan>) {
+        let mut cells = self.plans.lock().unwrap_or_else(|e| e.into_inner());
+        for plan in plans {
+            let key = (plan.server_type.clone(), plan.location.clone());
+            cells.insert(
+                key,
+                Arc::new(tokio::sync::OnceCell::new_with(Some(Arc::new(plan)))),
+            );
+        }
     }
 
     pub(crate) fn plan_cell(
@@ -615,6 +703,17 @@ impl HetznerCloud {
 
 #[async_trait]
 impl Cloud for HetznerCloud {
+    async fn refresh_settings(&self) -> Result<(), BackendError> {
+        self.refresh_plans().await.map_err(err)
+    }
+
+    fn save_settings(&self) {
+        let plans = self.offering_plans();
+        if plans.len() == self.offerings.len() {
+            self.save_plans(&plans);
+        }
+    }
+
     async fn create_host(
         &self,
         machine: &Machine,

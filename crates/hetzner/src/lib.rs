@@ -10,6 +10,7 @@ pub mod create;
 pub mod hostkey;
 pub mod labels;
 pub mod placement;
+pub mod plan_cache;
 pub mod real;
 pub mod remote;
 pub mod resolve;

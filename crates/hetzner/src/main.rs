@@ -134,7 +134,8 @@ async fn real_cloud(
     offerings: &[Offering],
     telemetry: Telemetry,
 ) -> Result<Arc<dyn provider_core::cloud::Cloud>, String> {
-    let cloud = hetzner::real::build_cloud(cli_to_real(cli)?, offerings, telemetry)?;
+    let mut cloud = hetzner::real::build_cloud(cli_to_real(cli)?, offerings, telemetry)?;
+    cloud.set_plan_file(hetzner::plan_cache::PlanFile::for_state(&cli.common.state));
     cloud.resolve().await?;
     Ok(Arc::new(cloud))
 }

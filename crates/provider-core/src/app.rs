@@ -227,6 +227,9 @@ pub async fn run(launch: Launch) -> Result<(), String> {
         if let (Some(cache), Some(fleet), false) = (&price_cache, &fleet, refresh_now) {
             cache.save(fleet);
         }
+        if let Some(fleet) = &fleet {
+            fleet.cloud().save_settings();
+        }
         (Replica::single_with(engine, leading), Mode::Single)
     };
 
@@ -497,6 +500,10 @@ struct Prices {
 /// One refresh of every offered price, counted for the `PriceRefreshFailing` alert; true when
 /// every price was fetched.
 async fn refresh_prices(fleet: &Fleet, telemetry: Telemetry) -> bool {
+    // The startup look-ups first, so that prices are read for what Creates will send.
+    if let Err(e) = fleet.cloud().refresh_settings().await {
+        tracing::warn!(err = %e, "settings: looking up the offerings' settings again failed; keeping the ones in use");
+    }
     let fetched = fetch_prices(fleet, Duration::from_secs(30)).await;
     telemetry.price_refresh_outcome(if fetched { "success" } else { "error" });
     fetched

@@ -111,6 +111,16 @@ pub trait Cloud: Send + Sync + 'static {
     /// The live on-demand price of an instance type in a zone, in USD per hour.
     async fn price_usd(&self, instance_type: &str, zone: &str) -> Result<f64, BackendError>;
 
+    /// Looks up again what the cloud resolved at startup (server types, images, networks and
+    /// the like), at the price-refresh cadence. On an error the settings in use stay.
+    async fn refresh_settings(&self) -> Result<(), BackendError> {
+        Ok(())
+    }
+
+    /// Called once the local state directory exists (a first start creates it after the
+    /// startup look-ups): keeps what they found beside the state for the next start.
+    fn save_settings(&self) {}
+
     /// Live capacities of the given instance types; types the cloud does not know are absent.
     async fn capacities(
         &self,

@@ -20,7 +20,7 @@ use std::time::Duration;
 
 use base64::Engine;
 use fleet_proto::v1alpha1 as pb;
-use hcloud_emulator::Sshd;
+use hcloud_emulator::{Fault, Sshd};
 use pb::MachineState::{Configured, Configuring, Failed, Idle};
 use provider_core::etcd::testing::Cluster;
 
@@ -600,4 +600,62 @@ async fn a_wrong_state_key_refuses_to_start_and_changes_nothing() {
     let mut caller = reconnect(&provider, caller).await;
     rig.release_hook(&host);
     assert_resumed(&rig, &mut caller, &accepted).await;
+}
+
+/// A first start resolves the offerings' settings from the API and saves them beside the state
+/// (`plans.json`); a restart in a 429 storm serves at once from them (and from the saved
+/// prices), looking up no image or location before it answers (the unit tests of `plan_cache`
+/// cover the file's use only for the same settings, endpoint and token).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_restart_in_a_rate_limit_storm_serves_from_the_saved_plans() {
+    let rig = Rig::new(1, None).await;
+    let state_dir = rig.state_dir.clone().expect("a local state");
+    let mut provider = rig.start(None).await;
+    let plans = state_dir.join("plans.json");
+    let saved: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(&plans).expect("plans.json after a first start"))
+            .unwrap();
+    assert_eq!(saved["plans"][0]["key"], "cx22/nbg1", "{saved}");
+    assert!(saved["plans"][0]["image"].as_i64().is_some(), "{saved}");
+    assert!(
+        !String::from_utf8_lossy(&std::fs::read(&plans).unwrap()).contains(TOKEN),
+        "the token is in plans.json"
+    );
+    provider.stop(Duration::from_secs(10)).await.unwrap();
+
+    // Every answer from now on is a 429 asking for a minute's wait.
+    let storm = || Fault::RateLimited {
+        retry_after: Some(60),
+        reset_in: Some(60),
+    };
+    rig.env.emulator.inject((0..10_000).map(|_| storm()));
+    let seen_before = rig.env.emulator.seen().len();
+    let restarted = tokio::time::Instant::now();
+    let provider = rig.start(None).await;
+    let mut caller = Caller::new(
+        provider.default_channel().await.unwrap(),
+        Shard::new("shard-plans", 1),
+    );
+    let slots = caller.list_all().await.unwrap();
+    eprintln!(
+        "timing restart to serving in a 429 storm: {:?}",
+        restarted.elapsed()
+    );
+    assert_eq!(slots.len(), 1, "{slots:?}");
+    assert!(
+        provider
+            .logs()
+            .contains("settings: starting with the plans saved by the last run"),
+        "{}",
+        provider.logs()
+    );
+    let lookups: Vec<_> = rig.env.emulator.seen()[seen_before..]
+        .iter()
+        .filter(|s| s.path.starts_with("/images") || s.path.starts_with("/locations"))
+        .cloned()
+        .collect();
+    assert!(lookups.is_empty(), "startup looked up {lookups:?}");
+    drop(caller);
+    let mut provider = provider;
+    provider.stop(Duration::from_secs(10)).await.unwrap();
 }
