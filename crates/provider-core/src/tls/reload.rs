@@ -567,3 +567,73 @@ impl Reloader {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A self-signed pair valid during `year`, written to `dir`.
+    fn write_pair(dir: &Path, year: i32) -> KeypairFiles {
+        let key = rcgen::KeyPair::generate().expect("key");
+        let mut params =
+            rcgen::CertificateParams::new(vec!["localhost".to_owned()]).expect("params");
+        params.not_before = rcgen::date_time_ymd(year, 1, 1);
+        params.not_after = rcgen::date_time_ymd(year + 1, 1, 1);
+        let cert = params.self_signed(&key).expect("cert");
+        let files = KeypairFiles {
+            certificate: "grpc_server",
+            cert: dir.join("tls.crt"),
+            key: dir.join("tls.key"),
+        };
+        std::fs::write(&files.cert, cert.pem()).expect("write");
+        std::fs::write(&files.key, key.serialize_pem()).expect("write");
+        files
+    }
+
+    #[test]
+    fn a_pair_refused_as_not_yet_valid_is_taken_once_its_validity_starts() {
+        let telemetry = Telemetry::new("bigfleet_reloadunit");
+        let dir = tempfile::tempdir().expect("tempdir");
+        let (served, mut watch) = write_pair(dir.path(), 2020).serve().expect("loads");
+        let first = served.current().cert[0].clone();
+        write_pair(dir.path(), 2090);
+        let before = crate::tls::validity_unix(&first).expect("validity").1;
+        let not_before = 3_786_912_000; // 2090-01-01
+        // Read once: pending; read again, unchanged: judged and refused as not yet valid.
+        assert!(!watch.poll(telemetry, before));
+        assert!(!watch.poll(telemetry, before));
+        assert_eq!(watch.retry_at, Some(not_before));
+        assert_eq!(served.current().cert[0], first);
+        // Unchanged and still before its notBefore: not judged again.
+        assert!(!watch.poll(telemetry, not_before - 1));
+        // Its validity has started: taken without any change of the files.
+        assert!(watch.poll(telemetry, not_before));
+        assert_ne!(served.current().cert[0], first);
+        assert_eq!(watch.retry_at, None);
+    }
+
+    #[test]
+    fn a_change_seen_once_is_not_judged_until_it_reads_the_same_again() {
+        let telemetry = Telemetry::new("bigfleet_reloadunit_settle");
+        let dir = tempfile::tempdir().expect("tempdir");
+        let now = unix_now();
+        let (served, mut watch) = write_pair(dir.path(), 2020).serve().expect("loads");
+        let first = served.current().cert[0].clone();
+        // The writer has replaced the certificate but not yet the key.
+        let next_key = rcgen::KeyPair::generate().expect("key");
+        let next = rcgen::CertificateParams::new(vec!["localhost".to_owned()])
+            .expect("params")
+            .self_signed(&next_key)
+            .expect("cert");
+        std::fs::write(&watch.files.cert, next.pem()).expect("write");
+        assert!(!watch.poll(telemetry, now));
+        assert!(watch.pending.is_some(), "seen once, not judged");
+        // Then the key: another change, still not judged...
+        std::fs::write(&watch.files.key, next_key.serialize_pem()).expect("write");
+        assert!(!watch.poll(telemetry, now));
+        assert_eq!(served.current().cert[0], first);
+        // ...until it reads the same twice: taken, never refused on the way.
+        assert!(watch.poll(telemetry, now));
+        assert_eq!(served.current().cert[0].as_ref(), next.der().as_ref());
+    }
+}
