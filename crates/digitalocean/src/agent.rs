@@ -1,5 +1,5 @@
 //! The on-host agent (`bigfleet-agent`): reads the config the provider's user_data wrote,
-//! trusts only its pin over TLS 1.3 (the exact channel certificate, or the named CA), long-polls the bootstrap channel with its
+//! trusts only its pin over TLS 1.3 (the channel certificate's public key, or the named CA), long-polls the bootstrap channel with its
 //! per-machine token, runs each command once (configure: write the blob and run the hook;
 //! drain: run the drain command; ready, a probe, each time it is served), and acks it by id.
 //! Executed command ids and their outcomes are persisted, so a command re-served after a
@@ -47,14 +47,20 @@ const ACK_ATTEMPTS: u32 = 6;
 #[derive(Deserialize)]
 pub struct AgentConfig {
     pub endpoint: String,
-    /// Trust anchors (`--bootstrap-ca`). Used only when `pinned_cert_pem` is absent: a provider
-    /// that pins the channel's own certificate writes it here too, for agents that predate
-    /// `pinned_cert_pem`.
+    /// Trust anchors (`--bootstrap-ca`). Used only when neither pin below is set: a provider
+    /// that pins the channel's key writes its certificate here too, for agents that predate
+    /// both pins.
     #[serde(default)]
     pub ca_pem: String,
-    /// The channel's exact end-entity certificate (no `--bootstrap-ca`); wins over `ca_pem`.
+    /// The channel's certificate (no `--bootstrap-ca`), written by providers before
+    /// `pinned_spki_sha256`: its public key is pinned, so a renewal that keeps the key is
+    /// accepted. Wins over `ca_pem`.
     #[serde(default)]
     pub pinned_cert_pem: String,
+    /// Base64 SHA-256 of the channel certificate's SubjectPublicKeyInfo (no
+    /// `--bootstrap-ca`); wins over both fields above.
+    #[serde(default)]
+    pub pinned_spki_sha256: String,
     pub machine_id: String,
     /// Zeroed on drop.
     pub token: Zeroizing<String>,
@@ -91,10 +97,16 @@ impl AgentConfig {
         Ok(config)
     }
 
-    /// What the agent trusts: the exact certificate of `pinned_cert_pem` when set, else every
-    /// certificate of `ca_pem` as a trust anchor. A malformed block fails rather than being
-    /// skipped, and a config with neither trusts nothing and is refused.
+    /// What the agent trusts: the public key of `pinned_spki_sha256`, else that of the
+    /// certificate of `pinned_cert_pem`, else every certificate of `ca_pem` as a trust anchor.
+    /// A malformed value fails rather than being skipped, and a config with none trusts nothing
+    /// and is refused.
     pub fn pin(&self) -> Result<Pin, String> {
+        if !self.pinned_spki_sha256.trim().is_empty() {
+            return crate::pin::parse_spki_pin(&self.pinned_spki_sha256)
+                .map(Pin::PublicKey)
+                .map_err(|e| format!("pinned_spki_sha256: {e}"));
+        }
         if !self.pinned_cert_pem.trim().is_empty() {
             let certs = provider_core::tls::parse_certificates(self.pinned_cert_pem.as_bytes())
                 .map_err(|e| format!("pinned_cert_pem: {e}"))?;
@@ -105,14 +117,20 @@ impl AgentConfig {
                     certs.len()
                 )
             })?;
-            return Ok(Pin::EndEntity(cert));
+            return crate::pin::spki_sha256(&cert)
+                .map(Pin::PublicKey)
+                .map_err(|e| format!("pinned_cert_pem: {e}"));
         }
         if !self.ca_pem.trim().is_empty() {
             return provider_core::tls::parse_certificates(self.ca_pem.as_bytes())
                 .map(Pin::Anchors)
                 .map_err(|e| format!("ca_pem: {e}"));
         }
-        Err("neither pinned_cert_pem nor ca_pem is set, so the agent would trust no server".into())
+        Err(
+            "none of pinned_spki_sha256, pinned_cert_pem and ca_pem is set, so the agent would \
+             trust no server"
+                .into(),
+        )
     }
 }
 
@@ -884,10 +902,34 @@ mod tests {
             serde_json::json!({"endpoint":"https://x","ca_pem":ca,"pinned_cert_pem":leaf,
             "machine_id":"m","token":"t","from_the_future":1}),
         );
+        // An older provider's pinned_cert_pem pins its certificate's public key.
         let pinned = provider_core::tls::parse_certificates(leaf.as_bytes()).unwrap();
+        let key = crate::pin::spki_sha256(&pinned[0]).unwrap();
         assert_eq!(
             AgentConfig::load(&path).unwrap().pin().unwrap(),
-            Pin::EndEntity(pinned[0].clone())
+            Pin::PublicKey(key)
+        );
+        // pinned_spki_sha256 wins over both.
+        let other = crate::pin::spki_sha256(
+            &provider_core::tls::parse_certificates(cert_pem().as_bytes()).unwrap()[0],
+        )
+        .unwrap();
+        write(
+            serde_json::json!({"endpoint":"https://x","ca_pem":ca,"pinned_cert_pem":leaf,
+            "pinned_spki_sha256":crate::pin::spki_pin_text(&other),"machine_id":"m","token":"t"}),
+        );
+        assert_eq!(
+            AgentConfig::load(&path).unwrap().pin().unwrap(),
+            Pin::PublicKey(other)
+        );
+        write(
+            serde_json::json!({"endpoint":"https://x","pinned_spki_sha256":"AAAA",
+            "machine_id":"m","token":"t"}),
+        );
+        let e = AgentConfig::load(&path).unwrap_err();
+        assert!(
+            e.ends_with("pinned_spki_sha256: 3 bytes, where a SHA-256 has 32"),
+            "{e}"
         );
         // Exactly one pinned certificate.
         write(
@@ -901,7 +943,8 @@ mod tests {
         let e = AgentConfig::load(&path).unwrap_err();
         assert!(
             e.ends_with(
-                "neither pinned_cert_pem nor ca_pem is set, so the agent would trust no server"
+                "none of pinned_spki_sha256, pinned_cert_pem and ca_pem is set, so the agent \
+                 would trust no server"
             ),
             "{e}"
         );
@@ -912,7 +955,7 @@ mod tests {
         assert!(
             AgentConfig::load(&path)
                 .unwrap_err()
-                .contains("neither pinned_cert_pem nor ca_pem")
+                .contains("none of pinned_spki_sha256, pinned_cert_pem and ca_pem")
         );
         write(
             serde_json::json!({"endpoint":"https://x","ca_pem":"p","machine_id":"m","token":"t"}),

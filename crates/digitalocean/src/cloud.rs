@@ -33,9 +33,12 @@ pub struct AgentProvisioning {
     pub endpoint: String,
     /// The PEM the agent pins (`--bootstrap-ca`, else the channel's certificate), verbatim.
     pub ca_pem: String,
-    /// Without `--bootstrap-ca`: the channel's certificate as an exact end-entity pin (agents
-    /// that know the field prefer it to `ca_pem`); empty, and not written, otherwise.
+    /// Without `--bootstrap-ca`: the channel's certificate, for agents that know this pin but
+    /// not `pinned_spki_sha256`; empty, and not written, otherwise.
     pub pinned_cert_pem: String,
+    /// Without `--bootstrap-ca`: the base64 SHA-256 of the channel certificate's
+    /// SubjectPublicKeyInfo, the pin agents prefer; empty, and not written, otherwise.
+    pub pinned_spki_sha256: String,
 }
 
 /// Everything [`DigitalOceanCloud`] needs besides its clients.
@@ -650,6 +653,8 @@ pub fn agent_cloud_config(agent: &AgentProvisioning, machine_id: &str, token: &s
         machine_id: &'a str,
         #[serde(skip_serializing_if = "str::is_empty")]
         pinned_cert_pem: &'a str,
+        #[serde(skip_serializing_if = "str::is_empty")]
+        pinned_spki_sha256: &'a str,
         token: &'a str,
     }
     let file = AgentConfigFile {
@@ -657,6 +662,7 @@ pub fn agent_cloud_config(agent: &AgentProvisioning, machine_id: &str, token: &s
         endpoint: &agent.endpoint,
         machine_id,
         pinned_cert_pem: &agent.pinned_cert_pem,
+        pinned_spki_sha256: &agent.pinned_spki_sha256,
         token,
     };
     let json = serde_json::to_string_pretty(&file).unwrap_or_default();
@@ -686,6 +692,7 @@ mod tests {
                 endpoint: "https://x".into(),
                 ca_pem: String::new(),
                 pinned_cert_pem: String::new(),
+                pinned_spki_sha256: String::new(),
             },
         );
         let printed = format!("{settings:?}");
@@ -699,6 +706,7 @@ mod tests {
             endpoint: "https://x/a?b=1&c=2".into(),
             ca_pem: "-----BEGIN CERTIFICATE-----\nMII\n-----END CERTIFICATE-----\n".into(),
             pinned_cert_pem: String::new(),
+            pinned_spki_sha256: String::new(),
         };
         let doc = agent_cloud_config(&agent, "m/1", "tok");
         assert_eq!(

@@ -158,11 +158,14 @@ async fn launch(cli: Cli) -> Result<(), String> {
             let channel = real.channel.clone();
             channel.serve_while(leading.clone());
             let addr = real.bootstrap_addr.clone();
+            let reloader = real.channel_reloader;
             side_servers.push(Box::new(move |stop| {
                 Box::pin(async move {
                     let listener = tokio::net::TcpListener::bind(listen_addr(&addr))
                         .await
                         .map_err(|e| format!("listen on --bootstrap-addr {addr}: {e}"))?;
+                    // The channel's keypair follows its files from now on.
+                    tokio::spawn(reloader.run(provider_core::tls::RELOAD_INTERVAL, stop.clone()));
                     Ok(tokio::spawn(async move {
                         tracing::info!(addr, "serving on-host agent bootstrap channel");
                         if let Err(e) = channel

@@ -1,14 +1,17 @@
 //! What an agent trusts on the bootstrap channel, shared by the agent's HTTPS client and the
-//! provider's startup check, so a pin the provider accepts is exactly one every agent accepts.
+//! provider's checks (at startup and on every reload of the channel's keypair), so a pin the
+//! provider accepts is exactly one every agent accepts.
 //!
 //! Two modes:
 //! - trust anchors (`--bootstrap-ca`, the config's `ca_pem`): ordinary path validation to one of
 //!   the anchors, host name and validity dates checked;
-//! - an end-entity pin (the config's `pinned_cert_pem`, written when `--bootstrap-ca` is not
-//!   set): the server's certificate must be byte-identical to the pinned one, whoever issued it.
-//!   Intermediates the server sends are ignored, so no certificate of the chain file ever
-//!   becomes a trust anchor. The handshake signature (over the pinned key), the host name and
-//!   the validity dates are still checked.
+//! - a public-key pin (the config's `pinned_spki_sha256`, written when `--bootstrap-ca` is not
+//!   set; or the key of an older config's `pinned_cert_pem`): the server's end-entity
+//!   certificate must carry the pinned SubjectPublicKeyInfo, whoever issued it, so a renewal
+//!   that keeps the key (cert-manager `privateKey.rotationPolicy: Never`) keeps every agent
+//!   working. Intermediates the server sends are ignored, so no certificate of the chain file
+//!   ever becomes a trust anchor. The handshake signature (over the pinned key), the host name
+//!   and the presented certificate's validity dates are still checked.
 
 use std::sync::Arc;
 
@@ -23,8 +26,34 @@ use rustls_pki_types::{CertificateDer, ServerName, UnixTime};
 pub enum Pin {
     /// Trust anchors: path validation.
     Anchors(Vec<CertificateDer<'static>>),
-    /// Exactly this end-entity certificate.
-    EndEntity(CertificateDer<'static>),
+    /// An end-entity certificate with this SubjectPublicKeyInfo (its SHA-256).
+    PublicKey([u8; 32]),
+}
+
+/// The SHA-256 of a certificate's DER SubjectPublicKeyInfo: what a public-key pin compares.
+pub fn spki_sha256(cert: &CertificateDer<'_>) -> Result<[u8; 32], String> {
+    use sha2::Digest as _;
+    let parsed = rustls::server::ParsedCertificate::try_from(cert)
+        .map_err(|e| format!("not a usable certificate: {e}"))?;
+    Ok(sha2::Sha256::digest(parsed.subject_public_key_info().as_ref()).into())
+}
+
+/// A public-key pin as the agent config carries it (`pinned_spki_sha256`): standard base64
+/// with padding, as `openssl x509 -pubkey -noout | openssl pkey -pubin -outform der | openssl
+/// dgst -sha256 -binary | base64` prints it.
+pub fn spki_pin_text(pin: &[u8; 32]) -> String {
+    use base64::Engine as _;
+    base64::engine::general_purpose::STANDARD.encode(pin)
+}
+
+/// The pin of [`spki_pin_text`] read back: exactly 32 bytes.
+pub fn parse_spki_pin(text: &str) -> Result<[u8; 32], String> {
+    use base64::Engine as _;
+    let bytes = base64::engine::general_purpose::STANDARD
+        .decode(text.trim())
+        .map_err(|e| format!("not base64: {e}"))?;
+    <[u8; 32]>::try_from(bytes.as_slice())
+        .map_err(|_| format!("{} bytes, where a SHA-256 has 32", bytes.len()))
 }
 
 /// The verifier an agent uses for `pin` (ring provider).
@@ -46,16 +75,10 @@ pub(crate) fn verifier(pin: &Pin) -> Result<Arc<dyn ServerCertVerifier>, String>
             .map_err(|e| format!("trust anchors: {e}"))?;
             Ok(verifier)
         }
-        Pin::EndEntity(cert) => {
-            // Fails on a certificate no handshake could ever match, instead of at every poll.
-            rustls::server::ParsedCertificate::try_from(cert)
-                .map_err(|e| format!("pinned certificate: {e}"))?;
-            validity(cert).ok_or("pinned certificate: no readable validity period")?;
-            Ok(Arc::new(EndEntityPin {
-                cert: cert.clone(),
-                provider,
-            }))
-        }
+        Pin::PublicKey(spki) => Ok(Arc::new(PublicKeyPin {
+            spki: *spki,
+            provider,
+        })),
     }
 }
 
@@ -71,14 +94,14 @@ pub(crate) fn client_config(pin: &Pin) -> Result<rustls::ClientConfig, String> {
     Ok(config)
 }
 
-/// Accepts exactly one end-entity certificate.
+/// Accepts an end-entity certificate of one public key.
 #[derive(Debug)]
-struct EndEntityPin {
-    cert: CertificateDer<'static>,
+struct PublicKeyPin {
+    spki: [u8; 32],
     provider: Arc<CryptoProvider>,
 }
 
-/// The server presented another certificate than the pinned one.
+/// The server presented a certificate of another key than the pinned one.
 struct NotPinned;
 
 /// rustls shows this error with `Debug`: it reads as the message.
@@ -90,13 +113,15 @@ impl std::fmt::Debug for NotPinned {
 
 impl std::fmt::Display for NotPinned {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str("the server's certificate is not the pinned certificate")
+        f.write_str(
+            "the server's certificate is not the pinned certificate: its public key is not the pinned key",
+        )
     }
 }
 
 impl std::error::Error for NotPinned {}
 
-impl ServerCertVerifier for EndEntityPin {
+impl ServerCertVerifier for PublicKeyPin {
     fn verify_server_cert(
         &self,
         end_entity: &CertificateDer<'_>,
@@ -105,14 +130,16 @@ impl ServerCertVerifier for EndEntityPin {
         _ocsp_response: &[u8],
         now: UnixTime,
     ) -> Result<ServerCertVerified, Error> {
-        // Byte equality decides; intermediates play no part.
-        if end_entity.as_ref() != self.cert.as_ref() {
+        // The key decides; intermediates play no part.
+        let presented = spki_sha256(end_entity)
+            .map_err(|_| Error::InvalidCertificate(CertificateError::BadEncoding))?;
+        if presented != self.spki {
             return Err(Error::InvalidCertificate(CertificateError::Other(
                 OtherError(Arc::new(NotPinned)),
             )));
         }
         let (not_before, not_after) =
-            validity(&self.cert).ok_or(Error::InvalidCertificate(CertificateError::BadEncoding))?;
+            validity(end_entity).ok_or(Error::InvalidCertificate(CertificateError::BadEncoding))?;
         if now.as_secs() < not_before {
             return Err(Error::InvalidCertificate(
                 CertificateError::NotValidYetContext {
@@ -159,8 +186,8 @@ impl ServerCertVerifier for EndEntityPin {
         cert: &CertificateDer<'_>,
         dss: &DigitallySignedStruct,
     ) -> Result<HandshakeSignatureValid, Error> {
-        // `cert` is the end-entity certificate already matched against the pin, so this proves
-        // the server holds the pinned key.
+        // `cert` is the end-entity certificate whose key was matched against the pin, so this
+        // proves the server holds the pinned key.
         rustls::crypto::verify_tls13_signature(
             message,
             cert,
@@ -309,37 +336,67 @@ mod tests {
         assert_eq!(time(0x17, b"2402300000001"), None);
     }
 
+    fn cert_of(
+        key: &rcgen::KeyPair,
+        not_before: (i32, u8, u8),
+        not_after: (i32, u8, u8),
+    ) -> CertificateDer<'static> {
+        let mut params =
+            rcgen::CertificateParams::new(vec!["localhost".to_owned()]).expect("params");
+        params.not_before = rcgen::date_time_ymd(not_before.0, not_before.1, not_before.2);
+        params.not_after = rcgen::date_time_ymd(not_after.0, not_after.1, not_after.2);
+        params.self_signed(key).expect("cert").der().clone()
+    }
+
     #[test]
-    fn an_end_entity_pin_checks_bytes_dates_and_name() {
+    fn a_public_key_pin_checks_the_key_the_dates_and_the_name() {
         let now = UnixTime::now();
         let name = ServerName::try_from("localhost").expect("name");
-        let good = cert_valid((2000, 1, 1), (2100, 1, 1));
-        let pinned = verifier(&Pin::EndEntity(good.clone())).expect("verifier");
+        let key = rcgen::KeyPair::generate().expect("key");
+        let good = cert_of(&key, (2000, 1, 1), (2100, 1, 1));
+        let pin = spki_sha256(&good).expect("spki");
+        let pinned = verifier(&Pin::PublicKey(pin)).expect("verifier");
         pinned
             .verify_server_cert(&good, &[], &name, &[], now)
             .expect("the pinned certificate");
+        // A renewal: another certificate, other dates, the same key.
+        let renewed = cert_of(&key, (2001, 1, 1), (2099, 1, 1));
+        assert_ne!(renewed, good);
+        pinned
+            .verify_server_cert(&renewed, &[], &name, &[], now)
+            .expect("a renewal with the same key");
         let other = cert_valid((2000, 1, 1), (2100, 1, 1));
         let e = pinned
             .verify_server_cert(&other, std::slice::from_ref(&good), &name, &[], now)
-            .expect_err("another certificate");
-        assert!(e.to_string().contains("not the pinned certificate"), "{e}");
+            .expect_err("another key");
+        assert!(e.to_string().contains("not the pinned key"), "{e}");
         let elsewhere = ServerName::try_from("elsewhere.example.com").expect("name");
         assert!(
             pinned
                 .verify_server_cert(&good, &[], &elsewhere, &[], now)
                 .is_err()
         );
-        let expired = cert_valid((2000, 1, 1), (2001, 1, 1));
-        let e = verifier(&Pin::EndEntity(expired.clone()))
-            .expect("verifier")
+        // The dates are those of the certificate presented.
+        let expired = cert_of(&key, (2000, 1, 1), (2001, 1, 1));
+        let e = pinned
             .verify_server_cert(&expired, &[], &name, &[], now)
             .expect_err("expired");
         assert!(e.to_string().contains("expired"), "{e}");
-        let future = cert_valid((2090, 1, 1), (2100, 1, 1));
-        let e = verifier(&Pin::EndEntity(future.clone()))
-            .expect("verifier")
+        let future = cert_of(&key, (2090, 1, 1), (2100, 1, 1));
+        let e = pinned
             .verify_server_cert(&future, &[], &name, &[], now)
             .expect_err("not yet valid");
         assert!(e.to_string().contains("not valid yet"), "{e}");
+    }
+
+    #[test]
+    fn the_pin_text_round_trips_and_refuses_other_lengths() {
+        let pin = spki_sha256(&cert_valid((2000, 1, 1), (2100, 1, 1))).expect("spki");
+        let text = spki_pin_text(&pin);
+        assert_eq!(text.len(), 44);
+        assert_eq!(parse_spki_pin(&text), Ok(pin));
+        assert!(parse_spki_pin("not base64!").is_err());
+        let e = parse_spki_pin("AAAA").expect_err("3 bytes");
+        assert!(e.contains("3 bytes"), "{e}");
     }
 }

@@ -66,6 +66,8 @@ pub struct RealBackend {
     pub bootstrap_addr: String,
     /// The API client the cloud uses.
     pub api: ApiClient,
+    /// Keeps the channel's keypair current with its files: run it beside the channel.
+    pub channel_reloader: tls::Reloader,
     settings: CloudSettings,
     telemetry: Telemetry,
 }
@@ -124,8 +126,17 @@ pub fn build_real(flags: &RealFlags, telemetry: Telemetry) -> Result<RealBackend
                     --bootstrap-tls-key (the bootstrap blob is a join secret and must travel over TLS)"
             .into());
     }
-    let tls = load_channel_tls(&flags.bootstrap_tls_cert, &flags.bootstrap_tls_key)
+    // Checked as before reloading existed, for the same messages; then loaded for serving.
+    load_channel_tls(&flags.bootstrap_tls_cert, &flags.bootstrap_tls_key)
         .map_err(|e| format!("load bootstrap TLS keypair: {e}"))?;
+    let (served, watch) = tls::KeypairFiles {
+        certificate: "bootstrap",
+        cert: flags.bootstrap_tls_cert.clone().into(),
+        key: flags.bootstrap_tls_key.clone().into(),
+    }
+    .serve()
+    .map_err(|e| format!("load bootstrap TLS keypair: {e}"))?;
+    let tls = reloading_channel_tls(served)?;
     let pin = agent_pin(flags)?;
     telemetry.bootstrap_channel_signals(Path::new(&flags.bootstrap_tls_cert));
     let token = ApiToken::new(&flags.token)
@@ -152,6 +163,8 @@ pub fn build_real(flags: &RealFlags, telemetry: Telemetry) -> Result<RealBackend
         ));
     }
     let pin = pin.verified_for(&flags.bootstrap_endpoint)?;
+    let mut channel_reloader = tls::Reloader::new(telemetry);
+    channel_reloader.watch_keypair(watch.with_check(pin.reload_check()));
     let api_url = if flags.api_url.is_empty() {
         crate::api::DEFAULT_API_URL
     } else {
@@ -185,6 +198,7 @@ pub fn build_real(flags: &RealFlags, telemetry: Telemetry) -> Result<RealBackend
             endpoint: flags.bootstrap_endpoint.clone(),
             ca_pem: pin.pem,
             pinned_cert_pem: pin.pinned_cert_pem,
+            pinned_spki_sha256: pin.pinned_spki_sha256,
         },
     );
     let cloud = Arc::new(DigitalOceanCloud::new(
@@ -198,6 +212,7 @@ pub fn build_real(flags: &RealFlags, telemetry: Telemetry) -> Result<RealBackend
         channel,
         bootstrap_addr: flags.bootstrap_addr.clone(),
         api,
+        channel_reloader,
         settings,
         telemetry,
     })
@@ -205,49 +220,63 @@ pub fn build_real(flags: &RealFlags, telemetry: Telemetry) -> Result<RealBackend
 
 /// What every agent pins, as read from the flags but not yet checked against the channel's own
 /// certificate. Written into each Droplet's user_data as `ca_pem` and, without
-/// `--bootstrap-ca`, `pinned_cert_pem`.
+/// `--bootstrap-ca`, `pinned_cert_pem` and `pinned_spki_sha256`.
 pub struct AgentPin {
     /// `ca_pem`: the trust anchors of `--bootstrap-ca`, or without it the channel's own
-    /// certificate (for agents that predate `pinned_cert_pem` and take it as a trust anchor,
-    /// which works for a self-signed certificate). PEM-encoded again from the DER: nothing else
-    /// of the source file (a private key in a combined file, comments) can reach the user_data.
+    /// certificate (for agents that predate both pins and take it as a trust anchor, which
+    /// works for a self-signed certificate). PEM-encoded again from the DER: nothing else of
+    /// the source file (a private key in a combined file, comments) can reach the user_data.
     pub pem: String,
-    /// `pinned_cert_pem`: without `--bootstrap-ca`, the channel's own certificate as an exact
-    /// end-entity pin; empty with it.
+    /// `pinned_cert_pem`: without `--bootstrap-ca`, the channel's own certificate, for agents
+    /// that know this pin but not the next (they compare it byte for byte); empty with it.
     pub pinned_cert_pem: String,
+    /// `pinned_spki_sha256`: without `--bootstrap-ca`, the base64 SHA-256 of the channel
+    /// certificate's SubjectPublicKeyInfo; empty with it.
+    pub pinned_spki_sha256: String,
     pin: Pin,
     /// The channel's chain as served: leaf first.
     chain: Vec<CertificateDer<'static>>,
     cert_path: String,
+    /// The `--bootstrap-endpoint` host the agents connect to, once verified.
+    host: String,
 }
 
 /// Decides what the agents pin:
 ///
 /// - with `--bootstrap-ca`, every certificate of that file as a trust anchor (the operator
 ///   named them); the file is parsed strictly, so a malformed block fails startup;
-/// - without it, exactly the channel's own certificate, the first of `--bootstrap-tls-cert`,
-///   as an end-entity pin: self-signed or CA-issued, the agent accepts that certificate and no
-///   other. Further certificates in that file (intermediates, a bundle) are served in the
-///   handshake but never pinned, so no intermediate or root can become a trust anchor of the
-///   agents.
+/// - without it, the public key of the channel's own certificate, the first of
+///   `--bootstrap-tls-cert`: self-signed or CA-issued, the agent accepts a certificate with
+///   that key and no other, so a renewal that keeps the key keeps every agent working. Further
+///   certificates in that file (intermediates, a bundle) are served in the handshake but never
+///   pinned, so no intermediate or root can become a trust anchor of the agents.
 pub fn agent_pin(flags: &RealFlags) -> Result<AgentPin, String> {
     let chain = tls::read_certificates(Path::new(&flags.bootstrap_tls_cert))
         .map_err(|e| format!("load bootstrap TLS keypair: {e}"))?;
-    let (pem, pinned_cert_pem, pin) = if flags.bootstrap_ca.is_empty() {
+    let (pem, pinned_cert_pem, pinned_spki_sha256, pin) = if flags.bootstrap_ca.is_empty() {
         let leaf = certificate_pem(&chain[0]);
-        (leaf.clone(), leaf, Pin::EndEntity(chain[0].clone()))
+        let spki = crate::pin::spki_sha256(&chain[0]).map_err(|e| {
+            format!(
+                "load bootstrap TLS keypair: --bootstrap-tls-cert {}: {e}",
+                flags.bootstrap_tls_cert
+            )
+        })?;
+        let text = crate::pin::spki_pin_text(&spki);
+        (leaf.clone(), leaf, text, Pin::PublicKey(spki))
     } else {
         let anchors = tls::read_certificates(Path::new(&flags.bootstrap_ca))
             .map_err(|e| format!("read bootstrap CA: --bootstrap-ca {e}"))?;
         let pem = anchors.iter().map(|c| certificate_pem(c)).collect();
-        (pem, String::new(), Pin::Anchors(anchors))
+        (pem, String::new(), String::new(), Pin::Anchors(anchors))
     };
     Ok(AgentPin {
         pem,
         pinned_cert_pem,
+        pinned_spki_sha256,
         pin,
         chain,
         cert_path: flags.bootstrap_tls_cert.clone(),
+        host: String::new(),
     })
 }
 
@@ -255,7 +284,7 @@ impl AgentPin {
     /// Checks with the agents' own verifier that they will accept the channel's chain for the
     /// host of `endpoint` (validity dates included): a pin that no agent could use fails
     /// startup instead of every Configure.
-    pub fn verified_for(self, endpoint: &str) -> Result<AgentPin, String> {
+    pub fn verified_for(mut self, endpoint: &str) -> Result<AgentPin, String> {
         let url =
             reqwest::Url::parse(endpoint).map_err(|e| format!("--bootstrap-endpoint: {e}"))?;
         // An IPv6 host comes bracketed; the certificate names the bare address.
@@ -263,38 +292,69 @@ impl AgentPin {
             .host_str()
             .map(|h| h.trim_start_matches('[').trim_end_matches(']').to_owned())
             .ok_or_else(|| format!("--bootstrap-endpoint {endpoint:?} has no host"))?;
-        let name = rustls_pki_types::ServerName::try_from(host.clone())
+        rustls_pki_types::ServerName::try_from(host.clone())
             .map_err(|e| format!("--bootstrap-endpoint host {host:?}: {e}"))?;
-        let explicit = matches!(self.pin, Pin::Anchors(_));
-        let verifier = crate::pin::verifier(&self.pin).map_err(|e| {
-            if explicit {
-                format!("read bootstrap CA: --bootstrap-ca: {e}")
-            } else {
-                format!("--bootstrap-tls-cert {}: {e}", self.cert_path)
-            }
-        })?;
-        let verified = verifier.verify_server_cert(
-            &self.chain[0],
-            &self.chain[1..],
-            &name,
-            &[],
-            rustls_pki_types::UnixTime::now(),
-        );
-        match verified {
-            Ok(_) => Ok(self),
-            Err(e) if explicit => Err(format!(
-                "--bootstrap-ca: the channel certificate (--bootstrap-tls-cert {}) does not verify \
-                 against it for the --bootstrap-endpoint host {host:?}, so no agent would accept \
-                 the channel: {e}",
-                self.cert_path
-            )),
-            Err(e) => Err(format!(
-                "--bootstrap-ca is not set, so agents pin exactly the channel's own certificate \
-                 (the first certificate of --bootstrap-tls-cert {}), and no agent would accept \
-                 it for the --bootstrap-endpoint host {host:?}: {e}",
-                self.cert_path
-            )),
+        self.host = host;
+        accepted_by_agents(&self.pin, &self.chain, &self.host, &self.cert_path, false)?;
+        Ok(self)
+    }
+
+    /// The check every reloaded channel keypair must pass: the agents' own verifier, with the
+    /// pin they were given, accepts its chain. Without `--bootstrap-ca` that means the same
+    /// public key; a new key would lock out every Droplet created before.
+    pub fn reload_check(&self) -> tls::KeypairCheck {
+        let (pin, host, cert_path) = (self.pin.clone(), self.host.clone(), self.cert_path.clone());
+        Box::new(move |chain| accepted_by_agents(&pin, chain, &host, &cert_path, true))
+    }
+}
+
+/// Whether agents holding `pin` accept `chain` for `host`; the error says which flag to look at.
+fn accepted_by_agents(
+    pin: &Pin,
+    chain: &[CertificateDer<'static>],
+    host: &str,
+    cert_path: &str,
+    reload: bool,
+) -> Result<(), String> {
+    let name = rustls_pki_types::ServerName::try_from(host.to_owned())
+        .map_err(|e| format!("--bootstrap-endpoint host {host:?}: {e}"))?;
+    let explicit = matches!(pin, Pin::Anchors(_));
+    let verifier = crate::pin::verifier(pin).map_err(|e| {
+        if explicit {
+            format!("read bootstrap CA: --bootstrap-ca: {e}")
+        } else {
+            format!("--bootstrap-tls-cert {cert_path}: {e}")
         }
+    })?;
+    let (leaf, intermediates) = chain
+        .split_first()
+        .ok_or_else(|| format!("--bootstrap-tls-cert {cert_path}: no certificates found"))?;
+    let verified = verifier.verify_server_cert(
+        leaf,
+        intermediates,
+        &name,
+        &[],
+        rustls_pki_types::UnixTime::now(),
+    );
+    match verified {
+        Ok(_) => Ok(()),
+        Err(e) if explicit => Err(format!(
+            "--bootstrap-ca: the channel certificate (--bootstrap-tls-cert {cert_path}) does not \
+             verify against it for the --bootstrap-endpoint host {host:?}, so no agent would \
+             accept the channel: {e}"
+        )),
+        Err(e) if reload => Err(format!(
+            "--bootstrap-ca is not set, so agents pin the public key of the channel certificate \
+             they were given, and no agent would accept the new certificate of \
+             --bootstrap-tls-cert {cert_path} for the --bootstrap-endpoint host {host:?}: {e}; \
+             renew keeping the key (cert-manager privateKey.rotationPolicy: Never), or set \
+             --bootstrap-ca"
+        )),
+        Err(e) => Err(format!(
+            "--bootstrap-ca is not set, so agents pin the public key of the channel's own \
+             certificate (the first certificate of --bootstrap-tls-cert {cert_path}), and no \
+             agent would accept it for the --bootstrap-endpoint host {host:?}: {e}"
+        )),
     }
 }
 
@@ -333,6 +393,17 @@ pub fn channel_tls(cert_pem: &[u8], key_pem: &[u8]) -> Result<Arc<ServerConfig>,
     let key =
         PrivateKeyDer::from_pem_slice(key_pem).map_err(|e| format!("parse private key: {e}"))?;
     build_channel_tls(certs, key)
+}
+
+/// The channel's server config over a keypair that reloads. Sessions are not resumed: every
+/// connection gets a full handshake with the keypair served at that moment, so none resumes a
+/// session of a pair a reload has replaced.
+fn reloading_channel_tls(served: Arc<tls::ServedKeypair>) -> Result<Arc<ServerConfig>, String> {
+    let mut config = tls::serving_config(served, None, CHANNEL_ALPN)
+        .map_err(|e| format!("load bootstrap TLS keypair: {e}"))?;
+    config.session_storage = Arc::new(rustls::server::NoServerSessionStorage {});
+    config.send_tls13_tickets = 0;
+    Ok(Arc::new(config))
 }
 
 fn build_channel_tls(
@@ -521,7 +592,7 @@ mod tests {
     }
 
     #[test]
-    fn without_bootstrap_ca_exactly_the_channel_certificate_is_pinned() {
+    fn without_bootstrap_ca_the_channel_certificate_and_its_key_are_pinned() {
         let dir = tempfile::tempdir().expect("tempdir");
         let mut flags = valid(dir.path());
         let leaf = std::fs::read_to_string(&flags.bootstrap_tls_cert).expect("cert");
@@ -553,7 +624,7 @@ mod tests {
         let e = error(&g);
         assert!(
             e.starts_with(
-                "--bootstrap-ca is not set, so agents pin exactly the channel's own certificate"
+                "--bootstrap-ca is not set, so agents pin the public key of the channel's own certificate"
             ),
             "{e}"
         );

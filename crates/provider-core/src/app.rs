@@ -155,8 +155,9 @@ pub async fn run(launch: Launch) -> Result<(), String> {
     let shutdown = shutdown_signal()?;
     common.validate()?;
     let state_keys = common.state_keys()?;
-    // TLS is settled before anything else binds or loads.
+    // TLS is loaded before anything else binds or loads; from then on it follows its files.
     let (security, tls_config) = tls::grpc_tls(&common.tls_flags())?;
+    let tls_reloader = tls_config.as_ref().map(|tls| tls.reloader(telemetry));
     let shard_identity = common.shard_identity(security)?;
     if let Some(warning) = plaintext_warning(security, real_backend) {
         tracing::warn!(security = security.name(), "{warning}");
@@ -240,6 +241,11 @@ pub async fn run(launch: Launch) -> Result<(), String> {
     let label_stop = CancellationToken::new();
     let label_task =
         leader_label.map(|label| tokio::spawn(label.run(replica.subscribe(), label_stop.clone())));
+    if let Some(reloader) = tls_reloader {
+        tasks.push(tokio::spawn(
+            reloader.run(tls::RELOAD_INTERVAL, stop.clone()),
+        ));
+    }
     for side in side_servers {
         tasks.push(side(stop.clone()).await?);
     }

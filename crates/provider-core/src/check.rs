@@ -288,7 +288,7 @@ pub fn common_checks(report: &mut Report, common: &CommonArgs) {
 }
 
 /// `YYYY-MM-DD` of a Unix time, for expiry lines.
-fn unix_date(secs: i64) -> String {
+pub(crate) fn unix_date(secs: i64) -> String {
     let days = secs.div_euclid(86_400);
     // Civil-from-days (proleptic Gregorian), as in Howard Hinnant's date algorithms.
     let z = days + 719_468;

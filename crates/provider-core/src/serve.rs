@@ -104,7 +104,7 @@ impl GrpcLimits {
 #[allow(clippy::too_many_arguments)]
 pub async fn serve_grpc(
     listener: TcpListener,
-    tls: Option<Arc<rustls::ServerConfig>>,
+    tls: Option<crate::tls::GrpcTls>,
     shard_identity: ShardIdentity,
     replica: Arc<Replica>,
     reflection: bool,

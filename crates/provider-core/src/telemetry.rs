@@ -41,6 +41,7 @@ pub struct Telemetry {
     pub shard_identity_rejected: &'static str,
     // Alerting signals (see the `impl` block below).
     pub certificate_not_after: &'static str,
+    pub tls_reload: &'static str,
     pub ready: &'static str,
     pub store_refusing_mutations: &'static str,
     // High availability (docs/ha.md).
@@ -130,6 +131,7 @@ impl Telemetry {
             grpc_connections_refused: leak(prefix, "grpc_connections_refused_total"),
             shard_identity_rejected: leak(prefix, "shard_identity_rejected_total"),
             certificate_not_after: leak(prefix, "certificate_not_after_timestamp_seconds"),
+            tls_reload: leak(prefix, "tls_reload_total"),
             ready: leak(prefix, "ready"),
             store_refusing_mutations: leak(prefix, "store_refusing_mutations"),
             leader: leak(prefix, "leader"),
@@ -267,9 +269,9 @@ impl Telemetry {
     }
 }
 
-/// Signals the shipped alerts need beyond the counters above: certificates are read once at
-/// startup, so their expiry is exported for the only reminder to roll them; readiness and a
-/// poisoned store are states, not events, so they are gauges.
+/// Signals the shipped alerts need beyond the counters above: the expiry of the certificates
+/// served (a reload moves it), readiness and a poisoned store, which are states, not events,
+/// so they are gauges.
 impl Telemetry {
     /// `<prefix>_certificate_not_after_timestamp_seconds{certificate}`: when the first
     /// certificate of the PEM file at `path` expires. A file the DER walk cannot read (it was
@@ -283,6 +285,27 @@ impl Telemetry {
             Err(e) => {
                 tracing::warn!(certificate, error = %e, "cannot read the certificate's expiry; its expiry metric is not exported")
             }
+        }
+    }
+
+    /// `<prefix>_certificate_not_after_timestamp_seconds{certificate}` of a pair or bundle a
+    /// reload has just taken: the expiry follows what is served.
+    pub fn certificate_not_after(&self, certificate: &'static str, not_after: i64) {
+        gauge!(self.certificate_not_after, "certificate" => certificate).set(not_after as f64);
+    }
+
+    /// One changed certificate file judged by the reloader:
+    /// `<prefix>_tls_reload_total{certificate,result}`, `result` = `loaded` or `refused`.
+    pub fn tls_reload(&self, certificate: &'static str, result: &'static str) {
+        counter!(self.tls_reload, "certificate" => certificate, "result" => result).increment(1);
+    }
+
+    /// Both reload series of `certificate` at zero (kept if they exist), once it is watched.
+    pub fn tls_reload_signals(&self, certificate: &'static str) {
+        let _ = recorder();
+        for result in ["loaded", "refused"] {
+            counter!(self.tls_reload, "certificate" => certificate, "result" => result)
+                .increment(0);
         }
     }
 

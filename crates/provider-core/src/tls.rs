@@ -1,6 +1,7 @@
-//! TLS settled at startup: one rustls `ServerConfig`, TLS 1.3 only, ring as the only crypto
-//! provider, and the three gRPC security modes of the reference (insecure, TLS, mTLS). A bad
-//! keypair or CA bundle is a startup error before any port binds.
+//! TLS: rustls `ServerConfig`s, TLS 1.3 only, ring as the only crypto provider, and the three
+//! gRPC security modes of the reference (insecure, TLS, mTLS). A bad keypair or CA bundle is a
+//! startup error before any port binds; after that, [`reload`] keeps what is served current
+//! with the files, and a broken pair or bundle never replaces a good one.
 
 use std::io;
 use std::path::{Path, PathBuf};
@@ -15,6 +16,12 @@ use tokio::sync::mpsc;
 use tokio_rustls::TlsAcceptor;
 use tokio_rustls::server::TlsStream;
 use tokio_stream::wrappers::ReceiverStream;
+
+mod reload;
+
+pub use reload::{
+    GrpcTls, KeypairCheck, KeypairFiles, KeypairWatch, RELOAD_INTERVAL, Reloader, ServedKeypair,
+};
 
 /// How the gRPC port is secured, logged at startup as the `security` field.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -88,9 +95,15 @@ pub fn earliest_not_after(path: &Path) -> Result<i64, String> {
     Ok(earliest)
 }
 
-/// The notAfter of one DER certificate in seconds since the Unix epoch. A small DER walk to
-/// `tbsCertificate.validity` (RFC 5280 4.1): certificates are only read, never verified here.
+/// The notAfter of one DER certificate in seconds since the Unix epoch (see [`validity_unix`]).
 pub fn not_after_unix(der: &[u8]) -> Result<i64, String> {
+    validity_unix(der).map(|(_, not_after)| not_after)
+}
+
+/// `(notBefore, notAfter)` of one DER certificate in seconds since the Unix epoch. A small DER
+/// walk to `tbsCertificate.validity` (RFC 5280 4.1): certificates are only read, never verified
+/// here.
+pub fn validity_unix(der: &[u8]) -> Result<(i64, i64), String> {
     const SEQUENCE: u8 = 0x30;
     const VERSION: u8 = 0xa0;
     let (certificate, _) = der_expect(der, SEQUENCE, "Certificate")?;
@@ -104,9 +117,10 @@ pub fn not_after_unix(der: &[u8]) -> Result<i64, String> {
         rest = der_element(rest)?.2;
     }
     let (validity, _) = der_expect(rest, SEQUENCE, "validity")?;
-    let (_, _, after_not_before) = der_element(validity)?;
+    let (tag, time, after_not_before) = der_element(validity)?;
+    let not_before = der_time(tag, time)?;
     let (tag, time, _) = der_element(after_not_before)?;
-    der_time(tag, time)
+    Ok((not_before, der_time(tag, time)?))
 }
 
 /// Splits one DER element off `input`: (tag, contents, the bytes after it). Only definite
@@ -175,7 +189,7 @@ fn der_time(tag: u8, text: &[u8]) -> Result<i64, String> {
         }
         _ => {
             return Err(format!(
-                "notAfter: expected a time, found DER tag 0x{tag:02x}"
+                "validity: expected a time, found DER tag 0x{tag:02x}"
             ));
         }
     };
@@ -253,6 +267,26 @@ pub fn server_config(
     Ok(config)
 }
 
+/// A TLS 1.3-only server config serving whatever `keypair` holds at each handshake, with the
+/// given ALPN protocols and, when `client_verifier` is set, required and verified client
+/// certificates.
+pub fn serving_config(
+    keypair: Arc<ServedKeypair>,
+    client_verifier: Option<Arc<dyn rustls::server::danger::ClientCertVerifier>>,
+    alpn: &[&[u8]],
+) -> Result<rustls::ServerConfig, String> {
+    let builder = rustls::ServerConfig::builder_with_provider(crypto_provider())
+        .with_protocol_versions(&[&rustls::version::TLS13])
+        .map_err(|e| e.to_string())?;
+    let builder = match client_verifier {
+        Some(verifier) => builder.with_client_cert_verifier(verifier),
+        None => builder.with_no_client_auth(),
+    };
+    let mut config = builder.with_cert_resolver(keypair);
+    config.alpn_protocols = alpn.iter().map(|p| p.to_vec()).collect();
+    Ok(config)
+}
+
 /// The gRPC TLS flags.
 #[derive(Clone, Debug, Default)]
 pub struct TlsFlags {
@@ -261,34 +295,26 @@ pub struct TlsFlags {
     pub ca: Option<PathBuf>,
 }
 
-/// Validates the flags and loads the gRPC server TLS config, with the reference's messages.
-pub fn grpc_tls(
-    flags: &TlsFlags,
-) -> Result<(SecurityMode, Option<Arc<rustls::ServerConfig>>), String> {
+/// Validates the flags and loads the gRPC server TLS, with the reference's messages. What it
+/// serves follows the files once [`GrpcTls::reloader`] runs.
+pub fn grpc_tls(flags: &TlsFlags) -> Result<(SecurityMode, Option<GrpcTls>), String> {
     let (cert, key) = match (&flags.cert, &flags.key, &flags.ca) {
         (None, None, Some(_)) => return Err("--tls-ca set without --tls-cert/--tls-key".into()),
         (None, None, None) => return Ok((SecurityMode::Insecure, None)),
         (Some(cert), Some(key), _) => (cert, key),
         _ => return Err("both --tls-cert and --tls-key are required to enable TLS".into()),
     };
-    let certs = read_certificates(cert).map_err(|e| format!("load TLS keypair: {e}"))?;
-    let private_key = read_private_key(key).map_err(|e| format!("load TLS keypair: {e}"))?;
-    let (mode, roots) = match &flags.ca {
-        None => (SecurityMode::Tls, None),
-        Some(ca) => {
-            let certs = read_certificates(ca).map_err(|e| format!("read client CA {e}"))?;
-            let mut roots = RootCertStore::empty();
-            for cert in certs {
-                roots
-                    .add(cert)
-                    .map_err(|e| format!("read client CA {}: {e}", ca.display()))?;
-            }
-            (SecurityMode::MutualTls, Some(roots))
-        }
+    let files = KeypairFiles {
+        certificate: "grpc_server",
+        cert: cert.clone(),
+        key: key.clone(),
     };
-    let config = server_config(certs, private_key, roots, &[b"h2"])
-        .map_err(|e| format!("load TLS keypair: {e}"))?;
-    Ok((mode, Some(Arc::new(config))))
+    let mode = match flags.ca {
+        None => SecurityMode::Tls,
+        Some(_) => SecurityMode::MutualTls,
+    };
+    let tls = GrpcTls::load(files, flags.ca.as_deref())?;
+    Ok((mode, Some(tls)))
 }
 
 /// Takes accepted connections and yields only those whose TLS handshake succeeded within
@@ -296,14 +322,13 @@ pub fn grpc_tls(
 /// at the TLS layer before any handler runs.
 pub fn incoming<IO>(
     mut accepted: mpsc::Receiver<(IO, std::net::SocketAddr)>,
-    config: Arc<rustls::ServerConfig>,
+    tls: GrpcTls,
     handshake_timeout: Duration,
 ) -> ReceiverStream<Result<TlsStream<IO>, io::Error>>
 where
     IO: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin + Send + 'static,
 {
     let (tx, rx) = mpsc::channel(64);
-    let acceptor = TlsAcceptor::from(config);
     tokio::spawn(async move {
         loop {
             let (tcp, peer) = tokio::select! {
@@ -314,7 +339,8 @@ where
                 // The server stopped: stop accepting (dropping `accepted` releases the port).
                 _ = tx.closed() => return,
             };
-            let acceptor = acceptor.clone();
+            // The config of this moment: a client CA reloaded later applies to later connections.
+            let acceptor = TlsAcceptor::from(tls.current());
             let tx = tx.clone();
             tokio::spawn(async move {
                 match tokio::time::timeout(handshake_timeout, acceptor.accept(tcp)).await {

@@ -1,11 +1,13 @@
-//! The agent's pin against real TLS on 127.0.0.1: without `--bootstrap-ca` the channel's own
-//! certificate is pinned exactly, whoever issued it; with it, the named CA is a trust anchor
-//! (path validation and host name).
+//! The agent's pin against real TLS on 127.0.0.1: without `--bootstrap-ca` the public key of
+//! the channel's own certificate is pinned, whoever issued it, so a renewal keeping the key is
+//! accepted and a new key is not (by the agents, and by the provider's reload of the channel's
+//! keypair); with it, the named CA is a trust anchor (path validation and host name).
 
 use std::time::Duration;
 
 use digitalocean::channel::{AuthLimit, Command};
 use rcgen::{BasicConstraints, CertificateParams, CertifiedIssuer, IsCa, KeyPair};
+use rustls_pki_types::pem::PemObject as _;
 use tokio::net::TcpListener;
 
 use crate::support::*;
@@ -45,7 +47,11 @@ impl PrivateCa {
 
     /// A leaf issued by the intermediate, as a `tls.crt` with its chain and its key.
     fn leaf(&self, names: &[&str]) -> Pki {
-        let key = KeyPair::generate().unwrap();
+        self.leaf_with(names, KeyPair::generate().unwrap())
+    }
+
+    /// The same with a given key (a renewal that keeps it).
+    fn leaf_with(&self, names: &[&str], key: KeyPair) -> Pki {
         let leaf =
             CertificateParams::new(names.iter().map(|n| (*n).to_owned()).collect::<Vec<_>>())
                 .unwrap()
@@ -67,13 +73,14 @@ impl PrivateCa {
 const NAMES: &[&str] = &["127.0.0.1", "localhost"];
 
 /// The provider's startup for a channel on `listener` serving `pki`, with `--bootstrap-ca`
-/// when given: the `(ca_pem, pinned_cert_pem)` it writes into every Droplet's user_data.
+/// when given: the `(ca_pem, pinned_cert_pem, pinned_spki_sha256)` it writes into every
+/// Droplet's user_data.
 fn provider_pin(
     dir: &std::path::Path,
     listener: &TcpListener,
     pki: &Pki,
     bootstrap_ca: Option<&str>,
-) -> Result<(String, String), String> {
+) -> Result<(String, String, String), String> {
     let file = |name: &str, body: &str| {
         let path = dir.join(name);
         std::fs::write(&path, body).unwrap();
@@ -90,7 +97,7 @@ fn provider_pin(
         ..Default::default()
     };
     let pin = digitalocean::setup::agent_pin(&flags)?.verified_for(&flags.bootstrap_endpoint)?;
-    Ok((pin.pem, pin.pinned_cert_pem))
+    Ok((pin.pem, pin.pinned_cert_pem, pin.pinned_spki_sha256))
 }
 
 /// Starts an agent with the provider's pin against `channel` and says whether a configure got
@@ -98,7 +105,7 @@ fn provider_pin(
 /// `refusal` as the reason its poll failed.
 async fn configure_through(
     channel: &RunningChannel,
-    pin: &(String, String),
+    pin: &(String, String, String),
     m: &str,
     refusal: Option<&str>,
 ) -> bool {
@@ -108,6 +115,7 @@ async fn configure_through(
         endpoint: channel.endpoint(),
         ca_pem: pin.0.clone(),
         pinned_cert_pem: pin.1.clone(),
+        pinned_spki_sha256: pin.2.clone(),
     };
     let config = agent_config_from_user_data(&digitalocean::cloud::agent_cloud_config(
         &provisioning,
@@ -116,6 +124,10 @@ async fn configure_through(
     ));
     let fields: serde_json::Value = serde_json::from_str(&config).unwrap();
     assert_eq!(fields.get("pinned_cert_pem").is_some(), !pin.1.is_empty());
+    assert_eq!(
+        fields.get("pinned_spki_sha256").is_some(),
+        !pin.2.is_empty()
+    );
     let agent = AgentProcess::spawn(AgentSetup {
         dir: dir.path(),
         config_json: config,
@@ -154,9 +166,9 @@ async fn configure_through(
 }
 
 /// A `tls.crt` holding a leaf issued by a private CA (with its chain), and no `--bootstrap-ca`,
-/// as a cert-manager Secret gives it: the provider starts, pins exactly that leaf (never the
+/// as a cert-manager Secret gives it: the provider starts, pins that leaf's key (never the
 /// intermediate or root of the file), and the agent accepts the channel; a sibling leaf of the
-/// same intermediate, for the same names, is refused.
+/// same intermediate, for the same names but with its own key, is refused.
 #[tokio::test]
 async fn a_ca_issued_leaf_is_pinned_exactly_without_bootstrap_ca() {
     let private = PrivateCa::new();
@@ -169,7 +181,13 @@ async fn a_ca_issued_leaf_is_pinned_exactly_without_bootstrap_ca() {
         .split_inclusive("-----END CERTIFICATE-----\n")
         .next()
         .unwrap();
-    assert_eq!(pin, (leaf_pem.to_owned(), leaf_pem.to_owned()));
+    assert_eq!(
+        (&pin.0, &pin.1),
+        (&leaf_pem.to_owned(), &leaf_pem.to_owned())
+    );
+    let leaf = rustls_pki_types::CertificateDer::from_pem_slice(leaf_pem.as_bytes()).unwrap();
+    let spki = digitalocean::pin::spki_sha256(&leaf).unwrap();
+    assert_eq!(pin.2, digitalocean::pin::spki_pin_text(&spki));
     assert!(
         !pin.0
             .contains(private.intermediate.pem().lines().nth(1).unwrap())
@@ -208,7 +226,7 @@ async fn with_bootstrap_ca_the_chain_is_path_validated() {
     let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
     let pin = provider_pin(dir.path(), &listener, &genuine, Some(&private.root.pem()))
         .expect("provider starts");
-    assert_eq!(pin, (private.root.pem(), String::new()));
+    assert_eq!(pin, (private.root.pem(), String::new(), String::new()));
     drop(listener);
 
     let sibling = private.leaf(NAMES);
@@ -381,5 +399,109 @@ async fn a_server_presenting_the_pinned_certificate_without_its_key_is_refused()
             assert_eq!(requests.load(Ordering::SeqCst), 0);
             assert!(!dir.path().join("hook.runs").exists());
         }
+    }
+}
+
+/// A renewal under a running fleet, without `--bootstrap-ca`: an agent given the key pin (and
+/// one given only `pinned_cert_pem`, as older providers wrote it) accepts a renewed
+/// certificate with the same key, and refuses a renewal with a new key.
+#[tokio::test]
+async fn a_renewal_keeping_the_key_is_accepted_and_a_new_key_is_refused() {
+    let private = PrivateCa::new();
+    let key_pem = KeyPair::generate().unwrap().serialize_pem();
+    let key = || KeyPair::from_pem(&key_pem).unwrap();
+    let issued = private.leaf_with(NAMES, key());
+    let dir = tempfile::tempdir().unwrap();
+    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let pin = provider_pin(dir.path(), &listener, &issued, None).expect("provider starts");
+    drop(listener);
+    // As an older provider wrote it: the certificate, no key pin.
+    let old_config = (pin.0.clone(), pin.1.clone(), String::new());
+
+    let renewed = private.leaf_with(NAMES, key());
+    assert_ne!(renewed.cert_pem, issued.cert_pem);
+    let channel =
+        RunningChannel::start(&renewed, Duration::from_secs(5), AuthLimit::default()).await;
+    assert!(configure_through(&channel, &pin, "m-renewed", None).await);
+    assert!(configure_through(&channel, &old_config, "m-renewed-old", None).await);
+
+    let rekeyed = private.leaf(NAMES);
+    let channel =
+        RunningChannel::start(&rekeyed, Duration::from_millis(200), AuthLimit::default()).await;
+    for (pin, m) in [(&pin, "m-rekeyed"), (&old_config, "m-rekeyed-old")] {
+        assert!(!configure_through(&channel, pin, m, Some("not the pinned key")).await);
+    }
+}
+
+/// `<prefix>_tls_reload_total{certificate="bootstrap",result}` as exported now.
+fn bootstrap_reloads(prefix: &str, result: &str) -> u64 {
+    let body = provider_core::telemetry::recorder().render();
+    body.lines()
+        .find(|l| {
+            l.starts_with(&format!("{prefix}_tls_reload_total{{"))
+                && l.contains("certificate=\"bootstrap\"")
+                && l.contains(&format!("result=\"{result}\""))
+        })
+        .and_then(|l| l.rsplit(' ').next())
+        .and_then(|v| v.parse().ok())
+        .unwrap_or_else(|| panic!("no {prefix}_tls_reload_total {result} in\n{body}"))
+}
+
+/// The provider's reload of the channel's keypair, without `--bootstrap-ca`, takes a renewal
+/// keeping the key and refuses one with a new key (no live agent could verify it), naming
+/// the files; with `--bootstrap-ca`, a new key the CA issued is taken.
+#[tokio::test]
+async fn the_channel_reload_refuses_a_new_key_unless_bootstrap_ca_is_set() {
+    let private = PrivateCa::new();
+    let key_pem = KeyPair::generate().unwrap().serialize_pem();
+    let key = || KeyPair::from_pem(&key_pem).unwrap();
+    for (bootstrap_ca, prefix) in [
+        (None, "bigfleet_do_reload_pinned"),
+        (Some(private.root.pem()), "bigfleet_do_reload_ca"),
+    ] {
+        let issued = private.leaf_with(NAMES, key());
+        let dir = tempfile::tempdir().unwrap();
+        let file = |name: &str, body: &str| {
+            let path = dir.path().join(name);
+            std::fs::write(&path, body).unwrap();
+            path.display().to_string()
+        };
+        let flags = digitalocean::RealFlags {
+            provider: "p".into(),
+            token: zeroize::Zeroizing::new("do-token".into()),
+            region: "nyc3".into(),
+            image: "ubuntu-24-04-x64".into(),
+            api_url: "http://127.0.0.1:1".into(),
+            bootstrap_addr: "127.0.0.1:0".into(),
+            bootstrap_endpoint: "https://127.0.0.1:8443".into(),
+            bootstrap_tls_cert: file("tls.crt", &issued.cert_pem),
+            bootstrap_tls_key: file("tls.key", &issued.key_pem),
+            bootstrap_ca: bootstrap_ca
+                .as_deref()
+                .map_or_else(String::new, |ca| file("ca.crt", ca)),
+            bootstrap_secret: zeroize::Zeroizing::new("s".repeat(48)),
+            ..Default::default()
+        };
+        let telemetry = provider_core::telemetry::Telemetry::new(prefix);
+        let mut real = digitalocean::build_real(&flags, telemetry).expect("starts");
+        // A changed pair is judged on the second read that finds it.
+        let mut reload = |cert: &str, key: &str| {
+            file("tls.crt", cert);
+            file("tls.key", key);
+            real.channel_reloader.poll();
+            real.channel_reloader.poll();
+        };
+        let renewed = private.leaf_with(NAMES, key());
+        reload(&renewed.cert_pem, &renewed.key_pem);
+        assert_eq!(bootstrap_reloads(prefix, "loaded"), 1);
+        let rekeyed = private.leaf(NAMES);
+        reload(&rekeyed.cert_pem, &rekeyed.key_pem);
+        let (loaded, refused) = if bootstrap_ca.is_some() {
+            (2, 0)
+        } else {
+            (1, 1)
+        };
+        assert_eq!(bootstrap_reloads(prefix, "loaded"), loaded, "{prefix}");
+        assert_eq!(bootstrap_reloads(prefix, "refused"), refused, "{prefix}");
     }
 }

@@ -137,6 +137,7 @@ fn test_settings() -> digitalocean::cloud::CloudSettings {
             endpoint: "https://127.0.0.1:1".into(),
             ca_pem: String::new(),
             pinned_cert_pem: String::new(),
+            pinned_spki_sha256: String::new(),
         },
     );
     settings.active_poll = Duration::from_millis(20);

@@ -269,6 +269,7 @@ pub fn cloud_for(
             endpoint: channel.endpoint(),
             ca_pem: pki.ca_pem.clone(),
             pinned_cert_pem: String::new(),
+            pinned_spki_sha256: String::new(),
         },
     );
     settings.active_poll = Duration::from_millis(20);

@@ -85,12 +85,14 @@ fn command_property(u: &mut Unstructured<'_>) -> Result<()> {
 
 /// The fields a config must hold as non-blank strings.
 const REQUIRED_KEYS: &[&str] = &["endpoint", "machine_id", "token"];
-/// The trust fields: absent, or strings; `pinned_cert_pem` wins when it is not blank.
-const TRUST_KEYS: &[&str] = &["ca_pem", "pinned_cert_pem"];
+/// The trust fields: absent, or strings; `pinned_spki_sha256`, then `pinned_cert_pem`, wins
+/// when it is not blank.
+const TRUST_KEYS: &[&str] = &["ca_pem", "pinned_cert_pem", "pinned_spki_sha256"];
 const CONFIG_KEYS: &[&str] = &[
     "endpoint",
     "ca_pem",
     "pinned_cert_pem",
+    "pinned_spki_sha256",
     "machine_id",
     "token",
 ];
@@ -105,6 +107,9 @@ const CONFIG_STRINGS: &[&str] = &[
     CA_PEM,
     CHAIN_PEM,
     "do/s-1/fra1/0",
+    // A key pin (32 bytes of base64), and one of 31 bytes.
+    "AAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAA=",
+    "AAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAA==",
     "tok-e4d1c7b9a0f2",
     "",
     "  ",
@@ -135,10 +140,28 @@ fn config_property(u: &mut Unstructured<'_>) -> Result<()> {
         let text = |k: &str| object.get(k).and_then(Value::as_str);
         let set = |k: &str| text(k).filter(|s| !s.trim().is_empty());
         let certificates = |pem: &str| provider_core::tls::parse_certificates(pem.as_bytes());
-        let trusted = match (set("pinned_cert_pem"), set("ca_pem")) {
-            (Some(pinned), _) => certificates(pinned).is_ok_and(|c| c.len() == 1),
-            (None, Some(anchors)) => certificates(anchors).is_ok(),
-            (None, None) => false,
+        // A key pin is 32 bytes: exactly 44 characters of padded base64 ending in one `=`,
+        // whose last digit leaves its two spare bits at zero.
+        const ALPHABET: &[u8] = b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/";
+        let key_pin = |pin: &str| {
+            let pin = pin.trim().as_bytes();
+            pin.len() == 44
+                && pin[43] == b'='
+                && pin[..43].iter().all(|b| ALPHABET.contains(b))
+                && ALPHABET
+                    .iter()
+                    .position(|b| *b == pin[42])
+                    .is_some_and(|i| i % 4 == 0)
+        };
+        let trusted = match (
+            set("pinned_spki_sha256"),
+            set("pinned_cert_pem"),
+            set("ca_pem"),
+        ) {
+            (Some(pin), _, _) => key_pin(pin),
+            (None, Some(pinned), _) => certificates(pinned).is_ok_and(|c| c.len() == 1),
+            (None, None, Some(anchors)) => certificates(anchors).is_ok(),
+            (None, None, None) => false,
         };
         let accepted = REQUIRED_KEYS.iter().all(|k| set(k).is_some())
             && TRUST_KEYS

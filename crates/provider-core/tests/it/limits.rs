@@ -77,7 +77,7 @@ async fn serve(limits: GrpcLimits) -> Served {
     serve_with(limits, None).await
 }
 
-async fn serve_with(limits: GrpcLimits, tls: Option<Arc<rustls::ServerConfig>>) -> Served {
+async fn serve_with(limits: GrpcLimits, tls: Option<provider_core::tls::GrpcTls>) -> Served {
     let store = Arc::new(GatedStore::default());
     let engine = Engine::start(
         TestBackend::instant(8),

@@ -16,4 +16,5 @@ mod limits;
 mod list;
 mod reference_parity;
 mod startup;
+mod tls_reload;
 mod transport;
