@@ -5,6 +5,7 @@ pub mod admin;
 pub mod app;
 pub mod backend;
 pub mod check;
+pub mod budget;
 pub mod cli;
 pub mod cloud;
 pub mod config;
