@@ -183,6 +183,29 @@ impl Shares {
     }
 }
 
+/// What a client builds its budget from: the cloud's limits (time-scaled against an
+/// emulator) and this provider's shares.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct Settings {
+    pub limits: Limits,
+    pub shares: Shares,
+}
+
+impl Settings {
+    /// The published limits of `limits` with the default shares.
+    pub fn new(limits: Limits) -> Settings {
+        Settings {
+            limits,
+            shares: Shares::default(),
+        }
+    }
+
+    /// A fresh, full budget with these settings.
+    pub fn budget(&self, prefix: &str) -> ApiBudget {
+        ApiBudget::new(self.limits, self.shares, prefix)
+    }
+}
+
 /// A request could not be given a token before its deadline.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, thiserror::Error)]
 #[error("the API budget had no room for this request before its deadline")]
@@ -234,6 +257,7 @@ struct State {
     /// The requests waiting for a token, in the order they are served.
     queue: BTreeSet<(Class, u64)>,
     next_ticket: u64,
+    shares: Shares,
 }
 
 impl State {
@@ -321,7 +345,6 @@ struct Inner {
     state: Mutex<State>,
     changed: Notify,
     limits: Limits,
-    shares: Shares,
     names: Names,
 }
 
@@ -329,7 +352,6 @@ impl std::fmt::Debug for ApiBudget {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("ApiBudget")
             .field("limits", &self.inner.limits)
-            .field("shares", &self.inner.shares)
             .finish_non_exhaustive()
     }
 }
@@ -347,13 +369,13 @@ impl ApiBudget {
             paused_until: None,
             queue: BTreeSet::new(),
             next_ticket: 0,
+            shares,
         };
         let budget = ApiBudget {
             inner: Arc::new(Inner {
                 state: Mutex::new(state),
                 changed: Notify::new(),
                 limits,
-                shares,
                 names: Names::for_prefix(prefix),
             }),
         };
@@ -454,9 +476,9 @@ impl ApiBudget {
         let remaining = number("ratelimit-remaining");
         let reset = number("ratelimit-reset");
         let retry_after = number("retry-after");
-        let shares = self.inner.shares;
         let now = Instant::now();
         let mut state = self.lock();
+        let shares = state.shares;
         state.refill(now);
         if let Some(limit) = limit.filter(|l| *l >= 1.0) {
             let ours = limit * shares.share;
@@ -496,6 +518,32 @@ impl ApiBudget {
         if state.paused_until.is_some_and(|u| u <= now) {
             state.paused_until = None;
         }
+        self.publish(&state);
+        drop(state);
+        self.inner.changed.notify_waiters();
+    }
+
+    /// Takes `shares` of the cloud's limits from now on (`--api-budget-share`,
+    /// `--api-reconcile-share`, applied once the client is built); every clone of the client
+    /// sees the change. Tokens already spent stay spent.
+    pub fn set_shares(&self, shares: Shares) {
+        let limits = self.inner.limits;
+        let now = Instant::now();
+        let mut state = self.lock();
+        state.refill(now);
+        let keep = |old: Level, new: Level| Level {
+            tokens: old.tokens.min(new.capacity),
+            ..new
+        };
+        state.main = keep(state.main, Level::full(limits.main, shares.share));
+        if let (Some(old), Some(burst)) = (state.burst, limits.burst) {
+            state.burst = Some(keep(old, Level::full(burst, shares.share)));
+        }
+        state.background = keep(
+            state.background,
+            Level::full(limits.main, shares.share * shares.reconcile),
+        );
+        state.shares = shares;
         self.publish(&state);
         drop(state);
         self.inner.changed.notify_waiters();

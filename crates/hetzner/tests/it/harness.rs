@@ -218,6 +218,11 @@ pub fn fast_timing(request_timeout: Duration) -> Timing {
                 max_attempts: 8,
             },
             max_body: provider_core::cloud::MAX_RESPONSE_BODY,
+            // Hetzner's limits with time running a thousand times faster: a test's storm of
+            // injected 429s costs milliseconds, as its backoff does.
+            budget: provider_core::budget::Settings::new(
+                provider_core::budget::Limits::HETZNER.time_scaled(1000.0),
+            ),
         },
         ssh: SshTiming {
             attempt_timeout: Duration::from_secs(2),
