@@ -258,6 +258,12 @@ struct State {
     queue: BTreeSet<(Class, u64)>,
     next_ticket: u64,
     shares: Shares,
+    /// Until the first answer shows how full the cloud's bucket really is (another user, or
+    /// this provider before a restart, may have spent it), one request at a time probes it and
+    /// the rest of the bucket is held here.
+    held: Option<f64>,
+    /// Whether an answer has been seen.
+    calibrated: bool,
 }
 
 impl State {
@@ -288,6 +294,11 @@ impl State {
 
     fn take(&mut self, class: Class) {
         self.main.tokens -= 1.0;
+        if !self.calibrated && self.held.is_none() {
+            // The probe is out: hold the rest back until its answer.
+            self.held = Some(self.main.tokens);
+            self.main.tokens = 0.0;
+        }
         if let Some(burst) = &mut self.burst {
             burst.tokens -= 1.0;
         }
@@ -370,6 +381,8 @@ impl ApiBudget {
             queue: BTreeSet::new(),
             next_ticket: 0,
             shares,
+            held: None,
+            calibrated: false,
         };
         let budget = ApiBudget {
             inner: Arc::new(Inner {
@@ -479,6 +492,12 @@ impl ApiBudget {
         let now = Instant::now();
         let mut state = self.lock();
         let shares = state.shares;
+        if !state.calibrated {
+            state.calibrated = true;
+            if let Some(held) = state.held.take() {
+                state.main.tokens = (state.main.tokens + held).min(state.main.capacity);
+            }
+        }
         state.refill(now);
         if let Some(limit) = limit.filter(|l| *l >= 1.0) {
             let ours = limit * shares.share;

@@ -124,6 +124,8 @@ pub struct Options {
     pub server: hetzner::settings::ServerSpec,
     /// Per-offering settings.
     pub offerings: Vec<hetzner::settings::OfferingSpec>,
+    /// How many times faster than real time the client's API budget refills.
+    pub api_time_scale: f64,
 }
 
 impl Default for Options {
@@ -141,6 +143,7 @@ impl Default for Options {
             ssh_address: hetzner::cloud::SshAddress::Public,
             server: hetzner::settings::ServerSpec::default(),
             offerings: Vec::new(),
+            api_time_scale: 1000.0,
         }
     }
 }
@@ -338,7 +341,12 @@ impl Env {
             readiness_command: options.readiness_command,
             eur_usd: 1.25,
             telemetry,
-            timing: fast_timing(options.request_timeout),
+            timing: {
+                let mut timing = fast_timing(options.request_timeout);
+                timing.client.budget.limits =
+                    provider_core::budget::Limits::HETZNER.time_scaled(options.api_time_scale);
+                timing
+            },
         })
         .unwrap();
         Env {

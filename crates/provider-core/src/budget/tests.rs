@@ -3,8 +3,16 @@
 
 use super::*;
 
-/// A bucket of `capacity` refilled at `per_second`, all of it ours.
+/// A bucket of `capacity` refilled at `per_second`, all of it ours, that has seen an answer
+/// without rate-limit headers.
 fn small(capacity: f64, per_second: f64) -> ApiBudget {
+    let budget = fresh(capacity, per_second);
+    budget.observe(200, &http::HeaderMap::new());
+    budget
+}
+
+/// [`small`] before any answer.
+fn fresh(capacity: f64, per_second: f64) -> ApiBudget {
     let limits = Limits {
         main: Bucket {
             capacity,
@@ -151,6 +159,7 @@ async fn background_work_spends_only_its_share() {
         },
         "bigfleet_budget_test",
     );
+    budget.observe(200, &http::HeaderMap::new());
     let started = Instant::now();
     // 10 background tokens, then one every 1/(10 × 0.5 × 0.2) = 1 s.
     for _ in 0..15 {
@@ -308,4 +317,26 @@ fn shares_are_fractions() {
         reconcile: 1.5,
     };
     assert!(bad.validate().unwrap_err().contains("--api-reconcile-share"));
+}
+
+/// Before the first answer nothing is known of the cloud's bucket (another user may have spent
+/// it): one request probes, and the rest of a burst waits for its answer.
+#[tokio::test(start_paused = true)]
+async fn the_first_request_probes_before_a_burst_is_let_through() {
+    let budget = fresh(100.0, 1.0);
+    budget.acquire(None).await.unwrap();
+    let second = tokio::time::timeout(Duration::from_millis(500), budget.acquire(None)).await;
+    assert!(second.is_err(), "the burst waits for the probe's answer");
+    budget.observe(
+        200,
+        &headers(&[
+            ("ratelimit-limit", "100".into()),
+            ("ratelimit-remaining", "3".into()),
+        ]),
+    );
+    let started = Instant::now();
+    for _ in 0..3 {
+        budget.acquire(None).await.unwrap();
+    }
+    assert!(started.elapsed() < Duration::from_secs(1), "{:?}", started.elapsed());
 }
