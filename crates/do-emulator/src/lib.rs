@@ -371,6 +371,14 @@ impl Emulator {
             .map_or(0, |b| b.drain(n))
     }
 
+    /// Leaves `left` requests of the hourly limit, as if the rest had been spent earlier in the
+    /// hour (the minute's limit is untouched).
+    pub fn set_hourly_remaining(&self, left: u32) {
+        if let Some(buckets) = lock(&self.state).knobs.rate_limit.as_mut() {
+            buckets.set_hourly_remaining(left);
+        }
+    }
+
     /// Requests left of the hourly limit (`None` without a rate limit).
     pub fn rate_limit_remaining(&self) -> Option<u32> {
         lock(&self.state)

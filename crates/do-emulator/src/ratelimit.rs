@@ -105,6 +105,12 @@ impl Buckets {
         got
     }
 
+    /// Sets what is left of the hourly limit (spent earlier in the hour; the minute's is not).
+    pub(crate) fn set_hourly_remaining(&mut self, left: u32) {
+        self.refill();
+        self.hour.tokens = f64::from(left).min(self.hour.capacity);
+    }
+
     pub(crate) fn remaining(&mut self) -> u32 {
         self.refill();
         self.hour.tokens.floor().max(0.0) as u32
