@@ -5,8 +5,8 @@
 
 use std::time::Duration;
 
-use provider_core::cloud::{BodyError, MAX_RESPONSE_BODY, read_body};
 use provider_core::budget::{ApiBudget, Limits, Settings};
+use provider_core::cloud::{BodyError, MAX_RESPONSE_BODY, read_body};
 use provider_core::retry::{Backoff, Verdict, classify_status};
 use provider_core::telemetry::{Telemetry, status_class};
 use reqwest::{Method, StatusCode, Url};

@@ -53,7 +53,8 @@ impl Bucket {
         let now = Instant::now();
         let elapsed = now.saturating_duration_since(self.refilled).as_secs_f64();
         self.refilled = now;
-        self.tokens = (self.tokens + elapsed * self.limit.per_second).min(f64::from(self.limit.limit));
+        self.tokens =
+            (self.tokens + elapsed * self.limit.per_second).min(f64::from(self.limit.limit));
     }
 
     /// Takes one token; false (a 429) when none is left.

@@ -426,7 +426,8 @@ fn spawn_loops(
                 let Ok(engine) = replica.writer() else {
                     continue;
                 };
-                let pass = crate::budget::scoped(crate::budget::Class::Reconcile, engine.reconcile());
+                let pass =
+                    crate::budget::scoped(crate::budget::Class::Reconcile, engine.reconcile());
                 match pass.await {
                     Ok(report) => {
                         telemetry.reconcile_outcome("success");

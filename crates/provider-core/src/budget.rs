@@ -330,9 +330,8 @@ impl Names {
             return *names;
         }
         // A bounded set of names per process (one per binary prefix).
-        let leak = |name: &str| -> &'static str {
-            Box::leak(format!("{prefix}_{name}").into_boxed_str())
-        };
+        let leak =
+            |name: &str| -> &'static str { Box::leak(format!("{prefix}_{name}").into_boxed_str()) };
         let names = Names {
             capacity: leak("api_budget_capacity"),
             remaining: leak("api_budget_remaining"),
@@ -585,7 +584,10 @@ impl ApiBudget {
 /// whole seconds): only when the bucket is short by enough that the rounding of `reset` to a
 /// second cannot skew it much.
 fn refill_rate(limit: f64, remaining: f64, reset: f64) -> Option<f64> {
-    let now = SystemTime::now().duration_since(UNIX_EPOCH).ok()?.as_secs_f64();
+    let now = SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .ok()?
+        .as_secs_f64();
     let window = reset - now;
     let missing = limit - remaining;
     (window >= 10.0 && missing >= 10.0).then(|| missing / window)

@@ -4,8 +4,8 @@
 pub mod admin;
 pub mod app;
 pub mod backend;
-pub mod check;
 pub mod budget;
+pub mod check;
 pub mod cli;
 pub mod cloud;
 pub mod config;

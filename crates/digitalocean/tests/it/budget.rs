@@ -85,7 +85,10 @@ async fn a_burst_from_a_nearly_spent_token_meets_no_429() {
     eprintln!("{CREATES} creates and polls in {took:?}; requests by class: {classes:?}");
     let refused: usize = classes.values().map(|(_, refused)| refused).sum();
     assert_eq!(refused, 0, "{classes:?}");
-    assert_eq!(classes["create"].0, CREATES as usize, "one POST per Droplet");
+    assert_eq!(
+        classes["create"].0, CREATES as usize,
+        "one POST per Droplet"
+    );
     stop.cancel();
 }
 
@@ -110,8 +113,13 @@ async fn another_user_spending_half_the_budget_fails_no_request() {
     other_stop.store(true, Ordering::SeqCst);
     let got = other.await.unwrap();
     let classes = emulator.requests_by_class();
-    eprintln!("{CREATES} creates and polls in {took:?} beside another user that got {got}; requests by class: {classes:?}");
+    eprintln!(
+        "{CREATES} creates and polls in {took:?} beside another user that got {got}; requests by class: {classes:?}"
+    );
     assert!(got > 0);
-    assert_eq!(classes["create"].0, CREATES as usize, "one POST per Droplet");
+    assert_eq!(
+        classes["create"].0, CREATES as usize,
+        "one POST per Droplet"
+    );
     stop.cancel();
 }

@@ -27,7 +27,8 @@ async fn env(prefix: &'static str, left: u32) -> Env {
     .await;
     env.emulator
         .set_rate_limit(RateLimit::HETZNER.time_scaled(SCALE));
-    env.emulator.drain_rate_limit(RateLimit::HETZNER.limit - left);
+    env.emulator
+        .drain_rate_limit(RateLimit::HETZNER.limit - left);
     env
 }
 

@@ -53,7 +53,11 @@ async fn a_full_bucket_sends_at_once_and_an_empty_one_paces_at_the_refill_rate()
     for _ in 0..3 {
         budget.acquire(None).await.unwrap();
     }
-    assert_eq!(started.elapsed(), Duration::ZERO, "the burst fits the bucket");
+    assert_eq!(
+        started.elapsed(),
+        Duration::ZERO,
+        "the burst fits the bucket"
+    );
     for _ in 0..4 {
         budget.acquire(None).await.unwrap();
     }
@@ -207,9 +211,11 @@ async fn a_deadline_gives_up_and_frees_the_turn() {
 async fn a_dropped_wait_leaves_the_queue() {
     let budget = small(1.0, 1.0);
     budget.acquire(None).await.unwrap();
-    let dropped =
-        tokio::time::timeout(Duration::from_millis(100), budget.acquire_as(Class::Transition, None))
-            .await;
+    let dropped = tokio::time::timeout(
+        Duration::from_millis(100),
+        budget.acquire_as(Class::Transition, None),
+    )
+    .await;
     assert!(dropped.is_err());
     assert!(budget.lock().queue.is_empty());
     let started = Instant::now();
@@ -228,7 +234,11 @@ async fn remaining_from_the_headers_lowers_the_bucket_never_raises_it() {
             ("ratelimit-remaining", "100".into()),
         ]),
     );
-    assert_eq!(budget.remaining(), 50.0, "half of what the cloud still holds");
+    assert_eq!(
+        budget.remaining(),
+        50.0,
+        "half of what the cloud still holds"
+    );
     budget.observe(
         200,
         &headers(&[
@@ -295,7 +305,10 @@ fn the_class_follows_the_task_and_defaults_to_transition() {
         .unwrap();
     runtime.block_on(async {
         assert_eq!(current(), Class::Transition);
-        assert_eq!(scoped(Class::Refresh, async { current() }).await, Class::Refresh);
+        assert_eq!(
+            scoped(Class::Refresh, async { current() }).await,
+            Class::Refresh
+        );
         let nested = scoped(Class::Reconcile, async {
             scoped(Class::Proof, async { current() }).await
         })
@@ -316,7 +329,11 @@ fn shares_are_fractions() {
         share: 0.5,
         reconcile: 1.5,
     };
-    assert!(bad.validate().unwrap_err().contains("--api-reconcile-share"));
+    assert!(
+        bad.validate()
+            .unwrap_err()
+            .contains("--api-reconcile-share")
+    );
 }
 
 /// Before the first answer nothing is known of the cloud's bucket (another user may have spent
@@ -338,5 +355,9 @@ async fn the_first_request_probes_before_a_burst_is_let_through() {
     for _ in 0..3 {
         budget.acquire(None).await.unwrap();
     }
-    assert!(started.elapsed() < Duration::from_secs(1), "{:?}", started.elapsed());
+    assert!(
+        started.elapsed() < Duration::from_secs(1),
+        "{:?}",
+        started.elapsed()
+    );
 }
