@@ -500,3 +500,40 @@ mod colour_tests {
         assert!(!colour_wanted(false, Some(OsStr::new("1"))));
     }
 }
+
+#[cfg(test)]
+mod budget_flag_tests {
+    use clap::Parser;
+
+    use super::CommonArgs;
+
+    #[derive(Parser)]
+    struct Flags {
+        #[command(flatten)]
+        common: CommonArgs,
+    }
+
+    #[test]
+    fn the_budget_shares_default_parse_and_are_checked() {
+        let common = Flags::try_parse_from(["p"]).expect("parse").common;
+        assert_eq!(common.api_budget_shares(), crate::budget::Shares::default());
+        assert!(common.validate().is_ok());
+        let common =
+            Flags::try_parse_from(["p", "--api-budget-share=0.8", "--api-reconcile-share=0.1"])
+                .expect("parse")
+                .common;
+        assert_eq!(common.api_budget_shares().share, 0.8);
+        assert_eq!(common.api_budget_shares().reconcile, 0.1);
+        for (flag, value) in [
+            ("--api-budget-share", "0"),
+            ("--api-budget-share", "1.5"),
+            ("--api-reconcile-share", "-0.2"),
+        ] {
+            let common = Flags::try_parse_from(["p", &format!("{flag}={value}")])
+                .expect("parse")
+                .common;
+            let e = common.validate().unwrap_err();
+            assert!(e.contains(flag), "{e}");
+        }
+    }
+}
