@@ -5,8 +5,9 @@
 
 use std::time::Duration;
 
+use provider_core::budget::{ApiBudget, Limits, Settings};
 use provider_core::cloud::{BodyError, MAX_RESPONSE_BODY, read_body};
-use provider_core::retry::{Backoff, Verdict, classify_status, hint_from_headers};
+use provider_core::retry::{Backoff, Verdict, classify_status};
 use provider_core::telemetry::{Telemetry, status_class};
 use reqwest::{Method, StatusCode, Url};
 use serde::de::DeserializeOwned;
@@ -368,6 +369,8 @@ pub struct ApiClient {
     token: ApiToken,
     backoff: Backoff,
     telemetry: Telemetry,
+    /// Every request waits here for its turn and a token of the token's rate limits.
+    budget: ApiBudget,
 }
 
 impl std::fmt::Debug for ApiClient {
@@ -380,6 +383,9 @@ impl std::fmt::Debug for ApiClient {
 
 /// Per-request timeout, so a hung connection cannot eat a whole transition budget.
 const REQUEST_TIMEOUT: Duration = Duration::from_secs(30);
+
+/// The message of a request that found no room in the API budget before its deadline.
+const NO_ROOM: &str = "not sent: the API budget had no room for it before the deadline";
 
 impl ApiClient {
     pub fn new(
@@ -404,8 +410,21 @@ impl ApiClient {
             base,
             token,
             backoff,
+            budget: Settings::new(Limits::DIGITALOCEAN).budget(telemetry.prefix),
             telemetry,
         })
+    }
+
+    /// The same client drawing on `budget` (one shared with other clients of the token, or
+    /// time-scaled against an emulator).
+    pub fn with_budget(mut self, budget: ApiBudget) -> ApiClient {
+        self.budget = budget;
+        self
+    }
+
+    /// The budget this client's requests wait on.
+    pub fn budget(&self) -> &ApiBudget {
+        &self.budget
     }
 
     fn url(&self, path: &str) -> Url {
@@ -424,6 +443,13 @@ impl ApiClient {
         body: Option<&serde_json::Value>,
         deadline: Instant,
     ) -> Result<(StatusCode, Vec<u8>), ApiError> {
+        self.budget
+            .acquire(Some(deadline))
+            .await
+            .map_err(|_| ApiError::Transport {
+                endpoint,
+                message: NO_ROOM.into(),
+            })?;
         let remaining = deadline.saturating_duration_since(Instant::now());
         let timeout = remaining.min(REQUEST_TIMEOUT).max(Duration::from_millis(1));
         let mut request = self
@@ -445,7 +471,10 @@ impl ApiClient {
         };
         let response = request.send().await.map_err(transport)?;
         let status = response.status();
-        let hint = hint_from_headers(response.headers());
+        self.budget.observe(status.as_u16(), response.headers());
+        // After a 429 the retry waits in the budget, which holds every request back for the
+        // `Retry-After` and then paces them at the refill rate.
+        let hint = (status == StatusCode::TOO_MANY_REQUESTS).then_some(Duration::ZERO);
         let bytes = match read_body(response, MAX_RESPONSE_BODY).await {
             Ok(bytes) => bytes,
             Err(BodyError::Transport(e)) => return Err(transport(e)),
@@ -489,13 +518,37 @@ impl ApiClient {
         body: Option<&serde_json::Value>,
         deadline: Instant,
     ) -> Result<(StatusCode, Vec<u8>), ApiError> {
-        self.backoff
+        // A retry that finds no room in the budget before the deadline reports what made it
+        // retry (a 429, a 503), not only that it was not sent.
+        let last = std::sync::Mutex::new(None::<ApiError>);
+        let result = self
+            .backoff
             .run(
                 Some(deadline),
-                |_| self.exchange(endpoint, method.clone(), url.clone(), body, deadline),
+                |_| {
+                    let exchange =
+                        self.exchange(endpoint, method.clone(), url.clone(), body, deadline);
+                    let last = &last;
+                    async move {
+                        let result = exchange.await;
+                        if let Err(e) = &result
+                            && !is_no_room(e)
+                        {
+                            *last.lock().unwrap_or_else(|e| e.into_inner()) = Some(e.clone());
+                        }
+                        result
+                    }
+                },
                 ApiError::verdict,
             )
-            .await
+            .await;
+        match result {
+            Err(e) if is_no_room(&e) => {
+                let last = last.into_inner().unwrap_or_else(|e| e.into_inner());
+                Err(last.unwrap_or(e))
+            }
+            other => other,
+        }
     }
 
     fn decode<T: DeserializeOwned>(endpoint: &'static str, bytes: &[u8]) -> Result<T, ApiError> {
@@ -842,6 +895,11 @@ impl ApiClient {
             .await?;
         Ok(())
     }
+}
+
+/// Whether `e` is a request the budget held back until its deadline (never sent).
+fn is_no_room(e: &ApiError) -> bool {
+    matches!(e, ApiError::Transport { message, .. } if message == NO_ROOM)
 }
 
 #[cfg(test)]

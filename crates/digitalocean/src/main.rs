@@ -152,9 +152,9 @@ async fn launch(cli: Cli) -> Result<(), String> {
         }
         Mode::Real => {
             let flags = real_flags(&cli, cli.common.read_base_user_data()?);
-            let real = digitalocean::build_real(&flags, telemetry)?
-                .resolve(&wanted)
-                .await?;
+            let real = digitalocean::build_real(&flags, telemetry)?;
+            real.api.budget().set_shares(cli.common.api_budget_shares());
+            let real = real.resolve(&wanted).await?;
             let channel = real.channel.clone();
             channel.serve_while(leading.clone());
             let addr = real.bootstrap_addr.clone();

@@ -9,8 +9,10 @@
 //! cloud firewalls) live in [`resources`]; every create body is recorded as sent.
 //! Loopback only.
 
+mod ratelimit;
 mod resources;
 
+pub use ratelimit::{RateLimit, class_of};
 pub use resources::{EmulatedFirewall, EmulatedImage, EmulatedKey, EmulatedVpc};
 
 use std::collections::{BTreeMap, BTreeSet, VecDeque};
@@ -85,6 +87,8 @@ struct Knobs {
     churn_listings: u32,
     /// The next answer is a 200 with a body of this many bytes.
     oversize_next: Option<usize>,
+    /// The enforced rate limits, once a test sets them.
+    rate_limit: Option<ratelimit::Buckets>,
 }
 
 struct EmulatorState {
@@ -103,6 +107,8 @@ struct EmulatorState {
     ssh_keys: Vec<EmulatedKey>,
     firewalls: Vec<EmulatedFirewall>,
     create_bodies: Vec<Value>,
+    /// Requests by [`class_of`], and of those, how many the rate limits refused.
+    by_class: BTreeMap<&'static str, (usize, usize)>,
     next_image: u64,
     next_key: u64,
     next_uuid: u64,
@@ -227,6 +233,7 @@ impl Emulator {
             ssh_keys: Vec::new(),
             firewalls: Vec::new(),
             create_bodies: Vec::new(),
+            by_class: BTreeMap::new(),
             next_image: 160_000_000,
             next_key: 41_000_000,
             next_uuid: 0,
@@ -349,6 +356,44 @@ impl Emulator {
         lock(&self.state).create_requests
     }
 
+    /// Enforces `limit` from now on, starting from full buckets.
+    pub fn set_rate_limit(&self, limit: RateLimit) {
+        lock(&self.state).knobs.rate_limit = Some(ratelimit::Buckets::full(limit));
+    }
+
+    /// Spends up to `n` requests of the limits as another user of the token would; returns how
+    /// many it got (0 without a rate limit).
+    pub fn drain_rate_limit(&self, n: u32) -> u32 {
+        lock(&self.state)
+            .knobs
+            .rate_limit
+            .as_mut()
+            .map_or(0, |b| b.drain(n))
+    }
+
+    /// Leaves `left` requests of the hourly limit, as if the rest had been spent earlier in the
+    /// hour (the minute's limit is untouched).
+    pub fn set_hourly_remaining(&self, left: u32) {
+        if let Some(buckets) = lock(&self.state).knobs.rate_limit.as_mut() {
+            buckets.set_hourly_remaining(left);
+        }
+    }
+
+    /// Requests left of the hourly limit (`None` without a rate limit).
+    pub fn rate_limit_remaining(&self) -> Option<u32> {
+        lock(&self.state)
+            .knobs
+            .rate_limit
+            .as_mut()
+            .map(|b| b.remaining())
+    }
+
+    /// Requests by class ([`class_of`]): how many arrived and how many of those the rate
+    /// limits refused.
+    pub fn requests_by_class(&self) -> BTreeMap<&'static str, (usize, usize)> {
+        lock(&self.state).by_class.clone()
+    }
+
     /// Every API request so far, as `METHOD /path`.
     pub fn requests(&self) -> Vec<String> {
         lock(&self.state).requests.clone()
@@ -456,6 +501,23 @@ async fn gate(
                 "Unable to authenticate you",
             );
         }
+        let class = class_of(request.method().as_str(), request.uri().path());
+        let refused = state.knobs.rate_limit.as_mut().map(|b| b.take());
+        let counted = state.by_class.entry(class).or_default();
+        counted.0 += 1;
+        if let Some(Err(retry_after)) = refused {
+            counted.1 += 1;
+            let mut response = api_error(
+                StatusCode::TOO_MANY_REQUESTS,
+                "too_many_requests",
+                "API Rate limit exceeded.",
+            );
+            stamp(&mut state, &mut response);
+            response
+                .headers_mut()
+                .insert("retry-after", retry_after.into());
+            return response;
+        }
         if let Some(bytes) = state.knobs.oversize_next.take() {
             let pad = "x".repeat(bytes.saturating_sub(12));
             return (
@@ -498,7 +560,18 @@ async fn gate(
     headers.insert("ratelimit-limit", 5000.into());
     headers.insert("ratelimit-remaining", 4999.into());
     headers.insert("ratelimit-reset", reset.into());
+    stamp(&mut lock(&emu.state), &mut response);
     response
+}
+
+/// With rate limits set, an answer carries their real headers instead of the fixed ones.
+fn stamp(state: &mut EmulatorState, response: &mut Response) {
+    if let Some(buckets) = state.knobs.rate_limit.as_mut() {
+        let headers = response.headers_mut();
+        for (name, value) in buckets.headers() {
+            headers.insert(name, value.into());
+        }
+    }
 }
 
 fn size_json(s: &EmulatedSize) -> Value {

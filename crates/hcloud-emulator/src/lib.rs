@@ -35,10 +35,12 @@ use axum::routing::get;
 use hcloud::models;
 use tokio::net::TcpListener;
 
+mod ratelimit;
 mod resources;
 mod selector;
 pub mod sshd;
 
+pub use ratelimit::{RateLimit, class_of};
 pub use resources::{GROUP_FULL, SPREAD_GROUP_LIMIT, snapshot};
 pub use sshd::{HostKeySource, Observed, Root, Sshd, SshdSetup, first_address};
 
@@ -119,6 +121,10 @@ struct World {
     /// is served.
     churn_listings: u32,
     seen: Vec<Seen>,
+    /// The enforced rate limit, once a test sets one.
+    bucket: Option<ratelimit::Bucket>,
+    /// Requests by [`class_of`], and of those, how many were answered 429 by the bucket.
+    by_class: BTreeMap<&'static str, (usize, usize)>,
 }
 
 /// A running emulator. Cloning shares the state.
@@ -249,6 +255,8 @@ impl World {
             deleting_reads: 0,
             churn_listings: 0,
             seen: Vec::new(),
+            bucket: None,
+            by_class: BTreeMap::new(),
         }
     }
 
@@ -387,11 +395,24 @@ fn gate(
         status: 200,
         authorized,
     };
+    let class = class_of(method, path, query);
+    let limited = authorized && w.bucket.as_mut().is_some_and(|b| !b.take());
+    let counted = w.by_class.entry(class).or_default();
+    counted.0 += 1;
+    if limited {
+        counted.1 += 1;
+    }
     let outcome = if !authorized {
         Err(error(
             StatusCode::UNAUTHORIZED,
             "unauthorized",
             "unable to authenticate",
+        ))
+    } else if limited {
+        Err(error(
+            StatusCode::TOO_MANY_REQUESTS,
+            "rate_limit_exceeded",
+            "limit of requests per hour reached",
         ))
     } else {
         match w.faults.pop_front() {
@@ -1149,7 +1170,23 @@ fn router(world: Shared) -> Router {
         .route("/v1/networks/{id}", get(get_network))
         .merge(resources::routes())
         .fallback(fallback)
+        .layer(axum::middleware::map_response_with_state(
+            world.clone(),
+            stamp_rate_limit,
+        ))
         .with_state(world)
+}
+
+/// With a rate limit set, every answer carries the bucket's real headers (as Hetzner's do).
+async fn stamp_rate_limit(State(world): State<Shared>, mut response: Response) -> Response {
+    let mut w = lock(&world);
+    if let Some(bucket) = w.bucket.as_mut() {
+        let h = response.headers_mut();
+        for (name, value) in bucket.headers() {
+            h.insert(name, HeaderValue::from(value));
+        }
+    }
+    response
 }
 
 impl Emulator {
@@ -1349,6 +1386,28 @@ impl Emulator {
             .iter()
             .filter(|s| s.method == method && s.path == path)
             .count()
+    }
+
+    /// Enforces `limit` from now on, starting from a full bucket.
+    pub fn set_rate_limit(&self, limit: RateLimit) {
+        self.world().bucket = Some(ratelimit::Bucket::full(limit));
+    }
+
+    /// Spends up to `n` tokens of the bucket as another user of the token would; returns how
+    /// many it got (0 without a rate limit).
+    pub fn drain_rate_limit(&self, n: u32) -> u32 {
+        self.world().bucket.as_mut().map_or(0, |b| b.drain(n))
+    }
+
+    /// The whole tokens left in the bucket (`None` without a rate limit).
+    pub fn rate_limit_remaining(&self) -> Option<u32> {
+        self.world().bucket.as_mut().map(|b| b.remaining())
+    }
+
+    /// Requests by class ([`class_of`]): how many arrived and how many of those the rate
+    /// limit refused.
+    pub fn requests_by_class(&self) -> BTreeMap<&'static str, (usize, usize)> {
+        self.world().by_class.clone()
     }
 
     /// How many requests were answered with `status`.

@@ -32,6 +32,10 @@ struct Args {
     /// Servers a spread placement group holds at most.
     #[arg(long, default_value_t = hcloud_emulator::SPREAD_GROUP_LIMIT)]
     placement_group_limit: usize,
+    /// Enforce Hetzner's rate limit (3,600 requests, one returned a second) with the real
+    /// headers, time running this many times faster (1 is real time); off when not given.
+    #[arg(long, value_name = "FACTOR")]
+    rate_limit_time_scale: Option<f64>,
     /// Reads before a new server reports `running`.
     #[arg(long, default_value_t = 1)]
     polls_to_running: u32,
@@ -70,6 +74,12 @@ async fn main() -> anyhow::Result<()> {
         emulator.set_new_server_ipv6_net(net);
     }
     emulator.set_placement_group_limit(args.placement_group_limit);
+    if let Some(factor) = args.rate_limit_time_scale {
+        if !(factor.is_finite() && factor > 0.0) {
+            anyhow::bail!("--rate-limit-time-scale must be a positive number, got {factor}");
+        }
+        emulator.set_rate_limit(hcloud_emulator::RateLimit::HETZNER.time_scaled(factor));
+    }
     // The line xtask reads to find the endpoint.
     println!("listening on {}", emulator.endpoint());
     let _ssh = match args.ssh_listen {

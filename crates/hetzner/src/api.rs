@@ -16,9 +16,10 @@ use std::collections::HashMap;
 use std::time::Duration;
 
 use hcloud::models;
+use provider_core::budget::{ApiBudget, Limits, Settings};
 use provider_core::cloud::{BodyError, MAX_RESPONSE_BODY, read_body};
 use provider_core::config::Secret;
-use provider_core::retry::{Backoff, Verdict, classify_status, hint_from_headers};
+use provider_core::retry::{Backoff, Verdict, classify_status};
 use provider_core::telemetry::{Telemetry, status_class};
 use reqwest::{Method, Url};
 use serde::Serialize;
@@ -139,6 +140,8 @@ pub struct ClientTiming {
     pub backoff: Backoff,
     /// The largest response body read ([`MAX_RESPONSE_BODY`]).
     pub max_body: usize,
+    /// The project's API budget: Hetzner's published limits and this provider's shares.
+    pub budget: Settings,
 }
 
 impl Default for ClientTiming {
@@ -147,6 +150,7 @@ impl Default for ClientTiming {
             request_timeout: Duration::from_secs(30),
             backoff: Backoff::default(),
             max_body: MAX_RESPONSE_BODY,
+            budget: Settings::new(Limits::HETZNER),
         }
     }
 }
@@ -159,6 +163,8 @@ pub struct HcloudApi {
     token: Secret,
     telemetry: Telemetry,
     timing: ClientTiming,
+    /// Every request waits here for its turn and a token of the project's rate limit.
+    budget: ApiBudget,
 }
 
 impl std::fmt::Debug for HcloudApi {
@@ -201,9 +207,21 @@ impl HcloudApi {
             http,
             base,
             token,
+            budget: timing.budget.budget(telemetry.prefix),
             telemetry,
             timing,
         })
+    }
+
+    /// The same client drawing on `budget` (one shared with other clients of the token).
+    pub fn with_budget(mut self, budget: ApiBudget) -> HcloudApi {
+        self.budget = budget;
+        self
+    }
+
+    /// The budget this client's requests wait on.
+    pub fn budget(&self) -> &ApiBudget {
+        &self.budget
     }
 
     pub fn timing(&self) -> ClientTiming {
@@ -227,6 +245,10 @@ impl HcloudApi {
         body: Option<&serde_json::Value>,
         deadline: Option<Instant>,
     ) -> Result<T, ApiError> {
+        self.budget
+            .acquire(deadline)
+            .await
+            .map_err(|_| ApiError::Deadline)?;
         let mut timeout = self.timing.request_timeout;
         if let Some(deadline) = deadline {
             let left = deadline.saturating_duration_since(Instant::now());
@@ -256,7 +278,11 @@ impl HcloudApi {
         let status = response.status();
         self.telemetry
             .api_http(endpoint, status_class(status.as_u16()));
-        let hint = hint_from_headers(response.headers());
+        self.budget.observe(status.as_u16(), response.headers());
+        // After a 429 the retry waits in the budget: for the `Retry-After` if there was one,
+        // else for the next token of the bucket, never for `RateLimit-Reset` (that is when the
+        // bucket is full again, up to an hour away).
+        let hint = (status.as_u16() == 429).then_some(Duration::ZERO);
         let body = read_body(response, self.timing.max_body)
             .await
             .map_err(|e| match e {
@@ -303,14 +329,38 @@ impl HcloudApi {
         deadline: Option<Instant>,
         repeat: Repeat,
     ) -> Result<T, ApiError> {
-        self.timing
+        // A retry that finds no room in the budget before the deadline reports what made it
+        // retry (a 429, a 503), not only that time ran out.
+        let last = std::sync::Mutex::new(None::<ApiError>);
+        let result = self
+            .timing
             .backoff
             .run(
                 deadline,
-                |_| self.attempt(endpoint, &method, path, query, body.as_ref(), deadline),
+                |_| {
+                    let attempt =
+                        self.attempt(endpoint, &method, path, query, body.as_ref(), deadline);
+                    let last = &last;
+                    async move {
+                        let result = attempt.await;
+                        if let Err(e) = &result
+                            && *e != ApiError::Deadline
+                        {
+                            *last.lock().unwrap_or_else(|e| e.into_inner()) = Some(e.clone());
+                        }
+                        result
+                    }
+                },
                 |e| classify(repeat, e),
             )
-            .await
+            .await;
+        match result {
+            Err(ApiError::Deadline) => {
+                let last = last.into_inner().unwrap_or_else(|e| e.into_inner());
+                Err(last.unwrap_or(ApiError::Deadline))
+            }
+            other => other,
+        }
     }
 
     /// Every item of a paged listing of `path` with `filters`, following pagination to the last

@@ -226,6 +226,11 @@ pub(crate) fn ipv4_of(server: &models::Server) -> Option<String> {
 }
 
 impl HetznerCloud {
+    /// The API client (its budget takes the `--api-budget-*` shares once built).
+    pub fn api(&self) -> &HcloudApi {
+        &self.api
+    }
+
     /// Validates the configuration (token, settings, endpoint, SSH key) and builds the
     /// backend. Makes no network call; [`HetznerCloud::resolve`] resolves the settings.
     pub fn new(config: HetznerConfig) -> Result<HetznerCloud, String> {

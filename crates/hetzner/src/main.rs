@@ -135,6 +135,10 @@ async fn real_cloud(
     telemetry: Telemetry,
 ) -> Result<Arc<dyn provider_core::cloud::Cloud>, String> {
     let mut cloud = hetzner::real::build_cloud(cli_to_real(cli)?, offerings, telemetry)?;
+    cloud
+        .api()
+        .budget()
+        .set_shares(cli.common.api_budget_shares());
     cloud.set_plan_file(hetzner::plan_cache::PlanFile::for_state(&cli.common.state));
     cloud.resolve().await?;
     Ok(Arc::new(cloud))

@@ -435,7 +435,9 @@ fn spawn_loops(
                 let Ok(engine) = replica.writer() else {
                     continue;
                 };
-                match engine.reconcile().await {
+                let pass =
+                    crate::budget::scoped(crate::budget::Class::Reconcile, engine.reconcile());
+                match pass.await {
                     Ok(report) => {
                         telemetry.reconcile_outcome("success");
                         if report.changed() || report.orphans_deleted > 0 {
@@ -464,9 +466,12 @@ fn spawn_loops(
                     if refresh_prices(&fleet, telemetry).await {
                         let _ = tokio::time::timeout(
                             Duration::from_secs(30),
-                            fleet
-                                .capacities()
-                                .resolve(&**fleet.cloud(), &fleet.instance_types()),
+                            crate::budget::scoped(
+                                crate::budget::Class::Refresh,
+                                fleet
+                                    .capacities()
+                                    .resolve(&**fleet.cloud(), &fleet.instance_types()),
+                            ),
                         )
                         .await;
                         break;
@@ -519,7 +524,11 @@ async fn refresh_prices(fleet: &Fleet, telemetry: Telemetry) -> bool {
 /// true when every price was fetched.
 async fn fetch_prices(fleet: &Fleet, budget: Duration) -> bool {
     let pairs = fleet.price_pairs();
-    match tokio::time::timeout(budget, fleet.prices().refresh(&**fleet.cloud(), &pairs)).await {
+    let refresh = crate::budget::scoped(
+        crate::budget::Class::Refresh,
+        fleet.prices().refresh(&**fleet.cloud(), &pairs),
+    );
+    match tokio::time::timeout(budget, refresh).await {
         Ok(failures) => {
             for (instance_type, zone, err) in &failures {
                 tracing::warn!(

@@ -146,6 +146,26 @@ pub struct CommonArgs {
     #[arg(long = "orphan-grace", default_value = "10m", value_parser = duration::flag, value_name = "DURATION")]
     pub orphan_grace: Duration,
 
+    /// The part of the cloud token's API budget (its rate limit) this provider may spend; the
+    /// rest is left to the operator's tools and other providers on the same token.
+    #[arg(
+        long = "api-budget-share",
+        env = "BIGFLEET_API_BUDGET_SHARE",
+        default_value_t = crate::budget::DEFAULT_SHARE,
+        value_name = "FRACTION"
+    )]
+    pub api_budget_share: f64,
+
+    /// The part of --api-budget-share that background work (reconcile listings, proofs of
+    /// absence, price refreshes) may spend; transitions always come first.
+    #[arg(
+        long = "api-reconcile-share",
+        env = "BIGFLEET_API_RECONCILE_SHARE",
+        default_value_t = crate::budget::DEFAULT_RECONCILE_SHARE,
+        value_name = "FRACTION"
+    )]
+    pub api_reconcile_share: f64,
+
     /// Deadline of a Create transition.
     #[arg(long = "create-timeout", default_value = "5m", value_parser = duration::flag, value_name = "DURATION")]
     pub create_timeout: Duration,
@@ -310,7 +330,16 @@ impl CommonArgs {
         if self.grpc_max_concurrent_streams == 0 {
             return Err("--grpc-max-concurrent-streams must be at least 1".into());
         }
+        self.api_budget_shares().validate()?;
         crate::etcd::validate_with_state(&self.state, &self.etcd)
+    }
+
+    /// `--api-budget-share` and `--api-reconcile-share`.
+    pub fn api_budget_shares(&self) -> crate::budget::Shares {
+        crate::budget::Shares {
+            share: self.api_budget_share,
+            reconcile: self.api_reconcile_share,
+        }
     }
 
     /// The gRPC listener limits from the `--grpc-*` flags.
@@ -462,5 +491,42 @@ mod colour_tests {
         assert!(!colour_wanted(true, Some(OsStr::new("1"))));
         assert!(!colour_wanted(false, None), "a pipe, a pod log or journald");
         assert!(!colour_wanted(false, Some(OsStr::new("1"))));
+    }
+}
+
+#[cfg(test)]
+mod budget_flag_tests {
+    use clap::Parser;
+
+    use super::CommonArgs;
+
+    #[derive(Parser)]
+    struct Flags {
+        #[command(flatten)]
+        common: CommonArgs,
+    }
+
+    #[test]
+    fn the_budget_shares_default_parse_and_are_checked() {
+        let common = Flags::try_parse_from(["p"]).expect("parse").common;
+        assert_eq!(common.api_budget_shares(), crate::budget::Shares::default());
+        assert!(common.validate().is_ok());
+        let common =
+            Flags::try_parse_from(["p", "--api-budget-share=0.8", "--api-reconcile-share=0.1"])
+                .expect("parse")
+                .common;
+        assert_eq!(common.api_budget_shares().share, 0.8);
+        assert_eq!(common.api_budget_shares().reconcile, 0.1);
+        for (flag, value) in [
+            ("--api-budget-share", "0"),
+            ("--api-budget-share", "1.5"),
+            ("--api-reconcile-share", "-0.2"),
+        ] {
+            let common = Flags::try_parse_from(["p", &format!("{flag}={value}")])
+                .expect("parse")
+                .common;
+            let e = common.validate().unwrap_err();
+            assert!(e.contains(flag), "{e}");
+        }
     }
 }

@@ -891,8 +891,11 @@ impl Engine {
         for suspect in suspects {
             let read = tokio::time::timeout(
                 self.options.describe_timeout,
-                self.backend
-                    .host_present(&suspect.machine_id, &suspect.host),
+                crate::budget::scoped(
+                    crate::budget::Class::Proof,
+                    self.backend
+                        .host_present(&suspect.machine_id, &suspect.host),
+                ),
             )
             .await;
             let proved = match read {

@@ -12,6 +12,8 @@ use tonic::Code;
 /// The metric names of one provider binary.
 #[derive(Debug, Clone, Copy)]
 pub struct Telemetry {
+    /// The binary's prefix (`bigfleet_hetzner`), for series named elsewhere (`budget`).
+    pub prefix: &'static str,
     pub grpc_requests: &'static str,
     pub grpc_duration: &'static str,
     pub panics: &'static str,
@@ -104,6 +106,7 @@ impl Telemetry {
             return *t;
         }
         let t = Telemetry {
+            prefix: Box::leak(prefix.to_owned().into_boxed_str()),
             grpc_requests: leak(prefix, "grpc_requests_total"),
             grpc_duration: leak(prefix, "grpc_request_duration_seconds"),
             panics: leak(prefix, "panics_total"),

@@ -6,6 +6,7 @@
 #![allow(clippy::unwrap_used)]
 
 mod binary;
+mod budget;
 mod channel;
 mod cloud;
 mod lifecycle;

@@ -124,6 +124,8 @@ pub struct Options {
     pub server: hetzner::settings::ServerSpec,
     /// Per-offering settings.
     pub offerings: Vec<hetzner::settings::OfferingSpec>,
+    /// How many times faster than real time the client's API budget refills.
+    pub api_time_scale: f64,
 }
 
 impl Default for Options {
@@ -141,6 +143,7 @@ impl Default for Options {
             ssh_address: hetzner::cloud::SshAddress::Public,
             server: hetzner::settings::ServerSpec::default(),
             offerings: Vec::new(),
+            api_time_scale: 1000.0,
         }
     }
 }
@@ -218,6 +221,11 @@ pub fn fast_timing(request_timeout: Duration) -> Timing {
                 max_attempts: 8,
             },
             max_body: provider_core::cloud::MAX_RESPONSE_BODY,
+            // Hetzner's limits with time running a thousand times faster: a test's storm of
+            // injected 429s costs milliseconds, as its backoff does.
+            budget: provider_core::budget::Settings::new(
+                provider_core::budget::Limits::HETZNER.time_scaled(1000.0),
+            ),
         },
         ssh: SshTiming {
             attempt_timeout: Duration::from_secs(2),
@@ -333,7 +341,12 @@ impl Env {
             readiness_command: options.readiness_command,
             eur_usd: 1.25,
             telemetry,
-            timing: fast_timing(options.request_timeout),
+            timing: {
+                let mut timing = fast_timing(options.request_timeout);
+                timing.client.budget.limits =
+                    provider_core::budget::Limits::HETZNER.time_scaled(options.api_time_scale);
+                timing
+            },
         })
         .unwrap();
         Env {

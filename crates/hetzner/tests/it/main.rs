@@ -5,6 +5,7 @@
 #![allow(clippy::unwrap_used)]
 
 mod binary;
+mod budget;
 mod etcd_state;
 mod faults;
 mod harness;

@@ -1,0 +1,616 @@
+//! The API budget of one cloud token: a scheduler in front of a cloud client that sends a
+//! request only when a token bucket mirroring the cloud's own allows it, and that hands the
+//! tokens out in strict priority order (issue 21 §1).
+//!
+//! The cloud's bucket is shared by everyone holding the token: this provider takes
+//! `--api-budget-share` of it (the rest is left to the operator's tools and other providers),
+//! and background work (proofs of absence, reconcile listings, price refreshes) takes at most
+//! `--api-reconcile-share` of that. The bucket starts from the published limits and is
+//! corrected from the `RateLimit-Limit` / `-Remaining` / `-Reset` headers of every answer
+//! (Hetzner's and DigitalOcean's spellings alike, as HTTP header names are case-insensitive),
+//! so a 429 is seen only when another user of the token spends more than its part.
+//!
+//! A request's [`Class`] travels with the task that sends it ([`scoped`]): transitions are the
+//! default, so only the engine's reconcile pass and the price refresh mark their work.
+
+use std::collections::BTreeSet;
+use std::future::Future;
+use std::sync::{Arc, Mutex, OnceLock};
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+use metrics::{counter, gauge, histogram};
+use tokio::sync::Notify;
+use tokio::time::Instant;
+
+/// Why a request is sent, in priority order: a lower-priority request is never handed a token
+/// while a higher-priority one waits.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub enum Class {
+    /// Moves an accepted transition forward: a host's create, delete, label writes, polls.
+    Transition,
+    /// A direct read proving that a host missing from a listing is really gone.
+    Proof,
+    /// Reconcile's listings and its orphan deletions.
+    Reconcile,
+    /// Price and capacity refreshes.
+    Refresh,
+}
+
+impl Class {
+    pub const ALL: [Class; 4] = [
+        Class::Transition,
+        Class::Proof,
+        Class::Reconcile,
+        Class::Refresh,
+    ];
+
+    /// The metric label.
+    pub fn label(self) -> &'static str {
+        match self {
+            Class::Transition => "transition",
+            Class::Proof => "proof",
+            Class::Reconcile => "reconcile",
+            Class::Refresh => "refresh",
+        }
+    }
+
+    /// Whether this class draws on the background part of the budget as well.
+    fn is_background(self) -> bool {
+        self != Class::Transition
+    }
+}
+
+tokio::task_local! {
+    static CLASS: Class;
+}
+
+/// Runs `work` with every API request it sends (on this task) counted as `class`.
+pub async fn scoped<F: Future>(class: Class, work: F) -> F::Output {
+    CLASS.scope(class, work).await
+}
+
+/// The class of requests sent from the current task ([`Class::Transition`] unless a caller
+/// chose another with [`scoped`]).
+pub fn current() -> Class {
+    CLASS.try_with(|c| *c).unwrap_or(Class::Transition)
+}
+
+/// One token bucket: `capacity` requests, refilled at `per_second`.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct Bucket {
+    pub capacity: f64,
+    pub per_second: f64,
+}
+
+/// What a cloud's `RateLimit-Reset` means.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ResetMeaning {
+    /// When the bucket is full again (Hetzner): with `-Limit` and `-Remaining` it gives the
+    /// refill rate.
+    Full,
+    /// When the oldest request of the window stops counting (DigitalOcean): no rate follows.
+    WindowStart,
+}
+
+/// A cloud's published limits for one token.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct Limits {
+    /// The limit the rate-limit headers describe.
+    pub main: Bucket,
+    /// A shorter limit without headers of its own (DigitalOcean's 250 per minute).
+    pub burst: Option<Bucket>,
+    pub reset: ResetMeaning,
+}
+
+impl Limits {
+    /// Hetzner Cloud: 3,600 requests per project, one returned every second.
+    pub const HETZNER: Limits = Limits {
+        main: Bucket {
+            capacity: 3600.0,
+            per_second: 1.0,
+        },
+        burst: None,
+        reset: ResetMeaning::Full,
+    };
+
+    /// DigitalOcean: 5,000 requests per hour and 250 per minute per token.
+    pub const DIGITALOCEAN: Limits = Limits {
+        main: Bucket {
+            capacity: 5000.0,
+            per_second: 5000.0 / 3600.0,
+        },
+        burst: Some(Bucket {
+            capacity: 250.0,
+            per_second: 250.0 / 60.0,
+        }),
+        reset: ResetMeaning::WindowStart,
+    };
+
+    /// The same limits with time running `factor` times faster (an emulator's time scale).
+    pub fn time_scaled(self, factor: f64) -> Limits {
+        let scale = |b: Bucket| Bucket {
+            capacity: b.capacity,
+            per_second: b.per_second * factor,
+        };
+        Limits {
+            main: scale(self.main),
+            burst: self.burst.map(scale),
+            reset: self.reset,
+        }
+    }
+}
+
+/// The default of `--api-budget-share`.
+pub const DEFAULT_SHARE: f64 = 0.5;
+/// The default of `--api-reconcile-share`.
+pub const DEFAULT_RECONCILE_SHARE: f64 = 0.2;
+
+/// How much of the token's budget this provider and its background work may use.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct Shares {
+    /// `--api-budget-share`: the part of the cloud's bucket this provider may spend.
+    pub share: f64,
+    /// `--api-reconcile-share`: the part of `share` that background classes may spend.
+    pub reconcile: f64,
+}
+
+impl Default for Shares {
+    fn default() -> Shares {
+        Shares {
+            share: DEFAULT_SHARE,
+            reconcile: DEFAULT_RECONCILE_SHARE,
+        }
+    }
+}
+
+impl Shares {
+    /// Checks both fractions: `share` in (0, 1], `reconcile` in (0, 1].
+    pub fn validate(&self) -> Result<(), String> {
+        let ok = |f: f64| f.is_finite() && f > 0.0 && f <= 1.0;
+        if !ok(self.share) {
+            return Err(format!(
+                "--api-budget-share {} must be a fraction above 0 and at most 1",
+                self.share
+            ));
+        }
+        if !ok(self.reconcile) {
+            return Err(format!(
+                "--api-reconcile-share {} must be a fraction above 0 and at most 1",
+                self.reconcile
+            ));
+        }
+        Ok(())
+    }
+}
+
+/// What a client builds its budget from: the cloud's limits (time-scaled against an
+/// emulator) and this provider's shares.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct Settings {
+    pub limits: Limits,
+    pub shares: Shares,
+}
+
+impl Settings {
+    /// The published limits of `limits` with the default shares.
+    pub fn new(limits: Limits) -> Settings {
+        Settings {
+            limits,
+            shares: Shares::default(),
+        }
+    }
+
+    /// A fresh, full budget with these settings.
+    pub fn budget(&self, prefix: &str) -> ApiBudget {
+        ApiBudget::new(self.limits, self.shares, prefix)
+    }
+}
+
+/// A request could not be given a token before its deadline.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, thiserror::Error)]
+#[error("the API budget had no room for this request before its deadline")]
+pub struct NoRoom;
+
+/// A bucket's live level.
+#[derive(Clone, Copy, Debug)]
+struct Level {
+    tokens: f64,
+    capacity: f64,
+    per_second: f64,
+}
+
+impl Level {
+    fn full(bucket: Bucket, fraction: f64) -> Level {
+        Level {
+            tokens: bucket.capacity * fraction,
+            capacity: bucket.capacity * fraction,
+            per_second: bucket.per_second * fraction,
+        }
+    }
+
+    fn refill(&mut self, elapsed: Duration) {
+        self.tokens = (self.tokens + elapsed.as_secs_f64() * self.per_second).min(self.capacity);
+    }
+
+    /// How long until one whole token is there.
+    fn wait_for_one(&self) -> Duration {
+        if self.tokens >= 1.0 {
+            return Duration::ZERO;
+        }
+        if self.per_second <= 0.0 {
+            return Duration::from_secs(3600);
+        }
+        Duration::from_secs_f64((1.0 - self.tokens) / self.per_second)
+    }
+}
+
+struct State {
+    /// This provider's share of the cloud's bucket.
+    main: Level,
+    /// Its share of the headerless burst limit, if the cloud has one.
+    burst: Option<Level>,
+    /// The part background classes may spend.
+    background: Level,
+    refilled: Instant,
+    /// No request is sent before this (a 429's `Retry-After`).
+    paused_until: Option<Instant>,
+    /// The requests waiting for a token, in the order they are served.
+    queue: BTreeSet<(Class, u64)>,
+    next_ticket: u64,
+    shares: Shares,
+    /// Until the first answer shows how full the cloud's bucket really is (another user, or
+    /// this provider before a restart, may have spent it), one request at a time probes it and
+    /// the rest of the bucket is held here.
+    held: Option<f64>,
+    /// Whether an answer has been seen.
+    calibrated: bool,
+}
+
+impl State {
+    fn refill(&mut self, now: Instant) {
+        let elapsed = now.saturating_duration_since(self.refilled);
+        self.refilled = now;
+        self.main.refill(elapsed);
+        if let Some(burst) = &mut self.burst {
+            burst.refill(elapsed);
+        }
+        self.background.refill(elapsed);
+    }
+
+    /// How long `class` must wait for its tokens; zero when it may go now.
+    fn wait(&self, class: Class, now: Instant) -> Duration {
+        let mut wait = self.main.wait_for_one();
+        if let Some(burst) = &self.burst {
+            wait = wait.max(burst.wait_for_one());
+        }
+        if class.is_background() {
+            wait = wait.max(self.background.wait_for_one());
+        }
+        if let Some(until) = self.paused_until {
+            wait = wait.max(until.saturating_duration_since(now));
+        }
+        wait
+    }
+
+    fn take(&mut self, class: Class) {
+        self.main.tokens -= 1.0;
+        if !self.calibrated && self.held.is_none() {
+            // The probe is out: hold the rest back until its answer.
+            self.held = Some(self.main.tokens);
+            self.main.tokens = 0.0;
+        }
+        if let Some(burst) = &mut self.burst {
+            burst.tokens -= 1.0;
+        }
+        if class.is_background() {
+            self.background.tokens -= 1.0;
+        }
+    }
+}
+
+/// The metric names of a budget, one set per binary prefix.
+#[derive(Clone, Copy, Debug)]
+struct Names {
+    capacity: &'static str,
+    remaining: &'static str,
+    cloud_remaining: &'static str,
+    requests: &'static str,
+    wait: &'static str,
+    rate_limited: &'static str,
+}
+
+impl Names {
+    fn for_prefix(prefix: &str) -> Names {
+        static CACHE: OnceLock<Mutex<Vec<(String, Names)>>> = OnceLock::new();
+        let mut cache = CACHE
+            .get_or_init(Default::default)
+            .lock()
+            .unwrap_or_else(|e| e.into_inner());
+        if let Some((_, names)) = cache.iter().find(|(p, _)| p == prefix) {
+            return *names;
+        }
+        // A bounded set of names per process (one per binary prefix).
+        let leak =
+            |name: &str| -> &'static str { Box::leak(format!("{prefix}_{name}").into_boxed_str()) };
+        let names = Names {
+            capacity: leak("api_budget_capacity"),
+            remaining: leak("api_budget_remaining"),
+            cloud_remaining: leak("api_budget_cloud_remaining"),
+            requests: leak("api_budget_requests_total"),
+            wait: leak("api_budget_wait_seconds"),
+            rate_limited: leak("api_rate_limited_total"),
+        };
+        cache.push((prefix.to_owned(), names));
+        names
+    }
+}
+
+/// The request scheduler of one cloud token. Cheap to clone; clones share the budget.
+#[derive(Clone)]
+pub struct ApiBudget {
+    inner: Arc<Inner>,
+}
+
+struct Inner {
+    state: Mutex<State>,
+    changed: Notify,
+    limits: Limits,
+    names: Names,
+}
+
+impl std::fmt::Debug for ApiBudget {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ApiBudget")
+            .field("limits", &self.inner.limits)
+            .finish_non_exhaustive()
+    }
+}
+
+impl ApiBudget {
+    /// A full budget over `limits`, of which this provider takes `shares`; metrics are named
+    /// `<prefix>_api_budget_*`.
+    pub fn new(limits: Limits, shares: Shares, prefix: &str) -> ApiBudget {
+        let background = shares.share * shares.reconcile;
+        let state = State {
+            main: Level::full(limits.main, shares.share),
+            burst: limits.burst.map(|b| Level::full(b, shares.share)),
+            background: Level::full(limits.main, background),
+            refilled: Instant::now(),
+            paused_until: None,
+            queue: BTreeSet::new(),
+            next_ticket: 0,
+            shares,
+            held: None,
+            calibrated: false,
+        };
+        let budget = ApiBudget {
+            inner: Arc::new(Inner {
+                state: Mutex::new(state),
+                changed: Notify::new(),
+                limits,
+                names: Names::for_prefix(prefix),
+            }),
+        };
+        budget.publish(&budget.lock());
+        budget
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, State> {
+        self.inner.state.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    fn publish(&self, state: &State) {
+        let names = &self.inner.names;
+        gauge!(names.capacity).set(state.main.capacity);
+        gauge!(names.remaining).set(state.main.tokens.max(0.0));
+    }
+
+    /// Waits for a token for one request of the current task's [`Class`].
+    pub async fn acquire(&self, deadline: Option<Instant>) -> Result<(), NoRoom> {
+        self.acquire_as(current(), deadline).await
+    }
+
+    /// Waits until a request of `class` may be sent: its turn (every request of a higher
+    /// class, and every earlier one of its own, served first) and its tokens. Gives up at
+    /// `deadline`, leaving the queue as if it had never joined.
+    pub async fn acquire_as(&self, class: Class, deadline: Option<Instant>) -> Result<(), NoRoom> {
+        let started = Instant::now();
+        let ticket = {
+            let mut state = self.lock();
+            let ticket = (class, state.next_ticket);
+            state.next_ticket += 1;
+            state.queue.insert(ticket);
+            ticket
+        };
+        let mut place = Place {
+            budget: self,
+            ticket,
+            served: false,
+        };
+        loop {
+            let notified = self.inner.changed.notified();
+            tokio::pin!(notified);
+            notified.as_mut().enable();
+            let now = Instant::now();
+            let wake = {
+                let mut state = self.lock();
+                state.refill(now);
+                if state.queue.first() == Some(&ticket) {
+                    let wait = state.wait(class, now);
+                    if wait.is_zero() {
+                        state.take(class);
+                        state.queue.remove(&ticket);
+                        self.publish(&state);
+                        drop(state);
+                        place.served = true;
+                        self.inner.changed.notify_waiters();
+                        let names = &self.inner.names;
+                        counter!(names.requests, "class" => class.label()).increment(1);
+                        histogram!(names.wait, "class" => class.label())
+                            .record(started.elapsed().as_secs_f64());
+                        return Ok(());
+                    }
+                    Some(now + wait)
+                } else {
+                    None
+                }
+            };
+            if deadline.is_some_and(|d| d <= now) {
+                // `place` leaves the queue and wakes the next in line.
+                return Err(NoRoom);
+            }
+            let until = match (wake, deadline) {
+                (Some(w), Some(d)) => Some(w.min(d)),
+                (w, d) => w.or(d),
+            };
+            match until {
+                Some(until) => {
+                    tokio::select! {
+                        () = &mut notified => {}
+                        () = tokio::time::sleep_until(until) => {}
+                    }
+                }
+                None => notified.await,
+            }
+        }
+    }
+
+    /// Corrects the bucket from one answer: its status and its rate-limit headers.
+    pub fn observe(&self, status: u16, headers: &http::HeaderMap) {
+        let number = |name: &str| {
+            headers
+                .get(name)
+                .and_then(|v| v.to_str().ok())
+                .and_then(|v| v.trim().parse::<f64>().ok())
+                .filter(|v| v.is_finite() && *v >= 0.0)
+        };
+        let limit = number("ratelimit-limit");
+        let remaining = number("ratelimit-remaining");
+        let reset = number("ratelimit-reset");
+        let retry_after = number("retry-after");
+        let now = Instant::now();
+        let mut state = self.lock();
+        let shares = state.shares;
+        if !state.calibrated {
+            state.calibrated = true;
+            if let Some(held) = state.held.take() {
+                state.main.tokens = (state.main.tokens + held).min(state.main.capacity);
+            }
+        }
+        state.refill(now);
+        if let Some(limit) = limit.filter(|l| *l >= 1.0) {
+            let ours = limit * shares.share;
+            if (ours - state.main.capacity).abs() > f64::EPSILON {
+                state.main.capacity = ours;
+                state.main.tokens = state.main.tokens.min(ours);
+                state.background.capacity = ours * shares.reconcile;
+                state.background.tokens = state.background.tokens.min(ours * shares.reconcile);
+            }
+            if let (Some(remaining), Some(reset), ResetMeaning::Full) =
+                (remaining, reset, self.inner.limits.reset)
+                && let Some(rate) = refill_rate(limit, remaining, reset)
+            {
+                state.main.per_second = rate * shares.share;
+                state.background.per_second = rate * shares.share * shares.reconcile;
+            }
+        }
+        if let Some(remaining) = remaining {
+            gauge!(self.inner.names.cloud_remaining).set(remaining);
+            // Our part of what the cloud still holds: never more than our own bucket.
+            let ours = remaining * shares.share;
+            state.main.tokens = state.main.tokens.min(ours);
+            state.background.tokens = state.background.tokens.min(ours);
+        }
+        if status == 429 {
+            counter!(self.inner.names.rate_limited).increment(1);
+            // Someone else spent the token's budget: nothing is left until the cloud says so.
+            state.main.tokens = state.main.tokens.min(0.0);
+            if let Some(burst) = &mut state.burst {
+                burst.tokens = burst.tokens.min(0.0);
+            }
+            if let Some(after) = retry_after {
+                let until = now + Duration::from_secs_f64(after.min(3600.0));
+                state.paused_until = Some(state.paused_until.map_or(until, |u| u.max(until)));
+            }
+        }
+        if state.paused_until.is_some_and(|u| u <= now) {
+            state.paused_until = None;
+        }
+        self.publish(&state);
+        drop(state);
+        self.inner.changed.notify_waiters();
+    }
+
+    /// Takes `shares` of the cloud's limits from now on (`--api-budget-share`,
+    /// `--api-reconcile-share`, applied once the client is built); every clone of the client
+    /// sees the change. Tokens already spent stay spent.
+    pub fn set_shares(&self, shares: Shares) {
+        let limits = self.inner.limits;
+        let now = Instant::now();
+        let mut state = self.lock();
+        state.refill(now);
+        let keep = |old: Level, new: Level| Level {
+            tokens: old.tokens.min(new.capacity),
+            ..new
+        };
+        state.main = keep(state.main, Level::full(limits.main, shares.share));
+        if let (Some(old), Some(burst)) = (state.burst, limits.burst) {
+            state.burst = Some(keep(old, Level::full(burst, shares.share)));
+        }
+        state.background = keep(
+            state.background,
+            Level::full(limits.main, shares.share * shares.reconcile),
+        );
+        state.shares = shares;
+        self.publish(&state);
+        drop(state);
+        self.inner.changed.notify_waiters();
+    }
+
+    /// Tokens this provider may spend now (for tests and the metrics).
+    pub fn remaining(&self) -> f64 {
+        let mut state = self.lock();
+        state.refill(Instant::now());
+        state.main.tokens
+    }
+
+    /// The refill rate this provider's share runs at now, in requests per second.
+    pub fn refill_per_second(&self) -> f64 {
+        self.lock().main.per_second
+    }
+}
+
+/// The cloud's refill rate from `limit`, `remaining` and a full-again `reset` (a Unix time in
+/// whole seconds): only when the bucket is short by enough that the rounding of `reset` to a
+/// second cannot skew it much.
+fn refill_rate(limit: f64, remaining: f64, reset: f64) -> Option<f64> {
+    let now = SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .ok()?
+        .as_secs_f64();
+    let window = reset - now;
+    let missing = limit - remaining;
+    (window >= 10.0 && missing >= 10.0).then(|| missing / window)
+}
+
+/// A waiter's place in the queue; leaving it (a deadline, or the caller dropping the wait)
+/// frees the turn for the next in line.
+struct Place<'a> {
+    budget: &'a ApiBudget,
+    ticket: (Class, u64),
+    /// Set once the request got its token (and left the queue).
+    served: bool,
+}
+
+impl Drop for Place<'_> {
+    fn drop(&mut self) {
+        if self.served {
+            return;
+        }
+        self.budget.lock().queue.remove(&self.ticket);
+        self.budget.inner.changed.notify_waiters();
+    }
+}
+
+#[cfg(test)]
+mod tests;

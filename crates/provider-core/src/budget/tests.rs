@@ -1,0 +1,363 @@
+//! The scheduler under tokio's paused clock: strict priorities, the background share,
+//! deadlines, and corrections from the rate-limit headers.
+
+use super::*;
+
+/// A bucket of `capacity` refilled at `per_second`, all of it ours, that has seen an answer
+/// without rate-limit headers.
+fn small(capacity: f64, per_second: f64) -> ApiBudget {
+    let budget = fresh(capacity, per_second);
+    budget.observe(200, &http::HeaderMap::new());
+    budget
+}
+
+/// [`small`] before any answer.
+fn fresh(capacity: f64, per_second: f64) -> ApiBudget {
+    let limits = Limits {
+        main: Bucket {
+            capacity,
+            per_second,
+        },
+        burst: None,
+        reset: ResetMeaning::Full,
+    };
+    ApiBudget::new(
+        limits,
+        Shares {
+            share: 1.0,
+            reconcile: 1.0,
+        },
+        "bigfleet_budget_test",
+    )
+}
+
+fn headers(pairs: &[(&'static str, String)]) -> http::HeaderMap {
+    let mut h = http::HeaderMap::new();
+    for (name, value) in pairs {
+        h.insert(*name, value.parse().unwrap());
+    }
+    h
+}
+
+fn unix_now() -> u64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .unwrap()
+        .as_secs()
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_full_bucket_sends_at_once_and_an_empty_one_paces_at_the_refill_rate() {
+    let budget = small(3.0, 2.0);
+    let started = Instant::now();
+    for _ in 0..3 {
+        budget.acquire(None).await.unwrap();
+    }
+    assert_eq!(
+        started.elapsed(),
+        Duration::ZERO,
+        "the burst fits the bucket"
+    );
+    for _ in 0..4 {
+        budget.acquire(None).await.unwrap();
+    }
+    let paced = started.elapsed();
+    assert!(
+        paced >= Duration::from_millis(1990) && paced <= Duration::from_millis(2010),
+        "four more at two a second: {paced:?}"
+    );
+}
+
+/// Requests queued on an empty bucket are served transitions first, then proofs, reconcile
+/// listings and refreshes, whatever the order they arrived in.
+#[tokio::test(start_paused = true)]
+async fn waiters_are_served_in_strict_priority_order() {
+    let budget = small(1.0, 1.0);
+    budget.acquire(None).await.unwrap();
+    let order = Arc::new(Mutex::new(Vec::new()));
+    let mut tasks = Vec::new();
+    for class in [
+        Class::Refresh,
+        Class::Reconcile,
+        Class::Refresh,
+        Class::Proof,
+        Class::Transition,
+        Class::Reconcile,
+        Class::Transition,
+    ] {
+        let (budget, order) = (budget.clone(), order.clone());
+        tasks.push(tokio::spawn(async move {
+            scoped(class, budget.acquire(None)).await.unwrap();
+            order.lock().unwrap().push(class);
+        }));
+        // Let each one join the queue before the next arrives.
+        tokio::task::yield_now().await;
+    }
+    for task in tasks {
+        task.await.unwrap();
+    }
+    let order = order.lock().unwrap().clone();
+    assert_eq!(
+        order,
+        [
+            Class::Transition,
+            Class::Transition,
+            Class::Proof,
+            Class::Reconcile,
+            Class::Reconcile,
+            Class::Refresh,
+            Class::Refresh,
+        ]
+    );
+}
+
+/// A flood of refreshes and reconcile listings already queued does not hold a transition
+/// back: it waits for the next token only.
+#[tokio::test(start_paused = true)]
+async fn a_low_priority_flood_does_not_delay_a_transition() {
+    let budget = small(5.0, 1.0);
+    let mut flood = Vec::new();
+    for i in 0..200 {
+        let budget = budget.clone();
+        let class = if i % 2 == 0 {
+            Class::Refresh
+        } else {
+            Class::Reconcile
+        };
+        flood.push(tokio::spawn(async move {
+            scoped(class, budget.acquire(None)).await.unwrap();
+        }));
+    }
+    // The flood spends the bucket and queues up behind it.
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    assert!(budget.remaining() < 1.0);
+    let asked = Instant::now();
+    budget.acquire_as(Class::Transition, None).await.unwrap();
+    let waited = asked.elapsed();
+    assert!(
+        waited <= Duration::from_millis(510),
+        "the transition waited {waited:?}, more than one refill"
+    );
+    for task in flood {
+        task.abort();
+    }
+}
+
+/// Background classes get `reconcile` of the share, so a transition arriving after a long
+/// reconcile pass still finds tokens.
+#[tokio::test(start_paused = true)]
+async fn background_work_spends_only_its_share() {
+    let limits = Limits {
+        main: Bucket {
+            capacity: 100.0,
+            per_second: 10.0,
+        },
+        burst: None,
+        reset: ResetMeaning::Full,
+    };
+    let budget = ApiBudget::new(
+        limits,
+        Shares {
+            share: 0.5,
+            reconcile: 0.2,
+        },
+        "bigfleet_budget_test",
+    );
+    budget.observe(200, &http::HeaderMap::new());
+    let started = Instant::now();
+    // 10 background tokens, then one every 1/(10 × 0.5 × 0.2) = 1 s.
+    for _ in 0..15 {
+        budget.acquire_as(Class::Reconcile, None).await.unwrap();
+    }
+    let spent = started.elapsed();
+    assert!(
+        spent >= Duration::from_millis(4990) && spent <= Duration::from_millis(5010),
+        "{spent:?}"
+    );
+    let asked = Instant::now();
+    for _ in 0..30 {
+        budget.acquire_as(Class::Transition, None).await.unwrap();
+    }
+    assert_eq!(
+        asked.elapsed(),
+        Duration::ZERO,
+        "the transitions' part is untouched"
+    );
+}
+
+/// A request whose deadline passes gives up with `NoRoom`, and its place goes to the next.
+#[tokio::test(start_paused = true)]
+async fn a_deadline_gives_up_and_frees_the_turn() {
+    let budget = small(1.0, 0.1);
+    budget.acquire(None).await.unwrap();
+    let waiting = {
+        let budget = budget.clone();
+        tokio::spawn(async move { budget.acquire_as(Class::Proof, None).await })
+    };
+    tokio::task::yield_now().await;
+    let started = Instant::now();
+    let short = budget
+        .acquire_as(Class::Transition, Some(started + Duration::from_secs(2)))
+        .await;
+    assert_eq!(short, Err(NoRoom));
+    assert_eq!(started.elapsed(), Duration::from_secs(2));
+    // The proof behind it is served at the next token (10 s after the first one).
+    waiting.await.unwrap().unwrap();
+    assert!(started.elapsed() <= Duration::from_secs(10));
+}
+
+/// A wait dropped by its caller (a timeout around the call) leaves the queue too.
+#[tokio::test(start_paused = true)]
+async fn a_dropped_wait_leaves_the_queue() {
+    let budget = small(1.0, 1.0);
+    budget.acquire(None).await.unwrap();
+    let dropped = tokio::time::timeout(
+        Duration::from_millis(100),
+        budget.acquire_as(Class::Transition, None),
+    )
+    .await;
+    assert!(dropped.is_err());
+    assert!(budget.lock().queue.is_empty());
+    let started = Instant::now();
+    budget.acquire_as(Class::Refresh, None).await.unwrap();
+    assert!(started.elapsed() <= Duration::from_millis(900));
+}
+
+#[tokio::test(start_paused = true)]
+async fn remaining_from_the_headers_lowers_the_bucket_never_raises_it() {
+    let budget = ApiBudget::new(Limits::HETZNER, Shares::default(), "bigfleet_budget_test");
+    assert_eq!(budget.remaining(), 1800.0);
+    budget.observe(
+        200,
+        &headers(&[
+            ("ratelimit-limit", "3600".into()),
+            ("ratelimit-remaining", "100".into()),
+        ]),
+    );
+    assert_eq!(
+        budget.remaining(),
+        50.0,
+        "half of what the cloud still holds"
+    );
+    budget.observe(
+        200,
+        &headers(&[
+            ("RateLimit-Limit", "3600".into()),
+            ("RateLimit-Remaining", "3000".into()),
+        ]),
+    );
+    assert_eq!(
+        budget.remaining(),
+        50.0,
+        "another answer showing more does not hand out more than was ours"
+    );
+}
+
+#[tokio::test(start_paused = true)]
+async fn limit_and_reset_correct_capacity_and_refill_rate() {
+    let budget = ApiBudget::new(Limits::HETZNER, Shares::default(), "bigfleet_budget_test");
+    // A project whose bucket holds 7200 and is 600 short, full again in 300 s: 2 per second.
+    budget.observe(
+        200,
+        &headers(&[
+            ("ratelimit-limit", "7200".into()),
+            ("ratelimit-remaining", "6600".into()),
+            ("ratelimit-reset", (unix_now() + 300).to_string()),
+        ]),
+    );
+    assert_eq!(budget.lock().main.capacity, 3600.0);
+    let rate = budget.refill_per_second();
+    assert!((rate - 1.0).abs() < 0.01, "half of ~2/s: {rate}");
+    // DigitalOcean's reset is the end of a window, not "full again": the rate stays.
+    let budget = ApiBudget::new(
+        Limits::DIGITALOCEAN,
+        Shares::default(),
+        "bigfleet_budget_test",
+    );
+    let published = budget.refill_per_second();
+    budget.observe(
+        200,
+        &headers(&[
+            ("ratelimit-limit", "5000".into()),
+            ("ratelimit-remaining", "4000".into()),
+            ("ratelimit-reset", (unix_now() + 30).to_string()),
+        ]),
+    );
+    assert_eq!(budget.refill_per_second(), published);
+}
+
+/// A 429 (someone else spent the budget) empties ours; a `Retry-After` holds every class back
+/// until it has passed; then requests go at the refill rate.
+#[tokio::test(start_paused = true)]
+async fn a_429_empties_the_bucket_and_honours_retry_after() {
+    let budget = small(10.0, 1.0);
+    budget.observe(429, &headers(&[("retry-after", "5".into())]));
+    assert!(budget.remaining() <= 0.0);
+    let started = Instant::now();
+    budget.acquire_as(Class::Transition, None).await.unwrap();
+    assert_eq!(started.elapsed(), Duration::from_secs(5));
+}
+
+#[test]
+fn the_class_follows_the_task_and_defaults_to_transition() {
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .build()
+        .unwrap();
+    runtime.block_on(async {
+        assert_eq!(current(), Class::Transition);
+        assert_eq!(
+            scoped(Class::Refresh, async { current() }).await,
+            Class::Refresh
+        );
+        let nested = scoped(Class::Reconcile, async {
+            scoped(Class::Proof, async { current() }).await
+        })
+        .await;
+        assert_eq!(nested, Class::Proof);
+    });
+}
+
+#[test]
+fn shares_are_fractions() {
+    assert!(Shares::default().validate().is_ok());
+    let bad = Shares {
+        share: 0.0,
+        reconcile: 0.2,
+    };
+    assert!(bad.validate().unwrap_err().contains("--api-budget-share"));
+    let bad = Shares {
+        share: 0.5,
+        reconcile: 1.5,
+    };
+    assert!(
+        bad.validate()
+            .unwrap_err()
+            .contains("--api-reconcile-share")
+    );
+}
+
+/// Before the first answer nothing is known of the cloud's bucket (another user may have spent
+/// it): one request probes, and the rest of a burst waits for its answer.
+#[tokio::test(start_paused = true)]
+async fn the_first_request_probes_before_a_burst_is_let_through() {
+    let budget = fresh(100.0, 1.0);
+    budget.acquire(None).await.unwrap();
+    let second = tokio::time::timeout(Duration::from_millis(500), budget.acquire(None)).await;
+    assert!(second.is_err(), "the burst waits for the probe's answer");
+    budget.observe(
+        200,
+        &headers(&[
+            ("ratelimit-limit", "100".into()),
+            ("ratelimit-remaining", "3".into()),
+        ]),
+    );
+    let started = Instant::now();
+    for _ in 0..3 {
+        budget.acquire(None).await.unwrap();
+    }
+    assert!(
+        started.elapsed() < Duration::from_secs(1),
+        "{:?}",
+        started.elapsed()
+    );
+}
