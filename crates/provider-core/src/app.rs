@@ -512,7 +512,9 @@ struct Prices {
 /// every price was fetched.
 async fn refresh_prices(fleet: &Fleet, telemetry: Telemetry) -> bool {
     // The startup look-ups first, so that prices are read for what Creates will send.
-    if let Err(e) = fleet.cloud().refresh_settings().await {
+    let settings =
+        crate::budget::scoped(crate::budget::Class::Refresh, fleet.cloud().refresh_settings());
+    if let Err(e) = settings.await {
         tracing::warn!(err = %e, "settings: looking up the offerings' settings again failed; keeping the ones in use");
     }
     let fetched = fetch_prices(fleet, Duration::from_secs(30)).await;
