@@ -82,6 +82,8 @@ impl Site {
             format!("--bootstrap-tls-cert={cert}"),
             format!("--bootstrap-tls-key={key}"),
             format!("--bootstrap-ca={ca}"),
+            // The agents run on loopback, not at the emulated Droplets' addresses.
+            "--bootstrap-enrollment-source=any".to_owned(),
         ];
         Site {
             emulator,

@@ -96,6 +96,7 @@ fn slot(id: &str, last_change: i64) -> Slot {
         last_change,
         operations: Default::default(),
         sealed: None,
+        enrollment: None,
     }
 }
 
@@ -133,6 +134,7 @@ fn rich_slot(id: &str) -> Slot {
             deadline_unix_ms: u64::MAX,
             sealed: vec![1, 0, 255, 7],
         })),
+        enrollment: None,
     }
 }
 
