@@ -56,6 +56,8 @@ const NOT_SERVING_CHECK: Duration = Duration::from_millis(100);
 const NOT_SERVING_FIRST_REQUEST: Duration = Duration::from_secs(1);
 /// Longest operation id that appears verbatim in a command id (longer ones are digested).
 const MAX_VERBATIM_OPERATION_ID: usize = 128;
+/// How often a Configure waiting for its agent's enrollment looks again.
+const ENROLLMENT_CHECK: Duration = Duration::from_millis(100);
 /// How long shutdown waits for open connections.
 const SHUTDOWN_GRACE: Duration = Duration::from_secs(5);
 
@@ -503,6 +505,31 @@ impl Channel {
         self.inner
             .secret
             .enrollment_token_for(machine_id, create_operation)
+    }
+
+    /// Waits until the agent of `machine_id` enrolled (or its enrollment is in conflict, which
+    /// the delivery then reports), until `until` or cancellation; returns whether it did.
+    pub async fn wait_enrolled(
+        &self,
+        machine_id: &str,
+        until: Instant,
+        cancel: &CancellationToken,
+    ) -> bool {
+        loop {
+            if self.enrollment_status(machine_id).is_some_and(|(e, _)| e) {
+                return true;
+            }
+            if Instant::now() >= until {
+                return false;
+            }
+            let step = until
+                .saturating_duration_since(Instant::now())
+                .min(ENROLLMENT_CHECK);
+            tokio::select! {
+                () = tokio::time::sleep(step) => {}
+                () = cancel.cancelled() => return false,
+            }
+        }
     }
 
     /// Whether the agent of `machine_id` enrolled, and whether its enrollment is in conflict.

@@ -374,19 +374,26 @@ impl DigitalOceanCloud {
             cluster_id: order.cluster_id.clone(),
             blob: order.blob.0.clone(),
         };
-        // The blob waits for the agent's enrollment: say so when that is what never came.
+        // The blob waits for the agent's enrollment (within the deadline, leaving a moment to
+        // say so when that is what never came).
+        let margin = ctx.remaining().div_f64(8.0).min(Duration::from_secs(5));
+        if !self
+            .channel
+            .wait_enrolled(&machine_id, ctx.deadline - margin, &ctx.cancel)
+            .await
+        {
+            return Err(format!(
+                "configure: the agent on droplet {} never enrolled, and a bootstrap blob is \
+                 delivered only to an enrolled agent (an agent older than the provider cannot \
+                 enroll: install a current bigfleet-agent in the image; see the agent's log \
+                 for why its enrollment failed)",
+                d.id
+            ));
+        }
         self.channel
             .deliver(&machine_id, command, ctx)
             .await
-            .map_err(|e| match self.channel.enrollment_status(&machine_id) {
-                Some((false, _)) => format!(
-                    "{} (the agent on droplet {} never enrolled, and a bootstrap blob is \
-                     delivered only to an enrolled agent; an agent older than the provider \
-                     cannot enroll: install a current bigfleet-agent in the image)",
-                    e.0, d.id
-                ),
-                _ => e.0,
-            })?;
+            .map_err(|e| e.0)?;
         let tag = cluster_tag(&order.cluster_id);
         self.api
             .ensure_tag(&tag, ctx.deadline)

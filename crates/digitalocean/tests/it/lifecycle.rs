@@ -257,11 +257,11 @@ async fn an_agent_that_never_answers_times_out() {
     assert_eq!(
         err.0,
         format!(
-            "agent did not apply configure for {}: context deadline exceeded (the agent on \
-             droplet {} never enrolled, and a bootstrap blob is delivered only to an enrolled \
-             agent; an agent older than the provider cannot enroll: install a current \
-             bigfleet-agent in the image)",
-            m.id, host.id
+            "configure: the agent on droplet {} never enrolled, and a bootstrap blob is \
+             delivered only to an enrolled agent (an agent older than the provider cannot \
+             enroll: install a current bigfleet-agent in the image; see the agent's log for \
+             why its enrollment failed)",
+            host.id
         )
     );
     // The command was withdrawn: a late poll finds nothing.

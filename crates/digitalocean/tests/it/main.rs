@@ -8,6 +8,7 @@
 mod binary;
 mod channel;
 mod cloud;
+mod enrollment;
 mod lifecycle;
 mod pin;
 mod production;
