@@ -62,7 +62,10 @@ pub struct AgentConfig {
     #[serde(default)]
     pub pinned_spki_sha256: String,
     pub machine_id: String,
-    /// Zeroed on drop.
+    /// The one-time enrollment token from user_data. Zeroed on drop. The agent removes it
+    /// from the file once it enrolled, so a config without one is valid when the agent's state
+    /// holds its enrollment.
+    #[serde(default)]
     pub token: Zeroizing<String>,
 }
 
@@ -85,7 +88,6 @@ impl AgentConfig {
         for (name, value) in [
             ("endpoint", &config.endpoint),
             ("machine_id", &config.machine_id),
-            ("token", &*config.token),
         ] {
             if value.trim().is_empty() {
                 return Err(format!("config {}: {name} is empty", path.display()));
@@ -148,6 +150,8 @@ pub struct AgentOptions {
     /// How long the hook, the readiness command and the drain command may each run before
     /// their process group is killed and the command is acked as failed.
     pub timeouts: CommandTimeouts,
+    /// The config file the token came from: rewritten without it once the agent enrolled.
+    pub config_path: Option<PathBuf>,
 }
 
 /// Per-command time limits of the agent.
@@ -215,10 +219,42 @@ struct Executed {
     outcome: Option<Result<(), String>>,
 }
 
-/// The executed-command record, persisted atomically after every change.
+/// The executed-command record, persisted atomically after every change, and the agent's
+/// enrollment.
 #[derive(Debug, Default, Serialize, Deserialize)]
 struct AgentState {
     executed: VecDeque<Executed>,
+    /// Absent in the state of an agent that never enrolled (or predates enrollment).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    enrollment: Option<EnrolledCredential>,
+}
+
+/// The credential the agent enrolled with (or is enrolling with: `confirmed` false until the
+/// provider answered), and a digest of the user_data token it was made for, so a config with
+/// another token (a new Droplet whose disk holds an old state) enrolls afresh.
+#[derive(Clone, Serialize, Deserialize)]
+struct EnrolledCredential {
+    /// Zeroed on drop, never printed.
+    credential: Zeroizing<String>,
+    /// Hex SHA-256 of the user_data token.
+    token_digest: String,
+    confirmed: bool,
+}
+
+impl std::fmt::Debug for EnrolledCredential {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("EnrolledCredential")
+            .field("confirmed", &self.confirmed)
+            .finish_non_exhaustive()
+    }
+}
+
+fn token_digest(token: &str) -> String {
+    use sha2::Digest as _;
+    sha2::Sha256::digest(token.as_bytes())
+        .iter()
+        .map(|b| format!("{b:02x}"))
+        .collect()
 }
 
 impl AgentState {
@@ -309,7 +345,12 @@ pub struct Agent {
     tls: rustls::ClientConfig,
     command_url: Url,
     ack_url: Url,
+    enroll_url: Url,
+    /// The user_data token (empty once it was spent and removed from the config).
     token: AgentToken,
+    /// What authenticates requests: the enrolled credential, or (with a provider that predates
+    /// enrollment) the token.
+    bearer: AgentToken,
     machine_id: String,
     options: AgentOptions,
     state: AgentState,
@@ -346,13 +387,24 @@ impl Agent {
         };
         let command_url = endpoint_url("/v1/command")?;
         let ack_url = endpoint_url("/v1/ack")?;
+        let enroll_url = endpoint_url("/v1/enroll")?;
         let state = AgentState::load(&options.state_path)?;
+        let token = AgentToken::from_config(Zeroizing::new(config.token.trim().to_owned()));
+        if token.expose().is_empty() && !state.enrollment.as_ref().is_some_and(|e| e.confirmed) {
+            return Err(format!(
+                "config: token is empty and the state {} holds no enrollment, so the agent \
+                 cannot authenticate",
+                options.state_path.display()
+            ));
+        }
         Ok(Agent {
             http,
             tls,
             command_url,
             ack_url,
-            token: AgentToken::from_config(config.token),
+            enroll_url,
+            bearer: token.clone(),
+            token,
             machine_id: config.machine_id,
             options,
             state,
@@ -363,6 +415,25 @@ impl Agent {
     pub async fn run(mut self, shutdown: impl std::future::Future<Output = ()>) {
         tokio::pin!(shutdown);
         let mut failures = 0u32;
+        loop {
+            let enrolled = tokio::select! {
+                () = &mut shutdown => return,
+                enrolled = self.enroll() => enrolled,
+            };
+            match enrolled {
+                Ok(()) => break,
+                Err(e) => {
+                    failures += 1;
+                    let wait = self.backoff(failures);
+                    tracing::warn!(error = %e, retry_in_ms = wait.as_millis() as u64, "enrollment failed");
+                    tokio::select! {
+                        () = &mut shutdown => return,
+                        () = tokio::time::sleep(wait) => {}
+                    }
+                }
+            }
+        }
+        failures = 0;
         tracing::info!(machine_id = %self.machine_id, endpoint = %self.command_url.origin().ascii_serialization(), "bigfleet-agent polling");
         loop {
             let polled = tokio::select! {
@@ -407,11 +478,102 @@ impl Agent {
             .mul_f64(rand::rng().random_range(0.5..=1.0))
     }
 
+    /// Makes sure the agent speaks with an enrolled credential: one in its state made for the
+    /// config's token (or, once the token was removed, any confirmed one) is used as it is;
+    /// otherwise a fresh credential is recorded in the state first (so an answer lost to a
+    /// crash is repaired by sending the same one again), presented with the token, and on
+    /// success the token is removed from the config. A provider that predates enrollment
+    /// (404) is spoken to with the token, as before.
+    async fn enroll(&mut self) -> Result<(), String> {
+        let token = self.token.expose().to_owned();
+        let digest = (!token.is_empty()).then(|| token_digest(&token));
+        let current = self
+            .state
+            .enrollment
+            .clone()
+            .filter(|e| digest.as_ref().is_none_or(|d| *d == e.token_digest));
+        if let Some(held) = &current
+            && held.confirmed
+        {
+            self.bearer = AgentToken::from_config(held.credential.clone());
+            self.forget_token();
+            return Ok(());
+        }
+        let Some(digest) = digest else {
+            return Err("no token to enroll with".into());
+        };
+        let held = match current {
+            Some(held) => held,
+            None => {
+                let fresh = EnrolledCredential {
+                    credential: Zeroizing::new(crate::token::new_credential().expose().to_owned()),
+                    token_digest: digest,
+                    confirmed: false,
+                };
+                self.state.enrollment = Some(fresh.clone());
+                self.state.save(&self.options.state_path)?;
+                fresh
+            }
+        };
+        #[derive(Serialize)]
+        struct Body<'a> {
+            credential: &'a str,
+        }
+        let response = self
+            .http()
+            .post(self.enroll_url.clone())
+            .bearer_auth(&token)
+            .json(&Body {
+                credential: &held.credential,
+            })
+            .send()
+            .await
+            .map_err(|e| describe(&e))?;
+        match response.status() {
+            StatusCode::OK => {
+                let mut confirmed = held;
+                confirmed.confirmed = true;
+                self.bearer = AgentToken::from_config(confirmed.credential.clone());
+                self.state.enrollment = Some(confirmed);
+                self.state.save(&self.options.state_path)?;
+                tracing::info!(machine_id = %self.machine_id, "enrolled; the user_data token is spent");
+                self.forget_token();
+                Ok(())
+            }
+            StatusCode::NOT_FOUND => {
+                tracing::info!(machine_id = %self.machine_id, "the provider predates enrollment; authenticating with the user_data token");
+                self.bearer = self.token.clone();
+                Ok(())
+            }
+            StatusCode::SERVICE_UNAVAILABLE => {
+                self.reconnect();
+                Err("the provider cannot take the enrollment now (503); retrying".into())
+            }
+            StatusCode::UNAUTHORIZED => Err(
+                "the provider refused the enrollment (401): the token is not this Droplet's, \
+                 it was already spent by another enrollment, or this address is not one the \
+                 cloud assigned to the Droplet (--bootstrap-enrollment-source)"
+                    .into(),
+            ),
+            other => Err(format!("unexpected status {other} to the enrollment")),
+        }
+    }
+
+    /// Removes the spent token from the config file, so a reader of it learns nothing usable.
+    fn forget_token(&self) {
+        let Some(path) = &self.options.config_path else {
+            return;
+        };
+        if let Err(e) = remove_token(path) {
+            tracing::warn!(config = %path.display(), error = %e, "cannot remove the spent token from the config (it no longer authenticates anything)");
+        }
+    }
+
     async fn poll(&self) -> Result<Option<WireCommand>, String> {
         let response = self
             .http()
             .get(self.command_url.clone())
-            .bearer_auth(self.token.expose())
+            .bearer_auth(self.bearer.expose())
             .send()
             .await
             .map_err(|e| describe(&e))?;
@@ -550,7 +712,7 @@ impl Agent {
             let sent = self
                 .http()
                 .post(self.ack_url.clone())
-                .bearer_auth(self.token.expose())
+                .bearer_auth(self.bearer.expose())
                 .json(&body)
                 .send()
                 .await;
@@ -593,6 +755,24 @@ fn http_client(tls: &rustls::ClientConfig) -> Result<reqwest::Client, String> {
         .user_agent(concat!("bigfleet-agent/", env!("CARGO_PKG_VERSION")))
         .build()
         .map_err(|e| format!("build HTTPS client: {e}"))
+}
+
+/// Rewrites the JSON config at `path` without its `token` (atomically, 0600); a config that
+/// holds none is left alone.
+fn remove_token(path: &Path) -> Result<(), String> {
+    let bytes = Zeroizing::new(std::fs::read(path).map_err(|e| e.to_string())?);
+    let mut value: serde_json::Value =
+        serde_json::from_slice(&bytes).map_err(|e| format!("parse: {e}"))?;
+    let Some(object) = value.as_object_mut() else {
+        return Err("not a JSON object".into());
+    };
+    if object.remove("token").is_none() {
+        return Ok(());
+    }
+    let text = serde_json::to_vec_pretty(&value).map_err(|e| e.to_string())?;
+    let tmp = path.with_extension("tmp");
+    write_private(&tmp, &text).map_err(|e| e.to_string())?;
+    std::fs::rename(&tmp, path).map_err(|e| e.to_string())
 }
 
 /// `<hook>.blob`.
@@ -884,11 +1064,23 @@ mod tests {
         let path = dir.path().join("c.json");
         let ca = cert_pem();
         let write = |value: serde_json::Value| std::fs::write(&path, value.to_string()).unwrap();
+        // Without a token the config loads (an enrolled agent removed it), but an agent whose
+        // state holds no enrollment cannot start from it.
         write(serde_json::json!({"endpoint":"https://x","ca_pem":ca,"machine_id":"m","token":" "}));
+        let blank = AgentConfig::load(&path).unwrap();
+        let options = AgentOptions {
+            hook: dir.path().join("hook"),
+            drain_command: "true".into(),
+            readiness_command: None,
+            state_path: dir.path().join("state.json"),
+            max_backoff: Duration::from_secs(1),
+            timeouts: CommandTimeouts::default(),
+            config_path: None,
+        };
         assert!(
-            AgentConfig::load(&path)
+            Agent::new(blank, options)
                 .unwrap_err()
-                .contains("token is empty")
+                .contains("token is empty and the state")
         );
         // A config of a provider that wrote only ca_pem: its certificates are trust anchors.
         write(serde_json::json!({"endpoint":"https://x","ca_pem":ca,"machine_id":"m","token":"t"}));

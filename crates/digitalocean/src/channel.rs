@@ -36,7 +36,14 @@ use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 use zeroize::{Zeroize as _, Zeroizing};
 
-use crate::token::{AgentToken, BootstrapSecret};
+use crate::enrollment::{
+    Book, BookError, DropletDirectory, DropletSighting, EnrollmentSource, parse_enroll,
+};
+use crate::token::{
+    AgentToken, BootstrapSecret, UserDataToken, credential_digest, credential_matches,
+};
+use provider_core::inventory::EnrollVerdict;
+use provider_core::records::Enrollment;
 
 /// How long `GET /v1/command` is held when nothing is pending.
 pub const DEFAULT_POLL_HOLD: Duration = Duration::from_secs(25);
@@ -49,6 +56,8 @@ const NOT_SERVING_CHECK: Duration = Duration::from_millis(100);
 const NOT_SERVING_FIRST_REQUEST: Duration = Duration::from_secs(1);
 /// Longest operation id that appears verbatim in a command id (longer ones are digested).
 const MAX_VERBATIM_OPERATION_ID: usize = 128;
+/// How often a Configure waiting for its agent's enrollment looks again.
+const ENROLLMENT_CHECK: Duration = Duration::from_millis(100);
 /// How long shutdown waits for open connections.
 const SHUTDOWN_GRACE: Duration = Duration::from_secs(5);
 
@@ -264,6 +273,8 @@ enum Outcome {
     Applied,
     AgentFailed(String),
     Superseded,
+    /// A second enrollment with the machine's spent token: the command is withdrawn.
+    Conflict,
 }
 
 struct Pending {
@@ -274,6 +285,8 @@ struct Pending {
     /// The wire form, blob included: zeroed when the command is acked, superseded or dropped.
     /// Each response gets its own copy, which leaves with the response.
     body: Zeroizing<Vec<u8>>,
+    /// Whether it carries a secret (a Configure's blob): served only to an enrolled agent.
+    secret: bool,
     waiter: oneshot::Sender<Outcome>,
 }
 
@@ -362,8 +375,14 @@ impl FailureTable {
 /// What the channel decided about a request's credentials.
 #[derive(Debug, PartialEq)]
 enum Admission {
-    /// The token is right for this machine id.
-    Machine(String),
+    /// The machine's enrolled credential (`enrolled`), or, for a machine that has not
+    /// enrolled, its user_data token.
+    Machine {
+        machine_id: String,
+        enrolled: bool,
+    },
+    /// The replica cannot read its state now (it stopped serving mid-request).
+    NotServing,
     Unauthorized,
     /// Wrong token, and this (source, machine id) pair has failed too often: retry after this.
     Throttled(Duration),
@@ -386,6 +405,14 @@ struct Inner {
     connections: Mutex<Connections>,
     /// Set by a replicated provider: requests are answered only while this replica serves.
     leading: std::sync::OnceLock<provider_core::replica::Leading>,
+    /// Enrollments in the provider's state, once [`Channel::serve_while`] attached it.
+    state_book: std::sync::OnceLock<Book>,
+    /// Enrollments of a channel with no provider state around it (tests, fuzzing).
+    memory_book: Book,
+    /// Where an enrollment's Droplet and its addresses are looked up (the cloud).
+    directory: std::sync::OnceLock<Arc<dyn DropletDirectory>>,
+    /// `--bootstrap-enrollment-source`.
+    enrollment_source: std::sync::OnceLock<EnrollmentSource>,
 }
 
 /// The bootstrap channel: shared by the HTTPS server and the transitions that deliver commands.
@@ -433,8 +460,85 @@ impl Channel {
                 limits,
                 connections: Mutex::new(Connections::default()),
                 leading: std::sync::OnceLock::new(),
+                state_book: std::sync::OnceLock::new(),
+                memory_book: Book::Memory(Mutex::default()),
+                directory: std::sync::OnceLock::new(),
+                enrollment_source: std::sync::OnceLock::new(),
             }),
         }
+    }
+
+    /// Sets `--bootstrap-enrollment-source` (once; `droplet` until then).
+    pub fn set_enrollment_source(&self, source: EnrollmentSource) {
+        let _ = self.inner.enrollment_source.set(source);
+    }
+
+    fn enrollment_source(&self) -> EnrollmentSource {
+        self.inner
+            .enrollment_source
+            .get()
+            .copied()
+            .unwrap_or_default()
+    }
+
+    /// Where enrollments look up a machine's Droplet and its addresses (set by the cloud).
+    pub fn attach_directory(&self, directory: Arc<dyn DropletDirectory>) {
+        let _ = self.inner.directory.set(directory);
+    }
+
+    /// Takes the enrollments `other` holds in memory, as a provider that restarts or takes
+    /// over reads them from the state (channels without provider state: tests, fuzzing).
+    pub fn adopt_enrollments(&self, other: &Channel) {
+        self.inner.memory_book.adopt(&other.inner.memory_book);
+    }
+
+    fn book(&self) -> &Book {
+        self.inner
+            .state_book
+            .get()
+            .unwrap_or(&self.inner.memory_book)
+    }
+
+    /// The one-time token written into the user_data of the Droplet the Create
+    /// `create_operation` makes for `machine_id`.
+    pub fn enrollment_token_for(&self, machine_id: &str, create_operation: &str) -> AgentToken {
+        self.inner
+            .secret
+            .enrollment_token_for(machine_id, create_operation)
+    }
+
+    /// Waits until the agent of `machine_id` enrolled (or its enrollment is in conflict, which
+    /// the delivery then reports), until `until` or cancellation; returns whether it did.
+    pub async fn wait_enrolled(
+        &self,
+        machine_id: &str,
+        until: Instant,
+        cancel: &CancellationToken,
+    ) -> bool {
+        loop {
+            if self.enrollment_status(machine_id).is_some_and(|(e, _)| e) {
+                return true;
+            }
+            if Instant::now() >= until {
+                return false;
+            }
+            let step = until
+                .saturating_duration_since(Instant::now())
+                .min(ENROLLMENT_CHECK);
+            tokio::select! {
+                () = tokio::time::sleep(step) => {}
+                () = cancel.cancelled() => return false,
+            }
+        }
+    }
+
+    /// Whether the agent of `machine_id` enrolled, and whether its enrollment is in conflict.
+    pub fn enrollment_status(&self, machine_id: &str) -> Option<(bool, bool)> {
+        let view = self.book().view(machine_id).ok()?;
+        Some(match view.enrollment {
+            Some(e) => (true, e.conflict),
+            None => (false, false),
+        })
     }
 
     /// The bearer token the agent of `machine_id` must present.
@@ -515,6 +619,14 @@ impl Channel {
         ctx: &TransitionContext,
     ) -> Result<(), DeliveryError> {
         let kind = command.kind();
+        let secret = matches!(command, Command::Configure { .. });
+        if self
+            .enrollment_status(machine_id)
+            .is_some_and(|(_, conflict)| conflict)
+        {
+            self.inner.telemetry.bootstrap_command(kind, "conflict");
+            return Err(DeliveryError(conflict_error(kind, machine_id)));
+        }
         let id = self.command_id(machine_id, &command, &ctx.operation_id);
         let delivery = self.inner.counter.fetch_add(1, Ordering::Relaxed);
         let (tx, rx) = oneshot::channel();
@@ -525,6 +637,7 @@ impl Channel {
                 id: id.clone(),
                 delivery,
                 body: command.to_wire(&id),
+                secret,
                 waiter: tx,
             });
             if let Some(previous) = previous {
@@ -558,6 +671,7 @@ impl Channel {
                     Err(format!("agent bootstrap failed for {machine_id}: {detail}")),
                 )
             }
+            Ok(Outcome::Conflict) => ("conflict", Err(conflict_error(kind, machine_id))),
             Ok(Outcome::Superseded) => (
                 "superseded",
                 Err(format!(
@@ -566,12 +680,8 @@ impl Channel {
             ),
             Err(reason) => {
                 tracing::warn!(machine_id, command_id = %id, command = kind, reason, "agent did not apply command");
-                (
-                    "timeout",
-                    Err(format!(
-                        "agent did not apply {kind} for {machine_id}: {reason}"
-                    )),
-                )
+                let detail = format!("agent did not apply {kind} for {machine_id}: {reason}");
+                ("timeout", Err(detail))
             }
         };
         telemetry.bootstrap_command(kind, outcome);
@@ -582,6 +692,13 @@ impl Channel {
     /// polls reach the leader through the Service). Without it the channel always serves.
     pub fn serve_while(&self, leading: provider_core::replica::Leading) {
         let _ = self.inner.leading.set(leading);
+    }
+
+    /// Keeps enrollments in the provider's state, through the engine of the term `leading`'s
+    /// replica leads: durable before an agent learns it enrolled, across restarts and
+    /// takeovers. Without it (a channel with no provider around it) they live in memory.
+    pub fn record_enrollments_in(&self, leading: provider_core::replica::Leading) {
+        let _ = self.inner.state_book.set(Book::State(leading));
     }
 
     /// Resolves while this replica does not serve; never without replicas.
@@ -782,18 +899,45 @@ impl Channel {
         let path = req.uri().path();
         let (want, is_poll) = match path {
             "/v1/command" => (Method::GET, true),
-            "/v1/ack" => (Method::POST, false),
+            "/v1/ack" | "/v1/enroll" => (Method::POST, false),
             _ => return text(StatusCode::NOT_FOUND, "404 page not found"),
         };
         if req.method() != want {
             return text(StatusCode::METHOD_NOT_ALLOWED, "method not allowed");
         }
-        let machine_id = match self.admit(
+        if path == "/v1/enroll" {
+            let machine_id = machine_id_of(req.uri().query().unwrap_or(""));
+            let presented = bearer(&req).map(|t| Zeroizing::new(t.to_owned()));
+            return self
+                .enroll(
+                    peer,
+                    machine_id,
+                    presented.as_deref().map(|t| t.as_str()),
+                    req,
+                )
+                .await;
+        }
+        let (machine_id, enrolled) = match self.admit(
             peer,
             machine_id_of(req.uri().query().unwrap_or("")),
             bearer(&req),
         ) {
-            Admission::Machine(machine_id) => machine_id,
+            Admission::Machine {
+                machine_id,
+                enrolled,
+            } => (machine_id, enrolled),
+            refused => return self.refusal(refused, peer, path),
+        };
+        if is_poll {
+            self.poll(&machine_id, enrolled, stop).await
+        } else {
+            self.ack(&machine_id, enrolled, req).await
+        }
+    }
+
+    /// The answer to a request whose credentials were not admitted.
+    fn refusal(&self, admission: Admission, peer: IpAddr, path: &str) -> Response<Full<Bytes>> {
+        match admission {
             Admission::Throttled(wait) => {
                 self.inner.telemetry.bootstrap_poll("throttled");
                 let mut response = text(
@@ -803,18 +947,17 @@ impl Channel {
                 if let Ok(v) = http::HeaderValue::from_str(&wait.as_secs().max(1).to_string()) {
                     response.headers_mut().insert(header::RETRY_AFTER, v);
                 }
-                return response;
+                response
             }
-            Admission::Unauthorized => {
+            Admission::NotServing => text(
+                StatusCode::SERVICE_UNAVAILABLE,
+                "this provider replica is a standby; the leader serves the channel",
+            ),
+            Admission::Unauthorized | Admission::Machine { .. } => {
                 self.inner.telemetry.bootstrap_unauthorized();
                 tracing::warn!(peer = %peer, path, "bootstrap channel: unauthorized request");
-                return text(StatusCode::UNAUTHORIZED, "unauthorized");
+                text(StatusCode::UNAUTHORIZED, "unauthorized")
             }
-        };
-        if is_poll {
-            self.poll(&machine_id, stop).await
-        } else {
-            self.ack(&machine_id, req).await
         }
     }
 
@@ -828,14 +971,68 @@ impl Channel {
         machine_id: Option<String>,
         presented: Option<&str>,
     ) -> Admission {
-        if let (Some(machine_id), Some(presented)) = (&machine_id, presented)
-            && self.inner.secret.verify(machine_id, presented)
-        {
-            return Admission::Machine(machine_id.clone());
+        if let (Some(machine_id), Some(presented)) = (&machine_id, presented) {
+            match self.authenticate(machine_id, presented) {
+                Ok(enrolled) => {
+                    return Admission::Machine {
+                        machine_id: machine_id.clone(),
+                        enrolled,
+                    };
+                }
+                Err(Some(refused)) => return refused,
+                Err(None) => {}
+            }
         }
+        self.failed(peer, machine_id.as_deref())
+    }
+
+    /// Who `presented` speaks for: `Ok(true)` the machine's enrolled credential, `Ok(false)`
+    /// the user_data token of a machine that has not enrolled (its one-time token, for a
+    /// Droplet created by this version, or the per-slot token of an older Droplet). Once the
+    /// machine enrolled, only its credential is accepted, and after a conflict nothing is.
+    /// `Err(None)` is a failed authentication; `Err(Some(_))` another answer.
+    fn authenticate(&self, machine_id: &str, presented: &str) -> Result<bool, Option<Admission>> {
+        let view = match self.book().view(machine_id) {
+            Ok(view) => view,
+            Err(BookError::NotServing) => return Err(Some(Admission::NotServing)),
+            Err(BookError::Unknown | BookError::Refused(_)) => return Err(None),
+        };
+        if let Some(enrollment) = &view.enrollment {
+            let matches = credential_matches(
+                &enrollment.credential_digest,
+                &enrollment.host_id,
+                presented,
+            );
+            return if matches && !enrollment.conflict {
+                Ok(true)
+            } else {
+                Err(None)
+            };
+        }
+        match self
+            .inner
+            .secret
+            .check_user_data_token(machine_id, presented)
+        {
+            Some(UserDataToken::Enrollment { create_operation })
+                if view
+                    .create_operation
+                    .as_ref()
+                    .is_none_or(|c| *c == create_operation) =>
+            {
+                Ok(false)
+            }
+            Some(UserDataToken::PerSlot) => Ok(false),
+            _ => Err(None),
+        }
+    }
+
+    /// Counts a failed authentication of (source, claimed machine id), or tells the pair to
+    /// wait when it failed too often.
+    fn failed(&self, peer: IpAddr, machine_id: Option<&str>) -> Admission {
         let limit = self.inner.auth_limit;
         let mut failures = lock(&self.inner.failures);
-        let key = failures.key(peer, machine_id.as_deref().unwrap_or(""));
+        let key = failures.key(peer, machine_id.unwrap_or(""));
         if let Some(wait) = failures.throttled(key, limit) {
             return Admission::Throttled(wait);
         }
@@ -843,13 +1040,22 @@ impl Channel {
         Admission::Unauthorized
     }
 
-    async fn poll(&self, machine_id: &str, stop: CancellationToken) -> Response<Full<Bytes>> {
+    /// Serves the pending command, holding the request while there is none. A command that
+    /// carries a secret waits for an enrolled agent: a poll with the user_data token alone
+    /// does not see it.
+    async fn poll(
+        &self,
+        machine_id: &str,
+        enrolled: bool,
+        stop: CancellationToken,
+    ) -> Response<Full<Bytes>> {
+        let servable = |p: &Pending| enrolled || !p.secret;
         let until = Instant::now() + self.inner.poll_hold;
         loop {
             let notify = {
                 let mut machines = lock(&self.inner.machines);
                 let slot = machines.entry(machine_id.to_owned()).or_default();
-                if let Some(pending) = &slot.pending {
+                if let Some(pending) = slot.pending.as_ref().filter(|p| servable(p)) {
                     self.inner.telemetry.bootstrap_poll("command");
                     tracing::debug!(machine_id, command_id = %pending.id, "bootstrap command fetched");
                     let mut response =
@@ -868,7 +1074,7 @@ impl Channel {
             // Re-check after registering, so a command queued in between is not missed.
             if lock(&self.inner.machines)
                 .get(machine_id)
-                .is_some_and(|s| s.pending.is_some())
+                .is_some_and(|s| s.pending.as_ref().is_some_and(servable))
             {
                 continue;
             }
@@ -882,30 +1088,15 @@ impl Channel {
         empty(StatusCode::NO_CONTENT)
     }
 
-    async fn ack(&self, machine_id: &str, req: Request<Incoming>) -> Response<Full<Bytes>> {
-        let limits = self.inner.limits;
-        let declared = req
-            .headers()
-            .get(header::CONTENT_LENGTH)
-            .and_then(|v| v.to_str().ok())
-            .and_then(|v| v.parse::<u64>().ok());
-        if declared.is_some_and(|n| n > limits.max_body_bytes as u64) {
-            return self.too_large();
-        }
-        let collect = Limited::new(req.into_body(), limits.max_body_bytes).collect();
-        let body = match tokio::time::timeout(limits.body_timeout, collect).await {
-            Ok(Ok(collected)) => collected.to_bytes(),
-            Ok(Err(e))
-                if e.downcast_ref::<http_body_util::LengthLimitError>()
-                    .is_some() =>
-            {
-                return self.too_large();
-            }
-            Ok(Err(_)) => return self.bad_ack(),
-            Err(_) => {
-                self.inner.telemetry.bootstrap_ack("bad_body");
-                return text(StatusCode::REQUEST_TIMEOUT, "request body too slow");
-            }
+    async fn ack(
+        &self,
+        machine_id: &str,
+        enrolled: bool,
+        req: Request<Incoming>,
+    ) -> Response<Full<Bytes>> {
+        let body = match self.read_body(req).await {
+            Ok(body) => body,
+            Err(refused) => return refused,
         };
         let Some(ack) = parse_ack(&body) else {
             return self.bad_ack();
@@ -915,7 +1106,12 @@ impl Channel {
             self.inner.telemetry.bootstrap_ack("stale");
             return empty(StatusCode::NO_CONTENT);
         };
-        if slot.pending.as_ref().is_none_or(|p| p.id != ack.command_id) {
+        // A command only an enrolled agent is served is only acked by one.
+        if slot
+            .pending
+            .as_ref()
+            .is_none_or(|p| p.id != ack.command_id || (p.secret && !enrolled))
+        {
             self.inner.telemetry.bootstrap_ack("stale");
             tracing::debug!(machine_id, command_id = %ack.command_id, "stale bootstrap ack ignored");
             return empty(StatusCode::NO_CONTENT);
@@ -937,6 +1133,188 @@ impl Channel {
         };
         let _ = pending.waiter.send(outcome);
         empty(StatusCode::OK)
+    }
+
+    /// Reads a request body within the channel's size and time limits.
+    async fn read_body(&self, req: Request<Incoming>) -> Result<Bytes, Response<Full<Bytes>>> {
+        let limits = self.inner.limits;
+        let declared = req
+            .headers()
+            .get(header::CONTENT_LENGTH)
+            .and_then(|v| v.to_str().ok())
+            .and_then(|v| v.parse::<u64>().ok());
+        if declared.is_some_and(|n| n > limits.max_body_bytes as u64) {
+            return Err(self.too_large());
+        }
+        let collect = Limited::new(req.into_body(), limits.max_body_bytes).collect();
+        match tokio::time::timeout(limits.body_timeout, collect).await {
+            Ok(Ok(collected)) => Ok(collected.to_bytes()),
+            Ok(Err(e))
+                if e.downcast_ref::<http_body_util::LengthLimitError>()
+                    .is_some() =>
+            {
+                Err(self.too_large())
+            }
+            Ok(Err(_)) => Err(self.bad_ack()),
+            Err(_) => {
+                self.inner.telemetry.bootstrap_ack("bad_body");
+                Err(text(StatusCode::REQUEST_TIMEOUT, "request body too slow"))
+            }
+        }
+    }
+
+    /// `POST /v1/enroll`: the agent presents its Droplet's one-time user_data token and the
+    /// credential it made (`{"credential": …}`). The enrollment is accepted only from an
+    /// address the cloud assigned to the machine's Droplet (unless
+    /// `--bootstrap-enrollment-source any`), recorded durably before the answer, and from then
+    /// on only the credential speaks for the machine. The same credential again is answered
+    /// as enrolled (an agent whose answer was lost); any other enrollment while one holds is a
+    /// conflict: 401, every command queued for the machine is withdrawn, and nothing is
+    /// delivered to it any more.
+    async fn enroll(
+        &self,
+        peer: IpAddr,
+        machine_id: Option<String>,
+        presented: Option<&str>,
+        req: Request<Incoming>,
+    ) -> Response<Full<Bytes>> {
+        let telemetry = self.inner.telemetry;
+        let token = match (&machine_id, presented) {
+            (Some(machine_id), Some(presented)) => self
+                .inner
+                .secret
+                .check_user_data_token(machine_id, presented),
+            _ => None,
+        };
+        let (Some(machine_id), Some(token)) = (machine_id.clone(), token) else {
+            telemetry.bootstrap_enrollment("unauthorized");
+            let refused = self.failed(peer, machine_id.as_deref());
+            return self.refusal(refused, peer, "/v1/enroll");
+        };
+        let body = match self.read_body(req).await {
+            Ok(body) => body,
+            Err(refused) => return refused,
+        };
+        let Some(request) = parse_enroll(&body) else {
+            telemetry.bootstrap_enrollment("bad_body");
+            return text(StatusCode::BAD_REQUEST, "bad enrollment body");
+        };
+        let unauthorized = |outcome: &'static str| {
+            telemetry.bootstrap_enrollment(outcome);
+            telemetry.bootstrap_unauthorized();
+            text(StatusCode::UNAUTHORIZED, "unauthorized")
+        };
+        let view = match self.book().view(&machine_id) {
+            Ok(view) => view,
+            Err(BookError::NotServing) => return self.refusal(Admission::NotServing, peer, ""),
+            Err(_) => return unauthorized("unauthorized"),
+        };
+        let create_operation = match token {
+            UserDataToken::Enrollment { create_operation } => {
+                if view
+                    .create_operation
+                    .as_ref()
+                    .is_some_and(|c| *c != create_operation)
+                {
+                    tracing::warn!(peer = %peer, machine_id, "bootstrap channel: enrollment with the token of an earlier Droplet of this slot refused");
+                    return unauthorized("stale_token");
+                }
+                create_operation
+            }
+            UserDataToken::PerSlot => view.create_operation.clone().unwrap_or_default(),
+        };
+        let droplet = match self
+            .enrolling_droplet(&machine_id, view.host_id.as_deref())
+            .await
+        {
+            Ok(droplet) => droplet,
+            Err(why) => {
+                telemetry.bootstrap_enrollment("droplet_unknown");
+                tracing::warn!(peer = %peer, machine_id, reason = %why, "bootstrap channel: enrollment deferred");
+                let mut response = text(StatusCode::SERVICE_UNAVAILABLE, &why);
+                response
+                    .headers_mut()
+                    .insert(header::RETRY_AFTER, http::HeaderValue::from_static("5"));
+                return response;
+            }
+        };
+        if self.enrollment_source() == EnrollmentSource::Droplet
+            && !droplet.addresses.iter().any(|a| same_address(*a, peer))
+        {
+            tracing::warn!(peer = %peer, machine_id, droplet = %droplet.id, "bootstrap channel: enrollment from an address the cloud did not assign to the machine's Droplet refused (--bootstrap-enrollment-source droplet)");
+            return unauthorized("wrong_source");
+        }
+        let enrollment = Enrollment {
+            credential_digest: credential_digest(&droplet.id, &request.credential),
+            host_id: droplet.id.clone(),
+            create_operation,
+            conflict: false,
+        };
+        match self.book().record(&machine_id, enrollment).await {
+            Ok(EnrollVerdict::Enrolled) => {
+                telemetry.bootstrap_enrollment("enrolled");
+                tracing::info!(peer = %peer, machine_id, droplet = %droplet.id, "bootstrap channel: agent enrolled; its user_data token is spent");
+                json_ok()
+            }
+            Ok(EnrollVerdict::AlreadyEnrolled) => {
+                telemetry.bootstrap_enrollment("repeated");
+                tracing::info!(peer = %peer, machine_id, droplet = %droplet.id, "bootstrap channel: agent enrolled again with its own credential");
+                json_ok()
+            }
+            Ok(EnrollVerdict::Conflict) => {
+                telemetry.bootstrap_enrollment("conflict");
+                telemetry.bootstrap_enrollment_conflict();
+                let withdrawn = self.withdraw_all(&machine_id);
+                tracing::error!(peer = %peer, machine_id, droplet = %droplet.id, withdrawn, "bootstrap channel: a second enrollment presented this machine's spent one-time token (an attack, or a cloned disk): every command for the machine is withdrawn and nothing is delivered to it any more; release the machine (admin failed release) to replace its Droplet");
+                text(StatusCode::UNAUTHORIZED, "unauthorized")
+            }
+            Err(BookError::NotServing) => self.refusal(Admission::NotServing, peer, ""),
+            Err(BookError::Unknown) => unauthorized("unauthorized"),
+            Err(BookError::Refused(why)) => {
+                tracing::warn!(peer = %peer, machine_id, droplet = %droplet.id, reason = %why, "bootstrap channel: enrollment refused");
+                unauthorized("refused")
+            }
+        }
+    }
+
+    /// The Droplet an enrollment of `machine_id` comes from: the recorded one, or, while the
+    /// Create has not recorded it yet, the only Droplet the cloud shows for the machine.
+    async fn enrolling_droplet(
+        &self,
+        machine_id: &str,
+        recorded: Option<&str>,
+    ) -> Result<DropletSighting, String> {
+        let Some(directory) = self.inner.directory.get() else {
+            // No cloud around the channel: nothing to bind to but the recorded host.
+            return Ok(DropletSighting {
+                id: recorded.unwrap_or_default().to_owned(),
+                addresses: Vec::new(),
+            });
+        };
+        let found = directory
+            .droplets_of(machine_id)
+            .await
+            .map_err(|e| format!("cannot look up the machine's Droplet now ({e}); retry"))?;
+        let droplet = match recorded {
+            Some(id) => found.into_iter().find(|d| d.id == id),
+            None if found.len() == 1 => found.into_iter().next(),
+            None => None,
+        };
+        droplet.ok_or_else(|| "the machine's Droplet is not known yet; retry".to_owned())
+    }
+
+    /// Withdraws every command queued for `machine_id` (an enrollment conflict); returns how
+    /// many.
+    fn withdraw_all(&self, machine_id: &str) -> usize {
+        let mut machines = lock(&self.inner.machines);
+        let Some(slot) = machines.get_mut(machine_id) else {
+            return 0;
+        };
+        let withdrawn = slot.pending.take().map(|pending| {
+            let _ = pending.waiter.send(Outcome::Conflict);
+        });
+        slot.notify.notify_waiters();
+        usize::from(withdrawn.is_some())
     }
 
     fn too_large(&self) -> Response<Full<Bytes>> {
@@ -1051,6 +1429,29 @@ fn parse_ack(body: &[u8]) -> Option<Ack> {
         }
     }
     Some(ack)
+}
+
+/// Why a command for a machine in enrollment conflict is not delivered.
+fn conflict_error(kind: &str, machine_id: &str) -> String {
+    format!(
+        "agent did not apply {kind} for {machine_id}: a second enrollment presented the \
+         machine's spent one-time token (an attack, or a cloned disk), so nothing is delivered \
+         to its Droplet any more; release the machine (admin failed release) to replace it"
+    )
+}
+
+/// Whether `a` and `b` are the same address (an IPv4 address and its IPv6-mapped form too).
+fn same_address(a: IpAddr, b: IpAddr) -> bool {
+    a.to_canonical() == b.to_canonical()
+}
+
+fn json_ok() -> Response<Full<Bytes>> {
+    let mut response = Response::new(Full::new(Bytes::from_static(b"{\"enrolled\":true}\n")));
+    response.headers_mut().insert(
+        header::CONTENT_TYPE,
+        http::HeaderValue::from_static("application/json"),
+    );
+    response
 }
 
 fn text(status: StatusCode, message: &str) -> Response<Full<Bytes>> {
@@ -1274,12 +1675,18 @@ mod tests {
         // under attack, are admitted.
         assert_eq!(
             ch.admit(nat, Some("m-good".into()), Some(good.expose())),
-            Admission::Machine("m-good".into())
+            Admission::Machine {
+                machine_id: "m-good".into(),
+                enrolled: false
+            }
         );
         let bad = ch.token_for("m-bad");
         assert_eq!(
             ch.admit(nat, Some("m-bad".into()), Some(bad.expose())),
-            Admission::Machine("m-bad".into())
+            Admission::Machine {
+                machine_id: "m-bad".into(),
+                enrolled: false
+            }
         );
         // Failures of one machine id do not spend another's budget at the same address.
         assert_eq!(
@@ -1390,7 +1797,7 @@ mod tests {
         let poll = |machine_id: &'static str| {
             let (ch, stop) = (ch.clone(), stop.clone());
             tokio::spawn(async move {
-                let response = ch.poll(machine_id, stop).await;
+                let response = ch.poll(machine_id, true, stop).await;
                 (response.status(), Instant::now())
             })
         };
@@ -1455,7 +1862,7 @@ mod tests {
         let second = deliver(&ch);
         let err = first.await.expect("first delivery").unwrap_err();
         assert!(err.0.ends_with("superseded by a newer command"), "{err}");
-        let response = ch.poll("m-1", CancellationToken::new()).await;
+        let response = ch.poll("m-1", true, CancellationToken::new()).await;
         assert_eq!(
             response.status(),
             StatusCode::OK,

@@ -87,6 +87,18 @@ pub struct Cli {
     #[arg(long = "bootstrap-max-connections-per-address", default_value_t = 1024, value_name = "N", value_parser = clap::value_parser!(u32).range(1..))]
     pub bootstrap_max_connections_per_address: u32,
 
+    /// Where an agent may enroll from: `droplet`, only an address the cloud assigned to its
+    /// Droplet (public IPv4/IPv6, VPC); `any`, when the channel is reached through a NAT or a
+    /// proxy (logged at startup).
+    #[arg(
+        long = "bootstrap-enrollment-source",
+        env = "BIGFLEET_BOOTSTRAP_ENROLLMENT_SOURCE",
+        value_enum,
+        default_value_t = digitalocean::enrollment::EnrollmentSource::Droplet,
+        value_name = "SOURCE"
+    )]
+    pub bootstrap_enrollment_source: digitalocean::enrollment::EnrollmentSource,
+
     /// HMAC key minting per-machine agent tokens (stable across restarts).
     #[arg(
         long = "bootstrap-secret",

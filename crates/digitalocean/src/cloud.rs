@@ -20,6 +20,7 @@ use tokio::time::Instant;
 
 use crate::api::{ApiClient, ApiError, CreateDroplet, Droplet, ImageRef, Size};
 use crate::channel::{Channel, Command};
+use crate::enrollment::{DropletDirectory, DropletSighting};
 use crate::naming::{
     CLUSTER_TAG_PREFIX, MACHINE_TAG_PREFIX, MANAGED_TAG, cluster_tag, decode_tag, droplet_name,
     machine_tag, provider_tag,
@@ -135,6 +136,11 @@ impl DigitalOceanCloud {
         telemetry: Telemetry,
     ) -> DigitalOceanCloud {
         let provider_tag = provider_tag(&settings.provider);
+        channel.attach_directory(Arc::new(ApiDirectory {
+            api: api.clone(),
+            provider_tag: provider_tag.clone(),
+            region: settings.region.clone(),
+        }));
         DigitalOceanCloud {
             api,
             channel,
@@ -145,13 +151,16 @@ impl DigitalOceanCloud {
         }
     }
 
-    /// The user_data of a new Droplet: the operator's base part (if any), then the agent's
-    /// cloud-config with its endpoint, pinned CA, machine id and token.
-    pub fn user_data(&self, machine_id: &str) -> String {
+    /// The user_data of the Droplet the Create `create_operation` makes: the operator's base
+    /// part (if any), then the agent's cloud-config with its endpoint, pinned CA, machine id
+    /// and the one-time enrollment token of that Create.
+    pub fn user_data(&self, machine_id: &str, create_operation: &str) -> String {
         let ours = agent_cloud_config(
             &self.settings.agent,
             machine_id,
-            self.channel.token_for(machine_id).expose(),
+            self.channel
+                .enrollment_token_for(machine_id, create_operation)
+                .expose(),
         );
         provider_core::userdata::assemble(
             self.settings.base_user_data.as_ref().map(Secret::expose),
@@ -213,7 +222,7 @@ impl DigitalOceanCloud {
             ipv6: profile.ipv6,
             monitoring: profile.monitoring,
             ssh_keys: profile.ssh_keys,
-            user_data: self.user_data(&machine.id),
+            user_data: self.user_data(&machine.id, &ctx.operation_id),
             tags,
         };
         let backoff = self.settings.create_backoff;
@@ -368,6 +377,22 @@ impl DigitalOceanCloud {
             cluster_id: order.cluster_id.clone(),
             blob: order.blob.0.clone(),
         };
+        // The blob waits for the agent's enrollment (within the deadline, leaving a moment to
+        // say so when that is what never came).
+        let margin = ctx.remaining().div_f64(8.0).min(Duration::from_secs(5));
+        if !self
+            .channel
+            .wait_enrolled(&machine_id, ctx.deadline - margin, &ctx.cancel)
+            .await
+        {
+            return Err(format!(
+                "configure: the agent on droplet {} never enrolled, and a bootstrap blob is \
+                 delivered only to an enrolled agent (an agent older than the provider cannot \
+                 enroll: install a current bigfleet-agent in the image; see the agent's log \
+                 for why its enrollment failed)",
+                d.id
+            ));
+        }
         self.channel
             .deliver(&machine_id, command, ctx)
             .await
@@ -625,6 +650,53 @@ impl Cloud for DigitalOceanCloud {
                 .collect()
         });
         self.timed("Sizes", start, r)
+    }
+}
+
+/// The channel's view of the cloud for enrollments: the Droplets this instance owns for a
+/// machine, with every address the API reports for them.
+struct ApiDirectory {
+    api: ApiClient,
+    provider_tag: String,
+    region: String,
+}
+
+#[async_trait]
+impl DropletDirectory for ApiDirectory {
+    async fn droplets_of(&self, machine_id: &str) -> Result<Vec<DropletSighting>, String> {
+        let tag = machine_tag(machine_id);
+        let found = self
+            .api
+            .list_droplets_by_tag(&tag, Instant::now() + ENROLLMENT_LOOKUP_BUDGET)
+            .await
+            .map_err(|e| format!("list droplets of {machine_id}: {e}"))?;
+        Ok(found
+            .iter()
+            .filter(|d| {
+                d.has_tag(MANAGED_TAG)
+                    && d.has_tag(&self.provider_tag)
+                    && d.has_tag(&tag)
+                    && d.region.slug == self.region
+            })
+            .map(sighting)
+            .collect())
+    }
+}
+
+/// How long an enrollment waits for the API (the agent retries a deferred enrollment).
+const ENROLLMENT_LOOKUP_BUDGET: Duration = Duration::from_secs(10);
+
+/// A Droplet's id and every address it was assigned (public and VPC, IPv4 and IPv6).
+fn sighting(d: &Droplet) -> DropletSighting {
+    DropletSighting {
+        id: d.id.to_string(),
+        addresses: d
+            .networks
+            .v4
+            .iter()
+            .chain(&d.networks.v6)
+            .filter_map(|n| n.ip_address.parse().ok())
+            .collect(),
     }
 }
 

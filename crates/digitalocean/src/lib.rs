@@ -8,6 +8,7 @@ pub mod catalog;
 pub mod channel;
 pub mod check;
 pub mod cloud;
+pub mod enrollment;
 pub mod naming;
 pub mod pin;
 pub mod profile;

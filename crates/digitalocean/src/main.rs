@@ -112,6 +112,7 @@ fn real_flags(cli: &Cli, base_user_data: Option<String>) -> digitalocean::RealFl
         bootstrap_secret: zeroize::Zeroizing::new(cli.bootstrap_secret.expose().to_owned()),
         bootstrap_max_connections: cli.bootstrap_max_connections as usize,
         bootstrap_max_connections_per_address: cli.bootstrap_max_connections_per_address as usize,
+        bootstrap_enrollment_source: cli.bootstrap_enrollment_source,
     }
 }
 
@@ -157,6 +158,7 @@ async fn launch(cli: Cli) -> Result<(), String> {
             let real = real.resolve(&wanted).await?;
             let channel = real.channel.clone();
             channel.serve_while(leading.clone());
+            channel.record_enrollments_in(leading.clone());
             let addr = real.bootstrap_addr.clone();
             let reloader = real.channel_reloader;
             side_servers.push(Box::new(move |stop| {

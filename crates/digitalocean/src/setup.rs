@@ -42,6 +42,8 @@ pub struct RealFlags {
     pub bootstrap_max_connections: usize,
     /// `--bootstrap-max-connections-per-address`; 0 means the default.
     pub bootstrap_max_connections_per_address: usize,
+    /// `--bootstrap-enrollment-source`.
+    pub bootstrap_enrollment_source: crate::enrollment::EnrollmentSource,
 }
 
 impl std::fmt::Debug for RealFlags {
@@ -189,6 +191,15 @@ pub fn build_real(flags: &RealFlags, telemetry: Telemetry) -> Result<RealBackend
         limits,
         telemetry,
     );
+    channel.set_enrollment_source(flags.bootstrap_enrollment_source);
+    if flags.bootstrap_enrollment_source == crate::enrollment::EnrollmentSource::Any {
+        tracing::warn!(
+            "--bootstrap-enrollment-source any: agents may enroll from any address, not only from \
+             one the cloud assigned to their Droplet (the channel is reached through a NAT or a \
+             proxy); a stolen user_data token can then enroll from anywhere before the real agent \
+             does (detected as a conflict when the real agent enrolls)"
+        );
+    }
     let settings = CloudSettings::new(
         flags.provider.clone(),
         flags.region.clone(),
@@ -450,6 +461,7 @@ mod tests {
             bootstrap_secret: Zeroizing::new("s3cret".into()),
             bootstrap_max_connections: 0,
             bootstrap_max_connections_per_address: 0,
+            bootstrap_enrollment_source: Default::default(),
         }
     }
 

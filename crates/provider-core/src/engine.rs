@@ -18,13 +18,13 @@ use crate::duration;
 use crate::error::CoreError;
 use crate::fence::FenceToken;
 use crate::inventory::{
-    Admission, Binding, Effect, Interrupted, Inventory, ReconcileReport, Selected, Selection,
-    Sighting, Suspect,
+    Admission, Binding, Effect, EnrollVerdict, Interrupted, Inventory, ReconcileReport, Selected,
+    Selection, Sighting, Suspect,
 };
 use crate::lifecycle::OperationKind;
 use crate::limits;
 use crate::machine::{CapacityType, Machine, MachineState, StringMap};
-use crate::records::{Change, SealedConfigure, Slot, Snapshot};
+use crate::records::{Change, Enrollment, SealedConfigure, Slot, Snapshot};
 use crate::seal::{KEY_FILE_FLAG, StateKeys};
 use crate::store::{Commit, SharedStore};
 use crate::telemetry::Telemetry;
@@ -145,6 +145,14 @@ impl<T> Durable<T> {
 struct Pending {
     commit: Option<Commit>,
     mark: Mark,
+}
+
+/// What [`Engine::enrollment_record`] reads.
+#[derive(Clone, Debug)]
+pub struct EnrollmentRecord {
+    pub machine: Arc<Machine>,
+    pub create_operation: Option<String>,
+    pub enrollment: Option<Arc<Enrollment>>,
 }
 
 /// A List request in domain terms.
@@ -539,6 +547,7 @@ impl Engine {
                 last_change: 0,
                 operations: Default::default(),
                 sealed: None,
+                enrollment: None,
             },
         };
         let machine = crate::machine::edit(&mut slot.machine);
@@ -805,6 +814,37 @@ impl Engine {
             machines,
             revision: head,
         }
+    }
+
+    /// What the state records of `machine_id` for an on-host agent's channel: the machine, the
+    /// operation id of its Create and its host's enrollment, if any (a map lookup; never waits).
+    pub fn enrollment_record(&self, machine_id: &str) -> Option<EnrollmentRecord> {
+        let inventory = self.read();
+        let slot = inventory.get(machine_id)?;
+        Some(EnrollmentRecord {
+            machine: slot.machine.clone(),
+            create_operation: slot.operation(OperationKind::Create).map(str::to_owned),
+            enrollment: slot.enrollment.clone(),
+        })
+    }
+
+    /// Records an agent's enrollment (or marks a conflict on it) and returns once it is
+    /// durable, so an agent never learns it enrolled before a restart or a new leader would
+    /// know it too.
+    pub async fn record_enrollment(
+        &self,
+        machine_id: &str,
+        enrollment: Enrollment,
+    ) -> Result<EnrollVerdict, CoreError> {
+        if self.store_failed.load(Ordering::SeqCst) {
+            return Err(CoreError::Store(
+                "an earlier commit failed; restart the provider".into(),
+            ));
+        }
+        let (result, commit) =
+            self.apply(|inv, changes| inv.record_enrollment(machine_id, enrollment, changes));
+        self.commit(commit).await?;
+        result.map_err(CoreError::Admin)
     }
 
     /// Machines by state, for metrics.

@@ -11,11 +11,31 @@ use crate::fence::unknown_ids::{self, UnknownIdMarks};
 use crate::fence::{self, FenceDecision, FenceToken, HighWaterMark};
 use crate::lifecycle::OperationKind;
 use crate::machine::{HostRef, Machine, MachineState, StringMap};
-use crate::records::{Change, FenceRecord, SealedConfigure, Slot, Snapshot};
+use crate::records::{Change, Enrollment, FenceRecord, SealedConfigure, Slot, Snapshot};
 
 mod slot_table;
 
 use slot_table::SlotTable;
+
+/// Whether `enrollment` still speaks for `machine`'s host: the host it names is the recorded
+/// one, or no host is recorded yet while the Create that will record it runs.
+pub fn enrollment_holds(machine: &Machine, enrollment: &Enrollment) -> bool {
+    match &machine.host {
+        Some(host) => host.id == enrollment.host_id,
+        None => machine.state == MachineState::Creating,
+    }
+}
+
+/// What [`Inventory::record_enrollment`] decided.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum EnrollVerdict {
+    /// The first enrollment of the host: recorded.
+    Enrolled,
+    /// The same credential again (an agent whose answer was lost): nothing changed.
+    AlreadyEnrolled,
+    /// Another enrollment while one holds: the record is marked as a conflict.
+    Conflict,
+}
 
 /// Operation ids are `<prefix>-<n>`; the reference uses the prefix `op`.
 pub const OPERATION_PREFIX: &str = "op";
@@ -343,8 +363,66 @@ impl Inventory {
             if slot.machine.state != MachineState::Configuring {
                 slot.sealed = None;
             }
+            // An enrollment speaks for one host: forgotten with it. While a Create runs the
+            // host is not recorded yet, and the agent may already have enrolled.
+            if slot
+                .enrollment
+                .as_ref()
+                .is_some_and(|e| !enrollment_holds(&slot.machine, e))
+            {
+                slot.enrollment = None;
+            }
             changes.push(Change::PutSlot(Slot::clone(&slot)));
         }
+    }
+
+    /// Records the enrollment of the agent on `machine_id`'s host, atomically with what the
+    /// slot already holds: a first enrollment is recorded; the same credential again changes
+    /// nothing; any other enrollment while one holds (the one-time token presented twice)
+    /// marks the recorded one as a conflict, for good. Refused when the slot is gone, holds
+    /// another host, or was created again since the token was issued. The slot's List
+    /// revision does not move: nothing a shard sees changes.
+    pub fn record_enrollment(
+        &mut self,
+        machine_id: &str,
+        enrollment: Enrollment,
+        changes: &mut Vec<Change>,
+    ) -> Result<EnrollVerdict, String> {
+        let Some(mut slot) = self.slots.get_mut(machine_id) else {
+            return Err(format!("machine {machine_id} does not exist"));
+        };
+        if slot.operation(OperationKind::Create) != Some(enrollment.create_operation.as_str()) {
+            return Err(format!(
+                "machine {machine_id} was created again since this token was issued"
+            ));
+        }
+        if !enrollment_holds(&slot.machine, &enrollment) {
+            return Err(format!(
+                "machine {machine_id} does not hold host {} (any more)",
+                enrollment.host_id
+            ));
+        }
+        let verdict = match slot.enrollment.as_deref() {
+            Some(held) if enrollment_holds(&slot.machine, held) => {
+                if !held.conflict && held.credential_digest == enrollment.credential_digest {
+                    return Ok(EnrollVerdict::AlreadyEnrolled);
+                }
+                if held.conflict {
+                    return Ok(EnrollVerdict::Conflict);
+                }
+                slot.enrollment = Some(Arc::new(Enrollment {
+                    conflict: true,
+                    ..held.clone()
+                }));
+                EnrollVerdict::Conflict
+            }
+            _ => {
+                slot.enrollment = Some(Arc::new(enrollment));
+                EnrollVerdict::Enrolled
+            }
+        };
+        changes.push(Change::PutSlot(Slot::clone(&slot)));
+        Ok(verdict)
     }
 
     /// The operation id the next accepted transition gets (a Configure seals its blob for it
@@ -554,6 +632,7 @@ impl Inventory {
             last_change: self.revision,
             operations: Default::default(),
             sealed: None,
+            enrollment: None,
         };
         if let Some(changes) = changes {
             changes.push(Change::PutSlot(slot.clone()));

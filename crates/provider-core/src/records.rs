@@ -19,6 +19,36 @@ pub struct Slot {
     /// The sealed bootstrap blob of the Configure in flight: present only while the machine is
     /// Configuring and the provider runs with `--state-encryption-key-file` (`seal`).
     pub sealed: Option<Arc<SealedConfigure>>,
+    /// Which credential speaks for the agent on the slot's host, once it enrolled (the
+    /// DigitalOcean bootstrap channel): kept while the slot holds that host, forgotten with it.
+    pub enrollment: Option<Arc<Enrollment>>,
+}
+
+/// An on-host agent's enrollment, as the state keeps it: the host it was made on, a digest of
+/// the credential it chose (never the credential: a reader of the state learns nothing that
+/// lets it speak for the agent), and whether a second enrollment was attempted with the spent
+/// one-time token.
+#[derive(Clone, PartialEq, Eq)]
+pub struct Enrollment {
+    /// The cloud's host id the credential is bound to (a Droplet id).
+    pub host_id: String,
+    /// The Create operation whose one-time token was spent on this enrollment.
+    pub create_operation: String,
+    /// A digest of the credential (bound to the host id; the channel defines it).
+    pub credential_digest: Vec<u8>,
+    /// Set when another enrollment presented the spent token: nothing is delivered to the
+    /// machine's host any more, and its Configures fail.
+    pub conflict: bool,
+}
+
+impl std::fmt::Debug for Enrollment {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Enrollment")
+            .field("host_id", &self.host_id)
+            .field("create_operation", &self.create_operation)
+            .field("conflict", &self.conflict)
+            .finish_non_exhaustive()
+    }
 }
 
 /// A Configure's bootstrap blob as the state keeps it while the Configure runs: sealed with the

@@ -146,6 +146,18 @@ impl Leading {
                 .is_none_or(|replica| replica.serves_now())
     }
 
+    /// The engine of the term this replica leads now, while it serves (a side server's way to
+    /// read and record state of its own, such as an agent's enrollment).
+    pub fn engine(&self) -> Option<Arc<Engine>> {
+        if !self.get() {
+            return None;
+        }
+        self.2
+            .get()
+            .and_then(std::sync::Weak::upgrade)
+            .and_then(|replica| replica.writer().ok())
+    }
+
     /// Set by the replica as its role changes (public for side servers' tests).
     pub fn set(&self, leading: bool) {
         self.0

@@ -33,6 +33,8 @@ pub struct Telemetry {
     pub bootstrap_commands: &'static str,
     pub bootstrap_acks: &'static str,
     pub bootstrap_unauthorized: &'static str,
+    pub bootstrap_enrollments: &'static str,
+    pub bootstrap_enrollment_conflicts: &'static str,
     pub build_info: &'static str,
     // Listener and input limits (docs/limits.md).
     pub unknown_id_marks: &'static str,
@@ -126,6 +128,8 @@ impl Telemetry {
             bootstrap_commands: leak(prefix, "bootstrap_commands_total"),
             bootstrap_acks: leak(prefix, "bootstrap_acks_total"),
             bootstrap_unauthorized: leak(prefix, "bootstrap_unauthorized_total"),
+            bootstrap_enrollments: leak(prefix, "bootstrap_enrollments_total"),
+            bootstrap_enrollment_conflicts: leak(prefix, "bootstrap_enrollment_conflicts_total"),
             build_info: leak(prefix, "build_info"),
             // Listener and input limits (docs/limits.md).
             unknown_id_marks: leak(prefix, "unknown_id_fence_marks"),
@@ -270,6 +274,16 @@ impl Telemetry {
     pub fn bootstrap_unauthorized(&self) {
         counter!(self.bootstrap_unauthorized).increment(1);
     }
+
+    /// One enrollment request of an on-host agent, by how it ended.
+    pub fn bootstrap_enrollment(&self, outcome: &'static str) {
+        counter!(self.bootstrap_enrollments, "outcome" => outcome).increment(1);
+    }
+
+    /// A second enrollment with a spent one-time token (an attack or a cloned disk).
+    pub fn bootstrap_enrollment_conflict(&self) {
+        counter!(self.bootstrap_enrollment_conflicts).increment(1);
+    }
 }
 
 /// Signals the shipped alerts need beyond the counters above: the expiry of the certificates
@@ -350,6 +364,7 @@ impl Telemetry {
         let _ = recorder();
         self.certificate_expiry("bootstrap", cert);
         counter!(self.bootstrap_unauthorized).absolute(0);
+        counter!(self.bootstrap_enrollment_conflicts).absolute(0);
     }
 
     /// A zero `<prefix>_shard_identity_rejected_total` for every reason label the binding

@@ -76,6 +76,7 @@ async fn main() -> std::process::ExitCode {
     } else {
         builder.init();
     }
+    let config_path = args.config.clone();
     let agent = AgentConfig::load(&args.config).and_then(|config| {
         Agent::new(
             config,
@@ -90,6 +91,7 @@ async fn main() -> std::process::ExitCode {
                     readiness: args.readiness_timeout,
                     drain: args.drain_timeout,
                 },
+                config_path: Some(config_path),
             },
         )
     });

@@ -82,6 +82,8 @@ impl Site {
             format!("--bootstrap-tls-cert={cert}"),
             format!("--bootstrap-tls-key={key}"),
             format!("--bootstrap-ca={ca}"),
+            // The agents run on loopback, not at the emulated Droplets' addresses.
+            "--bootstrap-enrollment-source=any".to_owned(),
         ];
         Site {
             emulator,
@@ -181,7 +183,7 @@ pub(crate) struct Provider {
 }
 
 impl Provider {
-    async fn start(extra: &[&str]) -> Provider {
+    pub async fn start(extra: &[&str]) -> Provider {
         Provider::start_on(Site::start().await, extra).await
     }
 
@@ -282,6 +284,24 @@ impl Provider {
             self.get(id).await,
             self.logs()
         );
+    }
+
+    /// Waits until the machine leaves its transitional state (bounded) and returns it.
+    pub async fn wait_for_state_or_failed(&mut self, id: &str) -> pb::Machine {
+        for _ in 0..600 {
+            let m = self.get(id).await;
+            let transitional = [
+                pb::MachineState::Creating as i32,
+                pb::MachineState::Configuring as i32,
+                pb::MachineState::Draining as i32,
+                pb::MachineState::Deleting as i32,
+            ];
+            if !transitional.contains(&m.state) {
+                return m;
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        panic!("{id} stayed transitional\n{}", self.logs());
     }
 
     pub async fn create(&mut self, id: &str) {
@@ -447,17 +467,18 @@ async fn a_silent_agent_times_out_into_failed() {
     let id = p.speculative(1).await.remove(0);
     p.create(&id).await;
     p.wait_for(&id, pb::MachineState::Idle).await;
-    // No agent ever polls for this Droplet.
+    // No agent ever enrolls or polls for this Droplet.
     p.configure(&id, "prod", BLOB).await;
     let failed = p.wait_for(&id, pb::MachineState::Failed).await;
     assert!(
-        failed.last_error.contains("context deadline exceeded")
-            && (failed
-                .last_error
-                .starts_with("configure transition timed out after 2s")
-                || failed
+        failed.last_error.contains("never enrolled")
+            || failed.last_error.contains("context deadline exceeded")
+                && (failed
                     .last_error
-                    .starts_with(&format!("agent did not apply configure for {id}"))),
+                    .starts_with("configure transition timed out after 2s")
+                    || failed
+                        .last_error
+                        .starts_with(&format!("agent did not apply configure for {id}"))),
         "{}",
         failed.last_error
     );

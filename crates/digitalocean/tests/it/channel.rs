@@ -102,12 +102,31 @@ async fn unauthenticated_and_cross_machine_requests_get_401() {
         .await
         .unwrap();
     assert_eq!(r.status(), 401);
-    // B gets its command, percent-encoded machine id and all.
+    // B's user_data token alone never sees the blob: the Configure waits for B to enroll.
     let r = get_command(
         &client,
         &endpoint,
         Some(b),
         Some(&format!("Bearer {}", token(b))),
+    )
+    .await;
+    assert_eq!(r.status(), 204);
+    let credential = enroll(&client, &endpoint, b, &token(b)).await;
+    // Once enrolled, the spent token is refused, and so is A's token as an enrollment of B.
+    let r = get_command(
+        &client,
+        &endpoint,
+        Some(b),
+        Some(&format!("Bearer {}", token(b))),
+    )
+    .await;
+    assert_eq!(r.status(), 401);
+    // B gets its command with its credential, percent-encoded machine id and all.
+    let r = get_command(
+        &client,
+        &endpoint,
+        Some(b),
+        Some(&format!("Bearer {credential}")),
     )
     .await;
     assert_eq!(r.status(), 200);
@@ -250,6 +269,10 @@ async fn command_ids_follow_the_transition_across_channel_instances_and_newer_co
     let two = RunningChannel::start(&pki, Duration::from_millis(100), AuthLimit::default()).await;
     let client = channel_client(&pki.ca_pem);
     let m = "m-9";
+    // The agent enrolled with the first; the second knows it as a new process reads it from
+    // the state.
+    let credential = enroll(&client, &one.endpoint(), m, &token(m)).await;
+    two.channel.adopt_enrollments(&one.channel);
     let mut ids = Vec::new();
     for (ch, operation_id) in [(&one, "op-1"), (&two, "op-1"), (&two, "op-2")] {
         let channel = ch.channel.clone();
@@ -266,7 +289,7 @@ async fn command_ids_follow_the_transition_across_channel_instances_and_newer_co
             &client,
             &ch.endpoint(),
             Some(m),
-            Some(&format!("Bearer {}", token(m))),
+            Some(&format!("Bearer {credential}")),
         )
         .await
         .json()
@@ -321,18 +344,19 @@ async fn failed_authentications_are_throttled_per_source_and_machine_never_for_a
         .parse()
         .unwrap();
     assert!((1..=60).contains(&retry), "{retry}");
-    // Another agent behind that address, with its correct token, gets its command.
+    // Another agent behind that address, with its correct token, enrolls and gets its command.
     let channel = ch.channel.clone();
     let pending = tokio::spawn(async move {
         channel
             .deliver("m-good", configure(b"good"), &ctx(Duration::from_secs(10)))
             .await
     });
+    let credential = enroll(&client, &endpoint, "m-good", &token("m-good")).await;
     let r = get_command(
         &client,
         &endpoint,
         Some("m-good"),
-        Some(&format!("Bearer {}", token("m-good"))),
+        Some(&format!("Bearer {credential}")),
     )
     .await;
     assert_eq!(r.status(), 200);
@@ -419,7 +443,7 @@ async fn an_agent_refuses_a_channel_whose_certificate_is_not_from_its_pinned_ca(
     assert!(!dir.path().join("hook.runs").exists(), "the hook never ran");
     assert!(
         agent
-            .wait_for_output("poll failed", Duration::from_secs(5))
+            .wait_for_output("enrollment failed", Duration::from_secs(5))
             .await
     );
     let out = agent.output();
@@ -466,6 +490,7 @@ async fn a_polling_agent_survives_a_channel_restart() {
     );
     // Stop the provider's channel while the agent's poll is held, then start a new one on
     // the same address.
+    let state = first.channel.clone();
     first.stop().await;
     let listener = TcpListener::bind(addr).await.unwrap();
     let second = RunningChannel::start_on(
@@ -474,6 +499,8 @@ async fn a_polling_agent_survives_a_channel_restart() {
         Duration::from_secs(20),
         AuthLimit::default(),
     );
+    // The new process knows the agent's enrollment from the state.
+    second.channel.adopt_enrollments(&state);
     second
         .channel
         .deliver(
@@ -585,7 +612,7 @@ async fn an_agent_refuses_a_certificate_from_another_ca_of_the_channel_certifica
     );
     assert!(
         agent
-            .wait_for_output("poll failed", Duration::from_secs(5))
+            .wait_for_output("enrollment failed", Duration::from_secs(5))
             .await
     );
     drop(agent);
@@ -1037,7 +1064,7 @@ async fn the_agent_refuses_a_tls_1_2_server() {
     let agent = spawn_agent(dir.path(), server.addr, &pki.ca_pem, "m-tls12");
     assert!(
         agent
-            .wait_for_output("poll failed", Duration::from_secs(10))
+            .wait_for_output("enrollment failed", Duration::from_secs(10))
             .await
     );
     assert!(
@@ -1128,8 +1155,10 @@ async fn an_agent_moves_to_the_new_leader_after_a_takeover() {
         .deliver(m, configure(b"before"), &ctx(Duration::from_secs(15)))
         .await
         .unwrap();
-    // The agent polls the leader again (held), then the other replica takes over.
+    // The agent polls the leader again (held), then the other replica takes over, with the
+    // enrollment the shared state holds.
     tokio::time::sleep(Duration::from_millis(300)).await;
+    new.channel.adopt_enrollments(&old.channel);
     old_leading.set(false);
     new_leading.set(true);
     service.retarget(new.addr);

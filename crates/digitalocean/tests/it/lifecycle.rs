@@ -5,6 +5,7 @@
 use std::time::Duration;
 
 use digitalocean::naming::{MANAGED_TAG, cluster_tag, droplet_name, machine_tag, provider_tag};
+use digitalocean::token::{BootstrapSecret, UserDataToken};
 use provider_core::backend::{BootstrapBlob, ConfigureOrder};
 use provider_core::cloud::Cloud;
 use provider_core::machine::HostRef;
@@ -65,7 +66,17 @@ async fn full_lifecycle_with_the_real_agent() {
     let config: serde_json::Value = serde_json::from_str(&config_json).unwrap();
     assert_eq!(config["machine_id"], m.id.as_str());
     assert_eq!(config["endpoint"], env.channel.endpoint().as_str());
-    assert_eq!(config["token"], token(&m.id).as_str());
+    // The one-time enrollment token of this Create, not the older per-slot token.
+    let user_data_token = config["token"].as_str().unwrap().to_owned();
+    assert!(
+        matches!(
+            BootstrapSecret::new(SECRET)
+                .unwrap()
+                .check_user_data_token(&m.id, &user_data_token),
+            Some(UserDataToken::Enrollment { .. })
+        ),
+        "{user_data_token}"
+    );
     assert_eq!(config["ca_pem"], env.pki.ca_pem.as_str());
     let dir = env.dir.path();
     let hook = recording_hook(dir, 0);
@@ -161,6 +172,7 @@ async fn full_lifecycle_with_the_real_agent() {
         for secret in [
             SECRET,
             token(&m.id).as_str(),
+            user_data_token.as_str(),
             API_TOKEN,
             blob_text.as_str(),
             blob_b64.as_str(),
@@ -245,8 +257,11 @@ async fn an_agent_that_never_answers_times_out() {
     assert_eq!(
         err.0,
         format!(
-            "agent did not apply configure for {}: context deadline exceeded",
-            m.id
+            "configure: the agent on droplet {} never enrolled, and a bootstrap blob is \
+             delivered only to an enrolled agent (an agent older than the provider cannot \
+             enroll: install a current bigfleet-agent in the image; see the agent's log for \
+             why its enrollment failed)",
+            host.id
         )
     );
     // The command was withdrawn: a late poll finds nothing.
@@ -270,6 +285,11 @@ async fn an_agent_that_never_answers_times_out() {
 async fn an_agent_restarted_mid_command_never_runs_it_twice() {
     let env = Env::start().await;
     let m = machine(3);
+    // The agent enrolls from the machine's Droplet.
+    env.cloud
+        .create_host(&m, &ctx(Duration::from_secs(20)))
+        .await
+        .unwrap();
     let dir = env.dir.path();
     let hook = dir.join("bootstrap");
     // The first run blocks until released; every run is recorded.

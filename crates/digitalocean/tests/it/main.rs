@@ -9,6 +9,7 @@ mod binary;
 mod budget;
 mod channel;
 mod cloud;
+mod enrollment;
 mod lifecycle;
 mod pin;
 mod production;

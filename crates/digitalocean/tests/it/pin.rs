@@ -102,7 +102,7 @@ fn provider_pin(
 
 /// Starts an agent with the provider's pin against `channel` and says whether a configure got
 /// through (the hook ran with the blob). When it is expected not to, the agent must have logged
-/// `refusal` as the reason its poll failed.
+/// `refusal` as the reason its enrollment failed.
 async fn configure_through(
     channel: &RunningChannel,
     pin: &(String, String, String),
@@ -154,7 +154,7 @@ async fn configure_through(
         Err(e) => {
             assert!(e.0.ends_with("context deadline exceeded"), "{}", e.0);
             assert!(!dir.path().join("hook.runs").exists(), "the hook never ran");
-            let reason = refusal.unwrap_or("poll failed");
+            let reason = refusal.unwrap_or("enrollment failed");
             assert!(
                 agent.wait_for_output(reason, Duration::from_secs(5)).await,
                 "{}",
@@ -386,7 +386,7 @@ async fn a_server_presenting_the_pinned_certificate_without_its_key_is_refused()
         } else {
             assert!(
                 agent
-                    .wait_for_output("poll failed", Duration::from_secs(10))
+                    .wait_for_output("enrollment failed", Duration::from_secs(10))
                     .await,
                 "{}",
                 agent.output()

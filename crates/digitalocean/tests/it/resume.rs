@@ -8,7 +8,7 @@
 
 use std::time::Duration;
 
-use digitalocean::channel::{AuthLimit, Command};
+use digitalocean::channel::{AuthLimit, Channel, Command};
 use tokio::net::TcpListener;
 
 use crate::support::*;
@@ -22,10 +22,14 @@ fn configure() -> Command {
     }
 }
 
-/// One provider process's channel on `addr`, after the previous one let go of it.
-async fn channel_on(addr: std::net::SocketAddr, pki: &Pki) -> RunningChannel {
+/// One provider process's channel on `addr`, after the previous one let go of it; it knows
+/// the agents' enrollments `previous` recorded, as a new process reads them from the state.
+async fn channel_on(addr: std::net::SocketAddr, pki: &Pki, previous: &Channel) -> RunningChannel {
     let listener = TcpListener::bind(addr).await.unwrap();
-    RunningChannel::start_on(listener, pki, Duration::from_secs(2), AuthLimit::default())
+    let running =
+        RunningChannel::start_on(listener, pki, Duration::from_secs(2), AuthLimit::default());
+    running.channel.adopt_enrollments(previous);
+    running
 }
 
 struct Droplet {
@@ -90,6 +94,11 @@ async fn kill_provider(
     channel.stop().await;
 }
 
+/// What a provider process keeps in its state for the next one (the agents' enrollments).
+fn kept(channel: &RunningChannel) -> Channel {
+    channel.channel.clone()
+}
+
 /// The restart comes while the hook runs; its ack reaches the resumed delivery of the new
 /// process, which ends `Ok`, and the hook ran once.
 #[tokio::test]
@@ -104,9 +113,10 @@ async fn a_configure_resumed_by_a_new_process_while_the_hook_runs_ends_ok_and_ru
     let delivery = deliver(&first, configure(), "op-41");
     // The agent fetched the command and runs the hook.
     assert!(eventually(Duration::from_secs(10), || runs(dir, "hook") == 1).await);
+    let state = kept(&first);
     kill_provider(first, delivery).await;
 
-    let second = channel_on(addr, &pki).await;
+    let second = channel_on(addr, &pki, &state).await;
     let resumed = deliver(&second, configure(), "op-41");
     tokio::time::sleep(Duration::from_millis(200)).await;
     release(dir, "hook");
@@ -136,6 +146,7 @@ async fn resumed_after_the_run(
     let dir = droplet.dir.path();
     let delivery = deliver(&first, configure(), operation_id);
     assert!(eventually(Duration::from_secs(10), || runs(dir, "hook") == 1).await);
+    let state = kept(&first);
     kill_provider(first, delivery).await;
     release(dir, "hook");
     assert!(
@@ -147,7 +158,7 @@ async fn resumed_after_the_run(
         droplet.agent.output()
     );
 
-    let second = channel_on(addr, &pki).await;
+    let second = channel_on(addr, &pki, &state).await;
     assert!(
         droplet
             .agent
@@ -218,6 +229,7 @@ async fn a_drain_resumed_by_a_new_process_is_answered_from_the_record() {
     let dir = droplet.dir.path();
     let delivery = deliver(&first, Command::Drain { grace_seconds: 30 }, "op-51");
     assert!(eventually(Duration::from_secs(10), || runs(dir, "drain") == 1).await);
+    let state = kept(&first);
     kill_provider(first, delivery).await;
     release(dir, "drain");
     // The agent gives up acking while no provider listens, so only the record can answer
@@ -230,7 +242,7 @@ async fn a_drain_resumed_by_a_new_process_is_answered_from_the_record() {
         "{}",
         droplet.agent.output()
     );
-    let second = channel_on(addr, &pki).await;
+    let second = channel_on(addr, &pki, &state).await;
     deliver(&second, Command::Drain { grace_seconds: 1 }, "op-51")
         .await
         .unwrap()
@@ -265,8 +277,9 @@ async fn readiness_resumed_by_a_new_process_is_answered_and_a_lost_not_ready_is_
     std::fs::write(p.join("ready.now"), b"").unwrap();
     let delivery = deliver(&first, ready(), "op-61");
     assert!(eventually(Duration::from_secs(10), || runs(p, "probe") == 1).await);
+    let state = kept(&first);
     kill_provider(first, delivery).await;
-    let second = channel_on(addr, &pki).await;
+    let second = channel_on(addr, &pki, &state).await;
     let resumed = deliver(&second, ready(), "op-61");
     tokio::time::sleep(Duration::from_millis(200)).await;
     release(p, "probe");
@@ -282,6 +295,7 @@ async fn readiness_resumed_by_a_new_process_is_answered_and_a_lost_not_ready_is_
     std::fs::remove_file(p.join("ready.now")).unwrap();
     let delivery = deliver(&second, ready(), "op-62");
     assert!(eventually(Duration::from_secs(10), || runs(p, "probe") == 2).await);
+    let state = kept(&second);
     kill_provider(second, delivery).await;
     release(p, "probe");
     assert!(
@@ -293,7 +307,7 @@ async fn readiness_resumed_by_a_new_process_is_answered_and_a_lost_not_ready_is_
         droplet.agent.output()
     );
     std::fs::write(p.join("ready.now"), b"").unwrap();
-    let third = channel_on(addr, &pki).await;
+    let third = channel_on(addr, &pki, &state).await;
     deliver(&third, ready(), "op-62").await.unwrap().unwrap();
     assert_eq!(runs(p, "probe"), 3, "{}", droplet.agent.output());
 }
@@ -462,9 +476,10 @@ async fn a_configure_resumed_through_the_backend_by_a_new_process_binds_the_mach
     let interrupted = configure(std::sync::Arc::new(cloud));
     assert!(eventually(Duration::from_secs(10), || runs(dir.path(), "hook") == 1).await);
     interrupted.abort();
+    let state = kept(&first);
     first.stop().await;
 
-    let second = channel_on(addr, &pki).await;
+    let second = channel_on(addr, &pki, &state).await;
     let resumed = configure(std::sync::Arc::new(cloud_for(
         &api_url, &second, &pki, None, PROVIDER,
     )));

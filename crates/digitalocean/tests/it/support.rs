@@ -11,6 +11,7 @@ use std::time::Duration;
 use digitalocean::api::{ApiClient, ApiToken, ImageRef};
 use digitalocean::channel::{AuthLimit, Channel, ChannelLimits, ChannelSettings};
 use digitalocean::cloud::{AgentProvisioning, CloudSettings, DigitalOceanCloud};
+use digitalocean::enrollment::EnrollmentSource;
 use digitalocean::setup::channel_tls;
 use digitalocean::token::BootstrapSecret;
 use do_emulator::Emulator;
@@ -120,6 +121,8 @@ impl RunningChannel {
             },
             telemetry(),
         );
+        // Loopback agents are not at the emulated Droplets' addresses.
+        channel.set_enrollment_source(EnrollmentSource::Any);
         let stop = CancellationToken::new();
         let serving = channel.clone();
         let signal = stop.clone();
@@ -153,6 +156,8 @@ impl RunningChannel {
             limits,
             telemetry(),
         );
+        // Loopback agents are not at the emulated Droplets' addresses.
+        channel.set_enrollment_source(EnrollmentSource::Any);
         let stop = CancellationToken::new();
         let serving = channel.clone();
         let signal = stop.clone();
@@ -551,6 +556,38 @@ pub fn channel_client(ca_pem: &str) -> reqwest::Client {
         .min_tls_version(reqwest::tls::Version::TLS_1_3)
         .timeout(Duration::from_secs(30))
         .build()
+        .unwrap()
+}
+
+/// Enrolls `machine_id` at the channel `endpoint` with its user_data `token` and a fresh
+/// credential, as the agent does first; returns the credential.
+pub async fn enroll(
+    client: &reqwest::Client,
+    endpoint: &str,
+    machine_id: &str,
+    token: &str,
+) -> String {
+    let credential = digitalocean::token::new_credential().expose().to_owned();
+    let r = enroll_with(client, endpoint, machine_id, token, &credential).await;
+    assert_eq!(r.status(), 200, "enrollment of {machine_id}");
+    credential
+}
+
+/// One enrollment request; the caller reads the answer.
+pub async fn enroll_with(
+    client: &reqwest::Client,
+    endpoint: &str,
+    machine_id: &str,
+    token: &str,
+    credential: &str,
+) -> reqwest::Response {
+    client
+        .post(format!("{endpoint}/v1/enroll"))
+        .query(&[("machine_id", machine_id)])
+        .bearer_auth(token)
+        .json(&serde_json::json!({ "credential": credential }))
+        .send()
+        .await
         .unwrap()
 }
 

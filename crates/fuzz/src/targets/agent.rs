@@ -84,10 +84,11 @@ fn command_property(u: &mut Unstructured<'_>) -> Result<()> {
 }
 
 /// The fields a config must hold as non-blank strings.
-const REQUIRED_KEYS: &[&str] = &["endpoint", "machine_id", "token"];
-/// The trust fields: absent, or strings; `pinned_spki_sha256`, then `pinned_cert_pem`, wins
-/// when it is not blank.
-const TRUST_KEYS: &[&str] = &["ca_pem", "pinned_cert_pem", "pinned_spki_sha256"];
+const REQUIRED_KEYS: &[&str] = &["endpoint", "machine_id"];
+/// Fields that may be absent (or blank) but are strings when present: the trust fields
+/// (`pinned_spki_sha256`, then `pinned_cert_pem`, wins when it is not blank), and the token,
+/// which an enrolled agent removes from its config.
+const TRUST_KEYS: &[&str] = &["ca_pem", "pinned_cert_pem", "pinned_spki_sha256", "token"];
 const CONFIG_KEYS: &[&str] = &[
     "endpoint",
     "ca_pem",

@@ -9,6 +9,7 @@ use std::time::Duration;
 
 use arbitrary::{Result, Unstructured};
 use digitalocean::channel::{AuthLimit, Channel, ChannelSettings};
+use digitalocean::enrollment::parse_enroll;
 use digitalocean::token::BootstrapSecret;
 use provider_core::telemetry::Telemetry;
 use rustls_pki_types::ServerName;
@@ -22,20 +23,33 @@ pub const REQUESTS: Target = Target {
     name: "channel-requests",
     checks: "raw HTTP/1.1 requests to the bootstrap channel (methods, paths, machine_id \
              queries, valid/invalid/missing bearer tokens, wrong or missing Content-Length, \
-             chunked bodies, ack-shaped and damaged bodies): no handler task panics, no answer \
-             is a 5xx, a well-formed request with the machine's valid token is never refused \
-             as unauthorized, and one with a wrong token always is",
+             chunked bodies, ack-shaped, enrollment-shaped and damaged bodies): no handler task \
+             panics, no answer is a 5xx, a well-formed request with the machine's valid token is \
+             never refused as unauthorized, and one with a wrong token always is; an enrollment \
+             with the right token is enrolled or a conflict; whatever the enrollment decoder \
+             accepts is a 32-byte credential that a re-encoded body gives back",
     property,
 };
 
 /// The machine whose token the fuzzer knows.
 const MACHINE: &str = "do/s-1/fra1/0";
+/// The machine the fuzzer enrolls (another one, so `MACHINE`'s token stays valid).
+const ENROLLING: &str = "do/s-1/fra1/1";
+/// Credentials an enrollment body may carry: two well-formed ones, then malformed ones.
+const CREDENTIALS: &[&str] = &[
+    "AAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAA",
+    "_____________________________________-----",
+    "AAAA",
+    "!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!",
+    "AAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAA",
+];
 
 struct Server {
     runtime: tokio::runtime::Runtime,
     addr: SocketAddr,
     connector: TlsConnector,
     token: String,
+    enroll_token: String,
     _channel: Channel,
 }
 
@@ -68,6 +82,10 @@ fn start() -> Server {
         Telemetry::new("bigfleet_fuzz"),
     );
     let token = channel.token_for(MACHINE).expose().to_owned();
+    let enroll_token = channel
+        .enrollment_token_for(ENROLLING, "op-1")
+        .expose()
+        .to_owned();
     let listener = runtime
         .block_on(tokio::net::TcpListener::bind("127.0.0.1:0"))
         .expect("bind");
@@ -90,6 +108,7 @@ fn start() -> Server {
         addr,
         connector: TlsConnector::from(Arc::new(config)),
         token,
+        enroll_token,
         _channel: channel,
     }
 }
@@ -107,12 +126,15 @@ struct Shape {
     valid_token: bool,
     wrong_token: bool,
     known_route: bool,
+    /// An enrollment whose body the decoder accepts.
+    enrollment: bool,
 }
 
-fn request(u: &mut Unstructured<'_>, token: &str) -> Result<(Vec<u8>, Shape)> {
-    let (method, path) = match u.int_in_range(0..=4)? {
+fn request(u: &mut Unstructured<'_>, server: &Server) -> Result<(Vec<u8>, Shape)> {
+    let (method, path) = match u.int_in_range(0..=5)? {
         0 | 1 => ("GET".to_owned(), "/v1/command".to_owned()),
         2 => ("POST".to_owned(), "/v1/ack".to_owned()),
+        3 => ("POST".to_owned(), "/v1/enroll".to_owned()),
         _ => (
             word(
                 u,
@@ -121,7 +143,14 @@ fn request(u: &mut Unstructured<'_>, token: &str) -> Result<(Vec<u8>, Shape)> {
             )?,
             word(
                 u,
-                &["/v1/command", "/v1/ack", "/", "/v1/", "//v1/ack"],
+                &[
+                    "/v1/command",
+                    "/v1/ack",
+                    "/v1/enroll",
+                    "/",
+                    "/v1/",
+                    "//v1/ack",
+                ],
                 false,
             )?,
         ),
@@ -136,7 +165,13 @@ fn request(u: &mut Unstructured<'_>, token: &str) -> Result<(Vec<u8>, Shape)> {
             format!("?machine_id={id}")
         }
         2 => "?machine_id=do%2Fs-1%2Ffra1%2F0&machine_id=x".to_owned(),
+        _ if path == "/v1/enroll" => format!("?machine_id={ENROLLING}"),
         _ => "?machine_id=do/s-1/fra1/0".to_owned(),
+    };
+    let token = if path == "/v1/enroll" {
+        server.enroll_token.as_str()
+    } else {
+        server.token.as_str()
     };
     let (auth, valid_token, wrong_token) = match u.int_in_range(0..=5)? {
         0 => (None, false, false),
@@ -149,8 +184,19 @@ fn request(u: &mut Unstructured<'_>, token: &str) -> Result<(Vec<u8>, Shape)> {
         3 => (Some(short_string(u)?), false, false),
         _ => (Some(format!("Bearer {token}")), true, false),
     };
-    let body = match u.int_in_range(0..=3)? {
+    let body = match u.int_in_range(0..=4)? {
         0 => Vec::new(),
+        4 => {
+            let mut enroll = serde_json::Map::new();
+            let key = word(u, &["credential", "Credential", "credentials"], false)?;
+            let value = if u.ratio(7, 8)? {
+                serde_json::Value::String(word(u, CREDENTIALS, false)?)
+            } else {
+                serde_json::Value::Bool(u.arbitrary()?)
+            };
+            enroll.insert(key, value);
+            json_bytes(u, &serde_json::Value::Object(enroll))?
+        }
         1 => {
             let n = u.int_in_range(0..=64)?;
             u.bytes(n)?.to_vec()
@@ -214,17 +260,42 @@ fn request(u: &mut Unstructured<'_>, token: &str) -> Result<(Vec<u8>, Shape)> {
         well_formed = false;
     }
     let known_route = ((method == "GET" && path == "/v1/command")
-        || (method == "POST" && path == "/v1/ack"))
+        || (method == "POST" && (path == "/v1/ack" || path == "/v1/enroll")))
         && !query.is_empty();
+    let enrollment = path == "/v1/enroll" && check_decoder(&body);
+    let target = if path == "/v1/enroll" {
+        ENROLLING
+    } else {
+        MACHINE
+    };
     Ok((
         bytes,
         Shape {
             well_formed,
-            valid_token: valid_token && query.ends_with("machine_id=do/s-1/fra1/0"),
+            valid_token: valid_token && query.ends_with(&format!("machine_id={target}")),
             wrong_token,
             known_route,
+            enrollment,
         },
     ))
+}
+
+/// The enrollment decoder on `body`: whatever it accepts is a 43-character credential of 32
+/// bytes that a re-encoded body gives back unchanged. Returns whether it accepted `body`.
+fn check_decoder(body: &[u8]) -> bool {
+    use base64::Engine as _;
+    let Some(request) = parse_enroll(body) else {
+        return false;
+    };
+    assert_eq!(request.credential.len(), 43);
+    let bytes = base64::engine::general_purpose::URL_SAFE_NO_PAD
+        .decode(request.credential.as_bytes())
+        .expect("an accepted credential decodes");
+    assert_eq!(bytes.len(), 32);
+    let again = serde_json::json!({ "credential": request.credential.as_str() }).to_string();
+    let reparsed = parse_enroll(again.as_bytes()).expect("a re-encoded body decodes");
+    assert_eq!(reparsed.credential, request.credential);
+    true
 }
 
 /// Sends `bytes` and returns the status of the first response, if one came within 250 ms (a
@@ -258,7 +329,7 @@ fn property(u: &mut Unstructured<'_>) -> Result<()> {
     SERVER.with(|cell| {
         let mut slot = cell.borrow_mut();
         let server = slot.get_or_insert_with(start);
-        let (bytes, shape) = request(u, &server.token)?;
+        let (bytes, shape) = request(u, server)?;
         let status = server.runtime.block_on(exchange(server, &bytes));
         if let Some(status) = status {
             let sent = String::from_utf8_lossy(&bytes);
@@ -269,6 +340,14 @@ fn property(u: &mut Unstructured<'_>) -> Result<()> {
                 }
                 if shape.wrong_token {
                     assert_eq!(status, 401, "a wrong token was not refused: {sent:?}");
+                }
+                // An enrollment with the right token either enrolls (or repeats the enrolled
+                // credential) or is a conflict; never anything else.
+                if shape.valid_token && shape.enrollment {
+                    assert!(
+                        status == 200 || status == 401,
+                        "an enrollment was answered {status}: {sent:?}"
+                    );
                 }
             }
         }

@@ -10,7 +10,7 @@ use provider_core::durable::codec::{self, Entry, RECORD_HEADER_LEN};
 use provider_core::durable::{self, DurableStore};
 use provider_core::fence::HighWaterMark;
 use provider_core::machine::{CapacityType, HostRef, Machine, MachineState, StringMap};
-use provider_core::records::{Change, FenceRecord, SealedConfigure, Slot, Snapshot};
+use provider_core::records::{Change, Enrollment, FenceRecord, SealedConfigure, Slot, Snapshot};
 use provider_core::store::Store;
 use serde_json::Value;
 
@@ -115,6 +115,17 @@ pub(crate) fn slot(u: &mut Unstructured<'_>) -> Result<Slot> {
             Some(Arc::new(SealedConfigure {
                 deadline_unix_ms: u.arbitrary()?,
                 sealed: u.arbitrary()?,
+            }))
+        } else {
+            None
+        },
+        // The enrollment trailer, alone or after the sealed one.
+        enrollment: if u.arbitrary()? {
+            Some(Arc::new(Enrollment {
+                host_id: short_string(u)?,
+                create_operation: word(u, &["op-1", "op-2", ""], false)?,
+                credential_digest: u.arbitrary()?,
+                conflict: u.arbitrary()?,
             }))
         } else {
             None

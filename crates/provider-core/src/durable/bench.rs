@@ -82,6 +82,7 @@ pub(crate) fn sample_slot(i: usize) -> Slot {
         last_change: i as i64 + 1,
         operations: Default::default(),
         sealed: None,
+        enrollment: None,
     }
 }
 

@@ -8,7 +8,7 @@ use std::sync::Arc;
 use crate::fence::HighWaterMark;
 use crate::lifecycle::OperationKind;
 use crate::machine::{CapacityType, HostRef, Machine, MachineState, StringMap};
-use crate::records::{Change, SealedConfigure, Slot};
+use crate::records::{Change, Enrollment, SealedConfigure, Slot};
 
 /// The first eight bytes of every state file.
 pub(crate) const MAGIC: [u8; 8] = *b"BFSTATE\0";
@@ -256,6 +256,9 @@ pub(crate) fn encode_snapshot_end(slots: u64, fences: u64, out: &mut Vec<u8>) {
 /// after its operation ids, byte for byte as before the trailer existed, so files written
 /// before it read unchanged; a build without it refuses only a slot that carries one.
 const SEALED_TRAILER: u8 = 1;
+/// Marks the optional trailer of a slot whose host's agent enrolled (after the sealed one, if
+/// both are present). Like the sealed trailer, a slot without one encodes as before it existed.
+const ENROLLMENT_TRAILER: u8 = 2;
 
 /// Encodes one slot. The machine id comes first, so [`slot_id`] can read it alone.
 pub fn encode_slot(slot: &Slot, out: &mut Vec<u8>) {
@@ -296,6 +299,14 @@ pub fn encode_slot(slot: &Slot, out: &mut Vec<u8>) {
         put_u64(out, sealed.deadline_unix_ms);
         put_u32(out, sealed.sealed.len() as u32);
         out.extend_from_slice(&sealed.sealed);
+    }
+    if let Some(enrollment) = &slot.enrollment {
+        out.push(ENROLLMENT_TRAILER);
+        put_str(out, &enrollment.host_id);
+        put_str(out, &enrollment.create_operation);
+        put_u32(out, enrollment.credential_digest.len() as u32);
+        out.extend_from_slice(&enrollment.credential_digest);
+        out.push(u8::from(enrollment.conflict));
     }
 }
 
@@ -444,21 +455,47 @@ pub fn decode_slot(encoded: &[u8]) -> Result<Slot, String> {
             other => return Err(format!("slot {id}: bad operation marker {other}")),
         };
     }
-    let sealed = if r.remaining() == 0 {
-        None
-    } else {
-        match r.u8()? {
+    let mut sealed = None;
+    let mut enrollment = None;
+    // Trailers come in marker order, each at most once.
+    let mut last_marker = 0;
+    while r.remaining() != 0 {
+        let marker = r.u8()?;
+        if marker <= last_marker {
+            return Err(format!("slot {id}: trailer marker {marker} out of order"));
+        }
+        last_marker = marker;
+        match marker {
             SEALED_TRAILER => {
                 let deadline_unix_ms = r.u64()?;
                 let len = r.u32()? as usize;
-                Some(Arc::new(SealedConfigure {
+                sealed = Some(Arc::new(SealedConfigure {
                     deadline_unix_ms,
                     sealed: r.bytes(len)?.to_vec(),
-                }))
+                }));
+            }
+            ENROLLMENT_TRAILER => {
+                let host_id = r.string()?;
+                let create_operation = r.string()?;
+                let len = r.u32()? as usize;
+                let credential_digest = r.bytes(len)?.to_vec();
+                let conflict = match r.u8()? {
+                    0 => false,
+                    1 => true,
+                    other => {
+                        return Err(format!("slot {id}: bad enrollment conflict flag {other}"));
+                    }
+                };
+                enrollment = Some(Arc::new(Enrollment {
+                    host_id,
+                    create_operation,
+                    credential_digest,
+                    conflict,
+                }));
             }
             other => return Err(format!("slot {id}: bad trailer marker {other}")),
         }
-    };
+    }
     if r.remaining() != 0 {
         return Err(format!(
             "slot {id}: {} unexpected trailing bytes",
@@ -486,6 +523,7 @@ pub fn decode_slot(encoded: &[u8]) -> Result<Slot, String> {
         last_change,
         operations,
         sealed,
+        enrollment,
     })
 }
 

@@ -43,6 +43,17 @@ struct ExportMachine<'a> {
     /// never its content.
     #[serde(skip_serializing_if = "Option::is_none")]
     sealed_configure: Option<ExportSealed>,
+    /// That the host's agent enrolled: the host and Create it is bound to and whether a
+    /// conflicting enrollment was seen, never the credential's digest.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    enrollment: Option<ExportEnrollment<'a>>,
+}
+
+#[derive(Serialize)]
+struct ExportEnrollment<'a> {
+    host_id: &'a str,
+    create_operation: &'a str,
+    conflict: bool,
 }
 
 #[derive(Serialize)]
@@ -111,6 +122,11 @@ pub fn render_json(snapshot: &Snapshot, source: &str) -> Result<String, String> 
                 sealed_configure: slot.sealed.as_ref().map(|sealed| ExportSealed {
                     sealed_bytes: sealed.sealed.len(),
                     deadline_unix_ms: sealed.deadline_unix_ms,
+                }),
+                enrollment: slot.enrollment.as_ref().map(|e| ExportEnrollment {
+                    host_id: &e.host_id,
+                    create_operation: &e.create_operation,
+                    conflict: e.conflict,
                 }),
             }
         })

@@ -127,6 +127,7 @@ fn convert(state: RefState) -> Imported {
             last_change: state.rev,
             operations: Default::default(),
             sealed: None,
+            enrollment: None,
         };
         if slots.insert(m.id.clone(), slot).is_some() {
             report.warnings.push(format!(

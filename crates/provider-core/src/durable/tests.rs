@@ -96,6 +96,7 @@ fn slot(id: &str, last_change: i64) -> Slot {
         last_change,
         operations: Default::default(),
         sealed: None,
+        enrollment: None,
     }
 }
 
@@ -133,6 +134,7 @@ fn rich_slot(id: &str) -> Slot {
             deadline_unix_ms: u64::MAX,
             sealed: vec![1, 0, 255, 7],
         })),
+        enrollment: None,
     }
 }
 
@@ -285,6 +287,47 @@ fn slot_encoding_keeps_exact_float_bits() {
         assert_eq!(back.machine.price_per_hour.to_bits(), value.to_bits());
         assert_eq!(codec::slot_id(&out).expect("id"), "x");
     }
+}
+
+#[test]
+fn the_enrollment_trailer_round_trips_alone_and_after_the_sealed_one_and_old_slots_read_unchanged()
+{
+    let enrollment = Arc::new(crate::records::Enrollment {
+        host_id: "4711".into(),
+        create_operation: "op-1".into(),
+        credential_digest: vec![9; 32],
+        conflict: true,
+    });
+    let plain = {
+        let mut s = rich_slot("p");
+        s.sealed = None;
+        s
+    };
+    let mut plain_bytes = Vec::new();
+    codec::encode_slot(&plain, &mut plain_bytes);
+    for sealed in [true, false] {
+        let mut s = rich_slot("e");
+        if !sealed {
+            s.sealed = None;
+        }
+        s.enrollment = Some(enrollment.clone());
+        let mut out = Vec::new();
+        codec::encode_slot(&s, &mut out);
+        assert_eq!(codec::decode_slot(&out).expect("decode"), s);
+        // Without the trailer, the bytes are those of a slot encoded before it existed.
+        s.enrollment = None;
+        let mut without = Vec::new();
+        codec::encode_slot(&s, &mut without);
+        assert!(out.starts_with(&without));
+    }
+    assert_eq!(codec::decode_slot(&plain_bytes).expect("decode"), plain);
+    // Trailers out of order, repeated or unknown are refused.
+    let mut twice = plain_bytes.clone();
+    for _ in 0..2 {
+        twice.push(2);
+        twice.extend_from_slice(&[0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0]);
+    }
+    assert!(codec::decode_slot(&twice).is_err());
 }
 
 #[test]

@@ -479,6 +479,7 @@ fn slot_of_size(id: &str, record_bytes: usize) -> Slot {
         last_change: 1,
         operations: [Some("op-1".into()), None, None, None],
         sealed: None,
+        enrollment: None,
     };
     // The record as the engine measures it: the durable slot encoding (the etcd value adds a
     // format byte, which the limit accounts for).

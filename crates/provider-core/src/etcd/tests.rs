@@ -30,6 +30,7 @@ fn slot(id: &str, last_change: i64) -> Slot {
         last_change,
         operations: [Some(format!("op-{last_change}")), None, None, None],
         sealed: None,
+        enrollment: None,
     }
 }
 

@@ -689,3 +689,62 @@ proptest! {
         }
     }
 }
+
+#[test]
+fn an_enrollment_is_recorded_once_conflicts_for_good_and_is_forgotten_with_its_host() {
+    let mut inv = seeded(1);
+    let op = accepted_op(admit(&mut inv, Create, "m-0", &zero()));
+    let enrollment = |digest: u8, host: &str, create: &str| Enrollment {
+        host_id: host.into(),
+        create_operation: create.into(),
+        credential_digest: vec![digest],
+        conflict: false,
+    };
+    let mut changes = Vec::new();
+    // A token of another Create is refused; while the Create runs the host is not known yet.
+    assert!(
+        inv.record_enrollment("m-0", enrollment(1, "h1", "op-999"), &mut changes)
+            .is_err()
+    );
+    assert!(changes.is_empty());
+    let revision = inv.revision();
+    assert_eq!(
+        inv.record_enrollment("m-0", enrollment(1, "h1", &op), &mut changes),
+        Ok(EnrollVerdict::Enrolled)
+    );
+    assert_eq!(changes.len(), 1, "one durable change");
+    assert_eq!(inv.revision(), revision, "nothing a shard sees moved");
+    // The Create records the same host: the enrollment stays.
+    settle(&mut inv, "m-0", Create, &op);
+    assert!(inv.get("m-0").unwrap().enrollment.is_some());
+    assert_eq!(
+        inv.record_enrollment("m-0", enrollment(1, "h1", &op), &mut Vec::new()),
+        Ok(EnrollVerdict::AlreadyEnrolled)
+    );
+    // Another credential is a conflict, and from then on so is the first one.
+    assert_eq!(
+        inv.record_enrollment("m-0", enrollment(2, "h1", &op), &mut Vec::new()),
+        Ok(EnrollVerdict::Conflict)
+    );
+    assert!(
+        inv.get("m-0")
+            .unwrap()
+            .enrollment
+            .as_ref()
+            .unwrap()
+            .conflict
+    );
+    assert_eq!(
+        inv.record_enrollment("m-0", enrollment(1, "h1", &op), &mut Vec::new()),
+        Ok(EnrollVerdict::Conflict)
+    );
+    // Another host of the slot cannot enroll on this record.
+    assert!(
+        inv.record_enrollment("m-0", enrollment(3, "h2", &op), &mut Vec::new())
+            .is_err()
+    );
+    // Delete forgets the host, and the enrollment with it.
+    let delete = accepted_op(admit(&mut inv, Delete, "m-0", &zero()));
+    settle(&mut inv, "m-0", Delete, &delete);
+    assert!(inv.get("m-0").unwrap().enrollment.is_none());
+}
