@@ -10,6 +10,8 @@ mod e2e;
 mod fuzz;
 mod grpc_health;
 mod helm;
+#[cfg(test)]
+mod modules;
 mod repo;
 mod soak;
 mod suite;

@@ -1,75 +1,16 @@
-//! The DigitalOcean half of `digitalocean check`, and the subset of it that runs at startup of
-//! the real backend. Only read calls: `GET /v2/account`, `/v2/regions`, `/v2/sizes`,
+//! The DigitalOcean half of `digitalocean check` (the subset that runs at startup of the real
+//! backend is [`crate::profile::startup`]). Only read calls: `GET /v2/account`, `/v2/regions`, `/v2/sizes`,
 //! `/v2/images/{id or slug}` (and `/v2/images?private=true` for snapshot names), `/v2/vpcs/{id}`,
 //! `/v2/account/keys[/{id or fingerprint}]` and `/v2/firewalls`. No message carries the API
 //! token or the bootstrap secret.
 
-use std::collections::HashMap;
-
 use provider_core::check::Report;
-use provider_core::retry::Verdict;
 use tokio::time::Instant;
 
-use crate::api::{ApiClient, Firewall, Size};
+use crate::api::{ApiClient, Firewall};
 use crate::naming::provider_tag;
-use crate::profile::{DropletProfile, Resolver, Wanted, selectable_tags};
+use crate::profile::{Resolver, Wanted, selectable_tags, size_verdict};
 use crate::setup::{RealFlags, agent_pin, load_channel_tls};
-
-/// Whether `size` is sold in `region` with a price; what was found or the problem.
-pub fn size_verdict(sizes: &[Size], size: &str, region: &str) -> Result<String, String> {
-    let Some(found) = sizes.iter().find(|s| s.slug == size) else {
-        return Err(format!("size {size:?} does not exist"));
-    };
-    if !found.available {
-        return Err(format!("size {size:?} is not available for new Droplets"));
-    }
-    if !found.regions.iter().any(|r| r == region) {
-        return Err(format!(
-            "size {size:?} is not available in region {region} (it is in: {})",
-            found.regions.join(", ")
-        ));
-    }
-    if found.price_hourly <= 0.0 {
-        return Err(format!("size {size:?} has no hourly price"));
-    }
-    Ok(format!(
-        "{} vCPU, {} MiB, ${}/hour",
-        found.vcpus, found.memory, found.price_hourly
-    ))
-}
-
-/// The startup checks: token, sizes, and each offering's resolved settings, keyed by size.
-pub async fn startup(
-    api: &ApiClient,
-    wanted: &[Wanted],
-    deadline: Instant,
-) -> Result<HashMap<String, DropletProfile>, String> {
-    api.get_account(deadline).await.map_err(|e| match e.verdict() {
-        // Rate limits, server errors and no answer until the budget ran out say nothing about
-        // the token.
-        Verdict::Retry { .. } => format!(
-            "digitalocean: the API did not answer the startup checks (GET /v2/account) before their budget ran out: {e}"
-        ),
-        Verdict::Fatal => {
-            format!("digitalocean: the API token does not work (GET /v2/account): {e}")
-        }
-    })?;
-    let sizes = api
-        .list_sizes(deadline)
-        .await
-        .map_err(|e| format!("digitalocean: list sizes: {e}"))?;
-    for w in wanted {
-        size_verdict(&sizes, &w.size, &w.region)
-            .map_err(|e| format!("offering {} field size {:?}: {e}", w.label, w.size))?;
-    }
-    let mut resolver = Resolver::new(api, deadline);
-    let mut profiles = HashMap::new();
-    for w in wanted {
-        let profile = resolver.profile(w).await?;
-        profiles.insert(w.size.clone(), profile);
-    }
-    Ok(profiles)
-}
 
 /// Every API check of `check`, one line each.
 pub async fn api_checks(
@@ -271,6 +212,7 @@ pub fn bootstrap_checks(report: &mut Report, flags: &RealFlags) {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::api::Size;
 
     fn size(slug: &str, regions: &[&str], price: f64, available: bool) -> Size {
         Size {

@@ -8,10 +8,11 @@
 use std::collections::{BTreeSet, HashMap};
 
 use provider_core::offerings::Offering;
+use provider_core::retry::Verdict;
 use serde_json::Value;
 use tokio::time::Instant;
 
-use crate::api::{ApiClient, ApiError, Image, ImageRef, SshKeyRef};
+use crate::api::{ApiClient, ApiError, Image, ImageRef, Size, SshKeyRef};
 use crate::naming::{CLUSTER_TAG_PREFIX, MACHINE_TAG_PREFIX, MANAGED_TAG, PROVIDER_TAG_PREFIX};
 
 /// The global flags: defaults of every offering.
@@ -611,6 +612,62 @@ pub fn selectable_tags(wanted: &Wanted, provider_tag: &str) -> BTreeSet<String> 
     tags.insert(MANAGED_TAG.to_owned());
     tags.insert(provider_tag.to_owned());
     tags
+}
+
+/// Whether `size` is sold in `region` with a price; what was found or the problem.
+pub fn size_verdict(sizes: &[Size], size: &str, region: &str) -> Result<String, String> {
+    let Some(found) = sizes.iter().find(|s| s.slug == size) else {
+        return Err(format!("size {size:?} does not exist"));
+    };
+    if !found.available {
+        return Err(format!("size {size:?} is not available for new Droplets"));
+    }
+    if !found.regions.iter().any(|r| r == region) {
+        return Err(format!(
+            "size {size:?} is not available in region {region} (it is in: {})",
+            found.regions.join(", ")
+        ));
+    }
+    if found.price_hourly <= 0.0 {
+        return Err(format!("size {size:?} has no hourly price"));
+    }
+    Ok(format!(
+        "{} vCPU, {} MiB, ${}/hour",
+        found.vcpus, found.memory, found.price_hourly
+    ))
+}
+
+/// The startup checks: token, sizes, and each offering's resolved settings, keyed by size.
+pub async fn startup(
+    api: &ApiClient,
+    wanted: &[Wanted],
+    deadline: Instant,
+) -> Result<HashMap<String, DropletProfile>, String> {
+    api.get_account(deadline).await.map_err(|e| match e.verdict() {
+        // Rate limits, server errors and no answer until the budget ran out say nothing about
+        // the token.
+        Verdict::Retry { .. } => format!(
+            "digitalocean: the API did not answer the startup checks (GET /v2/account) before their budget ran out: {e}"
+        ),
+        Verdict::Fatal => {
+            format!("digitalocean: the API token does not work (GET /v2/account): {e}")
+        }
+    })?;
+    let sizes = api
+        .list_sizes(deadline)
+        .await
+        .map_err(|e| format!("digitalocean: list sizes: {e}"))?;
+    for w in wanted {
+        size_verdict(&sizes, &w.size, &w.region)
+            .map_err(|e| format!("offering {} field size {:?}: {e}", w.label, w.size))?;
+    }
+    let mut resolver = Resolver::new(api, deadline);
+    let mut profiles = HashMap::new();
+    for w in wanted {
+        let profile = resolver.profile(w).await?;
+        profiles.insert(w.size.clone(), profile);
+    }
+    Ok(profiles)
 }
 
 #[cfg(test)]

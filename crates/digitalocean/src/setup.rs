@@ -84,7 +84,7 @@ impl RealBackend {
     /// without another lookup.
     pub async fn resolve(self, wanted: &[Wanted]) -> Result<RealBackend, String> {
         let deadline = tokio::time::Instant::now() + STARTUP_CHECK_BUDGET;
-        let profiles = crate::check::startup(&self.api, wanted, deadline).await?;
+        let profiles = crate::profile::startup(&self.api, wanted, deadline).await?;
         let settings = self.settings.with_profiles(profiles);
         let cloud = Arc::new(DigitalOceanCloud::new(
             self.api.clone(),
@@ -140,7 +140,9 @@ pub fn build_real(flags: &RealFlags, telemetry: Telemetry) -> Result<RealBackend
     .map_err(|e| format!("load bootstrap TLS keypair: {e}"))?;
     let tls = reloading_channel_tls(served)?;
     let pin = agent_pin(flags)?;
-    telemetry.bootstrap_channel_signals(Path::new(&flags.bootstrap_tls_cert));
+    telemetry.bootstrap_channel_signals(tls::earliest_not_after(Path::new(
+        &flags.bootstrap_tls_cert,
+    )));
     let token = ApiToken::new(&flags.token)
         .ok_or("digitalocean: token is required for the digitalocean backend")?;
     if flags.region.is_empty() {

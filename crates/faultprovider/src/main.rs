@@ -245,6 +245,8 @@ fn common(cli: &Cli) -> CommonArgs {
         grpc_max_connection_age: GrpcLimits::default().max_connection_age,
         etcd: cli.etcd.clone(),
         leader_label: cli.leader_label.clone(),
+        api_budget_share: provider_core::budget::DEFAULT_SHARE,
+        api_reconcile_share: provider_core::budget::DEFAULT_RECONCILE_SHARE,
     }
 }
 

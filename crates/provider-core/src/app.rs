@@ -162,7 +162,7 @@ pub async fn run(launch: Launch) -> Result<(), String> {
     if let Some(warning) = plaintext_warning(security, real_backend) {
         tracing::warn!(security = security.name(), "{warning}");
     }
-    telemetry.startup_signals(&common.tls_flags());
+    telemetry.startup_signals(tls::grpc_expiries(&common.tls_flags()));
     if shard_identity != ShardIdentity::Off {
         telemetry.shard_identity_signals(crate::identity::Reason::ALL.iter().map(|r| r.label()));
     }
@@ -512,8 +512,10 @@ struct Prices {
 /// every price was fetched.
 async fn refresh_prices(fleet: &Fleet, telemetry: Telemetry) -> bool {
     // The startup look-ups first, so that prices are read for what Creates will send.
-    let settings =
-        crate::budget::scoped(crate::budget::Class::Refresh, fleet.cloud().refresh_settings());
+    let settings = crate::budget::scoped(
+        crate::budget::Class::Refresh,
+        fleet.cloud().refresh_settings(),
+    );
     if let Err(e) = settings.await {
         tracing::warn!(err = %e, "settings: looking up the offerings' settings again failed; keeping the ones in use");
     }

@@ -262,7 +262,7 @@ pub fn common_checks(report: &mut Report, common: &CommonArgs) {
             Ok(format!(
                 "{}, earliest certificate expiry {}",
                 mode.name(),
-                unix_date(not_after)
+                crate::tls::unix_date(not_after)
             ))
         });
         report.record("--tls-cert/--tls-key/--tls-ca", result);
@@ -285,22 +285,6 @@ pub fn common_checks(report: &mut Report, common: &CommonArgs) {
                 .map(|data| format!("{} bytes", data.map_or(0, |d| d.len()))),
         );
     }
-}
-
-/// `YYYY-MM-DD` of a Unix time, for expiry lines.
-pub(crate) fn unix_date(secs: i64) -> String {
-    let days = secs.div_euclid(86_400);
-    // Civil-from-days (proleptic Gregorian), as in Howard Hinnant's date algorithms.
-    let z = days + 719_468;
-    let era = z.div_euclid(146_097);
-    let doe = z - era * 146_097;
-    let yoe = (doe - doe / 1_460 + doe / 36_524 - doe / 146_096) / 365;
-    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
-    let mp = (5 * doy + 2) / 153;
-    let day = doy - (153 * mp + 2) / 5 + 1;
-    let month = if mp < 10 { mp + 3 } else { mp - 9 };
-    let year = yoe + era * 400 + i64::from(month <= 2);
-    format!("{year:04}-{month:02}-{day:02}")
 }
 
 #[cfg(test)]
@@ -405,8 +389,8 @@ mod tests {
 
     #[test]
     fn dates() {
-        assert_eq!(unix_date(0), "1970-01-01");
-        assert_eq!(unix_date(951_782_400), "2000-02-29");
-        assert_eq!(unix_date(1_798_761_599), "2026-12-31");
+        assert_eq!(crate::tls::unix_date(0), "1970-01-01");
+        assert_eq!(crate::tls::unix_date(951_782_400), "2000-02-29");
+        assert_eq!(crate::tls::unix_date(1_798_761_599), "2026-12-31");
     }
 }

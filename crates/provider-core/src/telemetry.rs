@@ -291,14 +291,12 @@ impl Telemetry {
 /// so they are gauges.
 impl Telemetry {
     /// `<prefix>_certificate_not_after_timestamp_seconds{certificate}`: when the first
-    /// certificate of the PEM file at `path` expires. A file the DER walk cannot read (it was
-    /// already accepted by TLS) is logged, not fatal: the series is then absent.
-    pub fn certificate_expiry(&self, certificate: &'static str, path: &std::path::Path) {
-        match crate::tls::earliest_not_after(path) {
-            Ok(not_after) => {
-                gauge!(self.certificate_not_after, "certificate" => certificate)
-                    .set(not_after as f64);
-            }
+    /// certificate of a PEM file expires, as [`crate::tls::earliest_not_after`] read it. A file
+    /// the DER walk cannot read (it was already accepted by TLS) is logged, not fatal: the
+    /// series is then absent.
+    pub fn certificate_expiry(&self, certificate: &'static str, not_after: Result<i64, String>) {
+        match not_after {
+            Ok(not_after) => self.certificate_not_after(certificate, not_after),
             Err(e) => {
                 tracing::warn!(certificate, error = %e, "cannot read the certificate's expiry; its expiry metric is not exported")
             }
@@ -327,20 +325,18 @@ impl Telemetry {
     }
 
     /// What a provider exports from its start: the expiry of the gRPC server certificate
-    /// (`grpc_server`) and client CA bundle (`grpc_client_ca`) of the TLS flags that are set, and
+    /// (`grpc_server`) and client CA bundle (`grpc_client_ca`) of the TLS flags that are set
+    /// ([`crate::tls::grpc_expiries`]), and
     /// a zero for every series an alert or the dashboard reads, so the first event is an
     /// increase Prometheus sees (a counter born at 1 has no `increase`) and a healthy provider
     /// shows 0 rather than no data. Called before the store loads, so a commit failure while
     /// resuming is not overwritten.
-    pub fn startup_signals(&self, flags: &crate::tls::TlsFlags) {
+    pub fn startup_signals(&self, expiries: Vec<(&'static str, Result<i64, String>)>) {
         // Values recorded before the recorder is installed are lost; the observability server
         // installs it later, so install it now.
         let _ = recorder();
-        if let Some(cert) = &flags.cert {
-            self.certificate_expiry("grpc_server", cert);
-        }
-        if let Some(ca) = &flags.ca {
-            self.certificate_expiry("grpc_client_ca", ca);
+        for (certificate, not_after) in expiries {
+            self.certificate_expiry(certificate, not_after);
         }
         for kind in ["create", "configure", "drain", "delete"] {
             for outcome in ["success", "error", "timeout"] {
@@ -360,9 +356,9 @@ impl Telemetry {
 
     /// What the DigitalOcean bootstrap channel exports from its start: its certificate's expiry
     /// (`bootstrap`) and a zero 401 counter, for the same reasons as [`Self::startup_signals`].
-    pub fn bootstrap_channel_signals(&self, cert: &std::path::Path) {
+    pub fn bootstrap_channel_signals(&self, not_after: Result<i64, String>) {
         let _ = recorder();
-        self.certificate_expiry("bootstrap", cert);
+        self.certificate_expiry("bootstrap", not_after);
         counter!(self.bootstrap_unauthorized).absolute(0);
         counter!(self.bootstrap_enrollment_conflicts).absolute(0);
     }
@@ -556,7 +552,7 @@ mod tests {
             key: Some(std::path::Path::new(pki).join("server-key.pem")),
             ca: Some(std::path::Path::new(pki).join("ca.pem")),
         };
-        t.startup_signals(&flags);
+        t.startup_signals(crate::tls::grpc_expiries(&flags));
         for zeroed in [
             "bigfleet_telemetrytest_transitions_total{kind=\"configure\",outcome=\"timeout\"} 0",
             "bigfleet_telemetrytest_reconcile_total{outcome=\"error\"} 0",
@@ -567,7 +563,9 @@ mod tests {
         ] {
             assert!(handle.render().contains(zeroed), "{zeroed}");
         }
-        t.bootstrap_channel_signals(std::path::Path::new("/nonexistent/cert.pem"));
+        t.bootstrap_channel_signals(crate::tls::earliest_not_after(std::path::Path::new(
+            "/nonexistent/cert.pem",
+        )));
         t.readiness(false);
         t.store_refusing_mutations();
         let body = handle.render();

@@ -317,6 +317,35 @@ pub fn grpc_tls(flags: &TlsFlags) -> Result<(SecurityMode, Option<GrpcTls>), Str
     Ok((mode, Some(tls)))
 }
 
+/// The expiry of each gRPC certificate file the flags name, for the startup metrics:
+/// `grpc_server` (the keypair's chain) and `grpc_client_ca` (the client CA bundle).
+pub fn grpc_expiries(flags: &TlsFlags) -> Vec<(&'static str, Result<i64, String>)> {
+    let mut expiries = Vec::new();
+    if let Some(cert) = &flags.cert {
+        expiries.push(("grpc_server", earliest_not_after(cert)));
+    }
+    if let Some(ca) = &flags.ca {
+        expiries.push(("grpc_client_ca", earliest_not_after(ca)));
+    }
+    expiries
+}
+
+/// `YYYY-MM-DD` of a Unix time, for expiry lines.
+pub fn unix_date(secs: i64) -> String {
+    let days = secs.div_euclid(86_400);
+    // Civil-from-days (proleptic Gregorian), as in Howard Hinnant's date algorithms.
+    let z = days + 719_468;
+    let era = z.div_euclid(146_097);
+    let doe = z - era * 146_097;
+    let yoe = (doe - doe / 1_460 + doe / 36_524 - doe / 146_096) / 365;
+    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
+    let mp = (5 * doy + 2) / 153;
+    let day = doy - (153 * mp + 2) / 5 + 1;
+    let month = if mp < 10 { mp + 3 } else { mp - 9 };
+    let year = yoe + era * 400 + i64::from(month <= 2);
+    format!("{year:04}-{month:02}-{day:02}")
+}
+
 /// Takes accepted connections and yields only those whose TLS handshake succeeded within
 /// `handshake_timeout`; failed handshakes (no client certificate, TLS 1.2, garbage) are dropped
 /// at the TLS layer before any handler runs.

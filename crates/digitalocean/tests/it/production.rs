@@ -6,8 +6,8 @@
 use std::collections::HashMap;
 use std::time::Duration;
 
-use digitalocean::check::startup;
 use digitalocean::naming::{MANAGED_TAG, machine_tag, provider_tag};
+use digitalocean::profile::startup;
 use digitalocean::profile::{Defaults, OfferingFields, Wanted, offering_fields, plan};
 use provider_core::cloud::Cloud;
 use provider_core::offerings::Offering;

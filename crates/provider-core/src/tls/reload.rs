@@ -275,7 +275,7 @@ impl KeypairWatch {
                 reason: format!(
                     "{}: the certificate is not valid before {} (Unix time {not_before})",
                     self.files.cert.display(),
-                    crate::check::unix_date(not_before)
+                    crate::tls::unix_date(not_before)
                 ),
                 retry_at: Some(not_before),
             });
@@ -284,7 +284,7 @@ impl KeypairWatch {
             return Err(format!(
                 "{}: the certificate expired on {} (Unix time {not_after})",
                 self.files.cert.display(),
-                crate::check::unix_date(not_after)
+                crate::tls::unix_date(not_after)
             )
             .into());
         }

@@ -132,7 +132,7 @@ async fn serve_tls(flags: TlsFlags, prefix: &'static str, every: Duration) -> Se
     let telemetry = Telemetry::new(prefix);
     let (_, grpc_tls) = tls::grpc_tls(&flags).expect("the pair loads at startup");
     // As the binaries do at startup: the expiry of what the files held.
-    telemetry.startup_signals(&flags);
+    telemetry.startup_signals(tls::grpc_expiries(&flags));
     let grpc_tls = grpc_tls.expect("TLS is on");
     let engine = Engine::start(
         TestBackend::instant(2),
