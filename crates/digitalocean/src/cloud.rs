@@ -66,6 +66,9 @@ pub struct CloudSettings {
     pub sizes_ttl: Duration,
     /// Backoff between create attempts (each preceded by a lookup).
     pub create_backoff: Backoff,
+    /// What the agents of the Droplets in a local state pin (`channel-key.json`), checked once
+    /// the state is open; `None` without a local state.
+    pub channel_key: Option<crate::channel_key::ChannelKeyRecord>,
 }
 
 impl CloudSettings {
@@ -88,6 +91,7 @@ impl CloudSettings {
             active_cap: Duration::from_secs(600),
             sizes_ttl: Duration::from_secs(60),
             create_backoff: Backoff::default(),
+            channel_key: None,
         }
     }
 
@@ -495,6 +499,13 @@ impl DigitalOceanCloud {
 
 #[async_trait]
 impl Cloud for DigitalOceanCloud {
+    fn state_opened(&self, live_hosts: usize) -> Result<(), String> {
+        match &self.settings.channel_key {
+            Some(record) => record.check(live_hosts),
+            None => Ok(()),
+        }
+    }
+
     async fn create_host(
         &self,
         machine: &Machine,

@@ -6,6 +6,7 @@ pub mod agent;
 pub mod api;
 pub mod catalog;
 pub mod channel;
+pub mod channel_key;
 pub mod check;
 pub mod cloud;
 pub mod enrollment;

@@ -113,6 +113,7 @@ fn real_flags(cli: &Cli, base_user_data: Option<String>) -> digitalocean::RealFl
         bootstrap_max_connections: cli.bootstrap_max_connections as usize,
         bootstrap_max_connections_per_address: cli.bootstrap_max_connections_per_address as usize,
         bootstrap_enrollment_source: cli.bootstrap_enrollment_source,
+        state: cli.common.state.clone(),
     }
 }
 

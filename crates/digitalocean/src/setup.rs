@@ -44,6 +44,8 @@ pub struct RealFlags {
     pub bootstrap_max_connections_per_address: usize,
     /// `--bootstrap-enrollment-source`.
     pub bootstrap_enrollment_source: crate::enrollment::EnrollmentSource,
+    /// The provider's `--state`: a local state directory keeps the channel key record.
+    pub state: String,
 }
 
 impl std::fmt::Debug for RealFlags {
@@ -202,7 +204,13 @@ pub fn build_real(flags: &RealFlags, telemetry: Telemetry) -> Result<RealBackend
              does (detected as a conflict when the real agent enrolls)"
         );
     }
-    let settings = CloudSettings::new(
+    let channel_key = crate::channel_key::ChannelKeyRecord::for_state(
+        &flags.state,
+        &pin.pinned_spki_sha256,
+        &flags.bootstrap_tls_cert,
+        &flags.bootstrap_tls_key,
+    );
+    let mut settings = CloudSettings::new(
         flags.provider.clone(),
         flags.region.clone(),
         ImageRef::parse(&flags.image),
@@ -214,6 +222,7 @@ pub fn build_real(flags: &RealFlags, telemetry: Telemetry) -> Result<RealBackend
             pinned_spki_sha256: pin.pinned_spki_sha256,
         },
     );
+    settings.channel_key = channel_key;
     let cloud = Arc::new(DigitalOceanCloud::new(
         api.clone(),
         channel.clone(),
@@ -464,6 +473,7 @@ mod tests {
             bootstrap_max_connections: 0,
             bootstrap_max_connections_per_address: 0,
             bootstrap_enrollment_source: Default::default(),
+            state: String::new(),
         }
     }
 

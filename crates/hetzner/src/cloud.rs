@@ -342,7 +342,7 @@ impl HetznerCloud {
             return Ok(());
         }
         let deadline = Instant::now() + self.timing.lookup_budget;
-        // Saved once the state directory exists ([`Cloud::save_settings`]).
+        // Saved once the state directory exists ([`Cloud::state_opened`]).
         let plans = self.resolve_offerings(deadline).await?;
         self.install(plans);
         for offering in self
@@ -712,11 +712,12 @@ impl Cloud for HetznerCloud {
         self.refresh_plans().await.map_err(err)
     }
 
-    fn save_settings(&self) {
+    fn state_opened(&self, _live_hosts: usize) -> Result<(), String> {
         let plans = self.offering_plans();
         if plans.len() == self.offerings.len() {
             self.save_plans(&plans);
         }
+        Ok(())
     }
 
     async fn create_host(

@@ -229,7 +229,13 @@ pub async fn run(launch: Launch) -> Result<(), String> {
             cache.save(fleet);
         }
         if let Some(fleet) = &fleet {
-            fleet.cloud().save_settings();
+            let live_hosts = engine
+                .snapshot()
+                .slots
+                .iter()
+                .filter(|slot| slot.machine.host.is_some())
+                .count();
+            fleet.cloud().state_opened(live_hosts)?;
         }
         (Replica::single_with(engine, leading), Mode::Single)
     };

@@ -117,9 +117,13 @@ pub trait Cloud: Send + Sync + 'static {
         Ok(())
     }
 
-    /// Called once the local state directory exists (a first start creates it after the
-    /// startup look-ups): keeps what they found beside the state for the next start.
-    fn save_settings(&self) {}
+    /// Called once the state is open, before any port binds, with the number of machines in it
+    /// that hold a host: keeps what the startup look-ups found beside a local state for the next
+    /// start (a first start creates the directory after them), and refuses, with a message
+    /// naming the flags, a start that would lock those hosts out.
+    fn state_opened(&self, _live_hosts: usize) -> Result<(), String> {
+        Ok(())
+    }
 
     /// Live capacities of the given instance types; types the cloud does not know are absent.
     async fn capacities(

@@ -515,3 +515,56 @@ async fn a_first_start_saves_the_catalogue_and_a_restart_serves_from_it() {
         p.logs()
     );
 }
+
+/// A start whose channel key is not the one the agents of the Droplets in the state pin
+/// (`channel-key.json` records it) fails before any port binds, naming the files (the unit
+/// tests of `channel_key` cover the other rules).
+#[tokio::test]
+async fn a_restart_with_a_channel_key_the_live_agents_do_not_pin_is_refused() {
+    let site = Site::start().await;
+    let state = site.dir.path().join("state");
+    let flags = state_flags(&state, None);
+    let mut p = Provider::start_on(site, &refs(&flags)).await;
+    let record = state.join("channel-key.json");
+    let recorded: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(&record).expect("a first start records")).unwrap();
+    // This site's agents anchor on --bootstrap-ca: no key is pinned.
+    assert_eq!(recorded["pinned_spki_sha256"], serde_json::Value::Null);
+    let id = p.speculative(1).await.remove(0);
+    p.create(&id).await;
+    p.wait_for(&id, pb::MachineState::Idle).await;
+    signal(&p, Signal::SIGTERM);
+    let status = tokio::time::timeout(Duration::from_secs(30), p.process.child.wait())
+        .await
+        .unwrap()
+        .unwrap();
+    assert!(status.success(), "{}", p.logs());
+
+    // As if that Droplet's agent had been handed a pin of another key.
+    let other_key = "q83vEjRWeJq83vEjRWeJq83vEjRWeJq83vEjRWeJq80=";
+    std::fs::write(
+        &record,
+        format!(r#"{{"pinned_spki_sha256": "{other_key}"}}"#),
+    )
+    .unwrap();
+    let grpc = free_port().await;
+    let mut refused = p.site.spawn(grpc, &refs(&flags)).await;
+    let status = tokio::time::timeout(Duration::from_secs(30), refused.child.wait())
+        .await
+        .expect("the refused start exits")
+        .unwrap();
+    let logs = refused.logs();
+    assert!(!status.success(), "{logs}");
+    assert!(
+        logs.contains("--bootstrap-tls-cert")
+            && logs.contains("channel-key.json")
+            && logs.contains("1 Droplets"),
+        "{logs}"
+    );
+    assert!(
+        tokio::net::TcpStream::connect(("127.0.0.1", grpc))
+            .await
+            .is_err(),
+        "the gRPC port was bound"
+    );
+}
