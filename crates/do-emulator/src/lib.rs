@@ -298,6 +298,18 @@ impl Emulator {
         }
     }
 
+    /// Gives Droplet `id` this public IPv4 address (the emulator's are 192.0.2.x); false if it
+    /// does not exist.
+    pub fn set_public_ipv4(&self, id: u64, ip: &str) -> bool {
+        match lock(&self.state).droplets.get_mut(&id) {
+            Some(droplet) => {
+                droplet.public_ipv4 = ip.to_owned();
+                true
+            }
+            None => false,
+        }
+    }
+
     /// Deletes a Droplet behind the provider's back; false if it did not exist.
     pub fn delete_out_of_band(&self, id: u64) -> bool {
         lock(&self.state).droplets.remove(&id).is_some()

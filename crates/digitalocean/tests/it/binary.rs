@@ -82,8 +82,6 @@ impl Site {
             format!("--bootstrap-tls-cert={cert}"),
             format!("--bootstrap-tls-key={key}"),
             format!("--bootstrap-ca={ca}"),
-            // The agents run on loopback, not at the emulated Droplets' addresses.
-            "--bootstrap-enrollment-source=any".to_owned(),
         ];
         Site {
             emulator,
@@ -108,6 +106,9 @@ impl Site {
             .args(extra)
             .env("DIGITALOCEAN_TOKEN", API_TOKEN)
             .env("BIGFLEET_BOOTSTRAP_SECRET", SECRET)
+            // The agents run on loopback, not at the emulated Droplets' addresses (a test
+            // that checks the source passes --bootstrap-enrollment-source=droplet).
+            .env("BIGFLEET_BOOTSTRAP_ENROLLMENT_SOURCE", "any")
             .stdin(Stdio::null())
             .stdout(Stdio::piped())
             .stderr(Stdio::piped())

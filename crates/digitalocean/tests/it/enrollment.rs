@@ -449,3 +449,39 @@ async fn after_the_lifecycle_the_user_data_token_gets_401() {
     assert_eq!(outsider.poll(&user_data_token(&config_json)).await, 401);
     outsider.saw_no_blob();
 }
+
+/// With `--bootstrap-enrollment-source droplet` (the default) an enrollment is taken only from
+/// an address the cloud assigned to the machine's Droplet: the token presented from loopback
+/// while the Droplet's address is 192.0.2.x gets 401 and spends nothing; once the cloud reports
+/// 127.0.0.1 for the Droplet, the real agent enrolls from there and the Configure completes.
+#[tokio::test]
+async fn an_enrollment_from_an_address_the_droplet_does_not_have_is_refused() {
+    let mut p = Provider::start(&["--bootstrap-enrollment-source=droplet"]).await;
+    let id = p.speculative(1).await.remove(0);
+    p.create(&id).await;
+    p.wait_for(&id, pb::MachineState::Idle).await;
+    let (dir, config_json) = p.droplet_of(&id);
+    let token = user_data_token(&config_json);
+    let mut elsewhere = Outsider::new(&p.site.pki.ca_pem, &config_json);
+    assert_eq!(
+        elsewhere
+            .enroll(&token, digitalocean::token::new_credential().expose())
+            .await,
+        401,
+        "{:?}",
+        elsewhere.bodies
+    );
+    let droplet = p.site.emulator.droplets()[0].id;
+    assert!(p.site.emulator.set_public_ipv4(droplet, "127.0.0.1"));
+    let _agent = boot(&dir, config_json.clone());
+    configure(&mut p, &id).await;
+    p.wait_for(&id, pb::MachineState::Configured).await;
+    assert_eq!(elsewhere.poll(&token).await, 401);
+    elsewhere.saw_no_blob();
+    assert!(
+        p.logs()
+            .contains("did not assign to the machine's Droplet refused"),
+        "{}",
+        p.logs()
+    );
+}
