@@ -485,3 +485,65 @@ async fn an_enrollment_from_an_address_the_droplet_does_not_have_is_refused() {
         p.logs()
     );
 }
+
+/// The enrollment lives in the same store as the machine on etcd too: an agent enrolled under
+/// one process is still enrolled, and its user_data token still spent, when a new process takes
+/// over the prefix after the first was killed (`kill -9`, the lease running out); the new
+/// process delivers the Configure to the enrolled agent and to nobody else.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn on_etcd_an_enrollment_survives_a_takeover_by_a_new_process() {
+    let etcd = std::thread::scope(|s| {
+        s.spawn(|| provider_core::etcd::testing::Cluster::start(1))
+            .join()
+            .expect("etcd")
+    });
+    let state = etcd.state("/bigfleet/do-enrollment");
+    let flags = [
+        format!("--state={state}"),
+        "--etcd-lease-ttl=1s".to_owned(),
+        "--configure-timeout=30s".to_owned(),
+    ];
+    let flags: Vec<&str> = flags.iter().map(String::as_str).collect();
+    let mut p = Provider::start(&flags).await;
+    wait_leading(&mut p).await;
+    let id = p.speculative(1).await.remove(0);
+    p.create(&id).await;
+    p.wait_for(&id, pb::MachineState::Idle).await;
+    let (dir, config_json) = p.droplet_of(&id);
+    let token = user_data_token(&config_json);
+    let mut outsider = Outsider::new(&p.site.pki.ca_pem, &config_json);
+    let agent = boot(&dir, config_json.clone());
+    assert!(
+        agent
+            .wait_for_output(
+                "enrolled; the user_data token is spent",
+                Duration::from_secs(15)
+            )
+            .await,
+        "{}",
+        agent.output()
+    );
+
+    p.kill_9().await;
+    p.restart(&flags).await;
+    wait_leading(&mut p).await;
+    // The new process knows the token is spent: an enrollment with it is a conflict or a
+    // refusal, never a second enrolled party; a poll with it alone is refused.
+    assert_eq!(outsider.poll(&token).await, 401);
+    configure(&mut p, &id).await;
+    p.wait_for(&id, pb::MachineState::Configured).await;
+    assert_eq!(std::fs::read(dir.join("hook.blob.copy")).unwrap(), BLOB);
+    outsider.saw_no_blob();
+    assert!(!agent.output().contains("refused"), "{}", agent.output());
+}
+
+/// Waits (bounded) until the process leads the state in etcd and answers List.
+async fn wait_leading(p: &mut Provider) {
+    for _ in 0..400 {
+        if p.client.list(pb::ListFilter::default()).await.is_ok() {
+            return;
+        }
+        tokio::time::sleep(Duration::from_millis(25)).await;
+    }
+    panic!("the provider never led the state: {}", p.logs());
+}
