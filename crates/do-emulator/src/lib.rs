@@ -245,6 +245,11 @@ impl Emulator {
     }
 
     /// Fails the next `count` API requests with `fault`.
+    /// Forgets every fault still queued.
+    pub fn clear_faults(&self) {
+        lock(&self.state).knobs.fail_next.clear();
+    }
+
     pub fn fail_next(&self, count: usize, fault: Fault) {
         lock(&self.state)
             .knobs
@@ -1209,6 +1214,9 @@ async fn admin_delete(State(emu): State<Emulator>, Path(id): Path<u64>) -> Respo
 
 #[derive(Deserialize)]
 struct FaultsBody {
+    /// Forget the faults still queued first.
+    #[serde(default)]
+    clear: bool,
     #[serde(default)]
     fail_next: Vec<Fault>,
     drop_create_responses: Option<u32>,
@@ -1217,6 +1225,9 @@ struct FaultsBody {
 }
 
 async fn admin_faults(State(emu): State<Emulator>, Json(body): Json<FaultsBody>) -> Response {
+    if body.clear {
+        emu.clear_faults();
+    }
     for fault in body.fail_next {
         emu.fail_next(1, fault);
     }

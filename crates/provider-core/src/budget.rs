@@ -264,6 +264,9 @@ struct State {
     held: Option<f64>,
     /// Whether an answer has been seen.
     calibrated: bool,
+    /// What the cloud last said is left of the whole bucket (`-Remaining`); the published
+    /// capacity until an answer says.
+    cloud_remaining: f64,
 }
 
 impl State {
@@ -382,6 +385,7 @@ impl ApiBudget {
             shares,
             held: None,
             calibrated: false,
+            cloud_remaining: limits.main.capacity,
         };
         let budget = ApiBudget {
             inner: Arc::new(Inner {
@@ -403,6 +407,11 @@ impl ApiBudget {
         let names = &self.inner.names;
         gauge!(names.capacity).set(state.main.capacity);
         gauge!(names.remaining).set(state.main.tokens.max(0.0));
+        // Every series exists from the first publish (the budget may be built before the
+        // metrics recorder, which then misses what was set once): the dashboard and the alert
+        // read them.
+        gauge!(names.cloud_remaining).set(state.cloud_remaining);
+        counter!(names.rate_limited).increment(0);
     }
 
     /// Waits for a token for one request of the current task's [`Class`].
@@ -515,7 +524,7 @@ impl ApiBudget {
             }
         }
         if let Some(remaining) = remaining {
-            gauge!(self.inner.names.cloud_remaining).set(remaining);
+            state.cloud_remaining = remaining;
             // Our part of what the cloud still holds: never more than our own bucket.
             let ours = remaining * shares.share;
             state.main.tokens = state.main.tokens.min(ours);

@@ -7,14 +7,14 @@
 //!
 //! - a bootstrap certificate that expires in 3 days: `BigFleetProviderCertificateExpiringSoon`
 //!   (resolved by a restart with a renewed certificate);
-//! - a Configure no agent answers: a FAILED machine holding its Droplet after a transition
+//! - a Configure whose agent enrolled and then died: a FAILED machine holding its Droplet after a transition
 //!   timeout, `BigFleetProviderFailedMachinesHoldingHosts` and
 //!   `BigFleetProviderTransitionTimeouts` (resolved by `admin failed release` and the window);
 //! - an agent with a wrong token: `BigFleetProviderBootstrapUnauthorizedBurst`;
 //! - a Create for another shard than the client certificate proves:
 //!   `BigFleetProviderShardIdentityRejected`;
-//! - a 429 storm and a 503 storm from the emulator: `BigFleetProviderCloudAPIRateLimited` and
-//!   `BigFleetProviderCloudAPIErrors`;
+//! - a 429 storm and a 503 storm from the emulator: `BigFleetProviderCloudAPIRateLimited`,
+//!   `BigFleetProviderCloudAPIBudgetExhausted` and `BigFleetProviderCloudAPIErrors`;
 //! - the provider stopped: `BigFleetProviderDown` (resolved by the restart).
 //!
 //! Before the stop, every metric the DigitalOcean dashboard reads must be in the provider's live
@@ -38,7 +38,9 @@ use rcgen::{
 use serde_json::Value;
 use tokio::time::Instant;
 
-use super::digitalocean_real::{Process, backend_args, droplet_of, start_agent, start_emulator};
+use super::digitalocean_real::{
+    Process, backend_args, droplet_of, eventually, start_agent, start_emulator,
+};
 use super::provider_process::{self, Provider, Spec};
 use super::wire::{self, Caller, ClientSecurity, Shard, state_of};
 use crate::alerts;
@@ -64,6 +66,7 @@ const LIVE_VALUES: &str = r#"prometheusRule:
     failedMachinesWithHost: {enabled: true, threshold: 0, for: 2s, severity: warning}
     transitionTimeouts: {enabled: true, window: 15s, threshold: 0, for: 0s, severity: warning}
     cloudAPIRateLimited: {enabled: true, window: 10s, ratio: 0.1, for: 2s, severity: warning}
+    cloudAPIBudgetExhausted: {enabled: true, window: 10s, count: 0, for: 2s, severity: warning}
     cloudAPIServerErrors: {enabled: true, window: 10s, ratio: 0.05, for: 2s, severity: warning}
     reconcileFailing: {enabled: true, window: 10s, for: 0s, severity: warning}
     priceRefreshFailing: {enabled: true, window: 10s, for: 0s, severity: warning}
@@ -176,6 +179,21 @@ async fn faults_and_recovery(
         .wait_for_state(&served, pb::MachineState::Configured, SETTLE)
         .await
         .context("Configure through the agent")?;
+    // The abandoned Droplet's agent enrolls and then dies: its Configure is queued for an
+    // enrolled agent that never fetches it, and runs out of time.
+    let (_, abandoned_config) =
+        droplet_of(api, &abandoned)?.context("no Droplet for the abandoned machine")?;
+    let gone_dir = dir.join("agent-gone");
+    std::fs::create_dir_all(&gone_dir)?;
+    let gone = start_agent(root, &gone_dir, &abandoned_config)?;
+    eventually(SETTLE, "the abandoned Droplet's agent enrolled", || {
+        Ok(gone
+            .logs()
+            .contains("enrolled; the user_data token is spent")
+            .then_some(()))
+    })
+    .await?;
+    drop(gone);
     caller
         .configure(&abandoned, "e2e-alerts", Default::default())
         .await?;
@@ -236,6 +254,10 @@ async fn faults_and_recovery(
 
     // 4. Storms from the cloud API: 429, then 503.
     storm(api, prometheus, 429, "BigFleetProviderCloudAPIRateLimited").await?;
+    // The same 429s, as the budget counts them: someone else spends the token.
+    prometheus
+        .wait_firing("BigFleetProviderCloudAPIBudgetExhausted", &[])
+        .await?;
     storm(api, prometheus, 503, "BigFleetProviderCloudAPIErrors").await?;
     println!(
         "e2e alerts: emulator storms fired BigFleetProviderCloudAPIRateLimited (429) and BigFleetProviderCloudAPIErrors (503)"
@@ -247,6 +269,7 @@ async fn faults_and_recovery(
     // 6. Recovery: the storms end and the windows pass; the FAILED machine is released.
     for alert in [
         "BigFleetProviderCloudAPIRateLimited",
+        "BigFleetProviderCloudAPIBudgetExhausted",
         "BigFleetProviderCloudAPIErrors",
         "BigFleetProviderTransitionTimeouts",
         "BigFleetProviderBootstrapUnauthorizedBurst",
@@ -331,7 +354,7 @@ async fn wait_failed(caller: &mut Caller, id: &str) -> Result<()> {
 }
 
 /// Keeps `status` answers queued in the emulator (each with `Retry-After: 1`) until `alert`
-/// fires; the queue then drains on its own.
+/// fires, then clears what is left of the queue.
 async fn storm(api: SocketAddr, prometheus: &Prometheus, status: u16, alert: &str) -> Result<()> {
     let deadline = Instant::now() + ALERT_DEADLINE;
     let fault = serde_json::json!({"status": status, "retry_after": 1});
@@ -343,6 +366,14 @@ async fn storm(api: SocketAddr, prometheus: &Prometheus, status: u16, alert: &st
             "POST /_emulator/faults: {code} {answer}"
         );
         if prometheus.firing(alert, &[])? {
+            // The provider paces its requests to the budget, so what is still queued would
+            // take long to drain: the storm ends here.
+            let clear = serde_json::json!({"clear": true}).to_string();
+            let (code, answer) = http(api, "POST", "/_emulator/faults", Some(&clear))?;
+            ensure!(
+                (200..300).contains(&code),
+                "POST /_emulator/faults: {code} {answer}"
+            );
             return Ok(());
         }
         if Instant::now() >= deadline {
@@ -610,6 +641,11 @@ fn spec(
                 "--configure-timeout=4s".into(),
                 "--reconcile-interval=1s".into(),
                 "--price-refresh=1s".into(),
+                // The whole (unscaled) budget for this one process and its background work:
+                // after the 429 storm its reconcile and refresh passes must go on sending, at
+                // DigitalOcean's real refill, for the 503 storm to meet them.
+                "--api-budget-share=1".into(),
+                "--api-reconcile-share=1".into(),
                 format!("--admin-socket={}", dir.join("admin.sock").display()),
                 format!("--tls-cert={}", pem("server.pem")),
                 format!("--tls-key={}", pem("server-key.pem")),

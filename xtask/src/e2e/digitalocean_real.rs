@@ -8,6 +8,8 @@
 //!   (endpoint, pinned CA, machine id, token), with a recording hook and drain script;
 //! - Configure settles CONFIGURED after the hook ran with the cluster id and the exact blob;
 //! - Drain runs the drain script with the grace and settles IDLE;
+//! - a second agent started from the same user_data gets 401: the token was spent by the first
+//!   agent's enrollment;
 //! - Delete removes the Droplet and settles SPECULATIVE;
 //! - SIGTERM stops the provider with exit 0.
 
@@ -124,6 +126,9 @@ pub(super) fn backend_args(api: SocketAddr, bootstrap: u16, offerings: &Path) ->
         format!("--offerings={}", offerings.display()),
         format!("--bootstrap-addr=127.0.0.1:{bootstrap}"),
         format!("--bootstrap-endpoint=https://127.0.0.1:{bootstrap}"),
+        // The agents run on loopback, not at the emulated Droplets' 192.0.2.x addresses (the
+        // binary's integration tests check the default, `droplet`).
+        "--bootstrap-enrollment-source=any".into(),
     ]
 }
 
@@ -388,7 +393,9 @@ async fn walk(
     ensure!(
         endpoint.starts_with("https://127.0.0.1:")
             && config["ca_pem"] == pinned.as_str()
-            && config["token"].as_str().is_some_and(|t| t.len() == 43),
+            && config["token"]
+                .as_str()
+                .is_some_and(|t| t.starts_with("e1.") && t.len() > 46),
         "unexpected agent config in the user_data: endpoint {endpoint:?}, ca_pem matches: {}, token length: {:?}",
         config["ca_pem"] == pinned.as_str(),
         config["token"].as_str().map(str::len)
@@ -447,6 +454,30 @@ async fn walk(
         grace == "1\n",
         "the drain command ran with {grace:?}, want the 1 s grace"
     );
+
+    // The user_data token was spent by the agent's enrollment: someone else presenting it (a
+    // second agent started from the same user_data, without the first one's credential) gets
+    // 401, and nothing.
+    let thief_dir = dir.join("thief");
+    std::fs::create_dir_all(&thief_dir)?;
+    let thief = start_agent(root, &thief_dir, &config)?;
+    eventually(
+        Duration::from_secs(10),
+        "the spent user_data token refused",
+        || {
+            Ok(thief
+                .logs()
+                .contains("refused the enrollment (401)")
+                .then_some(()))
+        },
+    )
+    .await
+    .with_context(|| format!("the second agent's log:\n{}", thief.logs()))?;
+    ensure!(
+        !thief_dir.join("hook.args").exists() && !thief_dir.join("hook.blob.copy").exists(),
+        "the second agent ran a hook"
+    );
+    drop(thief);
 
     // Delete -> SPECULATIVE, the Droplet is gone.
     let delete = caller.delete(&id).await?;
