@@ -153,6 +153,12 @@ impl Emulated {
         };
         std::fs::write(&offerings, text)
             .with_context(|| format!("write {}", offerings.display()))?;
+        // One process on the token, its background work included: it may spend the whole
+        // (unscaled) budget, as nothing else shares the emulator's.
+        args.extend([
+            "--api-budget-share=1".to_owned(),
+            "--api-reconcile-share=1".to_owned(),
+        ]);
         Ok(provider_spec(root, binary, args))
     }
 
