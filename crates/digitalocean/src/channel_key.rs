@@ -112,12 +112,7 @@ impl ChannelKeyRecord {
         };
         let result = serde_json::to_vec_pretty(&saved)
             .map_err(std::io::Error::other)
-            .and_then(|bytes| {
-                let temporary = self.path.with_extension("json.tmp");
-                std::fs::write(&temporary, bytes)?;
-                std::fs::File::open(&temporary)?.sync_all()?;
-                std::fs::rename(&temporary, &self.path)
-            });
+            .and_then(|bytes| provider_core::price_cache::write_atomically(&self.path, &bytes));
         if let Err(e) = result {
             tracing::warn!(file = %self.path.display(), error = %e, "bootstrap channel: cannot record the key pin handed to agents; a restart with another key is then not refused");
         }

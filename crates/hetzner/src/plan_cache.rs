@@ -186,12 +186,7 @@ impl PlanFile {
         };
         let result = serde_json::to_vec_pretty(&saved)
             .map_err(std::io::Error::other)
-            .and_then(|bytes| {
-                let temporary = self.path.with_extension("json.tmp");
-                std::fs::write(&temporary, bytes)?;
-                std::fs::File::open(&temporary)?.sync_all()?;
-                std::fs::rename(&temporary, &self.path)
-            });
+            .and_then(|bytes| provider_core::price_cache::write_atomically(&self.path, &bytes));
         if let Err(e) = result {
             tracing::warn!(file = %self.path.display(), error = %e, "settings: cannot save the resolved plans; the next start resolves from the API");
         }

@@ -36,6 +36,16 @@ struct SavedCapacity {
     memory_mib: u64,
 }
 
+/// Writes `bytes` to `path` atomically, for the files kept beside a local state: a temporary
+/// file beside it, synced, then renamed over the old one (a crash leaves the old file or the
+/// new one, never half of either).
+pub fn write_atomically(path: &Path, bytes: &[u8]) -> std::io::Result<()> {
+    let temporary = path.with_extension("json.tmp");
+    std::fs::write(&temporary, bytes)?;
+    std::fs::File::open(&temporary)?.sync_all()?;
+    std::fs::rename(&temporary, path)
+}
+
 /// Where the catalogue of one provider is kept: `None` without a local state directory (in
 /// memory, or in etcd, where standbys warm up before they may lead anyway).
 #[derive(Clone, Debug)]
