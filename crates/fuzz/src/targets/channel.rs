@@ -9,7 +9,7 @@ use std::time::Duration;
 
 use arbitrary::{Result, Unstructured};
 use digitalocean::channel::{AuthLimit, Channel, ChannelSettings};
-use digitalocean::enrollment::parse_enroll;
+use digitalocean::enrollment::{EnrollmentSource, parse_enroll};
 use digitalocean::token::BootstrapSecret;
 use provider_core::telemetry::Telemetry;
 use rustls_pki_types::ServerName;
@@ -26,7 +26,8 @@ pub const REQUESTS: Target = Target {
              chunked bodies, ack-shaped, enrollment-shaped and damaged bodies): no handler task \
              panics, no answer is a 5xx, a well-formed request with the machine's valid token is \
              never refused as unauthorized, and one with a wrong token always is; an enrollment \
-             with the right token is enrolled or a conflict; whatever the enrollment decoder \
+             with the right token enrolls when it is the first, is refused only as a conflict \
+             after another credential enrolled, and nothing is accepted once in conflict; whatever the enrollment decoder \
              accepts is a 32-byte credential that a re-encoded body gives back",
     property,
 };
@@ -50,7 +51,7 @@ struct Server {
     connector: TlsConnector,
     token: String,
     enroll_token: String,
-    _channel: Channel,
+    channel: Channel,
 }
 
 thread_local! {
@@ -81,6 +82,8 @@ fn start() -> Server {
         },
         Telemetry::new("bigfleet_fuzz"),
     );
+    // No cloud stands behind this channel to say which addresses a Droplet has.
+    channel.set_enrollment_source(EnrollmentSource::Any);
     let token = channel.token_for(MACHINE).expose().to_owned();
     let enroll_token = channel
         .enrollment_token_for(ENROLLING, "op-1")
@@ -109,7 +112,7 @@ fn start() -> Server {
         connector: TlsConnector::from(Arc::new(config)),
         token,
         enroll_token,
-        _channel: channel,
+        channel,
     }
 }
 
@@ -330,24 +333,52 @@ fn property(u: &mut Unstructured<'_>) -> Result<()> {
         let mut slot = cell.borrow_mut();
         let server = slot.get_or_insert_with(start);
         let (bytes, shape) = request(u, server)?;
+        // The enrolling machine's record before the request: (enrolled, in conflict).
+        let before = server
+            .channel
+            .enrollment_status(ENROLLING)
+            .unwrap_or((false, false));
         let status = server.runtime.block_on(exchange(server, &bytes));
         if let Some(status) = status {
             let sent = String::from_utf8_lossy(&bytes);
             assert!(status < 500, "the channel answered {status} to {sent:?}");
             if shape.well_formed && shape.known_route {
-                if shape.valid_token {
-                    assert_ne!(status, 401, "a valid token was refused: {sent:?}");
-                }
                 if shape.wrong_token {
                     assert_eq!(status, 401, "a wrong token was not refused: {sent:?}");
                 }
-                // An enrollment with the right token either enrolls (or repeats the enrolled
-                // credential) or is a conflict; never anything else.
                 if shape.valid_token && shape.enrollment {
-                    assert!(
-                        status == 200 || status == 401,
-                        "an enrollment was answered {status}: {sent:?}"
+                    // The right token with a decodable credential: the first one enrolls, the
+                    // enrolled one again is answered as before, any other is a conflict (401)
+                    // that no credential gets past afterwards.
+                    match before {
+                        (false, _) => {
+                            assert_eq!(status, 200, "a first enrollment was refused: {sent:?}")
+                        }
+                        (true, true) => assert_eq!(
+                            status, 401,
+                            "an enrollment in conflict was accepted: {sent:?}"
+                        ),
+                        (true, false) => assert!(
+                            status == 200 || status == 401,
+                            "an enrollment was answered {status}: {sent:?}"
+                        ),
+                    }
+                    let after = server.channel.enrollment_status(ENROLLING);
+                    assert_eq!(
+                        after.map(|(enrolled, _)| enrolled),
+                        Some(true),
+                        "an answered enrollment left the machine unenrolled: {sent:?}"
                     );
+                    if status == 401 {
+                        assert_eq!(
+                            after,
+                            Some((true, true)),
+                            "an enrollment refused with the right token is not a conflict: \
+                             {sent:?}"
+                        );
+                    }
+                } else if shape.valid_token {
+                    assert_ne!(status, 401, "a valid token was refused: {sent:?}");
                 }
             }
         }
