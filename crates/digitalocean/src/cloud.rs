@@ -499,6 +499,10 @@ impl DigitalOceanCloud {
 
 #[async_trait]
 impl Cloud for DigitalOceanCloud {
+    fn api_budget(&self) -> Option<provider_core::budget::ApiBudget> {
+        Some(self.api.budget().clone())
+    }
+
     fn state_opened(&self, live_hosts: usize) -> Result<(), String> {
         match &self.settings.channel_key {
             Some(record) => record.check(live_hosts),

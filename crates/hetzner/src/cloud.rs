@@ -708,6 +708,10 @@ impl HetznerCloud {
 
 #[async_trait]
 impl Cloud for HetznerCloud {
+    fn api_budget(&self) -> Option<provider_core::budget::ApiBudget> {
+        Some(self.api.budget().clone())
+    }
+
     async fn refresh_settings(&self) -> Result<(), BackendError> {
         self.refresh_plans().await.map_err(err)
     }

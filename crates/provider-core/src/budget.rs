@@ -359,6 +359,8 @@ struct Inner {
     changed: Notify,
     limits: Limits,
     names: Names,
+    /// Requests handed a token so far, by class (in [`Class::ALL`] order).
+    served: [std::sync::atomic::AtomicU64; 4],
 }
 
 impl std::fmt::Debug for ApiBudget {
@@ -393,6 +395,7 @@ impl ApiBudget {
                 changed: Notify::new(),
                 limits,
                 names: Names::for_prefix(prefix),
+                served: Default::default(),
             }),
         };
         budget.publish(&budget.lock());
@@ -453,6 +456,8 @@ impl ApiBudget {
                         drop(state);
                         place.served = true;
                         self.inner.changed.notify_waiters();
+                        self.inner.served[class as usize]
+                            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
                         let names = &self.inner.names;
                         counter!(names.requests, "class" => class.label()).increment(1);
                         histogram!(names.wait, "class" => class.label())
@@ -587,6 +592,36 @@ impl ApiBudget {
     pub fn refill_per_second(&self) -> f64 {
         self.lock().main.per_second
     }
+
+    /// The refill rate of the background part of the share (`--api-reconcile-share` of it),
+    /// which proofs, reconcile and refreshes draw on, in requests per second.
+    pub fn background_per_second(&self) -> f64 {
+        self.lock().background.per_second
+    }
+
+    /// How many requests of `class` were handed a token since the budget was made.
+    pub fn served(&self, class: Class) -> u64 {
+        self.inner.served[class as usize].load(std::sync::atomic::Ordering::Relaxed)
+    }
+}
+
+/// How long to wait before the next full reconcile survey: `floor` (`--reconcile-interval`),
+/// or longer when the last survey's `cost` (requests: listing pages plus proofs) sent at that
+/// cadence would spend more than the background refill rate `background_per_second` allows:
+///
+/// ```text
+/// period = max(floor, cost / background_per_second)
+/// ```
+///
+/// At 10,000 Hetzner servers a survey is 200 pages; with the default shares the background
+/// rate is 0.5 × 0.2 × 3,600 = 360 requests per hour, so a survey runs every 33 minutes.
+pub fn survey_period(floor: Duration, cost: u64, background_per_second: f64) -> Duration {
+    if cost == 0 || !background_per_second.is_finite() || background_per_second <= 0.0 {
+        return floor;
+    }
+    let paced = cost as f64 / background_per_second;
+    // Never more than a day: a survey that rare would leave out-of-band deletions unseen.
+    floor.max(Duration::from_secs_f64(paced.min(86_400.0)))
 }
 
 /// The cloud's refill rate from `limit`, `remaining` and a full-again `reset` (a Unix time in

@@ -117,6 +117,12 @@ pub trait Cloud: Send + Sync + 'static {
         Ok(())
     }
 
+    /// The API budget of this cloud's token, when the client plans one: reconcile paces its
+    /// surveys from it.
+    fn api_budget(&self) -> Option<crate::budget::ApiBudget> {
+        None
+    }
+
     /// Called once the state is open, before any port binds, with the number of machines in it
     /// that hold a host: keeps what the startup look-ups found beside a local state for the next
     /// start (a first start creates the directory after them), and refuses, with a message

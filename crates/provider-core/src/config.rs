@@ -137,7 +137,8 @@ pub struct CommonArgs {
     #[arg(long = "price-refresh", default_value = "30m", value_parser = duration::flag, value_name = "DURATION")]
     pub price_refresh: Duration,
 
-    /// Reconcile period; 0 disables it.
+    /// Reconcile period floor: a survey runs less often when its cost at the fleet's size
+    /// would spend more than --api-reconcile-share allows; 0 disables it.
     #[arg(long = "reconcile-interval", default_value = "2m", value_parser = duration::flag, value_name = "DURATION")]
     pub reconcile_interval: Duration,
 

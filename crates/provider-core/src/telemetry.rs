@@ -18,6 +18,8 @@ pub struct Telemetry {
     pub grpc_duration: &'static str,
     pub panics: &'static str,
     pub reconcile: &'static str,
+    pub reconcile_period: &'static str,
+    pub reconcile_survey_requests: &'static str,
     pub price_refresh: &'static str,
     pub api_calls: &'static str,
     pub api_duration: &'static str,
@@ -113,6 +115,8 @@ impl Telemetry {
             grpc_duration: leak(prefix, "grpc_request_duration_seconds"),
             panics: leak(prefix, "panics_total"),
             reconcile: leak(prefix, "reconcile_total"),
+            reconcile_period: leak(prefix, "reconcile_period_seconds"),
+            reconcile_survey_requests: leak(prefix, "reconcile_survey_requests"),
             price_refresh: leak(prefix, "price_refresh_total"),
             api_calls: leak(prefix, "api_calls_total"),
             api_duration: leak(prefix, "api_duration_seconds"),
@@ -191,6 +195,15 @@ impl Telemetry {
 
     pub fn reconcile_outcome(&self, outcome: &'static str) {
         counter!(self.reconcile, "outcome" => outcome).increment(1);
+    }
+
+    /// The wait chosen before the next reconcile survey, and what the last one cost in API
+    /// requests (when the client counts them).
+    pub fn reconcile_period(&self, period: Duration, survey_requests: Option<u64>) {
+        gauge!(self.reconcile_period).set(period.as_secs_f64());
+        if let Some(cost) = survey_requests {
+            gauge!(self.reconcile_survey_requests).set(cost as f64);
+        }
     }
 
     pub fn price_refresh_outcome(&self, outcome: &'static str) {

@@ -10,6 +10,7 @@ mod etcd_state;
 mod faults;
 mod harness;
 mod lifecycle;
+mod pacing;
 mod production;
 mod real_build;
 mod restart;

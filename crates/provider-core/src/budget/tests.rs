@@ -361,3 +361,46 @@ async fn the_first_request_probes_before_a_burst_is_let_through() {
         started.elapsed()
     );
 }
+
+#[test]
+fn a_survey_is_paced_to_its_share_of_the_budget() {
+    let floor = Duration::from_secs(120);
+    // Hetzner, default shares: 0.5 of 1 request/s, 0.2 of that for background work.
+    let hetzner = ApiBudget::new(Limits::HETZNER, Shares::default(), "bigfleet_budget_test");
+    let rate = hetzner.background_per_second();
+    assert!((rate - 0.1).abs() < 1e-9, "background rate {rate}");
+    // 10,000 servers are 200 pages of 50: one survey every 2,000 s.
+    assert_eq!(survey_period(floor, 200, rate), Duration::from_secs(2000));
+    // 1,000 servers (20 pages) fit the floor's cadence: the floor stays.
+    assert_eq!(survey_period(floor, 12, rate), floor);
+    assert_eq!(survey_period(floor, 20, rate), Duration::from_secs(200));
+    // Nothing measured, or no refill known: the floor.
+    assert_eq!(survey_period(floor, 0, rate), floor);
+    assert_eq!(survey_period(floor, 200, 0.0), floor);
+    assert_eq!(survey_period(floor, 200, f64::NAN), floor);
+    // Never rarer than daily.
+    assert_eq!(
+        survey_period(floor, u64::MAX, rate),
+        Duration::from_secs(86_400)
+    );
+    // The shares set later change the pace.
+    hetzner.set_shares(Shares {
+        share: 1.0,
+        reconcile: 1.0,
+    });
+    assert!((hetzner.background_per_second() - 1.0).abs() < 1e-9);
+}
+
+#[tokio::test(start_paused = true)]
+async fn served_requests_are_counted_by_class() {
+    let budget = small(100.0, 1.0);
+    for _ in 0..3 {
+        budget.acquire_as(Class::Reconcile, None).await.unwrap();
+    }
+    budget.acquire_as(Class::Proof, None).await.unwrap();
+    scoped(Class::Refresh, budget.acquire(None)).await.unwrap();
+    assert_eq!(budget.served(Class::Reconcile), 3);
+    assert_eq!(budget.served(Class::Proof), 1);
+    assert_eq!(budget.served(Class::Refresh), 1);
+    assert_eq!(budget.served(Class::Transition), 0);
+}
