@@ -490,20 +490,21 @@ impl HcloudApi {
         Ok(*response.server)
     }
 
-    /// Replaces the server's whole label map.
+    /// Replaces the server's whole label map; the server as the write left it, when the
+    /// answer carries it.
     pub async fn replace_labels(
         &self,
         id: i64,
         labels: HashMap<String, String>,
         deadline: Option<Instant>,
-    ) -> Result<(), ApiError> {
+    ) -> Result<Option<models::Server>, ApiError> {
         let request = models::ReplaceServerRequest {
             labels: Some(labels),
             name: None,
         };
         let body = to_json(&request)?;
         let path = format!("/servers/{id}");
-        let _: models::ReplaceServerResponse = self
+        let response: models::ReplaceServerResponse = self
             .call(
                 "PUT /servers/{id}",
                 Method::PUT,
@@ -514,7 +515,7 @@ impl HcloudApi {
                 Repeat::Idempotent,
             )
             .await?;
-        Ok(())
+        Ok(response.server.map(|s| *s))
     }
 
     /// An idempotent DELETE where a resource that is already gone (404) counts as deleted.

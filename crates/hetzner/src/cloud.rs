@@ -572,7 +572,8 @@ impl HetznerCloud {
         locks.entry(id).or_default().clone()
     }
 
-    /// Applies `change` to the server's labels: read, modify, write, re-read and verify.
+    /// Applies `change` to the server's labels: read, modify, write, and verify on the server
+    /// the write answered with.
     pub(crate) async fn update_labels(
         &self,
         id: i64,
@@ -593,16 +594,22 @@ impl HetznerCloud {
             if wanted == server.labels {
                 return Ok(());
             }
-            self.api
+            let written = self
+                .api
                 .replace_labels(id, wanted, Some(deadline))
                 .await
                 .map_err(|e| e.to_string())?;
-            let now = self
-                .api
-                .get_server(id, Some(deadline))
-                .await
-                .map_err(|e| e.to_string())?
-                .ok_or_else(|| format!("server {id} vanished during a label update"))?;
+            // The write answers with the server as it left it: no read is needed to see it,
+            // unless the answer came without one.
+            let now = match written {
+                Some(server) => server,
+                None => self
+                    .api
+                    .get_server(id, Some(deadline))
+                    .await
+                    .map_err(|e| e.to_string())?
+                    .ok_or_else(|| format!("server {id} vanished during a label update"))?,
+            };
             let mut check = now.labels.clone();
             change(&mut check);
             if check == now.labels {
