@@ -852,7 +852,7 @@ impl ApiClient {
             "POST /v2/tags/{tag}/resources",
             Method::POST,
             tag,
-            id,
+            &[id],
             deadline,
         )
         .await
@@ -869,7 +869,24 @@ impl ApiClient {
             "DELETE /v2/tags/{tag}/resources",
             Method::DELETE,
             tag,
-            id,
+            &[id],
+            deadline,
+        )
+        .await
+    }
+
+    /// `DELETE /v2/tags/{tag}/resources` for several Droplets in one request.
+    pub async fn untag_droplets(
+        &self,
+        tag: &str,
+        ids: &[u64],
+        deadline: Instant,
+    ) -> Result<(), ApiError> {
+        self.tag_resources(
+            "DELETE /v2/tags/{tag}/resources",
+            Method::DELETE,
+            tag,
+            ids,
             deadline,
         )
         .await
@@ -880,7 +897,7 @@ impl ApiClient {
         endpoint: &'static str,
         method: Method,
         tag: &str,
-        id: u64,
+        ids: &[u64],
         deadline: Instant,
     ) -> Result<(), ApiError> {
         let mut url = self.url("/v2/tags");
@@ -888,9 +905,11 @@ impl ApiClient {
             .map_err(|()| ApiError::BadLink("base URL cannot carry a path".into()))?
             .push(tag)
             .push("resources");
-        let body = serde_json::json!({
-            "resources": [{ "resource_id": id.to_string(), "resource_type": "droplet" }]
-        });
+        let resources: Vec<serde_json::Value> = ids
+            .iter()
+            .map(|id| serde_json::json!({ "resource_id": id.to_string(), "resource_type": "droplet" }))
+            .collect();
+        let body = serde_json::json!({ "resources": resources });
         self.call(endpoint, method, url, Some(&body), deadline)
             .await?;
         Ok(())

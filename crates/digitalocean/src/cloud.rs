@@ -10,6 +10,7 @@ use std::time::Duration;
 
 use async_trait::async_trait;
 use provider_core::backend::{BackendError, ConfigureOrder, TransitionContext};
+use provider_core::batch::{Batcher, BootClock, ReadError};
 use provider_core::cloud::{Capacity, Cloud, OwnedHost};
 use provider_core::config::Secret;
 use provider_core::machine::Machine;
@@ -22,8 +23,8 @@ use crate::api::{ApiClient, ApiError, CreateDroplet, Droplet, ImageRef, Size};
 use crate::channel::{Channel, Command};
 use crate::enrollment::{DropletDirectory, DropletSighting};
 use crate::naming::{
-    CLUSTER_TAG_PREFIX, MACHINE_TAG_PREFIX, MANAGED_TAG, cluster_tag, decode_tag, droplet_name,
-    machine_tag, provider_tag,
+    CLUSTER_TAG_PREFIX, MACHINE_TAG_PREFIX, MANAGED_TAG, booting_tag, cluster_tag, decode_tag,
+    droplet_name, machine_tag, provider_tag,
 };
 use crate::profile::DropletProfile;
 
@@ -58,7 +59,10 @@ pub struct CloudSettings {
     /// join secrets there, so it prints as `[redacted]` and is zeroed on drop.
     pub base_user_data: Option<Secret>,
     pub agent: AgentProvisioning,
-    /// Interval of the wait-for-`active` polls.
+    /// The base interval of the polls of a booting Droplet: they start at three quarters of
+    /// its size's typical boot time as this process saw it (at half this interval before it
+    /// saw one), no sooner than half this interval apart, and grow to twice it (see
+    /// [`provider_core::batch::PollSchedule`]).
     pub active_poll: Duration,
     /// Longest wait for `active`, within the transition deadline.
     pub active_cap: Duration,
@@ -119,8 +123,81 @@ pub struct DigitalOceanCloud {
     channel: Channel,
     settings: CloudSettings,
     provider_tag: String,
+    /// Carried by this instance's Droplets from their create until they were seen `active`.
+    booting_tag: String,
     telemetry: Telemetry,
     sizes: tokio::sync::Mutex<Option<(Instant, Arc<Vec<Size>>)>>,
+    /// The boot polls of every Create in flight: one listing of the booting tag per round.
+    boot_reads: Batcher<u64, Droplet, ApiError>,
+    watching: Watching,
+    /// How long each size's Droplets take to boot, as seen by this process.
+    boot: BootClock,
+}
+
+/// The longest a boot poll waits for others to join its round.
+const GATHER_CAP: Duration = Duration::from_millis(250);
+
+/// The Droplets a `wait_active` of this process is waiting on.
+type Watching = Arc<std::sync::Mutex<std::collections::HashSet<u64>>>;
+
+/// Takes a Droplet off [`Watching`] when its wait ends, however it ends.
+struct Watch {
+    watching: Watching,
+    id: u64,
+}
+
+impl Watch {
+    fn new(watching: &Watching, id: u64) -> Watch {
+        lock_watching(watching).insert(id);
+        Watch {
+            watching: watching.clone(),
+            id,
+        }
+    }
+}
+
+impl Drop for Watch {
+    fn drop(&mut self) {
+        lock_watching(&self.watching).remove(&self.id);
+    }
+}
+
+fn lock_watching(watching: &Watching) -> std::sync::MutexGuard<'_, std::collections::HashSet<u64>> {
+    watching.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+/// One round of boot polls: lists the booting tag, untags (in one request) every listed
+/// Droplet that is `active` and asked about in this round or not waited on at all (so a tag
+/// left by a crash or an earlier process is cleared by the next round, and a waiter still
+/// finds its Droplet in the listing), and answers for the asked ids it found.
+async fn poll_booting(
+    api: &ApiClient,
+    tag: &str,
+    watching: &Watching,
+    ids: Vec<u64>,
+    deadline: Instant,
+) -> Result<HashMap<u64, Droplet>, ApiError> {
+    let listed = api.list_droplets_by_tag(tag, deadline).await?;
+    let active: Vec<u64> = {
+        let watching = lock_watching(watching);
+        listed
+            .iter()
+            .filter(|d| d.status == "active" && d.has_tag(tag))
+            .filter(|d| ids.contains(&d.id) || !watching.contains(&d.id))
+            .map(|d| d.id)
+            .collect()
+    };
+    if !active.is_empty()
+        && let Err(e) = api.untag_droplets(tag, &active, deadline).await
+    {
+        // Harmless: they are listed again, and untagged, by the next round.
+        tracing::warn!(error = %e, droplets = active.len(), "clearing the booting tag failed");
+    }
+    Ok(listed
+        .into_iter()
+        .filter(|d| ids.contains(&d.id))
+        .map(|d| (d.id, d))
+        .collect())
 }
 
 impl std::fmt::Debug for DigitalOceanCloud {
@@ -140,6 +217,18 @@ impl DigitalOceanCloud {
         telemetry: Telemetry,
     ) -> DigitalOceanCloud {
         let provider_tag = provider_tag(&settings.provider);
+        let booting_tag = booting_tag(&settings.provider);
+        let watching = Watching::default();
+        let boot_reads = {
+            let (api, tag, watching) = (api.clone(), booting_tag.clone(), watching.clone());
+            let fetch = Arc::new(move |ids: Vec<u64>, deadline: Instant| {
+                let (api, tag, watching) = (api.clone(), tag.clone(), watching.clone());
+                Box::pin(async move { poll_booting(&api, &tag, &watching, ids, deadline).await })
+                    as provider_core::batch::FetchFuture<_, _, _>
+            });
+            Batcher::new((settings.active_poll / 10).min(GATHER_CAP), fetch)
+        };
+        let boot = BootClock::new();
         channel.attach_directory(Arc::new(ApiDirectory {
             api: api.clone(),
             provider_tag: provider_tag.clone(),
@@ -150,8 +239,12 @@ impl DigitalOceanCloud {
             channel,
             settings,
             provider_tag,
+            booting_tag,
             telemetry,
             sizes: tokio::sync::Mutex::new(None),
+            boot_reads,
+            watching,
+            boot,
         }
     }
 
@@ -215,6 +308,7 @@ impl DigitalOceanCloud {
             MANAGED_TAG.to_owned(),
             machine_tag(&machine.id),
             self.provider_tag.clone(),
+            self.booting_tag.clone(),
         ];
         tags.extend(profile.tags);
         let request = CreateDroplet {
@@ -275,52 +369,92 @@ impl DigitalOceanCloud {
                 .map_err(|e| format!("create droplet {size}: {e}"))?;
         };
         let active = self
-            .wait_active(created.id, ctx)
+            .wait_active(&created, Some(Instant::now()), ctx)
             .await
             .map_err(|e| format!("create droplet {size}: {e}"))?;
         Ok(self.owned_host(&active))
     }
 
-    /// Polls the Droplet until it is `active`. A 404 fails at once; other errors are retried
-    /// until the cap or the transition deadline.
-    async fn wait_active(&self, id: u64, ctx: &TransitionContext) -> Result<Droplet, String> {
+    /// Waits for `droplet` to be `active`, looking at it on the schedule its size's boot time
+    /// gives, in the booting-tag listing every Create in flight shares. A Droplet missing from
+    /// that listing (adopted from an earlier version, or its tag removed) is read directly; a
+    /// 404 fails at once; other errors are retried until the cap or the transition deadline.
+    /// `created` is when the create call returned, for learning the boot time.
+    async fn wait_active(
+        &self,
+        droplet: &Droplet,
+        created: Option<Instant>,
+        ctx: &TransitionContext,
+    ) -> Result<Droplet, String> {
+        let id = droplet.id;
+        if droplet.status == "active" {
+            return Ok(droplet.clone());
+        }
+        let _watch = Watch::new(&self.watching, id);
+        let started = Instant::now();
         let cap = self.settings.active_cap;
-        let until = ctx.deadline.min(Instant::now() + cap);
-        // The last status the API answered; a poll cut short by the deadline does not hide it.
-        let mut status: Option<String> = None;
+        let until = ctx.deadline.min(started + cap);
+        let mut schedule = self.boot.schedule(
+            &droplet.size_slug,
+            self.settings.active_poll / 2,
+            self.settings.active_poll * 2,
+        );
+        // The last status the API answered (a poll cut short by the deadline does not hide
+        // it), and how the polls since have failed.
+        let mut seen = format!("status {:?}", droplet.status);
+        let mut failure: Option<String> = None;
         loop {
-            let last = match self.api.get_droplet_once(id, ctx.deadline).await {
-                Ok(d) if d.status == "active" => return Ok(d),
-                Ok(d) => {
-                    let seen = format!("status {:?}", d.status);
-                    status = Some(seen.clone());
-                    seen
-                }
-                Err(e) if e.is_not_found() => {
-                    return Err(format!(
-                        "droplet {id} not found while waiting to become active (deleted out-of-band?): {e}"
-                    ));
-                }
-                Err(e) => match &status {
-                    Some(seen) => format!("{seen}; then the poll failed: {e}"),
-                    None => e.to_string(),
-                },
+            let last = match &failure {
+                Some(e) => format!("{seen}; then the poll failed: {e}"),
+                None => seen.clone(),
             };
-            let poll = self.settings.active_poll;
-            if Instant::now() + poll >= until {
+            let Some(wake) = schedule.next_look(until) else {
                 if until < ctx.deadline {
                     return Err(format!(
                         "droplet {id} did not become active within {} (last: {last})",
                         provider_core::duration::format(cap)
                     ));
                 }
+                sleep_or_cancel(until.saturating_duration_since(Instant::now()), ctx)
+                    .await
+                    .ok();
                 return Err(format!(
                     "waiting for droplet {id} to become active: context deadline exceeded (last: {last})"
                 ));
+            };
+            sleep_or_cancel(wake.saturating_duration_since(Instant::now()), ctx)
+                .await
+                .map_err(|e| {
+                    format!("waiting for droplet {id} to become active: {e} (last: {last})")
+                })?;
+            let polled = match self.boot_reads.read(id, ctx.deadline).await {
+                Ok(Some(d)) => Ok(d),
+                // Not booting by its tag: ask for it.
+                Ok(None) => self.api.get_droplet_once(id, ctx.deadline).await,
+                Err(ReadError::Fetch(e)) => Err(e),
+                Err(e) => Err(ApiError::Transport {
+                    endpoint: "GET /v2/droplets",
+                    message: e.to_string(),
+                }),
+            };
+            match polled {
+                Ok(d) if d.status == "active" => {
+                    if let Some(created) = created {
+                        self.boot.record(&droplet.size_slug, created.elapsed());
+                    }
+                    return Ok(d);
+                }
+                Ok(d) => {
+                    seen = format!("status {:?}", d.status);
+                    failure = None;
+                }
+                Err(e) if e.is_not_found() => {
+                    return Err(format!(
+                        "droplet {id} not found while waiting to become active (deleted out-of-band?): {e}"
+                    ));
+                }
+                Err(e) => failure = Some(e.to_string()),
             }
-            sleep_or_cancel(poll, ctx).await.map_err(|e| {
-                format!("waiting for droplet {id} to become active: {e} (last: {last})")
-            })?;
         }
     }
 
@@ -374,7 +508,7 @@ impl DigitalOceanCloud {
         let (d, machine_id) = self
             .managed_droplet("configure", host_id, machine, ctx.deadline)
             .await?;
-        self.wait_active(d.id, ctx)
+        self.wait_active(&d, None, ctx)
             .await
             .map_err(|e| format!("configure: droplet {} not ready: {e}", d.id))?;
         let command = Command::Configure {

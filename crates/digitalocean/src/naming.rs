@@ -40,6 +40,16 @@ pub fn provider_tag(provider: &str) -> String {
     format!("{PROVIDER_TAG_PREFIX}{}", base32_lower(provider.as_bytes()))
 }
 
+/// Prefix of the tag a Droplet of a provider instance carries from its create until it was
+/// seen `active`.
+pub const BOOTING_TAG_PREFIX: &str = "bfboot:";
+
+/// The tag of provider instance `provider`'s booting Droplets: one listing of it polls every
+/// Create in flight.
+pub fn booting_tag(provider: &str) -> String {
+    format!("{BOOTING_TAG_PREFIX}{}", base32_lower(provider.as_bytes()))
+}
+
 /// `bigfleet-` + base32 of SHA-256(machine id): 61 characters, stable for the machine.
 pub fn droplet_name(machine_id: &str) -> String {
     format!(

@@ -13,7 +13,9 @@ use serde_json::Value;
 use tokio::time::Instant;
 
 use crate::api::{ApiClient, ApiError, Image, ImageRef, Size, SshKeyRef};
-use crate::naming::{CLUSTER_TAG_PREFIX, MACHINE_TAG_PREFIX, MANAGED_TAG, PROVIDER_TAG_PREFIX};
+use crate::naming::{
+    BOOTING_TAG_PREFIX, CLUSTER_TAG_PREFIX, MACHINE_TAG_PREFIX, MANAGED_TAG, PROVIDER_TAG_PREFIX,
+};
 
 /// The global flags: defaults of every offering.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
@@ -204,9 +206,14 @@ pub fn valid_tag(tag: &str) -> bool {
 pub fn reserved_tag(tag: &str) -> bool {
     let lower = tag.to_ascii_lowercase();
     lower == MANAGED_TAG
-        || [MACHINE_TAG_PREFIX, CLUSTER_TAG_PREFIX, PROVIDER_TAG_PREFIX]
-            .iter()
-            .any(|p| lower.starts_with(p))
+        || [
+            MACHINE_TAG_PREFIX,
+            CLUSTER_TAG_PREFIX,
+            PROVIDER_TAG_PREFIX,
+            BOOTING_TAG_PREFIX,
+        ]
+        .iter()
+        .any(|p| lower.starts_with(p))
 }
 
 /// Whether `text` has the 8-4-4-4-12 hexadecimal shape of a UUID.
@@ -310,7 +317,8 @@ pub fn plan(
             if reserved_tag(tag) {
                 return Err(format!(
                     "{}: reserved for the provider's own ownership tags ({MANAGED_TAG}, \
-                     {MACHINE_TAG_PREFIX}*, {PROVIDER_TAG_PREFIX}*, {CLUSTER_TAG_PREFIX}*)",
+                     {MACHINE_TAG_PREFIX}*, {PROVIDER_TAG_PREFIX}*, {CLUSTER_TAG_PREFIX}*, \
+                     {BOOTING_TAG_PREFIX}*)",
                     setting.describe(&label)
                 ));
             }

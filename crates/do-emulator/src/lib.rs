@@ -61,8 +61,12 @@ pub struct EmulatedDroplet {
     pub monitoring: bool,
     /// Ids of the SSH keys the create named (by id or fingerprint).
     pub ssh_key_ids: Vec<u64>,
-    /// GETs of this Droplet still answered with `new` before it turns `active`.
+    /// Reads of this Droplet (its GET, or a listing that shows it) still answered with `new`
+    /// before it turns `active`.
     polls_left: u32,
+    /// When a Droplet created while a boot time was set turns `active` (reads then do not
+    /// count).
+    boots_at: Option<std::time::Instant>,
     created_at: String,
 }
 
@@ -80,6 +84,8 @@ struct Knobs {
     fail_next: VecDeque<Fault>,
     drop_create_responses: u32,
     active_after_polls: u32,
+    /// How long new Droplets take to boot, when set (in place of `active_after_polls`).
+    boot_time: Option<std::time::Duration>,
     bad_next_link: bool,
     /// The largest page served, whatever `per_page` asks for.
     max_per_page: Option<usize>,
@@ -267,9 +273,16 @@ impl Emulator {
         lock(&self.state).knobs.drop_create_responses = count;
     }
 
-    /// New Droplets stay `new` for this many GETs of the Droplet.
+    /// New Droplets stay `new` for this many reads of the Droplet (its GET, or a listing
+    /// that shows it).
     pub fn set_active_after_polls(&self, polls: u32) {
         lock(&self.state).knobs.active_after_polls = polls;
+    }
+
+    /// New Droplets turn `active` once this long has passed since their create, however often
+    /// they are read (`None`: by reads, see [`Emulator::set_active_after_polls`]).
+    pub fn set_boot_time(&self, boot: Option<std::time::Duration>) {
+        lock(&self.state).knobs.boot_time = boot;
     }
 
     /// Makes every `links.pages.next` point somewhere it must not be followed.
@@ -350,6 +363,7 @@ impl Emulator {
                 monitoring: false,
                 ssh_key_ids: Vec::new(),
                 polls_left: 0,
+                boots_at: None,
                 created_at: now_rfc3339(),
             },
         );
@@ -886,7 +900,12 @@ async fn create_droplet(
         for t in &body.tags {
             state.tags.insert(t.clone());
         }
-        let polls_left = state.knobs.active_after_polls;
+        let boots_at = state.knobs.boot_time.map(|t| std::time::Instant::now() + t);
+        let polls_left = if boots_at.is_some() {
+            1
+        } else {
+            state.knobs.active_after_polls
+        };
         let droplet = EmulatedDroplet {
             id,
             name,
@@ -909,6 +928,7 @@ async fn create_droplet(
             monitoring: body.monitoring,
             ssh_key_ids: placement.ssh_key_ids,
             polls_left,
+            boots_at,
             created_at: now_rfc3339(),
         };
         state.actions.push(json!({
@@ -948,6 +968,11 @@ async fn list_droplets(
     headers: HeaderMap,
 ) -> Response {
     let mut state = lock(&emu.state);
+    for d in state.droplets.values_mut() {
+        if q.tag_name.as_ref().is_none_or(|t| d.tags.contains(t)) {
+            observe(d);
+        }
+    }
     let items: Vec<Value> = state
         .droplets
         .values()
@@ -984,6 +1009,27 @@ fn not_found() -> Response {
     )
 }
 
+/// Advances a `new` Droplet on a read: `active` once its boot time has passed, or after its
+/// reads run out.
+fn observe(d: &mut EmulatedDroplet) {
+    if d.status != "new" {
+        return;
+    }
+    match d.boots_at {
+        Some(at) => {
+            if std::time::Instant::now() >= at {
+                d.status = "active".into();
+            }
+        }
+        None => {
+            d.polls_left = d.polls_left.saturating_sub(1);
+            if d.polls_left == 0 {
+                d.status = "active".into();
+            }
+        }
+    }
+}
+
 async fn get_droplet(State(emu): State<Emulator>, Path(id): Path<String>) -> Response {
     let Ok(id) = id.parse::<u64>() else {
         return not_found();
@@ -992,12 +1038,7 @@ async fn get_droplet(State(emu): State<Emulator>, Path(id): Path<String>) -> Res
     let Some(d) = state.droplets.get_mut(&id) else {
         return not_found();
     };
-    if d.status == "new" {
-        d.polls_left = d.polls_left.saturating_sub(1);
-        if d.polls_left == 0 {
-            d.status = "active".into();
-        }
-    }
+    observe(d);
     let d = d.clone();
     let view = droplet_json(&state, &d);
     Json(json!({ "droplet": view })).into_response()
@@ -1221,6 +1262,8 @@ struct FaultsBody {
     fail_next: Vec<Fault>,
     drop_create_responses: Option<u32>,
     active_after_polls: Option<u32>,
+    /// Seconds new Droplets take to turn `active` (negative: by reads again).
+    boot_seconds: Option<f64>,
     bad_next_link: Option<bool>,
 }
 
@@ -1236,6 +1279,9 @@ async fn admin_faults(State(emu): State<Emulator>, Json(body): Json<FaultsBody>)
     }
     if let Some(n) = body.active_after_polls {
         emu.set_active_after_polls(n);
+    }
+    if let Some(seconds) = body.boot_seconds {
+        emu.set_boot_time(std::time::Duration::try_from_secs_f64(seconds).ok());
     }
     if let Some(bad) = body.bad_next_link {
         emu.set_bad_next_link(bad);

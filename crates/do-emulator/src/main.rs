@@ -29,6 +29,10 @@ struct Args {
     /// time running this many times faster (1 is real time); off when not given.
     #[arg(long, value_name = "FACTOR")]
     rate_limit_time_scale: Option<f64>,
+    /// Seconds a new Droplet takes to turn `active`, however often it is read (by default it
+    /// turns `active` on its first read).
+    #[arg(long, value_name = "SECONDS")]
+    boot_seconds: Option<f64>,
 }
 
 #[tokio::main]
@@ -52,6 +56,12 @@ async fn main() -> anyhow::Result<()> {
         stop.cancel();
     });
     let emulator = Emulator::new(&args.token);
+    if let Some(seconds) = args.boot_seconds {
+        let boot = std::time::Duration::try_from_secs_f64(seconds).map_err(|_| {
+            anyhow::anyhow!("--boot-seconds must be a non-negative number, got {seconds}")
+        })?;
+        emulator.set_boot_time(Some(boot));
+    }
     if let Some(factor) = args.rate_limit_time_scale {
         if !(factor.is_finite() && factor > 0.0) {
             bail!("--rate-limit-time-scale must be a positive number, got {factor}");

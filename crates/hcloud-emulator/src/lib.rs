@@ -89,6 +89,9 @@ struct StoredServer {
     /// Reads of this server left before it reports `running` (or, while `deleting`, before it
     /// disappears).
     polls_to_running: u32,
+    /// When a server created while a boot time was set reports `running` (its reads then
+    /// do not count).
+    boots_at: Option<std::time::Instant>,
     /// The user-data the server was created with (what cloud-init would read).
     user_data: Option<String>,
 }
@@ -112,6 +115,8 @@ struct World {
     faults: VecDeque<Fault>,
     create_faults: VecDeque<CreateFault>,
     polls_to_running: u32,
+    /// How long new servers take to boot, when set (in place of `polls_to_running`).
+    boot_time: Option<Duration>,
     new_server_ipv4: Option<String>,
     new_server_private_ip: Option<String>,
     max_per_page: i64,
@@ -249,6 +254,7 @@ impl World {
             faults: VecDeque::new(),
             create_faults: VecDeque::new(),
             polls_to_running: 0,
+            boot_time: None,
             new_server_ipv4: None,
             new_server_private_ip: None,
             max_per_page: 50,
@@ -529,7 +535,11 @@ fn observe(w: &mut World, id: i64) -> bool {
     };
     match stored.server.status {
         models::server::Status::Initializing => {
-            if stored.polls_to_running == 0 {
+            if let Some(at) = stored.boots_at {
+                if std::time::Instant::now() >= at {
+                    stored.server.status = models::server::Status::Running;
+                }
+            } else if stored.polls_to_running == 0 {
                 stored.server.status = models::server::Status::Running;
             } else {
                 stored.polls_to_running -= 1;
@@ -829,11 +839,13 @@ async fn create_server(State(world): State<Shared>, headers: HeaderMap, body: St
             ..Default::default()
         };
         let polls = w.polls_to_running;
+        let boots_at = w.boot_time.map(|t| std::time::Instant::now() + t);
         w.servers.insert(
             id,
             StoredServer {
                 server: server.clone(),
                 polls_to_running: polls,
+                boots_at,
                 user_data: request.user_data.clone(),
             },
         );
@@ -1259,6 +1271,12 @@ impl Emulator {
         self.world().polls_to_running = polls;
     }
 
+    /// New servers report `running` once this long has passed since their create, however
+    /// often they are read (`None`: by reads, see [`Emulator::set_polls_to_running`]).
+    pub fn set_boot_time(&self, boot: Option<Duration>) {
+        self.world().boot_time = boot;
+    }
+
     /// The public IPv4 of servers created from now on (e.g. `127.0.0.1`).
     pub fn set_new_server_ipv4(&self, ip: &str) {
         self.world().new_server_ipv4 = Some(ip.to_owned());
@@ -1368,6 +1386,7 @@ impl Emulator {
             StoredServer {
                 server,
                 polls_to_running: 0,
+                boots_at: None,
                 user_data: None,
             },
         );

@@ -39,6 +39,10 @@ struct Args {
     /// Reads before a new server reports `running`.
     #[arg(long, default_value_t = 1)]
     polls_to_running: u32,
+    /// Seconds a new server takes to report `running`, however often it is read (in place of
+    /// --polls-to-running).
+    #[arg(long, value_name = "SECONDS")]
+    boot_seconds: Option<f64>,
     /// Also play the servers' sshd on this address (loopback only): a connection is for the
     /// newest live server at the address it arrived on, which presents the host key the
     /// provider injected via user-data and runs commands in `<ssh-root>/<server id>`.
@@ -64,6 +68,12 @@ async fn main() -> anyhow::Result<()> {
     let listener = tokio::net::TcpListener::bind(args.listen).await?;
     let emulator = hcloud_emulator::Emulator::serve(listener, &args.token)?;
     emulator.set_polls_to_running(args.polls_to_running);
+    if let Some(seconds) = args.boot_seconds {
+        let boot = std::time::Duration::try_from_secs_f64(seconds).map_err(|_| {
+            anyhow::anyhow!("--boot-seconds must be a non-negative number, got {seconds}")
+        })?;
+        emulator.set_boot_time(Some(boot));
+    }
     if let Some(ip) = &args.server_ipv4 {
         emulator.set_new_server_ipv4(ip);
     }

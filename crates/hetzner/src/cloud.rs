@@ -110,12 +110,18 @@ impl std::fmt::Debug for HetznerConfig {
     }
 }
 
+/// The longest a batched read waits for other demands to join its round.
+const GATHER_CAP: Duration = Duration::from_millis(250);
+
 /// Pacing of polls and retries; the defaults suit the real API, tests shorten them.
 #[derive(Clone, Copy, Debug)]
 pub struct Timing {
     pub client: ClientTiming,
     pub ssh: SshTiming,
-    /// Interval between server status polls while waiting for `running`.
+    /// The base interval of the polls of a booting server: they start at three quarters of
+    /// its offering's typical boot time as this process saw it (at half this interval before
+    /// it saw one), no sooner than half this interval apart, and grow to twice it (see
+    /// [`provider_core::batch::PollSchedule`]).
     pub running_poll: Duration,
     /// Own cap on waiting for `running` (the Create deadline normally ends it first).
     pub running_cap: Duration,
@@ -170,6 +176,10 @@ pub struct HetznerCloud {
     pub(crate) label_locks: Mutex<HashMap<i64, Arc<tokio::sync::Mutex<()>>>>,
     /// Connections kept from a successful configure for the readiness gate, by server id.
     pub(crate) ready_sessions: tokio::sync::Mutex<HashMap<i64, PinnedSession>>,
+    /// The look-ups and boot polls of every transition in flight, one listing per round.
+    pub(crate) machine_reads: crate::machine_reads::MachineReads,
+    /// How long each offering's servers take to boot, as seen by this process.
+    pub(crate) boot: provider_core::batch::BootClock,
 }
 
 /// One lazily resolved plan per (server type, location).
@@ -301,7 +311,7 @@ impl HetznerCloud {
             config.timing.client,
         )?;
         Ok(HetznerCloud {
-            api,
+            api: api.clone(),
             provider: config.provider_instance.clone(),
             server,
             offerings: config.offerings,
@@ -319,6 +329,11 @@ impl HetznerCloud {
             timing: config.timing,
             label_locks: Mutex::new(HashMap::new()),
             ready_sessions: tokio::sync::Mutex::new(HashMap::new()),
+            machine_reads: crate::machine_reads::MachineReads::new(
+                api,
+                (config.timing.running_poll / 10).min(GATHER_CAP),
+            ),
+            boot: provider_core::batch::BootClock::new(),
         })
     }
 

@@ -144,6 +144,8 @@ impl HetznerCloud {
             })
     }
 
+    /// The servers labelled as `machine_id`'s (deleting ones included), oldest first, from a
+    /// listing that started after this call (batched with the other machines' reads).
     pub(crate) async fn machine_servers(
         &self,
         machine_id: &str,
@@ -151,19 +153,13 @@ impl HetznerCloud {
     ) -> Result<Vec<models::Server>, ApiError> {
         // No provider label in the selector: servers of earlier versions lack it, and
         // `is_ours` decides ownership either way.
-        let mut pairs = vec![(labels::MANAGED.to_owned(), "true".to_owned())];
-        pairs.extend(labels::machine_id_labels(machine_id));
-        let mut found: Vec<models::Server> = self
-            .api
-            .list_servers(&labels::selector(&pairs), Some(deadline))
+        Ok(self
+            .machine_reads
+            .servers(machine_id, deadline)
             .await?
             .into_iter()
-            .filter(|s| {
-                self.is_ours(s) && labels::machine_id_of(&s.labels).as_deref() == Some(machine_id)
-            })
-            .collect();
-        found.sort_by_key(|s| s.id);
-        Ok(found)
+            .filter(|s| self.is_ours(s))
+            .collect())
     }
 
     /// The live server a previous Create made for `machine_id`, if any.
@@ -185,34 +181,39 @@ impl HetznerCloud {
         Ok(live.into_iter().next())
     }
 
+    /// Waits for the server `id` of `machine_id` to run, looking at it on the schedule its
+    /// offering's boot time gives (in the batched listing every Create in flight shares). A
+    /// server missing from a listing is read directly before it is declared vanished.
+    /// `created` is when the create call returned, for learning the boot time; `None` for an
+    /// adopted server.
     async fn wait_running(
         &self,
-        id: i64,
+        server: &models::Server,
+        machine_id: &str,
+        created: Option<Instant>,
         ctx: &TransitionContext,
     ) -> Result<models::Server, BackendError> {
+        let id = server.id;
+        if server.status == models::server::Status::Running {
+            return Ok(server.clone());
+        }
         let cap = Instant::now() + self.timing.running_cap;
         let deadline = ctx.deadline.min(cap);
+        let offering = &server.server_type.name;
+        let mut schedule = self.boot.schedule(
+            offering,
+            self.timing.running_poll / 2,
+            self.timing.running_poll * 2,
+        );
         loop {
-            // The server exists: a run of 429s or 5xx answers while polling is no reason to
-            // give up on it (and leave it running untracked) while the deadline allows more.
-            let polled = self.api.get_server(id, Some(deadline)).await;
-            let left = deadline.saturating_duration_since(Instant::now());
-            let server = match polled {
-                Ok(Some(server)) => Some(server),
-                Ok(None) => return Err(err(format!("server {id} vanished while creating"))),
-                Err(e) if is_passing(&e) && !left.is_zero() => {
-                    tracing::warn!(server = id, err = %e, "polling the new server failed; polling on");
-                    None
+            let Some(wake) = schedule.next_look(deadline) else {
+                tokio::select! {
+                    _ = tokio::time::sleep_until(deadline) => {}
+                    _ = ctx.cancel.cancelled() => {}
                 }
-                Err(e) => return Err(err(format!("poll server {id}: {e}"))),
-            };
-            if let Some(server) = server
-                && server.status == models::server::Status::Running
-            {
-                return Ok(server);
-            }
-            if left.is_zero() {
-                return Err(if cap <= ctx.deadline {
+                return Err(if ctx.cancel.is_cancelled() {
+                    err(format!("waiting for server {id} to run: cancelled"))
+                } else if cap <= ctx.deadline {
                     err(format!(
                         "server {id} did not reach running within {:?}",
                         self.timing.running_cap
@@ -220,12 +221,36 @@ impl HetznerCloud {
                 } else {
                     err(format!("waiting for server {id} to run: deadline exceeded"))
                 });
-            }
+            };
             tokio::select! {
-                _ = tokio::time::sleep(self.timing.running_poll.min(left)) => {}
+                _ = tokio::time::sleep_until(wake) => {}
                 _ = ctx.cancel.cancelled() => {
                     return Err(err(format!("waiting for server {id} to run: cancelled")));
                 }
+            }
+            // The server exists: a run of 429s or 5xx answers while polling is no reason to
+            // give up on it (and leave it running untracked) while the deadline allows more.
+            let polled = match self.machine_reads.servers(machine_id, deadline).await {
+                Ok(servers) => match servers.into_iter().find(|s| s.id == id) {
+                    Some(found) => Ok(Some(found)),
+                    // Not in the listing (its labels changed, or it is gone): ask for it.
+                    None => self.api.get_server(id, Some(deadline)).await,
+                },
+                Err(e) => Err(e),
+            };
+            match polled {
+                Ok(Some(found)) if found.status == models::server::Status::Running => {
+                    if let Some(created) = created {
+                        self.boot.record(offering, created.elapsed());
+                    }
+                    return Ok(found);
+                }
+                Ok(Some(_)) => {}
+                Ok(None) => return Err(err(format!("server {id} vanished while creating"))),
+                Err(e) if is_passing(&e) => {
+                    tracing::warn!(server = id, err = %e, "polling the new server failed; polling on");
+                }
+                Err(e) => return Err(err(format!("poll server {id}: {e}"))),
             }
         }
     }
@@ -250,7 +275,7 @@ impl HetznerCloud {
             self.claim_if_legacy(&existing, deadline)
                 .await
                 .map_err(|e| err(format!("claim server {}: {e}", existing.id)))?;
-            let server = self.wait_running(existing.id, ctx).await?;
+            let server = self.wait_running(&existing, &machine.id, None, ctx).await?;
             let server = match existing_plan(self, &server, deadline).await {
                 Ok(plan) => self.attach_subnets(&plan, server, ctx).await?,
                 Err(_) => server,
@@ -336,7 +361,9 @@ impl HetznerCloud {
             }
         };
         tracing::info!(machine = %machine.id, server = created.id, name = %name, "server created");
-        let server = self.wait_running(created.id, ctx).await?;
+        let server = self
+            .wait_running(&created, &machine.id, Some(Instant::now()), ctx)
+            .await?;
         let server = self.attach_subnets(&plan, server, ctx).await?;
         owned(&server)
     }

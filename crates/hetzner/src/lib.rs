@@ -9,6 +9,7 @@ pub mod cloud;
 pub mod create;
 pub mod hostkey;
 pub mod labels;
+pub mod machine_reads;
 pub mod placement;
 pub mod plan_cache;
 pub mod real;

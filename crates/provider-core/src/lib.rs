@@ -4,6 +4,7 @@
 pub mod admin;
 pub mod app;
 pub mod backend;
+pub mod batch;
 pub mod budget;
 pub mod check;
 pub mod cli;

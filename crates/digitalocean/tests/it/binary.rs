@@ -118,6 +118,7 @@ impl Site {
         }
         let mut child = cmd.spawn().unwrap();
         let output = Arc::new(Mutex::new(Vec::new()));
+        let mut readers = Vec::new();
         for stream in [
             child
                 .stdout
@@ -132,7 +133,7 @@ impl Site {
         .flatten()
         {
             let output = output.clone();
-            tokio::spawn(async move {
+            readers.push(tokio::spawn(async move {
                 use tokio::io::AsyncReadExt as _;
                 let mut stream = stream;
                 let mut buf = [0u8; 4096];
@@ -142,9 +143,13 @@ impl Site {
                     }
                     output.lock().unwrap().extend_from_slice(&buf[..n]);
                 }
-            });
+            }));
         }
-        Spawned { child, output }
+        Spawned {
+            child,
+            output,
+            readers,
+        }
     }
 }
 
@@ -152,11 +157,22 @@ impl Site {
 pub(crate) struct Spawned {
     pub child: tokio::process::Child,
     output: Arc<Mutex<Vec<u8>>>,
+    /// The tasks copying its stdout and stderr into `output`.
+    readers: Vec<tokio::task::JoinHandle<()>>,
 }
 
 impl Spawned {
     pub fn logs(&self) -> String {
         String::from_utf8_lossy(&self.output.lock().unwrap()).into_owned()
+    }
+
+    /// Everything the process wrote, once it has exited: the copies of its output are read to
+    /// their end first (the exit can be seen before its last lines are).
+    pub async fn logs_after_exit(&mut self) -> String {
+        for reader in self.readers.drain(..) {
+            let _ = tokio::time::timeout(Duration::from_secs(10), reader).await;
+        }
+        self.logs()
     }
 
     /// Connects to its gRPC port until it answers (bounded); panics with the log if the process

@@ -1,6 +1,7 @@
 //! The API budget against the emulator's real (time-scaled) limits, 5,000 an hour and 250 a
 //! minute with DigitalOcean's headers: a burst of Droplet creates and their polls from a nearly
-//! spent token meets no 429, and another user spending half the budget fails none of them.
+//! spent token meets no 429, and another user spending half the budget fails none of them;
+//! through the cloud, the boot polls of a burst of Creates are shared listings.
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -120,6 +121,71 @@ async fn another_user_spending_half_the_budget_fails_no_request() {
     assert_eq!(
         classes["create"].0, CREATES as usize,
         "one POST per Droplet"
+    );
+    stop.cancel();
+}
+
+/// Issue 21 §2: 50 Creates through the cloud, of Droplets that boot in 30 s (time-scaled like
+/// the budget), cost a look-up and a POST each and a few shared listings of the booting tag
+/// (with the requests that clear it), and not one `GET /v2/droplets/{id}`; before, this
+/// burst cost 450 requests.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_burst_of_creates_shares_its_boot_polls() {
+    use provider_core::cloud::Cloud;
+    let scaled = |seconds: f64| Duration::from_secs_f64(seconds / SCALE);
+    let (emulator, api, stop) = start(RateLimit::DIGITALOCEAN.per_hour).await;
+    emulator.set_boot_time(Some(scaled(30.0)));
+    let pki = crate::support::pki();
+    let channel =
+        crate::support::RunningChannel::start(&pki, Duration::from_secs(2), Default::default())
+            .await;
+    let mut settings = crate::support::cloud_settings(&channel, &pki, None, "budget-burst");
+    settings.active_poll = scaled(5.0);
+    let cloud = Arc::new(digitalocean::cloud::DigitalOceanCloud::new(
+        api,
+        channel.channel.clone(),
+        settings,
+        crate::support::telemetry(),
+    ));
+    let started = Instant::now();
+    let tasks: Vec<_> = (0..CREATES)
+        .map(|i| {
+            let cloud = cloud.clone();
+            tokio::spawn(async move {
+                let machine = crate::support::machine(i as u32);
+                cloud
+                    .create_host(&machine, &crate::support::ctx(Duration::from_secs(60)))
+                    .await
+                    .unwrap()
+            })
+        })
+        .collect();
+    for task in tasks {
+        task.await.unwrap();
+    }
+    let took = started.elapsed();
+    let classes = emulator.requests_by_class();
+    let total: usize = classes.values().map(|(n, _)| n).sum();
+    eprintln!("{CREATES} creates in {took:?}: {total} requests, by class: {classes:?}");
+    let n = |class: &str| classes.get(class).map_or(0, |(n, _)| *n);
+    let refused: usize = classes.values().map(|(_, refused)| refused).sum();
+    assert_eq!(refused, 0, "{classes:?}");
+    assert_eq!(n("create"), CREATES as usize, "one POST per Create");
+    assert_eq!(n("poll"), 0, "no per-Droplet poll: {classes:?}");
+    // One look-up per Create (by its machine tag, kept: it guards against a second Droplet),
+    // then the shared boot polls.
+    let rounds = n("listing") - CREATES as usize;
+    assert!(
+        rounds <= 20,
+        "boot polls share listings: {rounds} ({classes:?})"
+    );
+    assert!(n("tag") <= rounds, "{classes:?}");
+    assert!(
+        emulator
+            .droplets()
+            .iter()
+            .all(|d| !d.tags.iter().any(|t| t.starts_with("bfboot:"))),
+        "every Droplet seen active lost its booting tag"
     );
     stop.cancel();
 }

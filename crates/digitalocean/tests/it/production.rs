@@ -6,7 +6,7 @@
 use std::collections::HashMap;
 use std::time::Duration;
 
-use digitalocean::naming::{MANAGED_TAG, machine_tag, provider_tag};
+use digitalocean::naming::{MANAGED_TAG, booting_tag, machine_tag, provider_tag};
 use digitalocean::profile::startup;
 use digitalocean::profile::{Defaults, OfferingFields, Wanted, offering_fields, plan};
 use provider_core::cloud::Cloud;
@@ -107,6 +107,7 @@ async fn settings_are_resolved_once_and_create_sends_exactly_them() {
             MANAGED_TAG,
             machine_tag(&m.id),
             provider_tag(PROVIDER),
+            booting_tag(PROVIDER),
             "k8s",
             "pool-a"
         ])

@@ -379,7 +379,7 @@ async fn a_rotated_key_file_resumes_the_configure_and_one_without_the_old_key_st
         .await
         .expect("the provider exits")
         .unwrap();
-    let logs = refused.logs();
+    let logs = refused.logs_after_exit().await;
     assert!(!status.success(), "{logs}");
     assert!(
         logs.contains("--state-encryption-key-file")
@@ -553,7 +553,7 @@ async fn a_restart_with_a_channel_key_the_live_agents_do_not_pin_is_refused() {
         .await
         .expect("the refused start exits")
         .unwrap();
-    let logs = refused.logs();
+    let logs = refused.logs_after_exit().await;
     assert!(!status.success(), "{logs}");
     assert!(
         logs.contains("--bootstrap-tls-cert")

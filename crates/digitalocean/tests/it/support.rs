@@ -265,6 +265,21 @@ pub fn cloud_for(
     base_user_data: Option<String>,
     provider: &str,
 ) -> DigitalOceanCloud {
+    DigitalOceanCloud::new(
+        api_client(api_url),
+        channel.channel.clone(),
+        cloud_settings(channel, pki, base_user_data, provider),
+        telemetry(),
+    )
+}
+
+/// The settings [`cloud_for`] uses: the test region and image, fast polls and backoff.
+pub fn cloud_settings(
+    channel: &RunningChannel,
+    pki: &Pki,
+    base_user_data: Option<String>,
+    provider: &str,
+) -> CloudSettings {
     let mut settings = CloudSettings::new(
         provider.into(),
         REGION.into(),
@@ -279,12 +294,7 @@ pub fn cloud_for(
     );
     settings.active_poll = Duration::from_millis(20);
     settings.create_backoff = fast_backoff();
-    DigitalOceanCloud::new(
-        api_client(api_url),
-        channel.channel.clone(),
-        settings,
-        telemetry(),
-    )
+    settings
 }
 
 /// The agent's config.json as the Droplet's cloud-init would write it from its user_data.

@@ -1,6 +1,7 @@
 //! The API budget against the emulator's real (time-scaled) rate limit: a burst of Creates
 //! from a nearly spent bucket meets no 429, and another user of the token spending the half
-//! the provider leaves it fails no Create and keeps its part.
+//! the provider leaves it fails no Create and keeps its part, and the look-ups and boot polls
+//! of a burst are shared listings, not a request per server.
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
@@ -92,4 +93,42 @@ async fn another_client_spending_half_the_budget_fails_no_create_and_keeps_its_p
         "the other user kept most of its part: {got} of {asked}"
     );
     assert_eq!(classes["create"].0, CREATES as usize, "one POST per Create");
+}
+
+/// Issue 21 §2: 50 Creates of servers that boot in 12 s (time-scaled like the budget) cost
+/// their 50 POSTs and a few shared listings (the look-ups before the creates and the boot
+/// polls), and not one `GET /servers/{id}`; before, this burst cost 350 requests.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_burst_shares_its_look_ups_and_boot_polls() {
+    let scaled = |seconds: f64| Duration::from_secs_f64(seconds / SCALE);
+    let env = Env::new(Options {
+        ssh: false,
+        telemetry_prefix: "bigfleet_hetzner_it_budget_batched",
+        api_time_scale: SCALE,
+        running_poll: Some(scaled(3.0)),
+        ..Options::default()
+    })
+    .await;
+    env.emulator
+        .set_rate_limit(RateLimit::HETZNER.time_scaled(SCALE));
+    env.emulator.set_boot_time(Some(scaled(12.0)));
+    let took = burst(&env).await;
+    let classes = env.emulator.requests_by_class();
+    let total: usize = classes.values().map(|(n, _)| n).sum();
+    eprintln!("{CREATES} creates in {took:?}: {total} requests, by class: {classes:?}");
+    assert_eq!(env.emulator.count_status(429), 0, "{classes:?}");
+    assert_eq!(classes["create"].0, CREATES as usize, "one POST per Create");
+    assert!(
+        !classes.contains_key("poll"),
+        "no per-server poll: {classes:?}"
+    );
+    let listings = classes.get("listing").map_or(0, |(n, _)| *n);
+    assert!(
+        listings <= 30,
+        "look-ups and boot polls share listings: {listings} ({classes:?})"
+    );
+    assert!(
+        total <= CREATES as usize + 36,
+        "{total} requests: {classes:?}"
+    );
 }

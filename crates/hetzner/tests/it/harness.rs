@@ -126,6 +126,8 @@ pub struct Options {
     pub offerings: Vec<hetzner::settings::OfferingSpec>,
     /// How many times faster than real time the client's API budget refills.
     pub api_time_scale: f64,
+    /// The boot polls' base interval, when not the fast timing's.
+    pub running_poll: Option<Duration>,
 }
 
 impl Default for Options {
@@ -144,6 +146,7 @@ impl Default for Options {
             server: hetzner::settings::ServerSpec::default(),
             offerings: Vec::new(),
             api_time_scale: 1000.0,
+            running_poll: None,
         }
     }
 }
@@ -345,6 +348,9 @@ impl Env {
                 let mut timing = fast_timing(options.request_timeout);
                 timing.client.budget.limits =
                     provider_core::budget::Limits::HETZNER.time_scaled(options.api_time_scale);
+                if let Some(running_poll) = options.running_poll {
+                    timing.running_poll = running_poll;
+                }
                 timing
             },
         })
