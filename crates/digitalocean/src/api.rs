@@ -434,128 +434,23 @@ impl ApiClient {
         url
     }
 
-    /// One HTTP exchange, recorded by endpoint template and status class.
-    async fn exchange(
-        &self,
-        endpoint: &'static str,
-        method: Method,
-        url: Url,
-        body: Option<&serde_json::Value>,
-        deadline: Instant,
-    ) -> Result<(StatusCode, Vec<u8>), ApiError> {
-        self.budget
-            .acquire(Some(deadline))
-            .await
-            .map_err(|_| ApiError::Transport {
-                endpoint,
-                message: NO_ROOM.into(),
-            })?;
-        let remaining = deadline.saturating_duration_since(Instant::now());
-        let timeout = remaining.min(REQUEST_TIMEOUT).max(Duration::from_millis(1));
-        let mut request = self
-            .http
-            .request(method, url)
-            .bearer_auth(&self.token.0)
-            .header(http::header::ACCEPT, "application/json")
-            .timeout(timeout);
-        if let Some(body) = body {
-            request = request.json(body);
-        }
-        let transport = |e: reqwest::Error| {
-            self.telemetry.api_http(endpoint, "error");
-            // Strip the URL: it is ours and adds nothing, and the message stays short.
-            ApiError::Transport {
-                endpoint,
-                message: e.without_url().to_string(),
-            }
-        };
-        let response = request.send().await.map_err(transport)?;
-        let status = response.status();
-        self.budget.observe(status.as_u16(), response.headers());
-        // After a 429 the retry waits in the budget, which holds every request back for the
-        // `Retry-After` and then paces them at the refill rate.
-        let hint = (status == StatusCode::TOO_MANY_REQUESTS).then_some(Duration::ZERO);
-        let bytes = match read_body(response, MAX_RESPONSE_BODY).await {
-            Ok(bytes) => bytes,
-            Err(BodyError::Transport(e)) => return Err(transport(e)),
-            Err(too_large @ BodyError::TooLarge { .. }) => {
-                self.telemetry
-                    .api_http(endpoint, status_class(status.as_u16()));
-                return Err(ApiError::Decode {
-                    endpoint,
-                    message: too_large.to_string(),
-                });
-            }
-        };
-        self.telemetry
-            .api_http(endpoint, status_class(status.as_u16()));
-        if status.is_success() {
-            return Ok((status, bytes));
-        }
-        let message = match serde_json::from_slice::<ErrorBody>(&bytes) {
-            Ok(e) if !e.message.is_empty() || !e.id.is_empty() => {
-                format!("{} {}", e.id, e.message).trim().to_owned()
-            }
-            _ => String::from_utf8_lossy(&bytes)
-                .chars()
-                .take(200)
-                .collect::<String>(),
-        };
-        Err(ApiError::Status {
+    /// A request to `path` (below the base URL), counted under `endpoint`, the path's template
+    /// (`GET /v2/droplets/{id}`). It is retried unless [`Request::once`] says otherwise, and
+    /// sent by one of the `send` methods of [`Request`].
+    fn request(&self, endpoint: &'static str, method: Method, path: &str) -> Request<'_> {
+        debug_assert!(
+            endpoint.starts_with(&format!("{method} ")),
+            "{endpoint:?} is not labelled as a {method} request"
+        );
+        Request {
+            client: self,
             endpoint,
-            status: status.as_u16(),
-            message,
-            retry_after: hint,
-        })
-    }
-
-    /// An exchange retried with backoff on retryable failures until `deadline`.
-    async fn call(
-        &self,
-        endpoint: &'static str,
-        method: Method,
-        url: Url,
-        body: Option<&serde_json::Value>,
-        deadline: Instant,
-    ) -> Result<(StatusCode, Vec<u8>), ApiError> {
-        // A retry that finds no room in the budget before the deadline reports what made it
-        // retry (a 429, a 503), not only that it was not sent.
-        let last = std::sync::Mutex::new(None::<ApiError>);
-        let result = self
-            .backoff
-            .run(
-                Some(deadline),
-                |_| {
-                    let exchange =
-                        self.exchange(endpoint, method.clone(), url.clone(), body, deadline);
-                    let last = &last;
-                    async move {
-                        let result = exchange.await;
-                        if let Err(e) = &result
-                            && !is_no_room(e)
-                        {
-                            *last.lock().unwrap_or_else(|e| e.into_inner()) = Some(e.clone());
-                        }
-                        result
-                    }
-                },
-                ApiError::verdict,
-            )
-            .await;
-        match result {
-            Err(e) if is_no_room(&e) => {
-                let last = last.into_inner().unwrap_or_else(|e| e.into_inner());
-                Err(last.unwrap_or(e))
-            }
-            other => other,
+            method,
+            url: self.url(path),
+            body: None,
+            invalid: None,
+            retried: true,
         }
-    }
-
-    fn decode<T: DeserializeOwned>(endpoint: &'static str, bytes: &[u8]) -> Result<T, ApiError> {
-        serde_json::from_slice(bytes).map_err(|e| ApiError::Decode {
-            endpoint,
-            message: e.to_string(),
-        })
     }
 
     /// `POST /v2/droplets`, sent exactly once: the caller decides whether a failed create may
@@ -565,50 +460,50 @@ impl ApiClient {
         request: &CreateDroplet,
         deadline: Instant,
     ) -> Result<Droplet, ApiError> {
-        const EP: &str = "POST /v2/droplets";
-        let body = serde_json::to_value(request).map_err(|e| ApiError::Decode {
-            endpoint: EP,
-            message: e.to_string(),
-        })?;
-        let (_, bytes) = self
-            .exchange(
-                EP,
-                Method::POST,
-                self.url("/v2/droplets"),
-                Some(&body),
-                deadline,
-            )
+        let created: DropletEnvelope = self
+            .request("POST /v2/droplets", Method::POST, "/v2/droplets")
+            .json(request)
+            .once()
+            .send(deadline)
             .await?;
-        Ok(Self::decode::<DropletEnvelope>(EP, &bytes)?.droplet)
+        Ok(created.droplet)
     }
 
     pub async fn get_droplet(&self, id: u64, deadline: Instant) -> Result<Droplet, ApiError> {
-        const EP: &str = "GET /v2/droplets/{id}";
-        let url = self.url(&format!("/v2/droplets/{id}"));
-        let (_, bytes) = self.call(EP, Method::GET, url, None, deadline).await?;
-        Ok(Self::decode::<DropletEnvelope>(EP, &bytes)?.droplet)
+        let found: DropletEnvelope = self
+            .request(
+                "GET /v2/droplets/{id}",
+                Method::GET,
+                &format!("/v2/droplets/{id}"),
+            )
+            .send(deadline)
+            .await?;
+        Ok(found.droplet)
     }
 
     /// A single `GET /v2/droplets/{id}` without retries (the caller polls).
     pub async fn get_droplet_once(&self, id: u64, deadline: Instant) -> Result<Droplet, ApiError> {
-        const EP: &str = "GET /v2/droplets/{id}";
-        let url = self.url(&format!("/v2/droplets/{id}"));
-        let (_, bytes) = self.exchange(EP, Method::GET, url, None, deadline).await?;
-        Ok(Self::decode::<DropletEnvelope>(EP, &bytes)?.droplet)
+        let found: DropletEnvelope = self
+            .request(
+                "GET /v2/droplets/{id}",
+                Method::GET,
+                &format!("/v2/droplets/{id}"),
+            )
+            .once()
+            .send(deadline)
+            .await?;
+        Ok(found.droplet)
     }
 
     /// `DELETE /v2/droplets/{id}`; a Droplet that is already gone is reported as 404.
     pub async fn delete_droplet(&self, id: u64, deadline: Instant) -> Result<(), ApiError> {
-        let url = self.url(&format!("/v2/droplets/{id}"));
-        self.call(
+        self.request(
             "DELETE /v2/droplets/{id}",
             Method::DELETE,
-            url,
-            None,
-            deadline,
+            &format!("/v2/droplets/{id}"),
         )
-        .await?;
-        Ok(())
+        .send_ignoring_answer(deadline)
+        .await
     }
 
     /// Every Droplet carrying `tag`, all pages.
@@ -617,35 +512,21 @@ impl ApiClient {
         tag: &str,
         deadline: Instant,
     ) -> Result<Vec<Droplet>, ApiError> {
-        const EP: &str = "GET /v2/droplets";
-        let mut url = self.url("/v2/droplets");
-        url.query_pairs_mut()
-            .append_pair("tag_name", tag)
-            .append_pair("per_page", &PER_PAGE.to_string());
-        let mut all = Vec::new();
-        self.paginate(EP, url, deadline, |bytes| {
-            let page: DropletPage = Self::decode(EP, bytes)?;
-            all.extend(page.droplets);
-            Ok(page.links.pages.next)
-        })
-        .await?;
-        Ok(all)
+        self.request("GET /v2/droplets", Method::GET, "/v2/droplets")
+            .query(&[("tag_name", tag)])
+            .send_paged(deadline, |page: DropletPage| {
+                Ok((page.droplets, page.links.pages.next))
+            })
+            .await
     }
 
     /// The whole size catalogue, all pages.
     pub async fn list_sizes(&self, deadline: Instant) -> Result<Vec<Size>, ApiError> {
-        const EP: &str = "GET /v2/sizes";
-        let mut url = self.url("/v2/sizes");
-        url.query_pairs_mut()
-            .append_pair("per_page", &PER_PAGE.to_string());
-        let mut all = Vec::new();
-        self.paginate(EP, url, deadline, |bytes| {
-            let page: SizePage = Self::decode(EP, bytes)?;
-            all.extend(page.sizes);
-            Ok(page.links.pages.next)
-        })
-        .await?;
-        Ok(all)
+        self.request("GET /v2/sizes", Method::GET, "/v2/sizes")
+            .send_paged(deadline, |page: SizePage| {
+                Ok((page.sizes, page.links.pages.next))
+            })
+            .await
     }
 
     /// Every item under `key` of the paged listing at `path` (with `query`), all pages.
@@ -657,35 +538,25 @@ impl ApiClient {
         key: &'static str,
         deadline: Instant,
     ) -> Result<Vec<T>, ApiError> {
-        let mut url = self.url(path);
-        {
-            let mut pairs = url.query_pairs_mut();
-            for (k, v) in query {
-                pairs.append_pair(k, v);
-            }
-            pairs.append_pair("per_page", &PER_PAGE.to_string());
-        }
-        let mut all = Vec::new();
-        self.paginate(endpoint, url, deadline, |bytes| {
-            let mut page: serde_json::Value = Self::decode(endpoint, bytes)?;
-            let items = page.get_mut(key).map(serde_json::Value::take);
-            let items: Vec<T> = match items {
-                None | Some(serde_json::Value::Null) => Vec::new(),
-                Some(items) => serde_json::from_value(items).map_err(|e| ApiError::Decode {
-                    endpoint,
-                    message: e.to_string(),
-                })?,
-            };
-            all.extend(items);
-            let links: Links = page
-                .get_mut("links")
-                .map(serde_json::Value::take)
-                .and_then(|l| serde_json::from_value(l).ok())
-                .unwrap_or_default();
-            Ok(links.pages.next)
-        })
-        .await?;
-        Ok(all)
+        self.request(endpoint, Method::GET, path)
+            .query(query)
+            .send_paged(deadline, |mut page: serde_json::Value| {
+                let items = page.get_mut(key).map(serde_json::Value::take);
+                let items: Vec<T> = match items {
+                    None | Some(serde_json::Value::Null) => Vec::new(),
+                    Some(items) => serde_json::from_value(items).map_err(|e| ApiError::Decode {
+                        endpoint,
+                        message: e.to_string(),
+                    })?,
+                };
+                let links: Links = page
+                    .get_mut("links")
+                    .map(serde_json::Value::take)
+                    .and_then(|l| serde_json::from_value(l).ok())
+                    .unwrap_or_default();
+                Ok((items, links.pages.next))
+            })
+            .await
     }
 
     /// One object under `key` at `/v2/{segments...}` (each segment path-escaped).
@@ -696,14 +567,11 @@ impl ApiClient {
         key: &'static str,
         deadline: Instant,
     ) -> Result<T, ApiError> {
-        let mut url = self.url("/v2");
-        url.path_segments_mut()
-            .map_err(|()| ApiError::BadLink("base URL cannot carry a path".into()))?
-            .extend(segments);
-        let (_, bytes) = self
-            .call(endpoint, Method::GET, url, None, deadline)
+        let mut doc: serde_json::Value = self
+            .request(endpoint, Method::GET, "/v2")
+            .segments(segments)
+            .send(deadline)
             .await?;
-        let mut doc: serde_json::Value = Self::decode(endpoint, &bytes)?;
         let item = doc
             .get_mut(key)
             .map(serde_json::Value::take)
@@ -790,57 +658,15 @@ impl ApiClient {
         .await
     }
 
-    /// Fetches `first`, then every `links.pages.next` until there is none. A next link is
-    /// only followed on this client's own base URL and list path, so the token is never sent
-    /// elsewhere; anything else fails the listing rather than returning part of it.
-    async fn paginate(
-        &self,
-        endpoint: &'static str,
-        first: Url,
-        deadline: Instant,
-        mut take: impl FnMut(&[u8]) -> Result<Option<String>, ApiError>,
-    ) -> Result<(), ApiError> {
-        let path = first.path().to_owned();
-        let mut url = first;
-        let mut seen = std::collections::HashSet::new();
-        for _ in 0..MAX_PAGES {
-            let (_, bytes) = self
-                .call(endpoint, Method::GET, url.clone(), None, deadline)
-                .await?;
-            let Some(next) = take(&bytes)?.filter(|n| !n.is_empty()) else {
-                return Ok(());
-            };
-            let parsed = url
-                .join(&next)
-                .map_err(|e| ApiError::BadLink(format!("{next:?}: {e}")))?;
-            if parsed.path().trim_end_matches('/') != path.trim_end_matches('/') {
-                return Err(ApiError::BadLink(format!("{next:?} leaves {path}")));
-            }
-            let mut rebased = self.url("");
-            rebased.set_path(parsed.path());
-            rebased.set_query(parsed.query());
-            if !seen.insert(rebased.to_string()) || rebased == url {
-                return Err(ApiError::BadLink(format!("{next:?} repeats a page")));
-            }
-            url = rebased;
-        }
-        Err(ApiError::BadLink(format!("more than {MAX_PAGES} pages")))
-    }
-
     /// `POST /v2/tags`; a tag that already exists (422) is fine.
     pub async fn ensure_tag(&self, tag: &str, deadline: Instant) -> Result<(), ApiError> {
-        let body = serde_json::json!({ "name": tag });
         match self
-            .call(
-                "POST /v2/tags",
-                Method::POST,
-                self.url("/v2/tags"),
-                Some(&body),
-                deadline,
-            )
+            .request("POST /v2/tags", Method::POST, "/v2/tags")
+            .json(&serde_json::json!({ "name": tag }))
+            .send_ignoring_answer(deadline)
             .await
         {
-            Ok(_) => Ok(()),
+            Ok(()) => Ok(()),
             Err(e) if e.status() == Some(422) => Ok(()),
             Err(e) => Err(e),
         }
@@ -900,20 +726,250 @@ impl ApiClient {
         ids: &[u64],
         deadline: Instant,
     ) -> Result<(), ApiError> {
-        let mut url = self.url("/v2/tags");
-        url.path_segments_mut()
-            .map_err(|()| ApiError::BadLink("base URL cannot carry a path".into()))?
-            .push(tag)
-            .push("resources");
         let resources: Vec<serde_json::Value> = ids
             .iter()
             .map(|id| serde_json::json!({ "resource_id": id.to_string(), "resource_type": "droplet" }))
             .collect();
         let body = serde_json::json!({ "resources": resources });
-        self.call(endpoint, method, url, Some(&body), deadline)
-            .await?;
-        Ok(())
+        self.request(endpoint, method, "/v2/tags")
+            .segments(&[tag, "resources"])
+            .json(&body)
+            .send_ignoring_answer(deadline)
+            .await
     }
+}
+
+/// One request being put together by [`ApiClient::request`]; a `send` method runs it.
+#[must_use = "a request does nothing until it is sent"]
+struct Request<'a> {
+    client: &'a ApiClient,
+    /// The label the request is counted under in the API metrics.
+    endpoint: &'static str,
+    method: Method,
+    url: Url,
+    body: Option<serde_json::Value>,
+    /// A part of the request that could not be built: `send` reports it and sends nothing.
+    invalid: Option<ApiError>,
+    /// Whether retryable failures are retried (see [`ApiError::verdict`]).
+    retried: bool,
+}
+
+impl Request<'_> {
+    /// Appends path segments, each path-escaped.
+    fn segments(mut self, segments: &[&str]) -> Self {
+        match self.url.path_segments_mut() {
+            Ok(mut path) => {
+                path.extend(segments);
+            }
+            Err(()) => {
+                self.invalid = Some(ApiError::BadLink("base URL cannot carry a path".into()));
+            }
+        }
+        self
+    }
+
+    /// Appends query parameters.
+    fn query(mut self, pairs: &[(&str, &str)]) -> Self {
+        if !pairs.is_empty() {
+            self.url.query_pairs_mut().extend_pairs(pairs);
+        }
+        self
+    }
+
+    /// Sends `body` as JSON.
+    fn json(mut self, body: &impl Serialize) -> Self {
+        match serde_json::to_value(body) {
+            Ok(body) => self.body = Some(body),
+            Err(e) => {
+                self.invalid = Some(ApiError::Decode {
+                    endpoint: self.endpoint,
+                    message: e.to_string(),
+                });
+            }
+        }
+        self
+    }
+
+    /// Sends the request exactly once, whatever the failure (a create, whose repetition the
+    /// caller decides; a poll, which the caller repeats).
+    fn once(mut self) -> Self {
+        self.retried = false;
+        self
+    }
+
+    /// Sends the request and decodes the answer.
+    async fn send<T: DeserializeOwned>(self, deadline: Instant) -> Result<T, ApiError> {
+        decode(self.endpoint, &self.send_for_body(deadline).await?)
+    }
+
+    /// Sends the request; the answer's body is not decoded.
+    async fn send_ignoring_answer(self, deadline: Instant) -> Result<(), ApiError> {
+        self.send_for_body(deadline).await.map(drop)
+    }
+
+    /// Every item of a paged listing: sends the request, then follows every
+    /// `links.pages.next` until there is none; `split` takes a page apart into its items and
+    /// the next link. A next link is only followed on this client's own base URL and list
+    /// path, so the token is never sent elsewhere; anything else fails the listing rather
+    /// than returning part of it.
+    async fn send_paged<P: DeserializeOwned, T>(
+        mut self,
+        deadline: Instant,
+        mut split: impl FnMut(P) -> Result<(Vec<T>, Option<String>), ApiError>,
+    ) -> Result<Vec<T>, ApiError> {
+        self.url
+            .query_pairs_mut()
+            .append_pair("per_page", &PER_PAGE.to_string());
+        let path = self.url.path().to_owned();
+        let mut seen = std::collections::HashSet::new();
+        let mut all = Vec::new();
+        for _ in 0..MAX_PAGES {
+            let page = decode(self.endpoint, &self.send_for_body(deadline).await?)?;
+            let (items, next) = split(page)?;
+            all.extend(items);
+            let Some(next) = next.filter(|n| !n.is_empty()) else {
+                return Ok(all);
+            };
+            let parsed = self
+                .url
+                .join(&next)
+                .map_err(|e| ApiError::BadLink(format!("{next:?}: {e}")))?;
+            if parsed.path().trim_end_matches('/') != path.trim_end_matches('/') {
+                return Err(ApiError::BadLink(format!("{next:?} leaves {path}")));
+            }
+            let mut rebased = self.client.url("");
+            rebased.set_path(parsed.path());
+            rebased.set_query(parsed.query());
+            if !seen.insert(rebased.to_string()) || rebased == self.url {
+                return Err(ApiError::BadLink(format!("{next:?} repeats a page")));
+            }
+            self.url = rebased;
+        }
+        Err(ApiError::BadLink(format!("more than {MAX_PAGES} pages")))
+    }
+
+    /// The body of a successful answer, after retries with backoff on retryable failures
+    /// until `deadline` unless the request is sent [`once`](Request::once).
+    async fn send_for_body(&self, deadline: Instant) -> Result<Vec<u8>, ApiError> {
+        if let Some(invalid) = &self.invalid {
+            return Err(invalid.clone());
+        }
+        if !self.retried {
+            return self.exchange(deadline).await;
+        }
+        // A retry that finds no room in the budget before the deadline reports what made it
+        // retry (a 429, a 503), not only that it was not sent.
+        let last = std::sync::Mutex::new(None::<ApiError>);
+        let result = self
+            .client
+            .backoff
+            .run(
+                Some(deadline),
+                |_| {
+                    let exchange = self.exchange(deadline);
+                    let last = &last;
+                    async move {
+                        let result = exchange.await;
+                        if let Err(e) = &result
+                            && !is_no_room(e)
+                        {
+                            *last.lock().unwrap_or_else(|e| e.into_inner()) = Some(e.clone());
+                        }
+                        result
+                    }
+                },
+                ApiError::verdict,
+            )
+            .await;
+        match result {
+            Err(e) if is_no_room(&e) => {
+                let last = last.into_inner().unwrap_or_else(|e| e.into_inner());
+                Err(last.unwrap_or(e))
+            }
+            other => other,
+        }
+    }
+
+    /// One HTTP exchange, recorded by endpoint template and status class; the body of a
+    /// successful answer.
+    async fn exchange(&self, deadline: Instant) -> Result<Vec<u8>, ApiError> {
+        let client = self.client;
+        let endpoint = self.endpoint;
+        client
+            .budget
+            .acquire(Some(deadline))
+            .await
+            .map_err(|_| ApiError::Transport {
+                endpoint,
+                message: NO_ROOM.into(),
+            })?;
+        let remaining = deadline.saturating_duration_since(Instant::now());
+        let timeout = remaining.min(REQUEST_TIMEOUT).max(Duration::from_millis(1));
+        let mut request = client
+            .http
+            .request(self.method.clone(), self.url.clone())
+            .bearer_auth(&client.token.0)
+            .header(http::header::ACCEPT, "application/json")
+            .timeout(timeout);
+        if let Some(body) = &self.body {
+            request = request.json(body);
+        }
+        let transport = |e: reqwest::Error| {
+            client.telemetry.api_http(endpoint, "error");
+            // Strip the URL: it is ours and adds nothing, and the message stays short.
+            ApiError::Transport {
+                endpoint,
+                message: e.without_url().to_string(),
+            }
+        };
+        let response = request.send().await.map_err(transport)?;
+        let status = response.status();
+        client.budget.observe(status.as_u16(), response.headers());
+        // After a 429 the retry waits in the budget, which holds every request back for the
+        // `Retry-After` and then paces them at the refill rate.
+        let hint = (status == StatusCode::TOO_MANY_REQUESTS).then_some(Duration::ZERO);
+        let bytes = match read_body(response, MAX_RESPONSE_BODY).await {
+            Ok(bytes) => bytes,
+            Err(BodyError::Transport(e)) => return Err(transport(e)),
+            Err(too_large @ BodyError::TooLarge { .. }) => {
+                client
+                    .telemetry
+                    .api_http(endpoint, status_class(status.as_u16()));
+                return Err(ApiError::Decode {
+                    endpoint,
+                    message: too_large.to_string(),
+                });
+            }
+        };
+        client
+            .telemetry
+            .api_http(endpoint, status_class(status.as_u16()));
+        if status.is_success() {
+            return Ok(bytes);
+        }
+        let message = match serde_json::from_slice::<ErrorBody>(&bytes) {
+            Ok(e) if !e.message.is_empty() || !e.id.is_empty() => {
+                format!("{} {}", e.id, e.message).trim().to_owned()
+            }
+            _ => String::from_utf8_lossy(&bytes)
+                .chars()
+                .take(200)
+                .collect::<String>(),
+        };
+        Err(ApiError::Status {
+            endpoint,
+            status: status.as_u16(),
+            message,
+            retry_after: hint,
+        })
+    }
+}
+
+fn decode<T: DeserializeOwned>(endpoint: &'static str, bytes: &[u8]) -> Result<T, ApiError> {
+    serde_json::from_slice(bytes).map_err(|e| ApiError::Decode {
+        endpoint,
+        message: e.to_string(),
+    })
 }
 
 /// Whether `e` is a request the budget held back until its deadline (never sent).

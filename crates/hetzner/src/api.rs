@@ -98,11 +98,23 @@ impl ApiError {
 /// Which failures a request may be repeated after.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Repeat {
-    /// Reads, deletes and label replacements: repeating them is harmless.
+    /// Reads, deletes, label replacements and network attachments: repeating them is harmless.
     Idempotent,
-    /// Server creation: only a 429 (refused before any effect) is repeated here; the caller
-    /// resolves every other failure by looking the server up.
+    /// Creation (servers, placement groups): only a 429 (refused before any effect) is
+    /// repeated here; the caller resolves every other failure, e.g. by looking the server up.
     RefusedOnly,
+}
+
+impl Repeat {
+    /// What a request may repeat unless told otherwise: a method HTTP defines as idempotent
+    /// (GET, PUT, DELETE) anything retryable, any other (POST) only a refusal.
+    fn of(method: &Method) -> Repeat {
+        if method.is_idempotent() {
+            Repeat::Idempotent
+        } else {
+            Repeat::RefusedOnly
+        }
+    }
 }
 
 fn classify(repeat: Repeat, err: &ApiError) -> Verdict {
@@ -235,21 +247,542 @@ impl HcloudApi {
         url
     }
 
-    /// One HTTP request, no retries.
-    async fn attempt<T: DeserializeOwned>(
+    /// A request to `path` (below the base URL), counted under `endpoint`, the path's template
+    /// (`GET /servers/{id}`). It repeats what [`Repeat::of`] allows for `method` unless told
+    /// otherwise, and is sent by one of the `send` methods of [`Request`].
+    fn request(
         &self,
         endpoint: &'static str,
-        method: &Method,
-        path: &str,
-        query: &[(&str, String)],
-        body: Option<&serde_json::Value>,
+        method: Method,
+        path: impl Into<String>,
+    ) -> Request<'_> {
+        debug_assert!(
+            endpoint.starts_with(&format!("{method} ")),
+            "{endpoint:?} is not labelled as a {method} request"
+        );
+        Request {
+            api: self,
+            endpoint,
+            repeat: Repeat::of(&method),
+            method,
+            path: path.into(),
+            query: Vec::new(),
+            body: None,
+            invalid: None,
+        }
+    }
+
+    /// A resource by numeric id (`GET <path>/{id}`; a 404 or an answer without it falls
+    /// through) or else by name (`GET <path>?name=` with `filters`): the listed one named
+    /// `name_or_id` that `keep` accepts.
+    async fn by_name_or_id<G: DeserializeOwned, L: DeserializeOwned, T>(
+        &self,
+        lookup: Lookup<G, L, T>,
+        name_or_id: &str,
+        filters: impl IntoIterator<Item = (&'static str, String)>,
+        keep: impl Fn(&T) -> bool,
         deadline: Option<Instant>,
-    ) -> Result<T, ApiError> {
-        self.budget
+    ) -> Result<Option<T>, ApiError> {
+        if let Ok(id) = name_or_id.parse::<i64>() {
+            let found = self
+                .request(lookup.by_id, Method::GET, format!("{}/{id}", lookup.path))
+                .send_optional(deadline)
+                .await?
+                .and_then(lookup.one);
+            if found.is_some() {
+                return Ok(found);
+            }
+        }
+        let listed = self
+            .request(lookup.by_name, Method::GET, lookup.path)
+            .query([("name", name_or_id.to_owned())])
+            .query(filters)
+            .send(deadline)
+            .await?;
+        Ok((lookup.many)(listed)
+            .into_iter()
+            .find(|t| (lookup.name)(t) == Some(name_or_id) && keep(t)))
+    }
+
+    /// Every server matching `selector`, following pagination to the last page. Any failed
+    /// page fails the whole listing.
+    pub async fn list_servers(
+        &self,
+        selector: &str,
+        deadline: Option<Instant>,
+    ) -> Result<Vec<models::Server>, ApiError> {
+        self.request("GET /servers", Method::GET, "/servers")
+            .query([("label_selector", selector.to_owned())])
+            .send_paged(deadline, |r: models::ListServersResponse| {
+                (r.servers, r.meta.pagination.next_page)
+            })
+            .await
+    }
+
+    /// The server named `name`, if any (names are unique in a project).
+    pub async fn server_by_name(
+        &self,
+        name: &str,
+        deadline: Option<Instant>,
+    ) -> Result<Option<models::Server>, ApiError> {
+        let response: models::ListServersResponse = self
+            .request("GET /servers", Method::GET, "/servers")
+            .query([("name", name.to_owned())])
+            .send(deadline)
+            .await?;
+        Ok(response.servers.into_iter().find(|s| s.name == name))
+    }
+
+    /// One server; `None` when it does not exist.
+    pub async fn get_server(
+        &self,
+        id: i64,
+        deadline: Option<Instant>,
+    ) -> Result<Option<models::Server>, ApiError> {
+        let response: Option<models::GetServerResponse> = self
+            .request("GET /servers/{id}", Method::GET, format!("/servers/{id}"))
+            .send_optional(deadline)
+            .await?;
+        Ok(response.and_then(|r| r.server).map(|s| *s))
+    }
+
+    /// Creates a server. Only a 429 is repeated; see [`Repeat::RefusedOnly`].
+    pub async fn create_server(
+        &self,
+        request: &models::CreateServerRequest,
+        deadline: Option<Instant>,
+    ) -> Result<models::Server, ApiError> {
+        let response: models::CreateServerResponse = self
+            .request("POST /servers", Method::POST, "/servers")
+            .json(request)
+            .send(deadline)
+            .await?;
+        Ok(*response.server)
+    }
+
+    /// Replaces the server's whole label map; the server as the write left it, when the
+    /// answer carries it.
+    pub async fn replace_labels(
+        &self,
+        id: i64,
+        labels: HashMap<String, String>,
+        deadline: Option<Instant>,
+    ) -> Result<Option<models::Server>, ApiError> {
+        let request = models::ReplaceServerRequest {
+            labels: Some(labels),
+            name: None,
+        };
+        let response: models::ReplaceServerResponse = self
+            .request("PUT /servers/{id}", Method::PUT, format!("/servers/{id}"))
+            .json(&request)
+            .send(deadline)
+            .await?;
+        Ok(response.server.map(|s| *s))
+    }
+
+    /// Deletes a server; one that does not exist counts as deleted.
+    pub async fn delete_server(&self, id: i64, deadline: Option<Instant>) -> Result<(), ApiError> {
+        self.request(
+            "DELETE /servers/{id}",
+            Method::DELETE,
+            format!("/servers/{id}"),
+        )
+        .send_optional::<models::DeleteServerResponse>(deadline)
+        .await?;
+        Ok(())
+    }
+
+    /// A server type by name.
+    pub async fn server_type(
+        &self,
+        name: &str,
+        deadline: Option<Instant>,
+    ) -> Result<Option<models::ServerType>, ApiError> {
+        let response: models::ListServerTypesResponse = self
+            .request("GET /server_types", Method::GET, "/server_types")
+            .query([("name", name.to_owned())])
+            .send(deadline)
+            .await?;
+        Ok(response.server_types.into_iter().find(|t| t.name == name))
+    }
+
+    /// An image for `architecture`: by numeric id first (architecture ignored, as the
+    /// reference does), else by name.
+    pub async fn image(
+        &self,
+        name_or_id: &str,
+        architecture: models::Architecture,
+        deadline: Option<Instant>,
+    ) -> Result<Option<models::Image>, ApiError> {
+        self.by_name_or_id(
+            Lookup {
+                path: "/images",
+                by_id: "GET /images/{id}",
+                by_name: "GET /images",
+                one: |r: models::GetImageResponse| r.image.map(|i| *i),
+                many: |r: models::ListImagesResponse| r.images,
+                name: |i| i.name.as_deref(),
+            },
+            name_or_id,
+            [("architecture", architecture_name(architecture).to_owned())],
+            |i| i.architecture == architecture,
+            deadline,
+        )
+        .await
+    }
+
+    /// A private network by numeric id or by name.
+    pub async fn network(
+        &self,
+        name_or_id: &str,
+        deadline: Option<Instant>,
+    ) -> Result<Option<models::Network>, ApiError> {
+        self.by_name_or_id(
+            Lookup {
+                path: "/networks",
+                by_id: "GET /networks/{id}",
+                by_name: "GET /networks",
+                one: |r: models::GetNetworkResponse| r.network.map(|n| *n),
+                many: |r: models::ListNetworksResponse| r.networks,
+                name: |n| Some(&n.name),
+            },
+            name_or_id,
+            [],
+            |_| true,
+            deadline,
+        )
+        .await
+    }
+
+    /// A firewall by numeric id or by name.
+    pub async fn firewall(
+        &self,
+        name_or_id: &str,
+        deadline: Option<Instant>,
+    ) -> Result<Option<models::Firewall>, ApiError> {
+        self.by_name_or_id(
+            Lookup {
+                path: "/firewalls",
+                by_id: "GET /firewalls/{id}",
+                by_name: "GET /firewalls",
+                one: |r: models::GetFirewallResponse| Some(*r.firewall),
+                many: |r: models::ListFirewallsResponse| r.firewalls,
+                name: |f| Some(&f.name),
+            },
+            name_or_id,
+            [],
+            |_| true,
+            deadline,
+        )
+        .await
+    }
+
+    /// An SSH key by numeric id or by name.
+    pub async fn ssh_key(
+        &self,
+        name_or_id: &str,
+        deadline: Option<Instant>,
+    ) -> Result<Option<models::SshKey>, ApiError> {
+        self.by_name_or_id(
+            Lookup {
+                path: "/ssh_keys",
+                by_id: "GET /ssh_keys/{id}",
+                by_name: "GET /ssh_keys",
+                one: |r: models::GetSshKeyResponse| Some(*r.ssh_key),
+                many: |r: models::ListSshKeysResponse| r.ssh_keys,
+                name: |k| Some(&k.name),
+            },
+            name_or_id,
+            [],
+            |_| true,
+            deadline,
+        )
+        .await
+    }
+
+    /// Every available image or snapshot matching `selector` built for `architecture`
+    /// (one page of up to 50, newest first as the API sorts them on request).
+    pub async fn images_by_selector(
+        &self,
+        selector: &str,
+        architecture: models::Architecture,
+        deadline: Option<Instant>,
+    ) -> Result<Vec<models::Image>, ApiError> {
+        let images = self
+            .request("GET /images", Method::GET, "/images")
+            .query([
+                ("label_selector", selector.to_owned()),
+                ("architecture", architecture_name(architecture).to_owned()),
+                ("status", "available".to_owned()),
+            ])
+            .send_paged(deadline, |r: models::ListImagesResponse| {
+                (r.images, r.meta.pagination.next_page)
+            })
+            .await?;
+        Ok(images
+            .into_iter()
+            .filter(|i| {
+                i.architecture == architecture && i.status == models::image::Status::Available
+            })
+            .collect())
+    }
+
+    /// Every placement group matching `selector`.
+    pub async fn placement_groups(
+        &self,
+        selector: &str,
+        deadline: Option<Instant>,
+    ) -> Result<Vec<models::PlacementGroup>, ApiError> {
+        self.request("GET /placement_groups", Method::GET, "/placement_groups")
+            .query([("label_selector", selector.to_owned())])
+            .send_paged(deadline, |r: models::ListPlacementGroupsResponse| {
+                (r.placement_groups, r.meta.pagination.next_page)
+            })
+            .await
+    }
+
+    /// Creates a spread placement group (a 429 is repeated; a name clash is the caller's).
+    pub async fn create_placement_group(
+        &self,
+        name: &str,
+        labels: HashMap<String, String>,
+        deadline: Option<Instant>,
+    ) -> Result<models::PlacementGroup, ApiError> {
+        let request = models::CreatePlacementgroupRequest {
+            name: name.to_owned(),
+            labels: Some(labels),
+            r#type: models::create_placementgroup_request::Type::Spread,
+        };
+        let response: models::CreatePlacementgroupResponse = self
+            .request("POST /placement_groups", Method::POST, "/placement_groups")
+            .json(&request)
+            .send(deadline)
+            .await?;
+        Ok(*response.placement_group)
+    }
+
+    /// Deletes a placement group; one that does not exist counts as deleted.
+    pub async fn delete_placement_group(
+        &self,
+        id: i64,
+        deadline: Option<Instant>,
+    ) -> Result<(), ApiError> {
+        self.request(
+            "DELETE /placement_groups/{id}",
+            Method::DELETE,
+            format!("/placement_groups/{id}"),
+        )
+        .send_optional::<serde_json::Value>(deadline)
+        .await?;
+        Ok(())
+    }
+
+    /// Attaches a server to a network in the subnet `ip_range`; already attached counts as done.
+    pub async fn attach_to_network(
+        &self,
+        server: i64,
+        network: i64,
+        ip_range: Option<&str>,
+        deadline: Option<Instant>,
+    ) -> Result<(), ApiError> {
+        let request = models::AttachServerToNetworkRequest {
+            network,
+            ip_range: ip_range.map(str::to_owned),
+            ..Default::default()
+        };
+        let result = self
+            .request(
+                "POST /servers/{id}/actions/attach_to_network",
+                Method::POST,
+                format!("/servers/{server}/actions/attach_to_network"),
+            )
+            .json(&request)
+            // Repeating an attach that took effect answers `server_already_attached`.
+            .repeat(Repeat::Idempotent)
+            .send::<serde_json::Value>(deadline)
+            .await;
+        match result {
+            Ok(_) => Ok(()),
+            Err(e) if e.code() == Some("server_already_attached") => Ok(()),
+            Err(e) => Err(e),
+        }
+    }
+
+    /// Every location (the cheapest read that proves the token works).
+    pub async fn locations(
+        &self,
+        deadline: Option<Instant>,
+    ) -> Result<Vec<models::Location>, ApiError> {
+        let response: models::ListLocationsResponse = self
+            .request("GET /locations", Method::GET, "/locations")
+            .query([("per_page", PER_PAGE.to_string())])
+            .send(deadline)
+            .await?;
+        Ok(response.locations)
+    }
+
+    /// A location by name.
+    pub async fn location(
+        &self,
+        name: &str,
+        deadline: Option<Instant>,
+    ) -> Result<Option<models::Location>, ApiError> {
+        let response: models::ListLocationsResponse = self
+            .request("GET /locations", Method::GET, "/locations")
+            .query([("name", name.to_owned())])
+            .send(deadline)
+            .await?;
+        Ok(response.locations.into_iter().find(|l| l.name == name))
+    }
+}
+
+/// How one kind of resource is found by [`HcloudApi::by_name_or_id`].
+struct Lookup<G, L, T> {
+    /// The collection (`/images`); `<path>/{id}` is one of its members.
+    path: &'static str,
+    /// The endpoint labels of the look-up by id and of the listing by name.
+    by_id: &'static str,
+    by_name: &'static str,
+    /// The resource in the answer to a look-up by id.
+    one: fn(G) -> Option<T>,
+    /// The resources in the answer to a listing by name.
+    many: fn(L) -> Vec<T>,
+    /// The resource's name, if it has one.
+    name: fn(&T) -> Option<&str>,
+}
+
+/// One request being put together by [`HcloudApi::request`]; a `send` method runs it.
+#[derive(Clone)]
+#[must_use = "a request does nothing until it is sent"]
+struct Request<'a> {
+    api: &'a HcloudApi,
+    /// The label the request is counted under in the API metrics.
+    endpoint: &'static str,
+    method: Method,
+    path: String,
+    query: Vec<(&'static str, String)>,
+    body: Option<serde_json::Value>,
+    /// A body that could not be serialized: `send` reports it and sends nothing.
+    invalid: Option<ApiError>,
+    repeat: Repeat,
+}
+
+impl Request<'_> {
+    /// Appends query parameters.
+    fn query(mut self, pairs: impl IntoIterator<Item = (&'static str, String)>) -> Self {
+        self.query.extend(pairs);
+        self
+    }
+
+    /// Sends `body` as JSON.
+    fn json(mut self, body: &impl Serialize) -> Self {
+        match serde_json::to_value(body) {
+            Ok(body) => self.body = Some(body),
+            Err(e) => self.invalid = Some(ApiError::Decode(e.to_string())),
+        }
+        self
+    }
+
+    /// Which failures the request is repeated after, instead of what its method allows.
+    fn repeat(mut self, repeat: Repeat) -> Self {
+        self.repeat = repeat;
+        self
+    }
+
+    /// Sends the request, repeating it per its [`Repeat`] within `deadline`, and parses the
+    /// answer (an empty body as `{}`). A retry that finds no room in the budget before the
+    /// deadline reports the failure that made it retry (a 429, a 503), not only that time ran
+    /// out.
+    async fn send<T: DeserializeOwned>(self, deadline: Option<Instant>) -> Result<T, ApiError> {
+        if let Some(invalid) = self.invalid {
+            return Err(invalid);
+        }
+        let last = std::sync::Mutex::new(None::<ApiError>);
+        let result = self
+            .api
+            .timing
+            .backoff
+            .run(
+                deadline,
+                |_| {
+                    let attempt = self.attempt(deadline);
+                    let last = &last;
+                    async move {
+                        let result = attempt.await;
+                        if let Err(e) = &result
+                            && *e != ApiError::Deadline
+                        {
+                            *last.lock().unwrap_or_else(|e| e.into_inner()) = Some(e.clone());
+                        }
+                        result
+                    }
+                },
+                |e| classify(self.repeat, e),
+            )
+            .await;
+        match result {
+            Err(ApiError::Deadline) => {
+                let last = last.into_inner().unwrap_or_else(|e| e.into_inner());
+                Err(last.unwrap_or(ApiError::Deadline))
+            }
+            other => other,
+        }
+    }
+
+    /// [`Request::send`], where a 404 (no such resource, or for a DELETE one already gone) is
+    /// `None`.
+    async fn send_optional<T: DeserializeOwned>(
+        self,
+        deadline: Option<Instant>,
+    ) -> Result<Option<T>, ApiError> {
+        match self.send(deadline).await {
+            Ok(found) => Ok(Some(found)),
+            Err(e) if e.status() == Some(404) => Ok(None),
+            Err(e) => Err(e),
+        }
+    }
+
+    /// Every item of a paged listing, following pagination to the last page; `split` takes a
+    /// page apart into its items and the next page. Any failed page fails the whole listing.
+    async fn send_paged<R: DeserializeOwned, T>(
+        self,
+        deadline: Option<Instant>,
+        split: impl Fn(R) -> (Vec<T>, Option<i64>),
+    ) -> Result<Vec<T>, ApiError> {
+        let mut items = Vec::new();
+        let mut page = 1;
+        loop {
+            let response: R = self
+                .clone()
+                .query([
+                    ("page", page.to_string()),
+                    ("per_page", PER_PAGE.to_string()),
+                ])
+                .send(deadline)
+                .await?;
+            let (batch, next_page) = split(response);
+            items.extend(batch);
+            match next_page {
+                Some(next) if next > page => page = next,
+                Some(next) => {
+                    return Err(ApiError::Decode(format!(
+                        "pagination went backwards (page {page}, next_page {next})"
+                    )));
+                }
+                None => break,
+            }
+        }
+        Ok(items)
+    }
+
+    /// One HTTP request, no retries.
+    async fn attempt<T: DeserializeOwned>(&self, deadline: Option<Instant>) -> Result<T, ApiError> {
+        let api = self.api;
+        api.budget
             .acquire(deadline)
             .await
             .map_err(|_| ApiError::Deadline)?;
-        let mut timeout = self.timing.request_timeout;
+        let mut timeout = api.timing.request_timeout;
         if let Some(deadline) = deadline {
             let left = deadline.saturating_duration_since(Instant::now());
             if left.is_zero() {
@@ -257,33 +790,33 @@ impl HcloudApi {
             }
             timeout = timeout.min(left);
         }
-        let mut request = self
+        let mut request = api
             .http
-            .request(method.clone(), self.url(path))
-            .header(http::header::AUTHORIZATION, bearer(&self.token)?)
+            .request(self.method.clone(), api.url(&self.path))
+            .header(http::header::AUTHORIZATION, bearer(&api.token)?)
             .timeout(timeout);
-        if !query.is_empty() {
-            request = request.query(query);
+        if !self.query.is_empty() {
+            request = request.query(&self.query);
         }
-        if let Some(body) = body {
+        if let Some(body) = &self.body {
             request = request.json(body);
         }
         let response = match request.send().await {
             Ok(r) => r,
             Err(e) => {
-                self.telemetry.api_http(endpoint, "error");
+                api.telemetry.api_http(self.endpoint, "error");
                 return Err(ApiError::Transport(transport_text(e)));
             }
         };
         let status = response.status();
-        self.telemetry
-            .api_http(endpoint, status_class(status.as_u16()));
-        self.budget.observe(status.as_u16(), response.headers());
+        api.telemetry
+            .api_http(self.endpoint, status_class(status.as_u16()));
+        api.budget.observe(status.as_u16(), response.headers());
         // After a 429 the retry waits in the budget: for the `Retry-After` if there was one,
         // else for the next token of the bucket, never for `RateLimit-Reset` (that is when the
         // bucket is full again, up to an hour away).
         let hint = (status.as_u16() == 429).then_some(Duration::ZERO);
-        let body = read_body(response, self.timing.max_body)
+        let body = read_body(response, api.timing.max_body)
             .await
             .map_err(|e| match e {
                 BodyError::TooLarge { .. } => ApiError::Decode(e.to_string()),
@@ -316,620 +849,14 @@ impl HcloudApi {
             hint,
         })
     }
-
-    /// A request with retries per `repeat`, within `deadline`.
-    #[allow(clippy::too_many_arguments)]
-    async fn call<T: DeserializeOwned>(
-        &self,
-        endpoint: &'static str,
-        method: Method,
-        path: &str,
-        query: &[(&str, String)],
-        body: Option<serde_json::Value>,
-        deadline: Option<Instant>,
-        repeat: Repeat,
-    ) -> Result<T, ApiError> {
-        // A retry that finds no room in the budget before the deadline reports what made it
-        // retry (a 429, a 503), not only that time ran out.
-        let last = std::sync::Mutex::new(None::<ApiError>);
-        let result = self
-            .timing
-            .backoff
-            .run(
-                deadline,
-                |_| {
-                    let attempt =
-                        self.attempt(endpoint, &method, path, query, body.as_ref(), deadline);
-                    let last = &last;
-                    async move {
-                        let result = attempt.await;
-                        if let Err(e) = &result
-                            && *e != ApiError::Deadline
-                        {
-                            *last.lock().unwrap_or_else(|e| e.into_inner()) = Some(e.clone());
-                        }
-                        result
-                    }
-                },
-                |e| classify(repeat, e),
-            )
-            .await;
-        match result {
-            Err(ApiError::Deadline) => {
-                let last = last.into_inner().unwrap_or_else(|e| e.into_inner());
-                Err(last.unwrap_or(ApiError::Deadline))
-            }
-            other => other,
-        }
-    }
-
-    /// Every item of a paged listing of `path` with `filters`, following pagination to the last
-    /// page; `split` takes a page apart into its items and the next page. Any failed page fails
-    /// the whole listing.
-    async fn list_pages<R: DeserializeOwned, T>(
-        &self,
-        operation: &'static str,
-        path: &str,
-        filters: &[(&str, String)],
-        deadline: Option<Instant>,
-        split: impl Fn(R) -> (Vec<T>, Option<i64>),
-    ) -> Result<Vec<T>, ApiError> {
-        let mut items = Vec::new();
-        let mut page = 1;
-        loop {
-            let mut query = filters.to_vec();
-            query.push(("page", page.to_string()));
-            query.push(("per_page", PER_PAGE.to_string()));
-            let response: R = self
-                .call(
-                    operation,
-                    Method::GET,
-                    path,
-                    &query,
-                    None,
-                    deadline,
-                    Repeat::Idempotent,
-                )
-                .await?;
-            let (batch, next_page) = split(response);
-            items.extend(batch);
-            match next_page {
-                Some(next) if next > page => page = next,
-                Some(next) => {
-                    return Err(ApiError::Decode(format!(
-                        "pagination went backwards (page {page}, next_page {next})"
-                    )));
-                }
-                None => break,
-            }
-        }
-        Ok(items)
-    }
-
-    /// Every server matching `selector`, following pagination to the last page. Any failed
-    /// page fails the whole listing.
-    pub async fn list_servers(
-        &self,
-        selector: &str,
-        deadline: Option<Instant>,
-    ) -> Result<Vec<models::Server>, ApiError> {
-        self.list_pages(
-            "GET /servers",
-            "/servers",
-            &[("label_selector", selector.to_owned())],
-            deadline,
-            |r: models::ListServersResponse| (r.servers, r.meta.pagination.next_page),
-        )
-        .await
-    }
-
-    /// The server named `name`, if any (names are unique in a project).
-    pub async fn server_by_name(
-        &self,
-        name: &str,
-        deadline: Option<Instant>,
-    ) -> Result<Option<models::Server>, ApiError> {
-        let query = [("name", name.to_owned())];
-        let response: models::ListServersResponse = self
-            .call(
-                "GET /servers",
-                Method::GET,
-                "/servers",
-                &query,
-                None,
-                deadline,
-                Repeat::Idempotent,
-            )
-            .await?;
-        Ok(response.servers.into_iter().find(|s| s.name == name))
-    }
-
-    /// One server; `None` when it does not exist.
-    pub async fn get_server(
-        &self,
-        id: i64,
-        deadline: Option<Instant>,
-    ) -> Result<Option<models::Server>, ApiError> {
-        let path = format!("/servers/{id}");
-        let result: Result<models::GetServerResponse, _> = self
-            .call(
-                "GET /servers/{id}",
-                Method::GET,
-                &path,
-                &[],
-                None,
-                deadline,
-                Repeat::Idempotent,
-            )
-            .await;
-        match result {
-            Ok(response) => Ok(response.server.map(|s| *s)),
-            Err(e) if e.status() == Some(404) => Ok(None),
-            Err(e) => Err(e),
-        }
-    }
-
-    /// Creates a server. Only a 429 is repeated; see [`Repeat::RefusedOnly`].
-    pub async fn create_server(
-        &self,
-        request: &models::CreateServerRequest,
-        deadline: Option<Instant>,
-    ) -> Result<models::Server, ApiError> {
-        let body = to_json(request)?;
-        let response: models::CreateServerResponse = self
-            .call(
-                "POST /servers",
-                Method::POST,
-                "/servers",
-                &[],
-                Some(body),
-                deadline,
-                Repeat::RefusedOnly,
-            )
-            .await?;
-        Ok(*response.server)
-    }
-
-    /// Replaces the server's whole label map; the server as the write left it, when the
-    /// answer carries it.
-    pub async fn replace_labels(
-        &self,
-        id: i64,
-        labels: HashMap<String, String>,
-        deadline: Option<Instant>,
-    ) -> Result<Option<models::Server>, ApiError> {
-        let request = models::ReplaceServerRequest {
-            labels: Some(labels),
-            name: None,
-        };
-        let body = to_json(&request)?;
-        let path = format!("/servers/{id}");
-        let response: models::ReplaceServerResponse = self
-            .call(
-                "PUT /servers/{id}",
-                Method::PUT,
-                &path,
-                &[],
-                Some(body),
-                deadline,
-                Repeat::Idempotent,
-            )
-            .await?;
-        Ok(response.server.map(|s| *s))
-    }
-
-    /// An idempotent DELETE where a resource that is already gone (404) counts as deleted.
-    async fn delete_absent_ok<T: DeserializeOwned>(
-        &self,
-        label: &'static str,
-        path: &str,
-        deadline: Option<Instant>,
-    ) -> Result<(), ApiError> {
-        let result: Result<T, _> = self
-            .call(
-                label,
-                Method::DELETE,
-                path,
-                &[],
-                None,
-                deadline,
-                Repeat::Idempotent,
-            )
-            .await;
-        match result {
-            Ok(_) => Ok(()),
-            Err(e) if e.status() == Some(404) => Ok(()),
-            Err(e) => Err(e),
-        }
-    }
-
-    /// Deletes a server; one that does not exist counts as deleted.
-    pub async fn delete_server(&self, id: i64, deadline: Option<Instant>) -> Result<(), ApiError> {
-        let path = format!("/servers/{id}");
-        self.delete_absent_ok::<models::DeleteServerResponse>(
-            "DELETE /servers/{id}",
-            &path,
-            deadline,
-        )
-        .await
-    }
-
-    /// A server type by name.
-    pub async fn server_type(
-        &self,
-        name: &str,
-        deadline: Option<Instant>,
-    ) -> Result<Option<models::ServerType>, ApiError> {
-        let query = [("name", name.to_owned())];
-        let response: models::ListServerTypesResponse = self
-            .call(
-                "GET /server_types",
-                Method::GET,
-                "/server_types",
-                &query,
-                None,
-                deadline,
-                Repeat::Idempotent,
-            )
-            .await?;
-        Ok(response.server_types.into_iter().find(|t| t.name == name))
-    }
-
-    /// An image for `architecture`: by numeric id first (architecture ignored, as the
-    /// reference does), else by name.
-    pub async fn image(
-        &self,
-        name_or_id: &str,
-        architecture: models::Architecture,
-        deadline: Option<Instant>,
-    ) -> Result<Option<models::Image>, ApiError> {
-        if let Ok(id) = name_or_id.parse::<i64>() {
-            let path = format!("/images/{id}");
-            let result: Result<models::GetImageResponse, _> = self
-                .call(
-                    "GET /images/{id}",
-                    Method::GET,
-                    &path,
-                    &[],
-                    None,
-                    deadline,
-                    Repeat::Idempotent,
-                )
-                .await;
-            match result {
-                Ok(response) => {
-                    if let Some(image) = response.image {
-                        return Ok(Some(*image));
-                    }
-                }
-                Err(e) if e.status() == Some(404) => {}
-                Err(e) => return Err(e),
-            }
-        }
-        let arch = match architecture {
-            models::Architecture::Arm => "arm",
-            models::Architecture::X86 => "x86",
-        };
-        let query = [
-            ("name", name_or_id.to_owned()),
-            ("architecture", arch.to_owned()),
-        ];
-        let response: models::ListImagesResponse = self
-            .call(
-                "GET /images",
-                Method::GET,
-                "/images",
-                &query,
-                None,
-                deadline,
-                Repeat::Idempotent,
-            )
-            .await?;
-        Ok(response
-            .images
-            .into_iter()
-            .find(|i| i.name.as_deref() == Some(name_or_id) && i.architecture == architecture))
-    }
-
-    /// A private network by numeric id or by name.
-    pub async fn network(
-        &self,
-        name_or_id: &str,
-        deadline: Option<Instant>,
-    ) -> Result<Option<models::Network>, ApiError> {
-        if let Ok(id) = name_or_id.parse::<i64>() {
-            let path = format!("/networks/{id}");
-            let result: Result<models::GetNetworkResponse, _> = self
-                .call(
-                    "GET /networks/{id}",
-                    Method::GET,
-                    &path,
-                    &[],
-                    None,
-                    deadline,
-                    Repeat::Idempotent,
-                )
-                .await;
-            match result {
-                Ok(response) => {
-                    if let Some(network) = response.network {
-                        return Ok(Some(*network));
-                    }
-                }
-                Err(e) if e.status() == Some(404) => {}
-                Err(e) => return Err(e),
-            }
-        }
-        let query = [("name", name_or_id.to_owned())];
-        let response: models::ListNetworksResponse = self
-            .call(
-                "GET /networks",
-                Method::GET,
-                "/networks",
-                &query,
-                None,
-                deadline,
-                Repeat::Idempotent,
-            )
-            .await?;
-        Ok(response.networks.into_iter().find(|n| n.name == name_or_id))
-    }
-
-    /// A resource by numeric id (`GET /<kind>/{id}`, 404 is `None`) or else by name
-    /// (`GET /<kind>?name=`); `one` and `many` take the resource out of either answer.
-    #[allow(clippy::too_many_arguments)]
-    async fn by_name_or_id<G: DeserializeOwned, L: DeserializeOwned, T>(
-        &self,
-        endpoints: (&'static str, &'static str),
-        kind: &str,
-        name_or_id: &str,
-        deadline: Option<Instant>,
-        one: impl Fn(G) -> Option<T>,
-        many: impl Fn(L) -> Vec<T>,
-        name_of: impl Fn(&T) -> &str,
-    ) -> Result<Option<T>, ApiError> {
-        if let Ok(id) = name_or_id.parse::<i64>() {
-            let path = format!("/{kind}/{id}");
-            let result: Result<G, _> = self
-                .call(
-                    endpoints.0,
-                    Method::GET,
-                    &path,
-                    &[],
-                    None,
-                    deadline,
-                    Repeat::Idempotent,
-                )
-                .await;
-            match result {
-                Ok(response) => {
-                    if let Some(found) = one(response) {
-                        return Ok(Some(found));
-                    }
-                }
-                Err(e) if e.status() == Some(404) => {}
-                Err(e) => return Err(e),
-            }
-        }
-        let query = [("name", name_or_id.to_owned())];
-        let response: L = self
-            .call(
-                endpoints.1,
-                Method::GET,
-                &format!("/{kind}"),
-                &query,
-                None,
-                deadline,
-                Repeat::Idempotent,
-            )
-            .await?;
-        Ok(many(response)
-            .into_iter()
-            .find(|t| name_of(t) == name_or_id))
-    }
-
-    /// A firewall by numeric id or by name.
-    pub async fn firewall(
-        &self,
-        name_or_id: &str,
-        deadline: Option<Instant>,
-    ) -> Result<Option<models::Firewall>, ApiError> {
-        self.by_name_or_id(
-            ("GET /firewalls/{id}", "GET /firewalls"),
-            "firewalls",
-            name_or_id,
-            deadline,
-            |r: models::GetFirewallResponse| Some(*r.firewall),
-            |r: models::ListFirewallsResponse| r.firewalls,
-            |f| &f.name,
-        )
-        .await
-    }
-
-    /// An SSH key by numeric id or by name.
-    pub async fn ssh_key(
-        &self,
-        name_or_id: &str,
-        deadline: Option<Instant>,
-    ) -> Result<Option<models::SshKey>, ApiError> {
-        self.by_name_or_id(
-            ("GET /ssh_keys/{id}", "GET /ssh_keys"),
-            "ssh_keys",
-            name_or_id,
-            deadline,
-            |r: models::GetSshKeyResponse| Some(*r.ssh_key),
-            |r: models::ListSshKeysResponse| r.ssh_keys,
-            |k| &k.name,
-        )
-        .await
-    }
-
-    /// Every available image or snapshot matching `selector` built for `architecture`
-    /// (one page of up to 50, newest first as the API sorts them on request).
-    pub async fn images_by_selector(
-        &self,
-        selector: &str,
-        architecture: models::Architecture,
-        deadline: Option<Instant>,
-    ) -> Result<Vec<models::Image>, ApiError> {
-        let arch = match architecture {
-            models::Architecture::Arm => "arm",
-            models::Architecture::X86 => "x86",
-        };
-        let images = self
-            .list_pages(
-                "GET /images",
-                "/images",
-                &[
-                    ("label_selector", selector.to_owned()),
-                    ("architecture", arch.to_owned()),
-                    ("status", "available".to_owned()),
-                ],
-                deadline,
-                |r: models::ListImagesResponse| (r.images, r.meta.pagination.next_page),
-            )
-            .await?;
-        Ok(images
-            .into_iter()
-            .filter(|i| {
-                i.architecture == architecture && i.status == models::image::Status::Available
-            })
-            .collect())
-    }
-
-    /// Every placement group matching `selector`.
-    pub async fn placement_groups(
-        &self,
-        selector: &str,
-        deadline: Option<Instant>,
-    ) -> Result<Vec<models::PlacementGroup>, ApiError> {
-        self.list_pages(
-            "GET /placement_groups",
-            "/placement_groups",
-            &[("label_selector", selector.to_owned())],
-            deadline,
-            |r: models::ListPlacementGroupsResponse| {
-                (r.placement_groups, r.meta.pagination.next_page)
-            },
-        )
-        .await
-    }
-
-    /// Creates a spread placement group (a 429 is repeated; a name clash is the caller's).
-    pub async fn create_placement_group(
-        &self,
-        name: &str,
-        labels: HashMap<String, String>,
-        deadline: Option<Instant>,
-    ) -> Result<models::PlacementGroup, ApiError> {
-        let request = models::CreatePlacementgroupRequest {
-            name: name.to_owned(),
-            labels: Some(labels),
-            r#type: models::create_placementgroup_request::Type::Spread,
-        };
-        let body = to_json(&request)?;
-        let response: models::CreatePlacementgroupResponse = self
-            .call(
-                "POST /placement_groups",
-                Method::POST,
-                "/placement_groups",
-                &[],
-                Some(body),
-                deadline,
-                Repeat::RefusedOnly,
-            )
-            .await?;
-        Ok(*response.placement_group)
-    }
-
-    /// Deletes a placement group; one that does not exist counts as deleted.
-    pub async fn delete_placement_group(
-        &self,
-        id: i64,
-        deadline: Option<Instant>,
-    ) -> Result<(), ApiError> {
-        let path = format!("/placement_groups/{id}");
-        self.delete_absent_ok::<serde_json::Value>("DELETE /placement_groups/{id}", &path, deadline)
-            .await
-    }
-
-    /// Attaches a server to a network in the subnet `ip_range`; already attached counts as done.
-    pub async fn attach_to_network(
-        &self,
-        server: i64,
-        network: i64,
-        ip_range: Option<&str>,
-        deadline: Option<Instant>,
-    ) -> Result<(), ApiError> {
-        let request = models::AttachServerToNetworkRequest {
-            network,
-            ip_range: ip_range.map(str::to_owned),
-            ..Default::default()
-        };
-        let body = to_json(&request)?;
-        let path = format!("/servers/{server}/actions/attach_to_network");
-        let result: Result<serde_json::Value, _> = self
-            .call(
-                "POST /servers/{id}/actions/attach_to_network",
-                Method::POST,
-                &path,
-                &[],
-                Some(body),
-                deadline,
-                Repeat::Idempotent,
-            )
-            .await;
-        match result {
-            Ok(_) => Ok(()),
-            Err(e) if e.code() == Some("server_already_attached") => Ok(()),
-            Err(e) => Err(e),
-        }
-    }
-
-    /// Every location (the cheapest read that proves the token works).
-    pub async fn locations(
-        &self,
-        deadline: Option<Instant>,
-    ) -> Result<Vec<models::Location>, ApiError> {
-        let query = [("per_page", PER_PAGE.to_string())];
-        let response: models::ListLocationsResponse = self
-            .call(
-                "GET /locations",
-                Method::GET,
-                "/locations",
-                &query,
-                None,
-                deadline,
-                Repeat::Idempotent,
-            )
-            .await?;
-        Ok(response.locations)
-    }
-
-    /// A location by name.
-    pub async fn location(
-        &self,
-        name: &str,
-        deadline: Option<Instant>,
-    ) -> Result<Option<models::Location>, ApiError> {
-        let query = [("name", name.to_owned())];
-        let response: models::ListLocationsResponse = self
-            .call(
-                "GET /locations",
-                Method::GET,
-                "/locations",
-                &query,
-                None,
-                deadline,
-                Repeat::Idempotent,
-            )
-            .await?;
-        Ok(response.locations.into_iter().find(|l| l.name == name))
-    }
 }
 
-fn to_json(value: &impl Serialize) -> Result<serde_json::Value, ApiError> {
-    serde_json::to_value(value).map_err(|e| ApiError::Decode(e.to_string()))
+/// The `architecture` filter of image listings.
+fn architecture_name(architecture: models::Architecture) -> &'static str {
+    match architecture {
+        models::Architecture::Arm => "arm",
+        models::Architecture::X86 => "x86",
+    }
 }
 
 /// A transport error's text, with the URL's query string dropped (it may carry selectors but
@@ -1053,6 +980,10 @@ mod tests {
             classify(Repeat::RefusedOnly, &ApiError::Transport("x".into())),
             Verdict::Fatal
         );
+        assert_eq!(Repeat::of(&Method::GET), Repeat::Idempotent);
+        assert_eq!(Repeat::of(&Method::PUT), Repeat::Idempotent);
+        assert_eq!(Repeat::of(&Method::DELETE), Repeat::Idempotent);
+        assert_eq!(Repeat::of(&Method::POST), Repeat::RefusedOnly);
         assert!(status(502, "x").is_ambiguous());
         assert!(!status(422, "invalid_input").is_ambiguous());
     }

@@ -10,6 +10,7 @@ mod etcd_state;
 mod faults;
 mod harness;
 mod lifecycle;
+mod lookups;
 mod pacing;
 mod production;
 mod real_build;
