@@ -27,6 +27,7 @@ use crate::naming::{
     droplet_name, machine_tag, provider_tag,
 };
 use crate::profile::DropletProfile;
+use crate::profile_cache::ProfileBook;
 
 /// Where the on-host agent finds the provider; written into every Droplet's user_data.
 #[derive(Clone, Debug)]
@@ -53,8 +54,9 @@ pub struct CloudSettings {
     /// The image of a size without a profile.
     pub image: ImageRef,
     /// What a Create of each offered size sends (image, VPC, tags, IPv6, monitoring, login
-    /// keys), resolved at startup; a size without one gets `image` and nothing else.
-    pub profiles: HashMap<String, DropletProfile>,
+    /// keys), resolved at startup and again at the price-refresh cadence; a size without one
+    /// gets `image` and nothing else.
+    pub profiles: Arc<ProfileBook>,
     /// `--base-user-data` contents, merged before the agent's cloud-config. Operators keep
     /// join secrets there, so it prints as `[redacted]` and is zeroed on drop.
     pub base_user_data: Option<Secret>,
@@ -88,7 +90,7 @@ impl CloudSettings {
             provider,
             region,
             image,
-            profiles: HashMap::new(),
+            profiles: Arc::new(ProfileBook::fixed(HashMap::new())),
             base_user_data: base_user_data.map(Secret::new),
             agent,
             active_poll: Duration::from_secs(5),
@@ -101,15 +103,14 @@ impl CloudSettings {
 
     /// The same settings with a resolved profile per size.
     pub fn with_profiles(mut self, profiles: HashMap<String, DropletProfile>) -> CloudSettings {
-        self.profiles = profiles;
+        self.profiles = Arc::new(ProfileBook::fixed(profiles));
         self
     }
 
     /// What a Create of `size` sends.
     pub fn profile(&self, size: &str) -> DropletProfile {
         self.profiles
-            .get(size)
-            .cloned()
+            .profile(size)
             .unwrap_or_else(|| DropletProfile::with_image(self.image.clone()))
     }
 }
@@ -637,7 +638,16 @@ impl Cloud for DigitalOceanCloud {
         Some(self.api.budget().clone())
     }
 
+    async fn refresh_settings(&self) -> Result<(), BackendError> {
+        self.settings
+            .profiles
+            .refresh(&self.api)
+            .await
+            .map_err(BackendError)
+    }
+
     fn state_opened(&self, live_hosts: usize) -> Result<(), String> {
+        self.settings.profiles.keep();
         match &self.settings.channel_key {
             Some(record) => record.check(live_hosts),
             None => Ok(()),

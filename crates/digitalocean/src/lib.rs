@@ -13,6 +13,7 @@ pub mod enrollment;
 pub mod naming;
 pub mod pin;
 pub mod profile;
+pub mod profile_cache;
 pub mod setup;
 pub mod token;
 

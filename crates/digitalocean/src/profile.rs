@@ -2,8 +2,9 @@
 //! numeric id or snapshot name), the VPC, extra tags, IPv6, the monitoring agent and login SSH
 //! keys. Global flags give the defaults; the same fields in an offering of `--offerings`
 //! override them for that offering (`tags` add to `--tag`). Everything is checked offline
-//! first ([`plan`]), then names and ids are resolved against the API once ([`Resolver`]), so a
-//! Create sends ready values and makes no extra call.
+//! first ([`plan`]), then names and ids are resolved against the API ([`Resolver`]) at startup
+//! and again at the price-refresh cadence (or taken from the last run's file,
+//! [`crate::profile_cache`]), so a Create sends ready values and makes no extra call.
 
 use std::collections::{BTreeSet, HashMap};
 

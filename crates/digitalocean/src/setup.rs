@@ -17,6 +17,7 @@ use crate::channel::{AuthLimit, Channel, ChannelLimits, ChannelSettings, DEFAULT
 use crate::cloud::{AgentProvisioning, CloudSettings, DigitalOceanCloud};
 use crate::pin::Pin;
 use crate::profile::Wanted;
+use crate::profile_cache::{Account, ProfileBook, ProfileFile};
 use crate::token::BootstrapSecret;
 use zeroize::Zeroizing;
 
@@ -44,7 +45,8 @@ pub struct RealFlags {
     pub bootstrap_max_connections_per_address: usize,
     /// `--bootstrap-enrollment-source`.
     pub bootstrap_enrollment_source: crate::enrollment::EnrollmentSource,
-    /// The provider's `--state`: a local state directory keeps the channel key record.
+    /// The provider's `--state`: a local state directory keeps the channel key record and the
+    /// resolved Droplet settings.
     pub state: String,
 }
 
@@ -74,6 +76,10 @@ pub struct RealBackend {
     pub channel_reloader: tls::Reloader,
     settings: CloudSettings,
     telemetry: Telemetry,
+    /// `profiles.json` beside a local state: the Droplet settings the last run resolved.
+    profile_file: Option<ProfileFile>,
+    /// The endpoint and token, as a saved `profiles.json` must match them.
+    account: Account,
 }
 
 /// How long the startup checks may take, retries included.
@@ -82,12 +88,22 @@ pub const STARTUP_CHECK_BUDGET: std::time::Duration = std::time::Duration::from_
 impl RealBackend {
     /// Runs the cheap checks against the API before anything is bound: the token works, every
     /// offering's size is sold in its region with a price, and every image, VPC and login SSH
-    /// key resolves. The cloud is rebuilt with the resolved settings, so a Create sends them
-    /// without another lookup.
+    /// key resolves; or, when the last run saved them beside a local state for the same
+    /// settings, endpoint and token, takes its resolved settings without any API call (see
+    /// [`crate::profile_cache`]). The cloud is rebuilt with the resolved settings, so a Create
+    /// sends them without another lookup.
     pub async fn resolve(self, wanted: &[Wanted]) -> Result<RealBackend, String> {
         let deadline = tokio::time::Instant::now() + STARTUP_CHECK_BUDGET;
-        let profiles = crate::profile::startup(&self.api, wanted, deadline).await?;
-        let settings = self.settings.with_profiles(profiles);
+        let profiles = ProfileBook::start(
+            &self.api,
+            wanted,
+            self.profile_file.clone(),
+            &self.account,
+            deadline,
+        )
+        .await?;
+        let mut settings = self.settings;
+        settings.profiles = Arc::new(profiles);
         let cloud = Arc::new(DigitalOceanCloud::new(
             self.api.clone(),
             self.channel.clone(),
@@ -177,6 +193,7 @@ pub fn build_real(flags: &RealFlags, telemetry: Telemetry) -> Result<RealBackend
         &flags.api_url
     };
     let base = parse_base_url(api_url)?;
+    let account = Account::new(base.as_str(), &flags.token);
     let api = ApiClient::new(base, token, Backoff::default(), telemetry)?;
     let mut limits = ChannelLimits::default();
     if flags.bootstrap_max_connections > 0 {
@@ -237,6 +254,8 @@ pub fn build_real(flags: &RealFlags, telemetry: Telemetry) -> Result<RealBackend
         channel_reloader,
         settings,
         telemetry,
+        profile_file: ProfileFile::for_state(&flags.state),
+        account,
     })
 }
 

@@ -178,6 +178,19 @@ impl Emulator {
         id
     }
 
+    /// Deletes an image or snapshot, as `DELETE /v2/images/{id}` does: from now on it is not
+    /// listed, not found and refused by a create. False if no such image exists.
+    pub fn delete_image(&self, id: u64) -> bool {
+        let mut state = lock(&self.state);
+        match state.images.iter_mut().find(|i| i.id == id) {
+            Some(image) => {
+                image.status = "deleted".into();
+                true
+            }
+            None => false,
+        }
+    }
+
     /// Adds a VPC; returns its id.
     pub fn add_vpc(&self, name: &str, region: &str, ip_range: &str) -> String {
         let mut state = lock(&self.state);

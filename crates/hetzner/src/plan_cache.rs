@@ -7,14 +7,14 @@
 //!
 //! The file is used only when it was written for the same settings, API endpoint and token
 //! (a digest of all three is stored, never the token); any other file, or one that does not
-//! parse, is ignored and the provider resolves from the API as on a first start.
+//! parse, is ignored and the provider resolves from the API as on a first start (the envelope
+//! and those rules are [`provider_core::saved_lookups`], which the DigitalOcean provider shares).
 
 use std::collections::BTreeMap;
-use std::path::{Path, PathBuf};
 
 use hcloud::models;
+use provider_core::saved_lookups::SavedLookups;
 use serde::{Deserialize, Serialize};
-use sha2::{Digest, Sha256};
 
 use crate::resolve::Plan;
 use crate::settings::{OfferingSpec, SshAddress};
@@ -42,12 +42,10 @@ struct SavedPlan {
     login_keys: Vec<String>,
 }
 
+/// What the file holds besides the envelope of [`SavedLookups`] (when it was written, the
+/// fingerprint).
 #[derive(Debug, PartialEq, Serialize, Deserialize)]
 struct Saved {
-    /// When it was written, seconds since the Unix epoch (for operators reading it).
-    saved_unix: u64,
-    /// Hex SHA-256 of the settings, the endpoint and the token the plans were resolved with.
-    fingerprint: String,
     plans: Vec<SavedPlan>,
 }
 
@@ -105,69 +103,40 @@ impl SavedPlan {
 /// The digest a saved file must carry to be used: the offerings' settings (their `Debug`
 /// form, which holds every field), the endpoint and the token (which names the project).
 pub fn fingerprint(offerings: &[OfferingSpec], endpoint: &str, token: &str) -> String {
-    let mut digest = Sha256::new();
-    digest.update(b"bigfleet hetzner plans v1\0");
-    digest.update(format!("{offerings:?}").as_bytes());
-    digest.update(b"\0");
-    digest.update(endpoint.as_bytes());
-    digest.update(b"\0");
-    digest.update(token.as_bytes());
-    digest
-        .finalize()
-        .iter()
-        .map(|b| format!("{b:02x}"))
-        .collect()
+    provider_core::saved_lookups::fingerprint(
+        "bigfleet hetzner plans v1",
+        &[&format!("{offerings:?}"), endpoint, token],
+    )
 }
 
 /// Where the plans of one provider are kept: `None` without a local state directory (in
 /// memory, or in etcd, where standbys resolve before they may lead anyway).
 #[derive(Clone, Debug)]
 pub struct PlanFile {
-    path: PathBuf,
+    saved: SavedLookups,
 }
 
 impl PlanFile {
     pub fn for_state(state: &str) -> Option<PlanFile> {
-        if state.is_empty() || provider_core::etcd::is_etcd(state) {
-            return None;
-        }
-        Some(PlanFile {
-            path: Path::new(state).join(FILE_NAME),
-        })
+        SavedLookups::for_state(state, FILE_NAME, "plans").map(|saved| PlanFile { saved })
     }
 
     #[cfg(test)]
-    fn at(path: PathBuf) -> PlanFile {
-        PlanFile { path }
+    fn at(path: std::path::PathBuf) -> PlanFile {
+        PlanFile {
+            saved: SavedLookups::at(path, "plans"),
+        }
     }
 
     /// The saved plans, if the file exists, parses and was written for `fingerprint`.
     pub fn load(&self, fingerprint: &str) -> Option<Vec<Plan>> {
-        let bytes = match std::fs::read(&self.path) {
-            Ok(bytes) => bytes,
-            Err(e) if e.kind() == std::io::ErrorKind::NotFound => return None,
-            Err(e) => {
-                tracing::warn!(file = %self.path.display(), error = %e, "settings: cannot read the saved plans; resolving from the API");
-                return None;
-            }
-        };
-        let saved: Saved = match serde_json::from_slice(&bytes) {
-            Ok(saved) => saved,
-            Err(e) => {
-                tracing::warn!(file = %self.path.display(), error = %e, "settings: the saved plans do not parse; resolving from the API");
-                return None;
-            }
-        };
-        if saved.fingerprint != fingerprint {
-            tracing::info!(file = %self.path.display(), "settings: the saved plans were resolved for other settings, endpoint or token; resolving from the API");
-            return None;
-        }
+        let saved: Saved = self.saved.load(fingerprint)?;
         let plans: Result<Vec<Plan>, String> =
             saved.plans.into_iter().map(SavedPlan::into_plan).collect();
         match plans {
             Ok(plans) => Some(plans),
             Err(e) => {
-                tracing::warn!(file = %self.path.display(), error = %e, "settings: the saved plans are not valid; resolving from the API");
+                tracing::warn!(file = %self.saved.path().display(), error = %e, "settings: the saved plans are not valid; resolving from the API");
                 None
             }
         }
@@ -177,19 +146,9 @@ impl PlanFile {
     /// logged: the next start then resolves from the API.
     pub fn save(&self, fingerprint: &str, plans: &[Plan]) {
         let saved = Saved {
-            saved_unix: std::time::SystemTime::now()
-                .duration_since(std::time::UNIX_EPOCH)
-                .map(|d| d.as_secs())
-                .unwrap_or(0),
-            fingerprint: fingerprint.to_owned(),
             plans: plans.iter().map(SavedPlan::of).collect(),
         };
-        let result = serde_json::to_vec_pretty(&saved)
-            .map_err(std::io::Error::other)
-            .and_then(|bytes| provider_core::price_cache::write_atomically(&self.path, &bytes));
-        if let Err(e) = result {
-            tracing::warn!(file = %self.path.display(), error = %e, "settings: cannot save the resolved plans; the next start resolves from the API");
-        }
+        self.saved.save(fingerprint, &saved);
     }
 }
 
@@ -243,6 +202,39 @@ mod tests {
         changed.spec.image = "ubuntu-24.04".into();
         let other_settings = fingerprint(&[changed], "https://api.example/v1", "token-a");
         assert_eq!(file.load(&other_settings), None, "other settings");
+    }
+
+    /// Files written before the envelope moved to provider-core stay valid.
+    #[test]
+    fn the_fingerprint_is_the_digest_earlier_versions_wrote() {
+        use sha2::{Digest, Sha256};
+        let offerings = [offering()];
+        let mut digest = Sha256::new();
+        digest.update(b"bigfleet hetzner plans v1\0");
+        digest.update(format!("{offerings:?}").as_bytes());
+        digest.update(b"\0https://api.example/v1\0token-a");
+        let earlier: String = digest
+            .finalize()
+            .iter()
+            .map(|b| format!("{b:02x}"))
+            .collect();
+        assert_eq!(
+            fingerprint(&offerings, "https://api.example/v1", "token-a"),
+            earlier
+        );
+        let dir = tempfile::tempdir().expect("tempdir");
+        let path = dir.path().join(FILE_NAME);
+        let file = PlanFile::at(path.clone());
+        file.save(&earlier, &[plan()]);
+        let written: serde_json::Value =
+            serde_json::from_slice(&std::fs::read(&path).expect("read")).expect("json");
+        let keys: Vec<&str> = written
+            .as_object()
+            .expect("an object")
+            .keys()
+            .map(String::as_str)
+            .collect();
+        assert_eq!(keys, ["fingerprint", "plans", "saved_unix"], "{written}");
     }
 
     #[test]

@@ -32,6 +32,7 @@ pub mod price_cache;
 pub mod records;
 pub mod replica;
 pub mod retry;
+pub mod saved_lookups;
 pub mod seal;
 pub mod serve;
 pub mod server;

@@ -94,25 +94,31 @@ impl Site {
     }
 
     /// Spawns the `digitalocean` binary on this site with gRPC on `grpc` and `extra` flags
-    /// (`--metrics-addr` is off unless `extra` sets it); the bootstrap endpoint leads to it
-    /// from now on.
+    /// (`--metrics-addr` is off unless `extra` sets it; a `--flag=value` of `extra` replaces
+    /// the site's own); the bootstrap endpoint leads to it from now on.
     pub async fn spawn(&self, grpc: u16, extra: &[&str]) -> Spawned {
         let bootstrap = free_port().await;
         self.bootstrap.retarget(([127, 0, 0, 1], bootstrap).into());
+        let flag = |arg: &str| arg.split('=').next().unwrap_or(arg).to_owned();
+        let replaced: Vec<String> = extra.iter().map(|arg| flag(arg)).collect();
         let mut cmd = tokio::process::Command::new(env!("CARGO_BIN_EXE_digitalocean"));
-        cmd.args(&self.args)
-            .arg(format!("--addr=127.0.0.1:{grpc}"))
-            .arg(format!("--bootstrap-addr=127.0.0.1:{bootstrap}"))
-            .args(extra)
-            .env("DIGITALOCEAN_TOKEN", API_TOKEN)
-            .env("BIGFLEET_BOOTSTRAP_SECRET", SECRET)
-            // The agents run on loopback, not at the emulated Droplets' addresses (a test
-            // that checks the source passes --bootstrap-enrollment-source=droplet).
-            .env("BIGFLEET_BOOTSTRAP_ENROLLMENT_SOURCE", "any")
-            .stdin(Stdio::null())
-            .stdout(Stdio::piped())
-            .stderr(Stdio::piped())
-            .kill_on_drop(true);
+        cmd.args(
+            self.args
+                .iter()
+                .filter(|arg| !replaced.contains(&flag(arg))),
+        )
+        .arg(format!("--addr=127.0.0.1:{grpc}"))
+        .arg(format!("--bootstrap-addr=127.0.0.1:{bootstrap}"))
+        .args(extra)
+        .env("DIGITALOCEAN_TOKEN", API_TOKEN)
+        .env("BIGFLEET_BOOTSTRAP_SECRET", SECRET)
+        // The agents run on loopback, not at the emulated Droplets' addresses (a test
+        // that checks the source passes --bootstrap-enrollment-source=droplet).
+        .env("BIGFLEET_BOOTSTRAP_ENROLLMENT_SOURCE", "any")
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .kill_on_drop(true);
         if !extra.iter().any(|a| a.starts_with("--metrics-addr")) {
             cmd.arg("--metrics-addr=");
         }

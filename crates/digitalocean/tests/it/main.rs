@@ -13,6 +13,7 @@ mod enrollment;
 mod lifecycle;
 mod pin;
 mod production;
+mod profile_cache;
 mod restart;
 mod resume;
 mod support;
