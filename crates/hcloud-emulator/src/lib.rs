@@ -597,10 +597,14 @@ async fn list_servers(
         if q.get("name").is_some_and(|n| *n != server.name) {
             continue;
         }
-        matching.push(server.clone());
+        matching.push(id);
     }
     let max = w.max_per_page;
-    let answer = paginate(&matching, &q, max);
+    // Only the page's servers are copied, so a listing of thousands costs what its page holds.
+    let answer = paginate(&matching, &q, max).map(|(ids, meta)| {
+        let page: Vec<models::Server> = ids.iter().map(|id| w.servers[id].server.clone()).collect();
+        (page, meta)
+    });
     if let Ok((page, meta)) = &answer
         && w.churn_listings > 0
         && meta.pagination.page == 1
