@@ -699,6 +699,31 @@ fn page_of(
     bad_next_link: bool,
     max_per_page: Option<usize>,
 ) -> Value {
+    page_rendering(
+        items,
+        |v| v,
+        key,
+        q,
+        headers,
+        path,
+        bad_next_link,
+        max_per_page,
+    )
+}
+
+/// [`page_of`] over items rendered as JSON only when they are on the page served (a listing
+/// of many thousands of Droplets renders one page, not all of them).
+#[allow(clippy::too_many_arguments)]
+fn page_rendering<T>(
+    items: Vec<T>,
+    render: impl FnMut(T) -> Value,
+    key: &str,
+    q: &PageQuery,
+    headers: &HeaderMap,
+    path: &str,
+    bad_next_link: bool,
+    max_per_page: Option<usize>,
+) -> Value {
     let per_page = q
         .per_page
         .unwrap_or(20)
@@ -736,6 +761,7 @@ fn page_of(
         .into_iter()
         .skip((page - 1) * per_page)
         .take(per_page)
+        .map(render)
         .collect();
     json!({ key: slice, "links": { "pages": pages }, "meta": { "total": total } })
 }
@@ -973,15 +999,15 @@ async fn list_droplets(
             observe(d);
         }
     }
-    let items: Vec<Value> = state
+    let items: Vec<&EmulatedDroplet> = state
         .droplets
         .values()
         .filter(|d| q.tag_name.as_ref().is_none_or(|t| d.tags.contains(t)))
-        .map(|d| droplet_json(&state, d))
         .collect();
-    let first_id = items.first().and_then(|d| d["id"].as_u64());
-    let body = page_of(
+    let first_id = items.first().map(|d| d.id);
+    let body = page_rendering(
         items,
+        |d| droplet_json(&state, d),
         "droplets",
         &q,
         &headers,

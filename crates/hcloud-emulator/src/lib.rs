@@ -597,10 +597,15 @@ async fn list_servers(
         if q.get("name").is_some_and(|n| *n != server.name) {
             continue;
         }
-        matching.push(server.clone());
+        matching.push(id);
     }
     let max = w.max_per_page;
-    let answer = paginate(&matching, &q, max);
+    // Only the servers of the page served are copied (a listing of many thousands is paged).
+    let answer = paginate(&matching, &q, max).map(|(page, meta)| {
+        let servers: Vec<models::Server> =
+            page.iter().map(|id| w.servers[id].server.clone()).collect();
+        (servers, meta)
+    });
     if let Ok((page, meta)) = &answer
         && w.churn_listings > 0
         && meta.pagination.page == 1

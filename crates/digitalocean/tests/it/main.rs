@@ -16,4 +16,5 @@ mod production;
 mod profile_cache;
 mod restart;
 mod resume;
+mod scale;
 mod support;

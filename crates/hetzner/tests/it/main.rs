@@ -16,6 +16,7 @@ mod production;
 mod real_build;
 mod restart;
 mod resume;
+mod scale;
 mod secrets;
 mod ssh_delivery;
 mod tofu;
