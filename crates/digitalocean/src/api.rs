@@ -520,6 +520,23 @@ impl ApiClient {
             .await
     }
 
+    /// [`ApiClient::list_droplets_by_tag`] with each page asked once, without retries: for a
+    /// round that answers many waiters, which decide on their own whether to ask again (a
+    /// run of retries inside it would hold all of them).
+    pub async fn list_droplets_by_tag_once(
+        &self,
+        tag: &str,
+        deadline: Instant,
+    ) -> Result<Vec<Droplet>, ApiError> {
+        self.request("GET /v2/droplets", Method::GET, "/v2/droplets")
+            .query(&[("tag_name", tag)])
+            .once()
+            .send_paged(deadline, |page: DropletPage| {
+                Ok((page.droplets, page.links.pages.next))
+            })
+            .await
+    }
+
     /// The whole size catalogue, all pages.
     pub async fn list_sizes(&self, deadline: Instant) -> Result<Vec<Size>, ApiError> {
         self.request("GET /v2/sizes", Method::GET, "/v2/sizes")
@@ -701,20 +718,23 @@ impl ApiClient {
         .await
     }
 
-    /// `DELETE /v2/tags/{tag}/resources` for several Droplets in one request.
-    pub async fn untag_droplets(
+    /// `DELETE /v2/tags/{tag}/resources` for several Droplets in one request, sent once (the
+    /// caller repeats it later if it fails).
+    pub async fn untag_droplets_once(
         &self,
         tag: &str,
         ids: &[u64],
         deadline: Instant,
     ) -> Result<(), ApiError> {
-        self.tag_resources(
+        self.request(
             "DELETE /v2/tags/{tag}/resources",
             Method::DELETE,
-            tag,
-            ids,
-            deadline,
+            "/v2/tags",
         )
+        .segments(&[tag, "resources"])
+        .json(&resources_body(ids))
+        .once()
+        .send_ignoring_answer(deadline)
         .await
     }
 
@@ -726,17 +746,21 @@ impl ApiClient {
         ids: &[u64],
         deadline: Instant,
     ) -> Result<(), ApiError> {
-        let resources: Vec<serde_json::Value> = ids
-            .iter()
-            .map(|id| serde_json::json!({ "resource_id": id.to_string(), "resource_type": "droplet" }))
-            .collect();
-        let body = serde_json::json!({ "resources": resources });
         self.request(endpoint, method, "/v2/tags")
             .segments(&[tag, "resources"])
-            .json(&body)
+            .json(&resources_body(ids))
             .send_ignoring_answer(deadline)
             .await
     }
+}
+
+/// The body of a tag change: the Droplets `ids`.
+fn resources_body(ids: &[u64]) -> serde_json::Value {
+    let resources: Vec<serde_json::Value> = ids
+        .iter()
+        .map(|id| serde_json::json!({ "resource_id": id.to_string(), "resource_type": "droplet" }))
+        .collect();
+    serde_json::json!({ "resources": resources })
 }
 
 /// One request being put together by [`ApiClient::request`]; a `send` method runs it.

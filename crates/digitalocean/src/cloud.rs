@@ -178,7 +178,7 @@ async fn poll_booting(
     ids: Vec<u64>,
     deadline: Instant,
 ) -> Result<HashMap<u64, Droplet>, ApiError> {
-    let listed = api.list_droplets_by_tag(tag, deadline).await?;
+    let listed = api.list_droplets_by_tag_once(tag, deadline).await?;
     let active: Vec<u64> = {
         let watching = lock_watching(watching);
         listed
@@ -189,7 +189,7 @@ async fn poll_booting(
             .collect()
     };
     if !active.is_empty()
-        && let Err(e) = api.untag_droplets(tag, &active, deadline).await
+        && let Err(e) = api.untag_droplets_once(tag, &active, deadline).await
     {
         // Harmless: they are listed again, and untagged, by the next round.
         tracing::warn!(error = %e, droplets = active.len(), "clearing the booting tag failed");

@@ -103,6 +103,9 @@ pub enum Repeat {
     /// Creation (servers, placement groups): only a 429 (refused before any effect) is
     /// repeated here; the caller resolves every other failure, e.g. by looking the server up.
     RefusedOnly,
+    /// Nothing is repeated here: the reads of a shared round, whose many waiters each decide
+    /// whether to ask again.
+    Never,
 }
 
 impl Repeat {
@@ -119,6 +122,7 @@ impl Repeat {
 
 fn classify(repeat: Repeat, err: &ApiError) -> Verdict {
     match (repeat, err) {
+        (Repeat::Never, _) => Verdict::Fatal,
         (
             _,
             ApiError::Status {
@@ -313,6 +317,23 @@ impl HcloudApi {
     ) -> Result<Vec<models::Server>, ApiError> {
         self.request("GET /servers", Method::GET, "/servers")
             .query([("label_selector", selector.to_owned())])
+            .send_paged(deadline, |r: models::ListServersResponse| {
+                (r.servers, r.meta.pagination.next_page)
+            })
+            .await
+    }
+
+    /// [`HcloudApi::list_servers`] with each page asked once, without retries: for a round
+    /// that answers many waiters, which decide on their own whether to ask again (a run of
+    /// retries inside it would hold all of them).
+    pub async fn list_servers_once(
+        &self,
+        selector: &str,
+        deadline: Option<Instant>,
+    ) -> Result<Vec<models::Server>, ApiError> {
+        self.request("GET /servers", Method::GET, "/servers")
+            .query([("label_selector", selector.to_owned())])
+            .repeat(Repeat::Never)
             .send_paged(deadline, |r: models::ListServersResponse| {
                 (r.servers, r.meta.pagination.next_page)
             })

@@ -193,8 +193,9 @@ async fn two_hundred_creates_beside_a_thousand_owned_droplets_take_only_their_bu
         took.as_secs_f64() * SCALE
     );
     assert_eq!(refused, 0, "{classes:?}");
+    // 1.1 x the budget time, and a moment for a test machine busy with other tests.
     assert!(
-        took <= allowed.mul_f64(1.1),
+        took <= allowed.mul_f64(1.1) + Duration::from_secs(2),
         "{took:?} is more than 1.1 x the budget time {allowed:?} of {requests} requests"
     );
     assert_eq!(classes["create"].0, 200, "one POST per Create");
