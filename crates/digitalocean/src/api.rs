@@ -512,12 +512,7 @@ impl ApiClient {
         tag: &str,
         deadline: Instant,
     ) -> Result<Vec<Droplet>, ApiError> {
-        self.request("GET /v2/droplets", Method::GET, "/v2/droplets")
-            .query(&[("tag_name", tag)])
-            .send_paged(deadline, |page: DropletPage| {
-                Ok((page.droplets, page.links.pages.next))
-            })
-            .await
+        self.droplets_tagged(tag, true, deadline).await
     }
 
     /// [`ApiClient::list_droplets_by_tag`] with each page asked once, without retries: for a
@@ -528,9 +523,20 @@ impl ApiClient {
         tag: &str,
         deadline: Instant,
     ) -> Result<Vec<Droplet>, ApiError> {
-        self.request("GET /v2/droplets", Method::GET, "/v2/droplets")
-            .query(&[("tag_name", tag)])
-            .once()
+        self.droplets_tagged(tag, false, deadline).await
+    }
+
+    async fn droplets_tagged(
+        &self,
+        tag: &str,
+        retried: bool,
+        deadline: Instant,
+    ) -> Result<Vec<Droplet>, ApiError> {
+        let request = self
+            .request("GET /v2/droplets", Method::GET, "/v2/droplets")
+            .query(&[("tag_name", tag)]);
+        let request = if retried { request } else { request.once() };
+        request
             .send_paged(deadline, |page: DropletPage| {
                 Ok((page.droplets, page.links.pages.next))
             })

@@ -315,11 +315,7 @@ impl HcloudApi {
         selector: &str,
         deadline: Option<Instant>,
     ) -> Result<Vec<models::Server>, ApiError> {
-        self.request("GET /servers", Method::GET, "/servers")
-            .query([("label_selector", selector.to_owned())])
-            .send_paged(deadline, |r: models::ListServersResponse| {
-                (r.servers, r.meta.pagination.next_page)
-            })
+        self.servers_matching(selector, Repeat::Idempotent, deadline)
             .await
     }
 
@@ -331,9 +327,19 @@ impl HcloudApi {
         selector: &str,
         deadline: Option<Instant>,
     ) -> Result<Vec<models::Server>, ApiError> {
+        self.servers_matching(selector, Repeat::Never, deadline)
+            .await
+    }
+
+    async fn servers_matching(
+        &self,
+        selector: &str,
+        repeat: Repeat,
+        deadline: Option<Instant>,
+    ) -> Result<Vec<models::Server>, ApiError> {
         self.request("GET /servers", Method::GET, "/servers")
             .query([("label_selector", selector.to_owned())])
-            .repeat(Repeat::Never)
+            .repeat(repeat)
             .send_paged(deadline, |r: models::ListServersResponse| {
                 (r.servers, r.meta.pagination.next_page)
             })
