@@ -120,6 +120,37 @@ pub struct Droplet {
     pub vpc_uuid: Option<String>,
 }
 
+/// The fields of an account action the provider reads (`GET /v2/actions`).
+#[derive(Clone, Debug, Default, Deserialize, PartialEq, Eq)]
+pub struct Action {
+    pub id: u64,
+    /// `create`, `destroy`, `power_off`, ...
+    #[serde(rename = "type", default)]
+    pub kind: String,
+    #[serde(default)]
+    pub resource_id: Option<u64>,
+    /// `droplet`, `volume`, `image`, ...
+    #[serde(default)]
+    pub resource_type: String,
+}
+
+impl Action {
+    /// The Droplet this action destroyed, if it is a Droplet's destroy.
+    pub fn destroyed_droplet(&self) -> Option<u64> {
+        (self.kind == "destroy" && self.resource_type == "droplet")
+            .then_some(self.resource_id)
+            .flatten()
+    }
+}
+
+/// One page of the account's actions, newest first.
+#[derive(Clone, Debug, Default)]
+pub struct ActionPage {
+    pub actions: Vec<Action>,
+    /// Whether an older page follows.
+    pub more: bool,
+}
+
 #[derive(Clone, Debug, Default, Deserialize)]
 pub struct RegionRef {
     #[serde(default)]
@@ -334,6 +365,14 @@ struct DropletPage {
 }
 
 #[derive(Deserialize)]
+struct ActionList {
+    #[serde(default)]
+    actions: Vec<Action>,
+    #[serde(default)]
+    links: Links,
+}
+
+#[derive(Deserialize)]
 struct SizePage {
     #[serde(default)]
     sizes: Vec<Size>,
@@ -541,6 +580,22 @@ impl ApiClient {
                 Ok((page.droplets, page.links.pages.next))
             })
             .await
+    }
+
+    /// Page `page` (from 1) of the account's actions, newest first, [`PER_PAGE`] a page.
+    pub async fn list_actions(&self, page: u32, deadline: Instant) -> Result<ActionPage, ApiError> {
+        let listed: ActionList = self
+            .request("GET /v2/actions", Method::GET, "/v2/actions")
+            .query(&[
+                ("page", &page.to_string()),
+                ("per_page", &PER_PAGE.to_string()),
+            ])
+            .send(deadline)
+            .await?;
+        Ok(ActionPage {
+            actions: listed.actions,
+            more: listed.links.pages.next.is_some_and(|n| !n.is_empty()),
+        })
     }
 
     /// The whole size catalogue, all pages.

@@ -346,6 +346,33 @@ impl HcloudApi {
             .await
     }
 
+    /// How many servers match `selector`, in whatever status (`deleting` included), from one
+    /// request: a page of one server, whose pagination counts them all (`total_entries`, or
+    /// `last_page` when Hetzner leaves the total out).
+    pub async fn count_servers(
+        &self,
+        selector: &str,
+        deadline: Option<Instant>,
+    ) -> Result<u64, ApiError> {
+        let response: models::ListServersResponse = self
+            .request("GET /servers", Method::GET, "/servers")
+            .query([
+                ("label_selector", selector.to_owned()),
+                ("per_page", "1".to_owned()),
+            ])
+            .send(deadline)
+            .await?;
+        let pagination = &response.meta.pagination;
+        let count = match (pagination.total_entries, pagination.last_page) {
+            (Some(total), _) => total,
+            // One server a page: the last page's number is the count.
+            (None, Some(last)) if !response.servers.is_empty() => last,
+            _ => response.servers.len() as i64,
+        };
+        u64::try_from(count)
+            .map_err(|_| ApiError::Decode(format!("a server count of {count} is not a count")))
+    }
+
     /// The server named `name`, if any (names are unique in a project).
     pub async fn server_by_name(
         &self,

@@ -11,6 +11,7 @@ mod channel;
 mod cloud;
 mod enrollment;
 mod lifecycle;
+mod out_of_band;
 mod pin;
 mod production;
 mod profile_cache;

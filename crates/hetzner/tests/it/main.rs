@@ -11,6 +11,7 @@ mod faults;
 mod harness;
 mod lifecycle;
 mod lookups;
+mod out_of_band;
 mod pacing;
 mod production;
 mod real_build;
