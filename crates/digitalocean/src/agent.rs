@@ -536,8 +536,9 @@ impl Agent {
                 self.bearer = AgentToken::from_config(confirmed.credential.clone());
                 self.state.enrollment = Some(confirmed);
                 self.state.save(&self.options.state_path)?;
-                tracing::info!(machine_id = %self.machine_id, "enrolled; the user_data token is spent");
+                // The token leaves the config before the line that says it is spent.
                 self.forget_token();
+                tracing::info!(machine_id = %self.machine_id, "enrolled; the user_data token is spent");
                 Ok(())
             }
             StatusCode::NOT_FOUND => {

@@ -120,6 +120,37 @@ pub struct Droplet {
     pub vpc_uuid: Option<String>,
 }
 
+/// The fields of an account action the provider reads (`GET /v2/actions`).
+#[derive(Clone, Debug, Default, Deserialize, PartialEq, Eq)]
+pub struct Action {
+    pub id: u64,
+    /// `create`, `destroy`, `power_off`, ...
+    #[serde(rename = "type", default)]
+    pub kind: String,
+    #[serde(default)]
+    pub resource_id: Option<u64>,
+    /// `droplet`, `volume`, `image`, ...
+    #[serde(default)]
+    pub resource_type: String,
+}
+
+impl Action {
+    /// The Droplet this action destroyed, if it is a Droplet's destroy.
+    pub fn destroyed_droplet(&self) -> Option<u64> {
+        (self.kind == "destroy" && self.resource_type == "droplet")
+            .then_some(self.resource_id)
+            .flatten()
+    }
+}
+
+/// One page of the account's actions, newest first.
+#[derive(Clone, Debug, Default)]
+pub struct ActionPage {
+    pub actions: Vec<Action>,
+    /// Whether an older page follows.
+    pub more: bool,
+}
+
 #[derive(Clone, Debug, Default, Deserialize)]
 pub struct RegionRef {
     #[serde(default)]
@@ -334,6 +365,14 @@ struct DropletPage {
 }
 
 #[derive(Deserialize)]
+struct ActionList {
+    #[serde(default)]
+    actions: Vec<Action>,
+    #[serde(default)]
+    links: Links,
+}
+
+#[derive(Deserialize)]
 struct SizePage {
     #[serde(default)]
     sizes: Vec<Size>,
@@ -512,12 +551,51 @@ impl ApiClient {
         tag: &str,
         deadline: Instant,
     ) -> Result<Vec<Droplet>, ApiError> {
-        self.request("GET /v2/droplets", Method::GET, "/v2/droplets")
-            .query(&[("tag_name", tag)])
+        self.droplets_tagged(tag, true, deadline).await
+    }
+
+    /// [`ApiClient::list_droplets_by_tag`] with each page asked once, without retries: for a
+    /// round that answers many waiters, which decide on their own whether to ask again (a
+    /// run of retries inside it would hold all of them).
+    pub async fn list_droplets_by_tag_once(
+        &self,
+        tag: &str,
+        deadline: Instant,
+    ) -> Result<Vec<Droplet>, ApiError> {
+        self.droplets_tagged(tag, false, deadline).await
+    }
+
+    async fn droplets_tagged(
+        &self,
+        tag: &str,
+        retried: bool,
+        deadline: Instant,
+    ) -> Result<Vec<Droplet>, ApiError> {
+        let request = self
+            .request("GET /v2/droplets", Method::GET, "/v2/droplets")
+            .query(&[("tag_name", tag)]);
+        let request = if retried { request } else { request.once() };
+        request
             .send_paged(deadline, |page: DropletPage| {
                 Ok((page.droplets, page.links.pages.next))
             })
             .await
+    }
+
+    /// Page `page` (from 1) of the account's actions, newest first, [`PER_PAGE`] a page.
+    pub async fn list_actions(&self, page: u32, deadline: Instant) -> Result<ActionPage, ApiError> {
+        let listed: ActionList = self
+            .request("GET /v2/actions", Method::GET, "/v2/actions")
+            .query(&[
+                ("page", &page.to_string()),
+                ("per_page", &PER_PAGE.to_string()),
+            ])
+            .send(deadline)
+            .await?;
+        Ok(ActionPage {
+            actions: listed.actions,
+            more: listed.links.pages.next.is_some_and(|n| !n.is_empty()),
+        })
     }
 
     /// The whole size catalogue, all pages.
@@ -701,20 +779,23 @@ impl ApiClient {
         .await
     }
 
-    /// `DELETE /v2/tags/{tag}/resources` for several Droplets in one request.
-    pub async fn untag_droplets(
+    /// `DELETE /v2/tags/{tag}/resources` for several Droplets in one request, sent once (the
+    /// caller repeats it later if it fails).
+    pub async fn untag_droplets_once(
         &self,
         tag: &str,
         ids: &[u64],
         deadline: Instant,
     ) -> Result<(), ApiError> {
-        self.tag_resources(
+        self.request(
             "DELETE /v2/tags/{tag}/resources",
             Method::DELETE,
-            tag,
-            ids,
-            deadline,
+            "/v2/tags",
         )
+        .segments(&[tag, "resources"])
+        .json(&resources_body(ids))
+        .once()
+        .send_ignoring_answer(deadline)
         .await
     }
 
@@ -726,17 +807,21 @@ impl ApiClient {
         ids: &[u64],
         deadline: Instant,
     ) -> Result<(), ApiError> {
-        let resources: Vec<serde_json::Value> = ids
-            .iter()
-            .map(|id| serde_json::json!({ "resource_id": id.to_string(), "resource_type": "droplet" }))
-            .collect();
-        let body = serde_json::json!({ "resources": resources });
         self.request(endpoint, method, "/v2/tags")
             .segments(&[tag, "resources"])
-            .json(&body)
+            .json(&resources_body(ids))
             .send_ignoring_answer(deadline)
             .await
     }
+}
+
+/// The body of a tag change: the Droplets `ids`.
+fn resources_body(ids: &[u64]) -> serde_json::Value {
+    let resources: Vec<serde_json::Value> = ids
+        .iter()
+        .map(|id| serde_json::json!({ "resource_id": id.to_string(), "resource_type": "droplet" }))
+        .collect();
+    serde_json::json!({ "resources": resources })
 }
 
 /// One request being put together by [`ApiClient::request`]; a `send` method runs it.

@@ -11,7 +11,7 @@ use std::time::Duration;
 use async_trait::async_trait;
 use provider_core::backend::{BackendError, ConfigureOrder, TransitionContext};
 use provider_core::batch::{Batcher, BootClock, ReadError};
-use provider_core::cloud::{Capacity, Cloud, OwnedHost};
+use provider_core::cloud::{Capacity, Cloud, InventorySignal, OwnedHost};
 use provider_core::config::Secret;
 use provider_core::machine::Machine;
 use provider_core::retry::{Backoff, Verdict};
@@ -133,7 +133,16 @@ pub struct DigitalOceanCloud {
     watching: Watching,
     /// How long each size's Droplets take to boot, as seen by this process.
     boot: BootClock,
+    /// The Droplets this instance owns as of the last listing, with this process's own
+    /// creates and deletes since: whose destroy actions are out-of-band changes.
+    ledger: provider_core::host_ledger::HostLedger,
+    /// The newest account action the out-of-band check has seen.
+    actions_seen: std::sync::Mutex<Option<u64>>,
 }
+
+/// The most pages of account actions one out-of-band check reads (200 actions a page) before
+/// it gives up telling what happened and asks for a survey.
+const MAX_ACTION_PAGES: u32 = 5;
 
 /// The longest a boot poll waits for others to join its round.
 const GATHER_CAP: Duration = Duration::from_millis(250);
@@ -178,7 +187,7 @@ async fn poll_booting(
     ids: Vec<u64>,
     deadline: Instant,
 ) -> Result<HashMap<u64, Droplet>, ApiError> {
-    let listed = api.list_droplets_by_tag(tag, deadline).await?;
+    let listed = api.list_droplets_by_tag_once(tag, deadline).await?;
     let active: Vec<u64> = {
         let watching = lock_watching(watching);
         listed
@@ -189,7 +198,7 @@ async fn poll_booting(
             .collect()
     };
     if !active.is_empty()
-        && let Err(e) = api.untag_droplets(tag, &active, deadline).await
+        && let Err(e) = api.untag_droplets_once(tag, &active, deadline).await
     {
         // Harmless: they are listed again, and untagged, by the next round.
         tracing::warn!(error = %e, droplets = active.len(), "clearing the booting tag failed");
@@ -246,6 +255,8 @@ impl DigitalOceanCloud {
             boot_reads,
             watching,
             boot,
+            ledger: provider_core::host_ledger::HostLedger::default(),
+            actions_seen: std::sync::Mutex::new(None),
         }
     }
 
@@ -585,8 +596,13 @@ impl DigitalOceanCloud {
 
     async fn delete(&self, host_id: &str, ctx: &TransitionContext) -> Result<(), String> {
         let id = parse_id("delete", host_id)?;
+        // From here until the answer, the Droplet's destroy action is this provider's own.
+        let deleting = self.ledger.deleting(&id.to_string());
         match self.api.get_droplet(id, ctx.deadline).await {
-            Err(e) if e.is_not_found() => return Ok(()),
+            Err(e) if e.is_not_found() => {
+                deleting.done();
+                return Ok(());
+            }
             Err(e) => return Err(format!("delete droplet {id}: {e}")),
             Ok(d) if !self.owns(&d) => {
                 return Err(format!(
@@ -596,10 +612,74 @@ impl DigitalOceanCloud {
             Ok(_) => {}
         }
         match self.api.delete_droplet(id, ctx.deadline).await {
-            Ok(()) => Ok(()),
-            Err(e) if e.is_not_found() => Ok(()),
+            Ok(()) => {
+                deleting.done();
+                Ok(())
+            }
+            Err(e) if e.is_not_found() => {
+                deleting.done();
+                Ok(())
+            }
             Err(e) => Err(format!("delete droplet {id}: {e}")),
         }
+    }
+
+    /// The account's actions since the last check (`GET /v2/actions`, newest first; one page
+    /// unless more than a page of actions happened since), and whether one of them destroyed a
+    /// Droplet the ledger expects: one this instance owned at the last listing or created
+    /// since, and that no delete of this process is sending or has sent. Ownership cannot be
+    /// read from a destroyed Droplet; the ledger knows its id.
+    async fn destroyed_out_of_band(&self) -> Result<InventorySignal, String> {
+        let deadline = Instant::now() + READ_BUDGET;
+        let cursor = *self.actions_seen.lock().unwrap_or_else(|e| e.into_inner());
+        let mut newest = cursor;
+        let mut destroyed = Vec::new();
+        // The first check has nothing to catch up with: its page sets the cursor.
+        let mut caught_up = cursor.is_none();
+        for page in 1..=MAX_ACTION_PAGES {
+            let listed = match self.api.list_actions(page, deadline).await {
+                Ok(listed) => listed,
+                Err(e) if e.status() == Some(403) => {
+                    tracing::warn!(err = %e, "the API token may not read the account's actions (scope actions:read): Droplets destroyed out of band are seen by the paced reconcile surveys only");
+                    return Ok(InventorySignal::Unsupported);
+                }
+                Err(e) => return Err(format!("list account actions: {e}")),
+            };
+            for action in &listed.actions {
+                if cursor.is_some_and(|seen| action.id <= seen) {
+                    caught_up = true;
+                    continue;
+                }
+                newest = newest.max(Some(action.id));
+                if let Some(droplet) = action.destroyed_droplet()
+                    && self.ledger.expects(&droplet.to_string())
+                {
+                    destroyed.push(droplet);
+                }
+            }
+            if caught_up || !listed.more {
+                caught_up = true;
+                break;
+            }
+        }
+        *self.actions_seen.lock().unwrap_or_else(|e| e.into_inner()) = newest;
+        Ok(if !destroyed.is_empty() {
+            destroyed.sort_unstable();
+            destroyed.dedup();
+            InventorySignal::Changed {
+                why: format!(
+                    "DigitalOcean recorded the destroy of Droplet(s) {destroyed:?} of this instance, not by this provider"
+                ),
+            }
+        } else if !caught_up {
+            InventorySignal::Changed {
+                why: format!(
+                    "more than {MAX_ACTION_PAGES} pages of account actions since the last check; a survey tells what they changed"
+                ),
+            }
+        } else {
+            InventorySignal::Unchanged
+        })
     }
 
     /// The size catalogue, fetched at most once per TTL and shared by prices and capacities.
@@ -661,11 +741,15 @@ impl Cloud for DigitalOceanCloud {
     ) -> Result<OwnedHost, BackendError> {
         let start = Instant::now();
         let r = self.create(machine, ctx).await;
+        if let Ok(host) = &r {
+            self.ledger.created(&host.id);
+        }
         self.timed("CreateDroplet", start, r)
     }
 
     async fn list_hosts(&self) -> Result<Vec<OwnedHost>, BackendError> {
         let start = Instant::now();
+        let listing = self.ledger.listing();
         let r = self
             .api
             .list_droplets_by_tag(&self.provider_tag, Instant::now() + READ_BUDGET)
@@ -674,10 +758,19 @@ impl Cloud for DigitalOceanCloud {
                 all.iter()
                     .filter(|d| self.owns(d))
                     .map(|d| self.owned_host(d))
-                    .collect()
+                    .collect::<Vec<_>>()
             })
             .map_err(|e| format!("list managed droplets: {e}"));
+        if let Ok(hosts) = &r {
+            listing.complete(hosts.iter().map(|h| h.id.clone()));
+        }
         self.timed("DescribeManaged", start, r)
+    }
+
+    async fn inventory_changed(&self) -> Result<InventorySignal, BackendError> {
+        let start = Instant::now();
+        let r = self.destroyed_out_of_band().await;
+        self.timed("ListActions", start, r)
     }
 
     async fn machine_hosts(

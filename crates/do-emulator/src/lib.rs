@@ -1,6 +1,8 @@
 //! A local, stateful emulator of the DigitalOcean API subset the provider uses: Droplets
 //! (create, get, list by tag, delete), tags (create, tag and untag resources), sizes and
-//! actions, with `links.pages.next` / `meta.total` pagination and DigitalOcean-shaped objects.
+//! actions (a Droplet's `create` and `destroy`, however it was deleted, listed account-wide
+//! newest first), with `links.pages.next` / `meta.total` pagination and DigitalOcean-shaped
+//! objects.
 //! Fault knobs make it misbehave on purpose: 429 storms with rate-limit headers, 5xx answers,
 //! a create whose response is lost after the Droplet exists, Droplets that take a while to
 //! become `active`, bad pagination links, small pages, listings during which a listed Droplet
@@ -34,7 +36,7 @@ use tokio_util::sync::CancellationToken;
 /// One injected failure of the next API request.
 #[derive(Clone, Copy, Debug, Deserialize, PartialEq, Eq)]
 pub struct Fault {
-    /// 429 or a 5xx status.
+    /// The status answered: 429, a 5xx, or any other refusal (a 403 of a missing token scope).
     pub status: u16,
     /// Seconds sent in `Retry-After` (and in `ratelimit-reset` as now + this); none if absent.
     #[serde(default)]
@@ -168,6 +170,25 @@ fn default_sizes() -> Vec<EmulatedSize> {
 const REGIONS: &[&str] = &[
     "nyc1", "nyc3", "sfo3", "ams3", "fra1", "lon1", "sgp1", "tor1",
 ];
+
+impl EmulatorState {
+    /// Removes a Droplet, recording its `destroy` action as DigitalOcean does for every
+    /// deletion (API, console or another tool alike); false if it did not exist.
+    fn destroy(&mut self, id: u64) -> bool {
+        let Some(droplet) = self.droplets.remove(&id) else {
+            return false;
+        };
+        let action_id = self.next_action;
+        self.next_action += 1;
+        let now = now_rfc3339();
+        self.actions.push(json!({
+            "id": action_id, "status": "completed", "type": "destroy", "started_at": now,
+            "completed_at": now, "resource_id": id, "resource_type": "droplet",
+            "region_slug": droplet.region
+        }));
+        true
+    }
+}
 
 fn lock(state: &Mutex<EmulatorState>) -> std::sync::MutexGuard<'_, EmulatorState> {
     state.lock().unwrap_or_else(|e| e.into_inner())
@@ -328,9 +349,15 @@ impl Emulator {
         }
     }
 
-    /// Deletes a Droplet behind the provider's back; false if it did not exist.
+    /// Deletes a Droplet behind the provider's back (recording its `destroy` action, as the
+    /// console does); false if it did not exist.
     pub fn delete_out_of_band(&self, id: u64) -> bool {
-        lock(&self.state).droplets.remove(&id).is_some()
+        lock(&self.state).destroy(id)
+    }
+
+    /// Every action recorded, oldest first.
+    pub fn actions(&self) -> Vec<Value> {
+        lock(&self.state).actions.clone()
     }
 
     /// Adds a Droplet directly (as if another tool had created it), already `active`.
@@ -435,6 +462,7 @@ impl Emulator {
             .route("/v2/droplets", post(create_droplet).get(list_droplets))
             .route("/v2/droplets/{id}", get(get_droplet).delete(delete_droplet))
             .route("/v2/droplets/{id}/actions", get(droplet_actions))
+            .route("/v2/actions", get(list_actions))
             .route("/v2/actions/{id}", get(get_action))
             .route("/v2/tags", post(create_tag).get(list_tags))
             .route(
@@ -699,9 +727,9 @@ fn page_of(
     bad_next_link: bool,
     max_per_page: Option<usize>,
 ) -> Value {
-    page_rendered(
+    page_rendering(
         items,
-        |item| item,
+        |v| v,
         key,
         q,
         headers,
@@ -711,10 +739,10 @@ fn page_of(
     )
 }
 
-/// [`page_of`] rendering only the items of the page, so that a listing of thousands costs
-/// what its page holds.
+/// [`page_of`] over items rendered as JSON only when they are on the page served (a listing
+/// of many thousands of Droplets renders one page, not all of them).
 #[allow(clippy::too_many_arguments)]
-fn page_rendered<T>(
+fn page_rendering<T>(
     items: Vec<T>,
     render: impl FnMut(T) -> Value,
     key: &str,
@@ -1005,7 +1033,7 @@ async fn list_droplets(
         .filter(|d| q.tag_name.as_ref().is_none_or(|t| d.tags.contains(t)))
         .collect();
     let first_id = items.first().map(|d| d.id);
-    let body = page_rendered(
+    let body = page_rendering(
         items,
         |d| droplet_json(&state, d),
         "droplets",
@@ -1022,7 +1050,7 @@ async fn list_droplets(
     {
         // A deletion between two page requests: later Droplets move up one place.
         state.knobs.churn_listings -= 1;
-        state.droplets.remove(&id);
+        state.destroy(id);
     }
     Json(body).into_response()
 }
@@ -1075,7 +1103,7 @@ async fn delete_droplet(State(emu): State<Emulator>, Path(id): Path<String>) -> 
         return not_found();
     };
     let mut state = lock(&emu.state);
-    if state.droplets.remove(&id).is_none() {
+    if !state.destroy(id) {
         return not_found();
     }
     StatusCode::NO_CONTENT.into_response()
@@ -1091,6 +1119,26 @@ async fn droplet_actions(State(emu): State<Emulator>, Path(id): Path<u64>) -> Re
         .collect();
     let total = actions.len();
     Json(json!({ "actions": actions, "links": {}, "meta": { "total": total } })).into_response()
+}
+
+/// `GET /v2/actions`: every action of the account, newest first, paged.
+async fn list_actions(
+    State(emu): State<Emulator>,
+    Query(q): Query<PageQuery>,
+    headers: HeaderMap,
+) -> Response {
+    let state = lock(&emu.state);
+    let items: Vec<Value> = state.actions.iter().rev().cloned().collect();
+    Json(page_of(
+        items,
+        "actions",
+        &q,
+        &headers,
+        "/v2/actions",
+        state.knobs.bad_next_link,
+        state.knobs.max_per_page,
+    ))
+    .into_response()
 }
 
 async fn get_action(State(emu): State<Emulator>, Path(id): Path<u64>) -> Response {

@@ -138,7 +138,8 @@ impl Buckets {
 
 /// The class of work a request is, as the emulator counts it: `create`, `delete`, `tag` (a
 /// tag written or removed), `poll` (a read of one Droplet), `listing` (Droplets by tag),
-/// `catalog` (sizes, regions, images, keys and the other resources settings refer to).
+/// `actions` (the account's action list), `catalog` (sizes, regions, images, keys and the
+/// other resources settings refer to).
 pub fn class_of(method: &str, path: &str) -> &'static str {
     let one_droplet = path.starts_with("/v2/droplets/");
     match method {
@@ -148,6 +149,7 @@ pub fn class_of(method: &str, path: &str) -> &'static str {
         "POST" if path.starts_with("/v2/tags") => "tag",
         "GET" if one_droplet => "poll",
         "GET" if path == "/v2/droplets" => "listing",
+        "GET" if path == "/v2/actions" => "actions",
         _ => "catalog",
     }
 }

@@ -600,10 +600,11 @@ async fn list_servers(
         matching.push(id);
     }
     let max = w.max_per_page;
-    // Only the page's servers are copied, so a listing of thousands costs what its page holds.
-    let answer = paginate(&matching, &q, max).map(|(ids, meta)| {
-        let page: Vec<models::Server> = ids.iter().map(|id| w.servers[id].server.clone()).collect();
-        (page, meta)
+    // Only the servers of the page served are copied (a listing of many thousands is paged).
+    let answer = paginate(&matching, &q, max).map(|(page, meta)| {
+        let servers: Vec<models::Server> =
+            page.iter().map(|id| w.servers[id].server.clone()).collect();
+        (servers, meta)
     });
     if let Ok((page, meta)) = &answer
         && w.churn_listings > 0

@@ -104,10 +104,12 @@ impl Bucket {
 
 /// The class of work a request is, as the emulator counts it: `create`, `delete`, `label`
 /// (a server's label write), `action` (any other POST), `poll` (a read of one server),
-/// `listing` (servers by label selector), `lookup` (a server by name), `catalog` (types,
-/// locations, images, networks and the other resources settings refer to).
+/// `listing` (servers by label selector), `count` (a page of one server by label selector,
+/// read for its total), `lookup` (a server by name), `catalog` (types, locations, images,
+/// networks and the other resources settings refer to).
 pub fn class_of(method: &str, path: &str, query: &str) -> &'static str {
     let one_server = path.starts_with("/servers/") && !path.contains("/actions/");
+    let one_a_page = query.split('&').any(|pair| pair == "per_page=1");
     match method {
         "POST" if path == "/servers" => "create",
         "POST" => "action",
@@ -115,6 +117,7 @@ pub fn class_of(method: &str, path: &str, query: &str) -> &'static str {
         "PUT" if one_server => "label",
         "PUT" => "action",
         "GET" if one_server => "poll",
+        "GET" if path == "/servers" && query.contains("label_selector=") && one_a_page => "count",
         "GET" if path == "/servers" && query.contains("label_selector=") => "listing",
         "GET" if path == "/servers" => "lookup",
         _ => "catalog",

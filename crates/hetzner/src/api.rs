@@ -103,6 +103,9 @@ pub enum Repeat {
     /// Creation (servers, placement groups): only a 429 (refused before any effect) is
     /// repeated here; the caller resolves every other failure, e.g. by looking the server up.
     RefusedOnly,
+    /// Nothing is repeated here: the reads of a shared round, whose many waiters each decide
+    /// whether to ask again.
+    Never,
 }
 
 impl Repeat {
@@ -119,6 +122,7 @@ impl Repeat {
 
 fn classify(repeat: Repeat, err: &ApiError) -> Verdict {
     match (repeat, err) {
+        (Repeat::Never, _) => Verdict::Fatal,
         (
             _,
             ApiError::Status {
@@ -311,12 +315,62 @@ impl HcloudApi {
         selector: &str,
         deadline: Option<Instant>,
     ) -> Result<Vec<models::Server>, ApiError> {
+        self.servers_matching(selector, Repeat::Idempotent, deadline)
+            .await
+    }
+
+    /// [`HcloudApi::list_servers`] with each page asked once, without retries: for a round
+    /// that answers many waiters, which decide on their own whether to ask again (a run of
+    /// retries inside it would hold all of them).
+    pub async fn list_servers_once(
+        &self,
+        selector: &str,
+        deadline: Option<Instant>,
+    ) -> Result<Vec<models::Server>, ApiError> {
+        self.servers_matching(selector, Repeat::Never, deadline)
+            .await
+    }
+
+    async fn servers_matching(
+        &self,
+        selector: &str,
+        repeat: Repeat,
+        deadline: Option<Instant>,
+    ) -> Result<Vec<models::Server>, ApiError> {
         self.request("GET /servers", Method::GET, "/servers")
             .query([("label_selector", selector.to_owned())])
+            .repeat(repeat)
             .send_paged(deadline, |r: models::ListServersResponse| {
                 (r.servers, r.meta.pagination.next_page)
             })
             .await
+    }
+
+    /// How many servers match `selector`, in whatever status (`deleting` included), from one
+    /// request: a page of one server, whose pagination counts them all (`total_entries`, or
+    /// `last_page` when Hetzner leaves the total out).
+    pub async fn count_servers(
+        &self,
+        selector: &str,
+        deadline: Option<Instant>,
+    ) -> Result<u64, ApiError> {
+        let response: models::ListServersResponse = self
+            .request("GET /servers", Method::GET, "/servers")
+            .query([
+                ("label_selector", selector.to_owned()),
+                ("per_page", "1".to_owned()),
+            ])
+            .send(deadline)
+            .await?;
+        let pagination = &response.meta.pagination;
+        let count = match (pagination.total_entries, pagination.last_page) {
+            (Some(total), _) => total,
+            // One server a page: the last page's number is the count.
+            (None, Some(last)) if !response.servers.is_empty() => last,
+            _ => response.servers.len() as i64,
+        };
+        u64::try_from(count)
+            .map_err(|_| ApiError::Decode(format!("a server count of {count} is not a count")))
     }
 
     /// The server named `name`, if any (names are unique in a project).

@@ -38,7 +38,7 @@ use std::time::Duration;
 use async_trait::async_trait;
 use hcloud::models;
 use provider_core::backend::{BackendError, ConfigureOrder, TransitionContext};
-use provider_core::cloud::{Capacity, Cloud, OwnedHost};
+use provider_core::cloud::{Capacity, Cloud, InventorySignal, OwnedHost};
 use provider_core::machine::Machine;
 use provider_core::telemetry::Telemetry;
 use tokio::time::Instant;
@@ -180,6 +180,9 @@ pub struct HetznerCloud {
     pub(crate) machine_reads: crate::machine_reads::MachineReads,
     /// How long each offering's servers take to boot, as seen by this process.
     pub(crate) boot: provider_core::batch::BootClock,
+    /// The servers carrying this instance's label as of the last listing, with this process's
+    /// own creates and deletes since: what the out-of-band check counts against.
+    pub(crate) ledger: provider_core::host_ledger::HostLedger,
 }
 
 /// One lazily resolved plan per (server type, location).
@@ -334,6 +337,7 @@ impl HetznerCloud {
                 (config.timing.running_poll / 10).min(GATHER_CAP),
             ),
             boot: provider_core::batch::BootClock::new(),
+            ledger: provider_core::host_ledger::HostLedger::default(),
         })
     }
 
@@ -642,12 +646,15 @@ impl HetznerCloud {
 
     async fn delete(&self, host_id: &str, ctx: &TransitionContext) -> Result<(), BackendError> {
         let id = server_id(host_id, "delete")?;
+        // From here until the answer the server may vanish without that being a change.
+        let deleting = self.ledger.deleting(&id.to_string());
         let Some(server) = self
             .api
             .get_server(id, Some(ctx.deadline))
             .await
             .map_err(|e| err(format!("delete: lookup server {id}: {e}")))?
         else {
+            deleting.done();
             return Ok(());
         };
         if !self.is_ours(&server) {
@@ -663,6 +670,7 @@ impl HetznerCloud {
             .delete_server(id, Some(ctx.deadline))
             .await
             .map_err(|e| err(format!("delete: delete server {id}: {e}")))?;
+        deleting.done();
         tracing::info!(server = id, "server deleted");
         self.spread
             .release_group(&self.api, &server, ctx.deadline)
@@ -761,16 +769,26 @@ impl Cloud for HetznerCloud {
             })
         })
         .await
+        .inspect(|host| self.ledger.created(&host.id))
     }
 
     async fn list_hosts(&self) -> Result<Vec<OwnedHost>, BackendError> {
         self.timed("DescribeManaged", async {
             let deadline = Instant::now() + self.timing.list_budget;
+            let listing = self.ledger.listing();
             let mut servers = self
                 .api
                 .list_servers(&labels::instance_selector(&self.provider), Some(deadline))
                 .await
                 .map_err(|e| err(format!("describe managed servers: {e}")))?;
+            // Exactly what the out-of-band check counts: every server with the instance label,
+            // in any location; those being deleted are about to leave the count.
+            listing.complete(
+                servers
+                    .iter()
+                    .filter(|s| s.status != models::server::Status::Deleting)
+                    .map(|s| s.id.to_string()),
+            );
             let legacy = self
                 .api
                 .list_servers(&labels::legacy_selector(), Some(deadline))
@@ -804,6 +822,37 @@ impl Cloud for HetznerCloud {
                     .filter_map(|s| self.to_owned_host(s))
                     .collect(),
             ))
+        })
+        .await
+    }
+
+    /// One `GET /servers?label_selector=<instance>&per_page=1`: fewer servers carry this
+    /// instance's label than the ledger expects (the last listing's, with this process's own
+    /// creates and deletes since) only when one was deleted elsewhere. Hetzner's action list
+    /// cannot serve instead: `GET /actions` only answers for action ids already known, and a
+    /// deleted server's own actions can no longer be listed.
+    async fn inventory_changed(&self) -> Result<InventorySignal, BackendError> {
+        self.timed("CountManaged", async {
+            let deadline = Instant::now() + self.timing.list_budget;
+            let found = self
+                .api
+                .count_servers(&labels::instance_selector(&self.provider), Some(deadline))
+                .await
+                .map_err(|e| err(format!("count managed servers: {e}")))?;
+            // Read after the count: a delete of this process that the count already shows is
+            // then either still marked as in flight or done, and left out either way.
+            let Some(expected) = self.ledger.expected() else {
+                return Ok(InventorySignal::Unchanged);
+            };
+            Ok(if found < expected as u64 {
+                InventorySignal::Changed {
+                    why: format!(
+                        "{found} servers carry this instance's label where at least {expected} are expected (the last listing's, with this provider's own creates and deletes since)"
+                    ),
+                }
+            } else {
+                InventorySignal::Unchanged
+            })
         })
         .await
     }

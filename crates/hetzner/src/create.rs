@@ -152,14 +152,24 @@ impl HetznerCloud {
         deadline: Instant,
     ) -> Result<Vec<models::Server>, ApiError> {
         // No provider label in the selector: servers of earlier versions lack it, and
-        // `is_ours` decides ownership either way.
-        Ok(self
-            .machine_reads
-            .servers(machine_id, deadline)
-            .await?
-            .into_iter()
-            .filter(|s| self.is_ours(s))
-            .collect())
+        // `is_ours` decides ownership either way. A round shared by many callers meets a run
+        // of 429s or 5xx answers as one caller: it is asked again (a new round) while the
+        // deadline allows, as each caller's own request would have been.
+        let mut attempt = 0;
+        let servers = loop {
+            attempt += 1;
+            match self.machine_reads.servers(machine_id, deadline).await {
+                Err(e) if is_passing(&e) => {
+                    let wait = self.timing.client.backoff.delay(attempt, None);
+                    if Instant::now() + wait >= deadline {
+                        return Err(e);
+                    }
+                    tokio::time::sleep(wait).await;
+                }
+                other => break other?,
+            }
+        };
+        Ok(servers.into_iter().filter(|s| self.is_ours(s)).collect())
     }
 
     /// The live server a previous Create made for `machine_id`, if any.

@@ -79,7 +79,10 @@ async fn list(
     let mut found: HashMap<String, Vec<models::Server>> =
         ids.iter().map(|id| (id.clone(), Vec::new())).collect();
     for chunk in ids.chunks(IDS_PER_LISTING) {
-        for server in api.list_servers(&selector(chunk), Some(deadline)).await? {
+        for server in api
+            .list_servers_once(&selector(chunk), Some(deadline))
+            .await?
+        {
             if let Some(id) = labels::machine_id_of(&server.labels)
                 && let Some(servers) = found.get_mut(&id)
             {

@@ -432,69 +432,13 @@ fn spawn_loops(
     stop: &CancellationToken,
 ) {
     if !common.reconcile_interval.is_zero() {
-        let (replica, stop, floor) = (replica.clone(), stop.clone(), common.reconcile_interval);
-        let budget = fleet.as_ref().and_then(|f| f.cloud().api_budget());
-        tokio::spawn(async move {
-            telemetry.reconcile_period(floor, None);
-            // A replica that leads from the start reconciled before it served.
-            let mut led = replica.writer().is_ok();
-            let mut wait = floor;
-            loop {
-                tokio::select! { () = tokio::time::sleep(wait) => {}, () = stop.cancelled() => return }
-                wait = floor;
-                // Only the replica that leads reconciles.
-                let Ok(engine) = replica.writer() else {
-                    led = false;
-                    continue;
-                };
-                if !led {
-                    // A takeover surveyed the cloud before it served: the next survey comes a
-                    // random part of a period later, so replicas that took over together do
-                    // not survey together, and none surveys twice in a row.
-                    led = true;
-                    wait = floor.mul_f64(rand::random_range(0.5..=1.0));
-                    continue;
-                }
-                let spent = || {
-                    budget.as_ref().map_or(0, |b| {
-                        b.served(crate::budget::Class::Reconcile)
-                            + b.served(crate::budget::Class::Proof)
-                    })
-                };
-                let before = spent();
-                let pass =
-                    crate::budget::scoped(crate::budget::Class::Reconcile, engine.reconcile());
-                let outcome = pass.await;
-                if let Some(budget) = &budget {
-                    // Surveys are paced so that they fit their share of the budget.
-                    let cost = spent().saturating_sub(before);
-                    let period =
-                        crate::budget::survey_period(floor, cost, budget.background_per_second());
-                    if period > floor {
-                        // Paced periods are spread a little, never below their pace.
-                        wait = period.mul_f64(rand::random_range(1.0..=1.05));
-                    }
-                    telemetry.reconcile_period(wait, Some(cost));
-                }
-                match outcome {
-                    Ok(report) => {
-                        telemetry.reconcile_outcome("success");
-                        if report.changed() || report.orphans_deleted > 0 {
-                            tracing::info!(?report, "reconcile applied changes");
-                        } else if report.suspects + report.orphans + report.stale > 0 {
-                            tracing::debug!(
-                                ?report,
-                                "reconcile left machines alone pending proof or grace"
-                            );
-                        }
-                    }
-                    Err(e) => {
-                        telemetry.reconcile_outcome("error");
-                        tracing::warn!(err = %e, "reconcile failed");
-                    }
-                }
-            }
-        });
+        let reconcile = crate::reconcile_loop::ReconcileLoop {
+            replica: replica.clone(),
+            cloud: fleet.as_ref().map(|f| f.cloud().clone()),
+            floor: common.reconcile_interval,
+            telemetry,
+        };
+        tokio::spawn(reconcile.run(stop.clone()));
     }
     if let Some(fleet) = fleet {
         let (stop, every) = (stop.clone(), common.price_refresh);

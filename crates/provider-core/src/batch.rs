@@ -290,7 +290,8 @@ impl BootClock {
 }
 
 /// When to look at a booting host: first at three quarters of its offering's typical boot time
-/// (no sooner than `floor`), then at gaps that start at an eighth of it and double up to `cap`.
+/// (no sooner than `floor`, no later than `cap`), then at gaps that start at an eighth of it
+/// and double up to `cap`.
 /// A host that boots in its typical time is seen running after two or three looks, and one
 /// that takes far longer costs a look per `cap`. Before any host of the offering was seen
 /// booting, the first look is at `floor` and the gaps double from there.
@@ -307,9 +308,12 @@ pub struct PollSchedule {
 impl PollSchedule {
     pub fn new(typical: Option<Duration>, floor: Duration, cap: Duration) -> PollSchedule {
         let cap = cap.max(floor);
+        // The first look is never later than `cap`: a boot time learned while the API was
+        // slow to answer (polls that waited) must not push every later first look towards
+        // the deadline.
         let (first, gap) = match typical {
             Some(typical) => (
-                (typical * 3 / 4).max(floor),
+                (typical * 3 / 4).clamp(floor, cap),
                 (typical / 8).clamp(floor, cap),
             ),
             None => (floor, (floor * 2).min(cap)),
@@ -494,11 +498,14 @@ mod tests {
         let waits = |mut s: PollSchedule| -> Vec<f64> {
             (0..6).map(|_| s.next_wait().as_secs_f64()).collect()
         };
-        let typical = Some(Duration::from_secs(12));
+        let typical = Some(Duration::from_secs(8));
         assert_eq!(
             waits(PollSchedule::new(typical, floor, cap)),
-            vec![9.0, 1.5, 3.0, 6.0, 6.0, 6.0]
+            vec![6.0, 1.5, 3.0, 6.0, 6.0, 6.0]
         );
+        // However long the learned boot, the first look comes by the cap.
+        let slow = Some(Duration::from_secs(40));
+        assert_eq!(waits(PollSchedule::new(slow, floor, cap))[0], 6.0);
         // Nothing learned yet: from the floor, doubling.
         assert_eq!(
             waits(PollSchedule::new(None, floor, cap)),
@@ -519,8 +526,8 @@ mod tests {
         let floor = Duration::from_millis(100);
         let start = Instant::now();
         let until = start + Duration::from_secs(1);
-        // Learned 12 s: the first look (9 s) falls after the end.
-        let mut s = PollSchedule::new(Some(Duration::from_secs(12)), floor, floor * 4);
+        // Learned 12 s: the first look (capped at 4 s) falls after the end.
+        let mut s = PollSchedule::new(Some(Duration::from_secs(12)), floor, Duration::from_secs(4));
         let last = s.next_look(until).unwrap();
         assert!(last < until && last >= until - floor, "{:?}", last - start);
         tokio::time::sleep_until(last).await;

@@ -28,6 +28,19 @@ pub struct OwnedHost {
     pub running: bool,
 }
 
+/// What a cloud's cheap check between two full surveys ([`Cloud::inventory_changed`]) says
+/// about the hosts this instance owns.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum InventorySignal {
+    /// This cloud has no such check: only a full survey sees a host deleted out of band.
+    Unsupported,
+    /// Nothing the check can see changed the owned hosts out of band since the last survey.
+    Unchanged,
+    /// The owned hosts may have changed out of band; `why` says what the check saw (logged
+    /// when it starts a survey early).
+    Changed { why: String },
+}
+
 /// Hardware capacity of an instance type.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Capacity {
@@ -67,6 +80,17 @@ pub trait Cloud: Send + Sync + 'static {
         _machine_id: &str,
     ) -> Result<Option<Vec<OwnedHost>>, BackendError> {
         Ok(None)
+    }
+
+    /// Whether the owned hosts may have changed out of band (an operator deleting one in the
+    /// cloud console) since the last [`Cloud::list_hosts`], at the cost of one or two requests
+    /// instead of a whole listing. The reconcile loop asks it between two paced surveys and
+    /// surveys at once on [`InventorySignal::Changed`]: the survey, its proofs and its rules
+    /// decide what changed, so a check may err towards `Changed` but must never claim
+    /// `Unchanged` for a deletion it can see. This instance's own Creates and Deletes are not
+    /// changes. Before the first listing there is nothing to compare with: `Unchanged`.
+    async fn inventory_changed(&self) -> Result<InventorySignal, BackendError> {
+        Ok(InventorySignal::Unsupported)
     }
 
     /// Delivers the bootstrap blob to the host and runs the bootstrap hook; on success records

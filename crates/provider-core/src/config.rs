@@ -138,7 +138,8 @@ pub struct CommonArgs {
     pub price_refresh: Duration,
 
     /// Reconcile period floor: a survey runs less often when its cost at the fleet's size
-    /// would spend more than --api-reconcile-share allows; 0 disables it.
+    /// would spend more than --api-reconcile-share allows, and a cheap check for hosts deleted
+    /// out of band then runs every floor in between; 0 disables it.
     #[arg(long = "reconcile-interval", default_value = "2m", value_parser = duration::flag, value_name = "DURATION")]
     pub reconcile_interval: Duration,
 

@@ -20,6 +20,7 @@ pub struct Telemetry {
     pub reconcile: &'static str,
     pub reconcile_period: &'static str,
     pub reconcile_survey_requests: &'static str,
+    pub reconcile_early_surveys: &'static str,
     pub price_refresh: &'static str,
     pub api_calls: &'static str,
     pub api_duration: &'static str,
@@ -117,6 +118,7 @@ impl Telemetry {
             reconcile: leak(prefix, "reconcile_total"),
             reconcile_period: leak(prefix, "reconcile_period_seconds"),
             reconcile_survey_requests: leak(prefix, "reconcile_survey_requests"),
+            reconcile_early_surveys: leak(prefix, "reconcile_early_surveys_total"),
             price_refresh: leak(prefix, "price_refresh_total"),
             api_calls: leak(prefix, "api_calls_total"),
             api_duration: leak(prefix, "api_duration_seconds"),
@@ -204,6 +206,12 @@ impl Telemetry {
         if let Some(cost) = survey_requests {
             gauge!(self.reconcile_survey_requests).set(cost as f64);
         }
+    }
+
+    /// A survey started before its paced period was over because the cloud's out-of-band
+    /// check said the owned hosts changed.
+    pub fn reconcile_early_survey(&self) {
+        counter!(self.reconcile_early_surveys).increment(1);
     }
 
     pub fn price_refresh_outcome(&self, outcome: &'static str) {
@@ -360,6 +368,7 @@ impl Telemetry {
             counter!(self.reconcile, "outcome" => outcome).absolute(0);
             counter!(self.price_refresh, "outcome" => outcome).absolute(0);
         }
+        counter!(self.reconcile_early_surveys).absolute(0);
         counter!(self.store_commit_failures).absolute(0);
         counter!(self.panics).absolute(0);
         counter!(self.takeovers).absolute(0);
@@ -569,6 +578,7 @@ mod tests {
         for zeroed in [
             "bigfleet_telemetrytest_transitions_total{kind=\"configure\",outcome=\"timeout\"} 0",
             "bigfleet_telemetrytest_reconcile_total{outcome=\"error\"} 0",
+            "bigfleet_telemetrytest_reconcile_early_surveys_total 0",
             "bigfleet_telemetrytest_price_refresh_total{outcome=\"success\"} 0",
             "bigfleet_telemetrytest_store_commit_failures_total 0",
             "bigfleet_telemetrytest_panics_total 0",

@@ -283,15 +283,21 @@ async fn walk(
         serde_json::to_string_pretty(&body)?
     );
     let tags = body["tags"].as_array().context("no tags")?;
-    let extra: Vec<&Value> = tags.iter().skip(3).collect();
+    // Ownership (managed, machine, instance), the booting tag, then the offering's.
+    let extra: Vec<&Value> = tags.iter().skip(4).collect();
+    let booting = tags
+        .get(3)
+        .and_then(Value::as_str)
+        .is_some_and(|t| t.starts_with("bfboot:"));
     ensure!(
         body["image"] == json!(seeded.snapshot)
             && body["vpc_uuid"] == json!(seeded.vpc)
             && body["ipv6"] == json!(true)
             && body["monitoring"] == json!(true)
             && body["ssh_keys"] == json!([seeded.key_id, seeded.fingerprint])
+            && booting
             && extra == [&json!("k8s-node"), &json!("pool-a")]
-            && tags.len() == 5
+            && tags.len() == 6
             && body["region"] == REGION
             && body["size"] == "s-2vcpu-4gb",
         "the Create request does not carry exactly the configured settings: {body:#}"

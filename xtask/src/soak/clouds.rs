@@ -7,7 +7,7 @@ use std::time::Duration;
 use anyhow::{Context, Result};
 use tokio_util::sync::CancellationToken;
 
-use super::{Chance, common_flags, provider_spec};
+use super::{CREATE_TIMEOUT, Chance, common_flags, provider_spec};
 use crate::e2e::provider_process::{self, Spec};
 use crate::e2e::wire;
 
@@ -196,6 +196,15 @@ impl Emulated {
         }
     }
 
+    /// Requests the emulator has answered so far.
+    fn requests_seen(&self) -> usize {
+        let classes = match self {
+            Emulated::Hetzner(e) => e.requests_by_class(),
+            Emulated::DigitalOcean { emulator, .. } => emulator.requests_by_class(),
+        };
+        classes.values().map(|(n, _)| n).sum()
+    }
+
     /// Injects one fault chosen by `chance`; returns its name for the counts.
     pub(crate) fn inject_random(&self, chance: &mut Chance) -> &'static str {
         let roll = chance.below(100);
@@ -205,6 +214,17 @@ impl Emulated {
         // length, which a real storm is not: at most one storm's worth waits at a time.
         if roll < 40 && self.pending_faults() + burst > MAX_PENDING_FAULTS {
             return "storm_still_pending";
+        }
+        // Nor does a storm come more often than the provider sends requests: one polling every
+        // booting host in one listing makes few, and storms a second apart would then fail
+        // nearly every one of them, which no cloud does.
+        let seen = self.requests_seen();
+        if roll < 40 {
+            let last = LAST_STORM_AT.load(std::sync::atomic::Ordering::Relaxed);
+            if seen >= last && seen < last + REQUESTS_BETWEEN_STORMS {
+                return "storm_waits_for_requests";
+            }
+            LAST_STORM_AT.store(seen, std::sync::atomic::Ordering::Relaxed);
         }
         match self {
             Emulated::Hetzner(e) => {
@@ -235,7 +255,7 @@ impl Emulated {
                         "create_response_delayed"
                     }
                     62..72 => {
-                        e.set_polls_to_running(slow_boot(chance));
+                        e.set_boot_time(Some(slow_boot(chance)));
                         "slow_boots"
                     }
                     72..84 => {
@@ -287,7 +307,7 @@ impl Emulated {
                         "request_refused_before_commit"
                     }
                     60..72 => {
-                        e.set_active_after_polls(slow_boot(chance));
+                        e.set_boot_time(Some(slow_boot(chance)));
                         "slow_boots"
                     }
                     72..84 => {
@@ -326,21 +346,35 @@ impl Emulated {
     /// Faults off for the settling phase (pages stay small).
     pub(crate) fn calm(&self) {
         match self {
-            Emulated::Hetzner(e) => e.set_polls_to_running(0),
-            Emulated::DigitalOcean { emulator, .. } => emulator.set_active_after_polls(0),
+            Emulated::Hetzner(e) => {
+                e.set_polls_to_running(0);
+                e.set_boot_time(None);
+            }
+            Emulated::DigitalOcean { emulator, .. } => {
+                emulator.set_active_after_polls(0);
+                emulator.set_boot_time(None);
+            }
         }
     }
 }
+
+/// Requests the provider sends between two storms or bursts at least.
+const REQUESTS_BETWEEN_STORMS: usize = 20;
+
+/// The request count at the last storm or burst (a new emulator's count starts below it).
+static LAST_STORM_AT: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
 
 /// At most this many request faults wait at once (one storm of the largest size): fewer than
 /// a restarted provider's startup look-ups meet on two attempts (each gives up after 6 to 8).
 const MAX_PENDING_FAULTS: usize = 11;
 
-/// Reads before a new host runs: mostly quick, sometimes longer than the Create deadline.
-fn slow_boot(chance: &mut Chance) -> u32 {
+/// How long new hosts take to run: mostly a few seconds, sometimes longer than the Create
+/// deadline. By time, as a cloud boots (the provider's batched polls look at every booting
+/// host in one listing, so a count of reads would say little).
+fn slow_boot(chance: &mut Chance) -> Duration {
     if chance.percent(15) {
-        12
+        CREATE_TIMEOUT + Duration::from_secs(10)
     } else {
-        chance.below(4) as u32
+        Duration::from_millis(chance.below(4_000))
     }
 }

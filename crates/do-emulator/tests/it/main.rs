@@ -378,3 +378,98 @@ async fn images_vpcs_keys_firewalls_and_create_bodies() {
     .await;
     assert_eq!(status, 200);
 }
+
+#[tokio::test]
+async fn every_deletion_is_an_account_action_listed_newest_first() {
+    let (emulator, base, _stop) = start().await;
+    let http = reqwest::Client::new();
+    let mut ids = Vec::new();
+    for i in 0..3 {
+        let body: Value = http
+            .post(format!("{base}/v2/droplets"))
+            .bearer_auth(TOKEN)
+            .json(&create_body(&format!("d-{i}"), &["bigfleet-managed"]))
+            .send()
+            .await
+            .unwrap()
+            .json()
+            .await
+            .unwrap();
+        ids.push(body["droplet"]["id"].as_u64().unwrap());
+    }
+    // Through the API, through the admin endpoint (an operator in the console) and through
+    // the library call tests use.
+    let r = http
+        .delete(format!("{base}/v2/droplets/{}", ids[0]))
+        .bearer_auth(TOKEN)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 204);
+    let r = http
+        .delete(format!("{base}/_emulator/droplets/{}", ids[1]))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 204);
+    assert!(emulator.delete_out_of_band(ids[2]));
+    assert!(!emulator.delete_out_of_band(ids[2]), "already gone");
+
+    let page = |n: u32| {
+        let (http, base) = (http.clone(), base.clone());
+        async move {
+            http.get(format!("{base}/v2/actions?per_page=4&page={n}"))
+                .bearer_auth(TOKEN)
+                .send()
+                .await
+                .unwrap()
+                .json::<Value>()
+                .await
+                .unwrap()
+        }
+    };
+    let first = page(1).await;
+    assert_eq!(first["meta"]["total"], 6);
+    let listed = |p: &Value| -> Vec<(String, u64)> {
+        p["actions"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|a| {
+                assert_eq!(a["resource_type"], "droplet");
+                (
+                    a["type"].as_str().unwrap().to_owned(),
+                    a["resource_id"].as_u64().unwrap(),
+                )
+            })
+            .collect()
+    };
+    let destroy = |id: u64| ("destroy".to_owned(), id);
+    let create = |id: u64| ("create".to_owned(), id);
+    assert_eq!(
+        listed(&first),
+        vec![
+            destroy(ids[2]),
+            destroy(ids[1]),
+            destroy(ids[0]),
+            create(ids[2])
+        ]
+    );
+    let next = first["links"]["pages"]["next"].as_str().unwrap();
+    assert!(next.contains("/v2/actions?page=2"), "{next}");
+    let second = page(2).await;
+    assert_eq!(listed(&second), vec![create(ids[1]), create(ids[0])]);
+    assert!(second["links"]["pages"].get("next").is_none());
+    let newest_first: Vec<u64> = first["actions"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .chain(second["actions"].as_array().unwrap())
+        .map(|a| a["id"].as_u64().unwrap())
+        .collect();
+    assert!(
+        newest_first.windows(2).all(|w| w[0] > w[1]),
+        "{newest_first:?}"
+    );
+    assert_eq!(do_emulator::class_of("GET", "/v2/actions"), "actions");
+}

@@ -391,6 +391,68 @@ fn a_survey_is_paced_to_its_share_of_the_budget() {
     assert!((hetzner.background_per_second() - 1.0).abs() < 1e-9);
 }
 
+#[test]
+fn out_of_band_checks_fit_between_paced_surveys_and_are_paid_for() {
+    let floor = Duration::from_secs(120);
+    let rate = 0.1;
+    // No check: the survey's own pace.
+    assert_eq!(
+        survey_pace(floor, 200, None, rate),
+        SurveyPace {
+            period: Duration::from_secs(2000),
+            check_every: None
+        }
+    );
+    // A one-request check every floor; the surveys leave its rate to it.
+    let paced = survey_pace(floor, 200, Some(1), rate);
+    assert_eq!(paced.check_every, Some(floor));
+    let left = rate - 1.0 / 120.0;
+    assert!(
+        (paced.period.as_secs_f64() - 200.0 / left).abs() < 1e-6,
+        "{paced:?}"
+    );
+    // What a whole period spends stays within the background rate.
+    let spent = 200.0 + paced.period.as_secs_f64() / 120.0;
+    assert!(spent <= rate * paced.period.as_secs_f64() + 1e-6, "{spent}");
+    // Surveys at the floor anyway, or not much above it: no check.
+    assert_eq!(
+        survey_pace(floor, 12, Some(1), rate),
+        SurveyPace::floor(floor)
+    );
+    assert_eq!(
+        survey_pace(floor, 0, Some(1), rate),
+        SurveyPace::floor(floor)
+    );
+    assert_eq!(
+        survey_pace(floor, 200, Some(1), 0.0),
+        SurveyPace::floor(floor)
+    );
+    assert_eq!(
+        survey_pace(floor, 20, Some(1), rate),
+        survey_pace(floor, 20, None, rate),
+        "a survey every 200 s leaves no room for a check every 120 s to be worth it"
+    );
+    // A floor so short that checks every floor would take more than their share: they are
+    // spaced to a quarter of the background rate, and the surveys get the rest.
+    let short = Duration::from_secs(1);
+    let paced = survey_pace(short, 200, Some(1), rate);
+    assert_eq!(paced.check_every, Some(Duration::from_secs(40)));
+    assert!(
+        (paced.period.as_secs_f64() - 200.0 / 0.075).abs() < 1e-6,
+        "{paced:?}"
+    );
+    // A cheap survey at a short floor: checks spaced to their share would not come twice as
+    // often as the survey, so there are none (and the survey keeps its pace).
+    let cheap = survey_pace(short, 2, Some(1), rate);
+    assert_eq!(cheap, survey_pace(short, 2, None, rate), "{cheap:?}");
+    assert_eq!(cheap.period, Duration::from_secs(20));
+    // A check that costs nothing measurable runs every floor.
+    assert_eq!(
+        survey_pace(floor, 200, Some(0), rate).check_every,
+        Some(floor)
+    );
+}
+
 #[tokio::test(start_paused = true)]
 async fn served_requests_are_counted_by_class() {
     let budget = small(100.0, 1.0);

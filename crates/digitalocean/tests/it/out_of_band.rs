@@ -1,0 +1,301 @@
+//! The out-of-band check between paced reconcile surveys, with the engine and the reconcile
+//! loop over the real client and the emulator: one `GET /v2/actions` a floor while nothing
+//! happens (no survey), none started by the destroy and create actions of the provider's own
+//! Deletes and Creates, and a Droplet destroyed behind the provider's back (as in the console)
+//! noticed by the next check, not by the paced survey.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use digitalocean::cloud::DigitalOceanCloud;
+use provider_core::budget::{Limits, Settings};
+use provider_core::cloud::{Cloud, InventorySignal};
+use provider_core::reconcile_loop::ReconcileLoop;
+use provider_core::telemetry::Telemetry;
+use provider_core::{MachineState, StringMap};
+use tokio::time::Instant;
+use tokio_util::sync::CancellationToken;
+
+use crate::support::{Env, LogCapture, PROVIDER, REGION, api_client, cloud_settings, ctx, machine};
+
+const DROPLETS: u32 = 30;
+const FLOOR: Duration = Duration::from_millis(400);
+const PREFIX: &str = "bigfleet_digitalocean_it_oob";
+
+/// The value of the series `name` in this process's metrics.
+fn metric(name: &str) -> f64 {
+    let body = provider_core::telemetry::recorder().render();
+    body.lines()
+        .find_map(|l| l.strip_prefix(name)?.strip_prefix(' '))
+        .and_then(|v| v.trim().parse().ok())
+        .unwrap_or(0.0)
+}
+
+fn early_surveys() -> f64 {
+    metric(&format!("{PREFIX}_reconcile_early_surveys_total"))
+}
+
+fn surveys() -> f64 {
+    metric(&format!("{PREFIX}_reconcile_total{{outcome=\"success\"}}"))
+}
+
+/// Out-of-band checks made, as the cloud counts its calls.
+fn checks() -> f64 {
+    metric(&format!(
+        "{PREFIX}_api_calls_total{{op=\"ListActions\",outcome=\"success\"}}"
+    ))
+}
+
+fn requests(env: &Env, class: &str) -> usize {
+    env.emulator
+        .requests_by_class()
+        .get(class)
+        .map_or(0, |(n, _)| *n)
+}
+
+async fn until(what: &str, within: Duration, done: impl Fn() -> bool) {
+    let deadline = Instant::now() + within;
+    while !done() {
+        assert!(Instant::now() < deadline, "{what} within {within:?}");
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+}
+
+fn zero_token() -> provider_core::FenceToken {
+    provider_core::FenceToken {
+        shard_id: String::new(),
+        epoch: 0,
+        sequence: 0,
+    }
+}
+
+#[tokio::test]
+async fn a_droplet_destroyed_out_of_band_is_noticed_by_the_next_check_not_the_paced_survey() {
+    let logs = LogCapture::default();
+    let _logs = logs.install();
+    let _ = provider_core::telemetry::recorder();
+    let telemetry = Telemetry::new(PREFIX);
+    let env = Env::start().await;
+    // DigitalOcean's limits 72 times faster: background work refills at 10 requests a second,
+    // of which a check every 400 ms takes a quarter.
+    let budget = Settings::new(Limits::DIGITALOCEAN.time_scaled(72.0)).budget(PREFIX);
+    let cloud = Arc::new(DigitalOceanCloud::new(
+        api_client(&env.api_url).with_budget(budget),
+        env.channel.channel.clone(),
+        cloud_settings(&env.channel, &env.pki, None, PROVIDER),
+        telemetry,
+    ));
+    for i in 0..DROPLETS {
+        cloud
+            .create_host(&machine(i), &ctx(Duration::from_secs(20)))
+            .await
+            .unwrap();
+    }
+    // Pages of one Droplet: a survey costs 30 requests, so at the 7.5 a second the checks
+    // leave, surveys are paced to about 4 s.
+    env.emulator.set_max_per_page(1);
+    let offering = provider_core::offerings::Offering {
+        instance_type: "s-2vcpu-4gb".into(),
+        zone: REGION.into(),
+        capacity_type: "on_demand".into(),
+        count: i64::from(DROPLETS) + 1,
+        resources: StringMap::new(),
+        labels: StringMap::new(),
+    };
+    let fleet = provider_core::fleet::Fleet::new(
+        cloud.clone(),
+        PROVIDER,
+        vec![offering],
+        Arc::new(provider_core::fleet::PriceBook::new(|t, _| {
+            digitalocean::catalog::pinned_price_usd(t)
+        })),
+        Arc::new(provider_core::fleet::CapacityBook::new(
+            digitalocean::catalog::pinned_capacity,
+        )),
+        |_| StringMap::new(),
+    );
+    let engine = provider_core::Engine::start(
+        Arc::new(fleet),
+        Arc::new(provider_core::store::MemoryStore),
+        provider_core::EngineOptions::new(telemetry),
+    )
+    .await
+    .unwrap();
+    let ids: Vec<String> = (0..=DROPLETS).map(|i| machine(i).id).collect();
+    for id in &ids[..DROPLETS as usize] {
+        assert_eq!(engine.get(id).unwrap().state, MachineState::Idle, "{id}");
+    }
+    let stop = CancellationToken::new();
+    let reconcile = ReconcileLoop {
+        replica: provider_core::replica::Replica::single(engine.clone()),
+        cloud: Some(cloud.clone()),
+        floor: FLOOR,
+        telemetry,
+    };
+    tokio::spawn(reconcile.run(stop.clone()));
+    until("the first survey", Duration::from_secs(10), || {
+        surveys() >= 1.0
+    })
+    .await;
+    let period = metric(&format!("{PREFIX}_reconcile_period_seconds"));
+    eprintln!(
+        "a survey cost {} requests; the next one waits {period:.1} s",
+        metric(&format!("{PREFIX}_reconcile_survey_requests"))
+    );
+    assert!(
+        period >= 3.5,
+        "surveys are paced well above the floor: {period} s"
+    );
+
+    // Nothing happens: one request a check, and no survey.
+    let (listings, listed, checked) = (
+        requests(&env, "listing"),
+        requests(&env, "actions"),
+        checks(),
+    );
+    tokio::time::sleep(FLOOR * 4).await;
+    let made = checks() - checked;
+    assert!(made >= 2.0, "{made} checks in four floors");
+    assert_eq!(
+        (requests(&env, "actions") - listed) as f64,
+        made,
+        "one request per check"
+    );
+    assert_eq!(requests(&env, "listing"), listings, "no survey");
+    assert_eq!(early_surveys(), 0.0);
+
+    // The provider's own Delete and Create are destroy and create actions of its own: no early
+    // survey.
+    engine.delete(&ids[0], zero_token()).await.unwrap();
+    engine
+        .create(&ids[DROPLETS as usize], zero_token())
+        .await
+        .unwrap();
+    until("the own Delete and Create", Duration::from_secs(10), || {
+        engine.get(&ids[0]).unwrap().state == MachineState::Speculative
+            && engine.get(&ids[DROPLETS as usize]).unwrap().state == MachineState::Idle
+    })
+    .await;
+    let checked = checks();
+    until("two more checks", Duration::from_secs(10), || {
+        checks() >= checked + 2.0
+    })
+    .await;
+    assert!(
+        env.emulator
+            .actions()
+            .iter()
+            .any(|a| a["type"] == "destroy"),
+        "the own Delete was recorded as a destroy action"
+    );
+    assert_eq!(early_surveys(), 0.0, "own changes are not out-of-band ones");
+
+    // Right after a survey (the next paced one is seconds away), a Droplet is destroyed in the
+    // console: the next check notices it and the survey that follows proves it gone.
+    let done = surveys();
+    until("a survey", Duration::from_secs(20), || surveys() > done).await;
+    let victim = engine.get(&ids[1]).unwrap();
+    let droplet: u64 = victim.host.as_ref().unwrap().id.parse().unwrap();
+    let deleted = Instant::now();
+    assert!(env.emulator.delete_out_of_band(droplet));
+    until(
+        "the machine of the destroyed Droplet",
+        Duration::from_secs(5),
+        || engine.get(&ids[1]).unwrap().state == MachineState::Speculative,
+    )
+    .await;
+    let noticed = deleted.elapsed();
+    eprintln!("noticed {noticed:?} after the destroy (paced period {period:.1} s)");
+    assert_eq!(early_surveys(), 1.0);
+    assert!(
+        noticed < FLOOR * 4 && noticed.as_secs_f64() < period / 2.0,
+        "noticed after {noticed:?}, a paced period is {period} s"
+    );
+    assert!(
+        logs.text().contains(&format!(
+            "DigitalOcean recorded the destroy of Droplet(s) [{droplet}]"
+        )),
+        "the early survey says why"
+    );
+    for id in &ids[2..] {
+        assert_eq!(engine.get(id).unwrap().state, MachineState::Idle, "{id}");
+    }
+    stop.cancel();
+}
+
+/// The check itself against the emulator: the first one only sets the cursor, each one costs
+/// one `GET /v2/actions` while less than a page of actions happened since the last, the
+/// provider's own destroys and other tools' Droplets are not changes, a destroy of one of this
+/// instance's Droplets is (once), a flood of actions is too, and a token without
+/// `actions:read` turns the check off.
+#[tokio::test]
+async fn the_check_reads_the_actions_since_the_last_one() {
+    let env = Env::start().await;
+    let mut hosts = Vec::new();
+    for i in 0..3 {
+        let host = env
+            .cloud
+            .create_host(&machine(i), &ctx(Duration::from_secs(20)))
+            .await
+            .unwrap();
+        hosts.push(host.id);
+    }
+    let check = || async { env.cloud.inventory_changed().await.unwrap() };
+    let actions = || requests(&env, "actions");
+    assert_eq!(check().await, InventorySignal::Unchanged, "no listing yet");
+    env.cloud.list_hosts().await.unwrap();
+    assert_eq!(check().await, InventorySignal::Unchanged);
+    assert_eq!(actions(), 2, "one request a check");
+
+    env.cloud
+        .delete_host(&hosts[0], &ctx(Duration::from_secs(20)))
+        .await
+        .unwrap();
+    let other = env
+        .emulator
+        .insert_droplet("someone-else", REGION, "s-1vcpu-1gb", &["other-tool"]);
+    assert!(env.emulator.delete_out_of_band(other));
+    assert_eq!(
+        check().await,
+        InventorySignal::Unchanged,
+        "the provider's own destroy and another tool's Droplet are not changes"
+    );
+
+    let ours: u64 = hosts[1].parse().unwrap();
+    assert!(env.emulator.delete_out_of_band(ours));
+    match check().await {
+        InventorySignal::Changed { why } => assert!(why.contains(&format!("[{ours}]")), "{why}"),
+        other => panic!("{other:?}"),
+    }
+    assert_eq!(
+        check().await,
+        InventorySignal::Unchanged,
+        "the cursor moved past it"
+    );
+    assert_eq!(actions(), 5);
+
+    // More actions since the last check than five pages hold: the check cannot tell, and
+    // asks for a survey after five requests.
+    env.emulator.set_max_per_page(1);
+    for i in 0..6 {
+        let id = env
+            .emulator
+            .insert_droplet(&format!("busy-{i}"), REGION, "s-1vcpu-1gb", &[]);
+        env.emulator.delete_out_of_band(id);
+    }
+    match check().await {
+        InventorySignal::Changed { why } => assert!(why.contains("more than 5 pages"), "{why}"),
+        other => panic!("{other:?}"),
+    }
+    assert_eq!(actions(), 10);
+    assert_eq!(check().await, InventorySignal::Unchanged);
+
+    env.emulator.fail_next(
+        1,
+        do_emulator::Fault {
+            status: 403,
+            retry_after: None,
+        },
+    );
+    assert_eq!(check().await, InventorySignal::Unsupported);
+}

@@ -1,0 +1,251 @@
+//! The API budget at fleet sizes a token can hold, against the emulator's real DigitalOcean
+//! limits (5,000 an hour and 250 a minute, time-scaled): a burst of 200 Creates beside 1,000
+//! Droplets already owned, from a token nearly spent for the hour, meets no 429 and takes no
+//! longer than its requests take at the provider's share of the hour's refill, with a
+//! reconcile survey running beside it; at
+//! 10,000 owned Droplets the paced surveys of an hour stay within the reconcile share.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use digitalocean::cloud::DigitalOceanCloud;
+use digitalocean::naming::{MANAGED_TAG, droplet_name, machine_tag, provider_tag};
+use do_emulator::{Emulator, RateLimit};
+use provider_core::budget::{self, Class, Limits, Settings};
+use provider_core::fleet::{CapacityBook, Fleet, PriceBook, slot_id};
+use provider_core::machine::MachineState;
+use provider_core::offerings::Offering;
+use tokio::net::TcpListener;
+use tokio::time::Instant;
+use tokio_util::sync::CancellationToken;
+
+use crate::support::{API_TOKEN, PROVIDER, REGION, RunningChannel, api_client, pki, telemetry};
+
+const SIZE: &str = "s-2vcpu-4gb";
+
+struct Site {
+    emulator: Emulator,
+    cloud: Arc<DigitalOceanCloud>,
+    _channel: RunningChannel,
+    stop: CancellationToken,
+}
+
+impl Drop for Site {
+    fn drop(&mut self) {
+        self.stop.cancel();
+    }
+}
+
+async fn site(scale: f64, prefix: &str) -> Site {
+    let emulator = Emulator::new(API_TOKEN);
+    emulator.set_rate_limit(RateLimit::DIGITALOCEAN.time_scaled(scale));
+    emulator.set_boot_time(Some(Duration::from_secs_f64(30.0 / scale)));
+    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let url = format!("http://{}", listener.local_addr().unwrap());
+    let stop = CancellationToken::new();
+    tokio::spawn(emulator.clone().serve(listener, stop.clone()));
+    let budget = Settings::new(Limits::DIGITALOCEAN.time_scaled(scale)).budget(prefix);
+    let pki = pki();
+    let channel = RunningChannel::start(&pki, Duration::from_secs(2), Default::default()).await;
+    let mut settings = crate::support::cloud_settings(&channel, &pki, None, PROVIDER);
+    settings.active_poll = Duration::from_secs_f64(5.0 / scale);
+    let cloud = Arc::new(DigitalOceanCloud::new(
+        api_client(&url).with_budget(budget),
+        channel.channel.clone(),
+        settings,
+        telemetry(),
+    ));
+    Site {
+        emulator,
+        cloud,
+        _channel: channel,
+        stop,
+    }
+}
+
+fn slot(i: i64) -> String {
+    slot_id(PROVIDER, SIZE, REGION, i)
+}
+
+/// Droplets of the first `owned` slots, as an earlier run of this instance left them.
+fn insert_owned(site: &Site, owned: i64) {
+    let provider = provider_tag(PROVIDER);
+    for i in 0..owned {
+        let id = slot(i);
+        let machine = machine_tag(&id);
+        site.emulator.insert_droplet(
+            &droplet_name(&id),
+            REGION,
+            SIZE,
+            &[MANAGED_TAG, machine.as_str(), provider.as_str()],
+        );
+    }
+}
+
+async fn engine(site: &Site, count: i64) -> Arc<provider_core::Engine> {
+    let prices = Arc::new(PriceBook::new(|t, _| {
+        digitalocean::catalog::pinned_price_usd(t)
+    }));
+    let capacities = Arc::new(CapacityBook::new(digitalocean::catalog::pinned_capacity));
+    let offering = Offering {
+        instance_type: SIZE.into(),
+        zone: REGION.into(),
+        capacity_type: "on_demand".into(),
+        count,
+        resources: provider_core::StringMap::new(),
+        labels: provider_core::StringMap::new(),
+    };
+    let fleet = Fleet::new(
+        site.cloud.clone(),
+        PROVIDER,
+        vec![offering],
+        prices,
+        capacities,
+        |_| provider_core::StringMap::new(),
+    );
+    let mut options = provider_core::EngineOptions::new(telemetry());
+    options.timeouts.create = Duration::from_secs(120);
+    provider_core::Engine::start(
+        Arc::new(fleet),
+        Arc::new(provider_core::store::MemoryStore),
+        options,
+    )
+    .await
+    .unwrap()
+}
+
+fn zero_token() -> provider_core::FenceToken {
+    provider_core::FenceToken {
+        shard_id: String::new(),
+        epoch: 0,
+        sequence: 0,
+    }
+}
+
+fn sent(site: &Site) -> (usize, usize) {
+    let classes = site.emulator.requests_by_class();
+    (
+        classes.values().map(|(n, _)| n).sum(),
+        classes.values().map(|(_, refused)| refused).sum(),
+    )
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn two_hundred_creates_beside_a_thousand_owned_droplets_take_only_their_budget_time() {
+    const SCALE: f64 = 60.0;
+    let site = site(SCALE, "bigfleet_digitalocean_it_scale_burst").await;
+    insert_owned(&site, 1_000);
+    // Little is left of the hour, as if the token had been busy earlier in it (the headers
+    // tell the client, from the start-up listing on): the burst is paced by the hour's refill
+    // rate alone.
+    site.emulator.set_hourly_remaining(20);
+    let engine = engine(&site, 1_200).await;
+    let owned = (0..1_000)
+        .filter(|i| {
+            engine
+                .get(&slot(*i))
+                .is_ok_and(|m| m.state == MachineState::Idle)
+        })
+        .count();
+    assert_eq!(owned, 1_000, "the owned Droplets were recorded at start");
+    let (before, _) = sent(&site);
+    let started = Instant::now();
+    let survey = {
+        let engine = engine.clone();
+        tokio::spawn(budget::scoped(Class::Reconcile, async move {
+            engine.reconcile().await
+        }))
+    };
+    let ids: Vec<String> = (1_000..1_200).map(slot).collect();
+    for id in &ids {
+        engine.create(id, zero_token()).await.unwrap();
+    }
+    let deadline = started + Duration::from_secs(90);
+    while !ids
+        .iter()
+        .all(|id| engine.get(id).is_ok_and(|m| m.state == MachineState::Idle))
+    {
+        let failed: Vec<&String> = ids
+            .iter()
+            .filter(|id| {
+                engine
+                    .get(id)
+                    .is_ok_and(|m| m.state == MachineState::Failed)
+            })
+            .collect();
+        assert!(failed.is_empty(), "failed Creates: {failed:?}");
+        assert!(Instant::now() < deadline, "the burst did not finish");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let took = started.elapsed();
+    survey.await.unwrap().unwrap();
+    let (after, refused) = sent(&site);
+    let requests = after - before;
+    let classes = site.emulator.requests_by_class();
+    // The provider's share of the hour's refill (5,000 an hour), time-scaled, plus one boot.
+    let per_second =
+        budget::DEFAULT_SHARE * f64::from(RateLimit::DIGITALOCEAN.per_hour) / 3_600.0 * SCALE;
+    let allowed = Duration::from_secs_f64(requests as f64 / per_second)
+        + Duration::from_secs_f64(30.0 / SCALE);
+    eprintln!(
+        "200 creates beside 1,000 owned Droplets: {took:?} ({:.0} s unscaled), {requests} \
+         requests, budget time {allowed:?}; by class {classes:?}",
+        took.as_secs_f64() * SCALE
+    );
+    assert_eq!(refused, 0, "{classes:?}");
+    // 1.1 x the budget time, and a moment for a test machine busy with other tests.
+    assert!(
+        took <= allowed.mul_f64(1.1) + Duration::from_secs(2),
+        "{took:?} is more than 1.1 x the budget time {allowed:?} of {requests} requests"
+    );
+    assert_eq!(classes["create"].0, 200, "one POST per Create");
+    assert_eq!(classes.get("poll").map_or(0, |(n, _)| *n), 0, "{classes:?}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_hour_at_ten_thousand_owned_droplets_stays_within_the_reconcile_share() {
+    const SCALE: f64 = 600.0;
+    let site = site(SCALE, "bigfleet_digitalocean_it_scale_steady").await;
+    insert_owned(&site, 10_000);
+    let engine = engine(&site, 10_000).await;
+    let hour = Duration::from_secs_f64(3_600.0 / SCALE);
+    let floor = Duration::from_secs_f64(120.0 / SCALE);
+    let budget = provider_core::cloud::Cloud::api_budget(site.cloud.as_ref())
+        .expect("the real client has a budget");
+    let (before, _) = sent(&site);
+    let started = Instant::now();
+    let mut surveys = 0;
+    // The provider's reconcile loop: a survey, then the wait its cost sets at the background
+    // rate (never below the floor).
+    while started.elapsed() < hour {
+        let spent = budget.served(Class::Reconcile) + budget.served(Class::Proof);
+        budget::scoped(Class::Reconcile, engine.reconcile())
+            .await
+            .unwrap();
+        surveys += 1;
+        let cost = budget.served(Class::Reconcile) + budget.served(Class::Proof) - spent;
+        tokio::time::sleep(budget::survey_period(
+            floor,
+            cost,
+            budget.background_per_second(),
+        ))
+        .await;
+    }
+    let (after, refused) = sent(&site);
+    let per_hour = (after - before) as f64 * hour.as_secs_f64() / started.elapsed().as_secs_f64();
+    let share = budget::DEFAULT_SHARE
+        * budget::DEFAULT_RECONCILE_SHARE
+        * f64::from(RateLimit::DIGITALOCEAN.per_hour);
+    eprintln!(
+        "10,000 owned Droplets: {surveys} surveys in an hour, {per_hour:.0} requests an hour \
+         (reconcile share {share:.0}, {:.1}% of the limit)",
+        per_hour / 50.0
+    );
+    assert_eq!(refused, 0);
+    // A survey is 50 pages; the hour's surveys fit the share, with at most one survey's worth
+    // over it (the first runs at once).
+    assert!(
+        per_hour <= share + 50.0,
+        "{per_hour:.0} requests an hour, above the reconcile share {share:.0}"
+    );
+}

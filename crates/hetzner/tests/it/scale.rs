@@ -1,0 +1,221 @@
+//! The API budget at fleet sizes a project can hold, against the emulator's real Hetzner
+//! limit (time-scaled): a burst of 200 Creates beside 1,000 servers already owned meets no 429
+//! and takes no longer than its requests take at the provider's share of the refill rate, with
+//! a reconcile survey running beside it; at 10,000 owned servers the paced surveys of an hour
+//! stay within the reconcile share and meet no 429.
+
+use std::collections::HashMap;
+use std::sync::Arc;
+use std::time::Duration;
+
+use hcloud_emulator::RateLimit;
+use hetzner::{catalog, labels};
+use provider_core::budget::{self, Class};
+use provider_core::fleet::{CapacityBook, Fleet, PriceBook};
+use provider_core::machine::MachineState;
+use provider_core::offerings::Offering;
+use tokio::time::Instant;
+
+use crate::harness::{Env, Options, PROVIDER};
+
+/// Time runs this many times faster for the emulator's bucket and the client's budget alike
+/// (the steady state runs faster still: an hour in 9 s).
+const SCALE: f64 = 100.0;
+const STEADY_SCALE: f64 = 400.0;
+
+fn scaled(seconds: f64) -> Duration {
+    Duration::from_secs_f64(seconds / SCALE)
+}
+
+async fn env(prefix: &'static str, scale: f64) -> Env {
+    let env = Env::new(Options {
+        ssh: false,
+        telemetry_prefix: prefix,
+        api_time_scale: scale,
+        running_poll: Some(Duration::from_secs_f64(3.0 / scale)),
+        // Pages of 10,000 servers from a debug-built emulator on a busy machine.
+        request_timeout: Duration::from_secs(30),
+        ..Options::default()
+    })
+    .await;
+    env.emulator
+        .set_rate_limit(RateLimit::HETZNER.time_scaled(scale));
+    env.emulator
+        .set_boot_time(Some(Duration::from_secs_f64(12.0 / scale)));
+    env
+}
+
+/// Servers of the first `owned` slots, as an earlier run of this instance left them.
+fn insert_owned(env: &Env, owned: i64) {
+    for i in 0..owned {
+        let machine = env.machine("cx22", "nbg1", i);
+        let mut server_labels = HashMap::from([(labels::MANAGED.to_owned(), "true".to_owned())]);
+        server_labels.extend(labels::machine_id_labels(&machine.id));
+        server_labels.extend(labels::text_labels(labels::PROVIDER, PROVIDER));
+        env.emulator.insert_server(
+            &labels::server_name(&machine.id),
+            "cx22",
+            "nbg1",
+            server_labels,
+            "192.0.2.10",
+        );
+    }
+}
+
+async fn engine(env: &Env, count: i64) -> Arc<provider_core::Engine> {
+    let prices = Arc::new(PriceBook::new(|t, _| {
+        catalog::pinned_price_eur(t).map(|eur| eur * 1.25)
+    }));
+    let capacities = Arc::new(CapacityBook::new(catalog::pinned_capacity));
+    let offering = Offering {
+        instance_type: "cx22".into(),
+        zone: "nbg1".into(),
+        capacity_type: "on_demand".into(),
+        count,
+        resources: provider_core::StringMap::new(),
+        labels: provider_core::StringMap::new(),
+    };
+    let fleet = Fleet::new(
+        env.cloud.clone(),
+        PROVIDER,
+        vec![offering],
+        prices,
+        capacities,
+        catalog::extra_labels,
+    );
+    let mut options = provider_core::EngineOptions::new(env.telemetry);
+    options.timeouts.create = Duration::from_secs(120);
+    provider_core::Engine::start(
+        Arc::new(fleet),
+        Arc::new(provider_core::store::MemoryStore),
+        options,
+    )
+    .await
+    .unwrap()
+}
+
+fn zero_token() -> provider_core::FenceToken {
+    provider_core::FenceToken {
+        shard_id: String::new(),
+        epoch: 0,
+        sequence: 0,
+    }
+}
+
+fn total(env: &Env) -> usize {
+    env.emulator
+        .requests_by_class()
+        .values()
+        .map(|(n, _)| n)
+        .sum()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn two_hundred_creates_beside_a_thousand_owned_servers_take_only_their_budget_time() {
+    let env = env("bigfleet_hetzner_it_scale_burst", SCALE).await;
+    insert_owned(&env, 1_000);
+    let engine = engine(&env, 1_200).await;
+    let owned = (0..1_000)
+        .filter(|i| {
+            let id = env.machine("cx22", "nbg1", *i).id;
+            engine.get(&id).is_ok_and(|m| m.state == MachineState::Idle)
+        })
+        .count();
+    assert_eq!(owned, 1_000, "the owned servers were recorded at start");
+    // Start from a nearly spent bucket, so the burst is paced by the refill rate alone.
+    env.emulator.drain_rate_limit(RateLimit::HETZNER.limit - 20);
+    let before = total(&env);
+    let started = Instant::now();
+    // A reconcile survey (20 pages) runs beside the burst, in its own class.
+    let survey = {
+        let engine = engine.clone();
+        tokio::spawn(budget::scoped(Class::Reconcile, async move {
+            engine.reconcile().await
+        }))
+    };
+    let ids: Vec<String> = (1_000..1_200)
+        .map(|i| env.machine("cx22", "nbg1", i).id)
+        .collect();
+    for id in &ids {
+        engine.create(id, zero_token()).await.unwrap();
+    }
+    let deadline = started + Duration::from_secs(60);
+    while !ids
+        .iter()
+        .all(|id| engine.get(id).is_ok_and(|m| m.state == MachineState::Idle))
+    {
+        let failed: Vec<&String> = ids
+            .iter()
+            .filter(|id| {
+                engine
+                    .get(id)
+                    .is_ok_and(|m| m.state == MachineState::Failed)
+            })
+            .collect();
+        assert!(failed.is_empty(), "failed Creates: {failed:?}");
+        assert!(Instant::now() < deadline, "the burst did not finish");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let took = started.elapsed();
+    survey.await.unwrap().unwrap();
+    let sent = total(&env) - before;
+    let classes = env.emulator.requests_by_class();
+    // The provider's share of Hetzner's refill (one a second), time-scaled: what the budget
+    // allows for the requests sent, plus one boot.
+    let allowed =
+        Duration::from_secs_f64(sent as f64 / (budget::DEFAULT_SHARE * SCALE)) + scaled(12.0);
+    eprintln!(
+        "200 creates beside 1,000 owned servers: {took:?} ({:.0} s unscaled), {sent} requests, \
+         budget time {allowed:?}; by class {classes:?}",
+        took.as_secs_f64() * SCALE
+    );
+    assert_eq!(env.emulator.count_status(429), 0, "{classes:?}");
+    // 1.1 x the budget time, and a moment for a test machine busy with other tests.
+    assert!(
+        took <= allowed.mul_f64(1.1) + Duration::from_secs(2),
+        "{took:?} is more than 1.1 x the budget time {allowed:?} of {sent} requests"
+    );
+    assert_eq!(classes["create"].0, 200, "one POST per Create");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_hour_at_ten_thousand_owned_servers_stays_within_the_reconcile_share() {
+    let env = env("bigfleet_hetzner_it_scale_steady", STEADY_SCALE).await;
+    insert_owned(&env, 10_000);
+    let engine = engine(&env, 10_000).await;
+    let hour = Duration::from_secs_f64(3_600.0 / STEADY_SCALE);
+    let budget = provider_core::cloud::Cloud::api_budget(env.cloud.as_ref())
+        .expect("the real client has a budget");
+    let floor = Duration::from_secs_f64(120.0 / STEADY_SCALE);
+    let before = total(&env);
+    let started = Instant::now();
+    let mut surveys = 0;
+    // The provider's reconcile loop: a survey, then the wait its cost sets at the background
+    // rate (never below the floor).
+    while started.elapsed() < hour {
+        let spent = budget.served(Class::Reconcile) + budget.served(Class::Proof);
+        budget::scoped(Class::Reconcile, engine.reconcile())
+            .await
+            .unwrap();
+        surveys += 1;
+        let cost = budget.served(Class::Reconcile) + budget.served(Class::Proof) - spent;
+        let period = budget::survey_period(floor, cost, budget.background_per_second());
+        tokio::time::sleep(period).await;
+    }
+    let sent = total(&env) - before;
+    let per_hour = sent as f64 * hour.as_secs_f64() / started.elapsed().as_secs_f64();
+    let share = budget::DEFAULT_SHARE * budget::DEFAULT_RECONCILE_SHARE * 3_600.0;
+    eprintln!(
+        "10,000 owned servers: {surveys} surveys in an hour, {per_hour:.0} requests an hour \
+         (reconcile share {share:.0}, {:.1}% of the limit)",
+        per_hour / 36.0
+    );
+    assert_eq!(env.emulator.count_status(429), 0);
+    assert!(surveys >= 1);
+    // A survey is 200 pages; the hour's surveys fit the share, with at most one survey's
+    // worth over it (the first runs at once).
+    assert!(
+        per_hour <= share + 200.0,
+        "{per_hour:.0} requests an hour, above the reconcile share {share:.0}"
+    );
+}
