@@ -5,9 +5,12 @@
 //! It benches a running endpoint (`--target`) or starts the provider itself (`--spawn`), in
 //! which case every run gets a fresh process, the provider's CPU time and memory are read from
 //! /proc, and `--compare` alternates runs against a second command and prints ratios.
+//! `--scenario cloud-budget` is of another kind: it counts the cloud API requests of both
+//! providers' real backends against their emulators (`bench/cloud_budget.rs`).
 //! `cargo xtask bench --help` lists the scenarios and flags; `--quick` takes seconds.
 
 mod args;
+mod cloud_budget;
 mod etcd;
 mod floor;
 mod load;
@@ -36,6 +39,13 @@ pub(crate) fn run(args: &[String]) -> Result<()> {
         Parsed::Help => {
             println!("{}", args::USAGE);
             return Ok(());
+        }
+        Parsed::CloudBudget(options) => {
+            if cfg!(debug_assertions) {
+                // The emulators run in this process and serve thousands of hosts per listing.
+                return rerun_optimised(args);
+            }
+            return cloud_budget::run(&options);
         }
         Parsed::Run(options) => *options,
     };

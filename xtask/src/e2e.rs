@@ -24,9 +24,9 @@
 
 mod alerts_live;
 mod digitalocean_production;
-mod digitalocean_real;
+pub(crate) mod digitalocean_real;
 mod hetzner_production;
-mod hetzner_real;
+pub(crate) mod hetzner_real;
 pub(crate) mod provider_process;
 pub(crate) mod wire;
 
@@ -624,7 +624,7 @@ async fn observability(
 }
 
 /// `GET path` over HTTP/1.1 on loopback: (status, body).
-fn http_get(addr: SocketAddr, path: &str) -> Result<(u16, String)> {
+pub(crate) fn http_get(addr: SocketAddr, path: &str) -> Result<(u16, String)> {
     let mut conn = TcpStream::connect_timeout(&addr, Duration::from_secs(2))
         .with_context(|| format!("connect to {addr}"))?;
     conn.set_read_timeout(Some(Duration::from_secs(5)))?;

@@ -9,8 +9,11 @@ use anyhow::{Context, Result, bail, ensure};
 
 pub(crate) const USAGE: &str = "\
 usage: cargo xtask bench (--spawn 'CMD ...' | --target HOST:PORT) [options]
+       cargo xtask bench --scenario cloud-budget [--cloud NAME[,NAME]] [--hosts N,N,...]
+                         [--json] [--json-out PATH]
 
-A load generator for any bigfleet.v1alpha1.CapacityProvider endpoint on loopback.
+A load generator for any bigfleet.v1alpha1.CapacityProvider endpoint on loopback; and, with
+--scenario cloud-budget, a count of the cloud API requests the providers' real backends send.
 
 Endpoint (exactly one):
   --spawn 'CMD ...'       start the provider: the tool appends `--addr 127.0.0.1:<free port>`
@@ -37,6 +40,18 @@ Scenarios and sizes:
                           first acknowledged Create on the standby; --spawn only),
                           or all (default all; durable, startup and etcd need --spawn; etcd
                           starts an etcd member, Debian's etcd-server)
+  --scenario cloud-budget the cloud API requests of the `hetzner` and `digitalocean` binaries
+                          on their real backends, each against its cloud's emulator with the
+                          real rate limit and boot times: per Create, Configure, Drain and
+                          Delete of one machine (over the emulator's sshd, or a real
+                          bigfleet-agent), bursts of 50 Creates from a full and from an empty
+                          bucket, and reconcile requests per hour with owned hosts (time-scaled
+                          where the binary can follow); it builds the release binaries and
+                          starts everything itself (no --spawn or --target), runs alone and
+                          takes a few minutes; not part of `all`
+  --cloud NAME[,NAME]     with cloud-budget: hetzner, digitalocean (default both)
+  --hosts N,N,...         with cloud-budget: owned hosts of the steady-state runs
+                          (default 100,1000,10000)
   --repeats N             runs per figure, reported as median and min-max (default 3)
   --seeds N,N,...         inventories for list, list-filtered, lifecycle, durable, etcd and startup
                           (default 1000,10000,100000)
@@ -169,7 +184,56 @@ pub(crate) struct Options {
 #[derive(Debug, PartialEq)]
 pub(crate) enum Parsed {
     Run(Box<Options>),
+    /// `--scenario cloud-budget`, which starts its own emulators and providers.
+    CloudBudget(CloudBudget),
     Help,
+}
+
+/// The name of the scenario that counts cloud API requests ([`CloudBudget`]).
+pub(crate) const CLOUD_BUDGET: &str = "cloud-budget";
+
+/// What `--scenario cloud-budget` runs.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub(crate) struct CloudBudget {
+    pub clouds: Vec<Cloud>,
+    /// Owned hosts of the steady-state runs, in order.
+    pub hosts: Vec<usize>,
+    pub json: bool,
+    pub json_out: Option<PathBuf>,
+}
+
+/// The flags `--scenario cloud-budget` takes besides `--scenario`.
+const CLOUD_BUDGET_FLAGS: [&str; 4] = ["--cloud", "--hosts", "--json", "--json-out"];
+
+/// The default owned-host counts of the cloud-budget steady state.
+const CLOUD_BUDGET_HOSTS: [usize; 3] = [100, 1000, 10_000];
+/// The most owned hosts a steady-state run inserts into an emulator.
+const MAX_OWNED_HOSTS: usize = 100_000;
+
+/// A cloud whose real backend `cloud-budget` measures.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
+pub(crate) enum Cloud {
+    Hetzner,
+    DigitalOcean,
+}
+
+impl Cloud {
+    pub(crate) const ALL: [Cloud; 2] = [Cloud::Hetzner, Cloud::DigitalOcean];
+
+    /// The name of the cloud and of its provider binary.
+    pub(crate) fn name(self) -> &'static str {
+        match self {
+            Cloud::Hetzner => "hetzner",
+            Cloud::DigitalOcean => "digitalocean",
+        }
+    }
+
+    fn parse(text: &str) -> Result<Cloud> {
+        Cloud::ALL
+            .into_iter()
+            .find(|c| c.name() == text)
+            .with_context(|| format!("--cloud: unknown cloud {text:?} (hetzner, digitalocean)"))
+    }
 }
 
 /// Hard upper bounds, so a typo cannot start a run that never ends.
@@ -204,6 +268,11 @@ pub(crate) fn parse(args: &[String]) -> Result<Parsed> {
     let mut json = false;
     let mut json_out = None;
     let mut no_floor = false;
+    let mut cloud_budget = false;
+    let mut clouds = None;
+    let mut hosts = None;
+    // Every flag given, for the ones `cloud-budget` does not take.
+    let mut given: Vec<String> = Vec::new();
 
     let mut rest = args.iter();
     while let Some(arg) = rest.next() {
@@ -220,6 +289,7 @@ pub(crate) fn parse(args: &[String]) -> Result<Parsed> {
                     .with_context(|| format!("{name} needs a value")),
             }
         };
+        given.push(name.to_owned());
         match name {
             "-h" | "--help" => return Ok(Parsed::Help),
             "--quick" | "--json" | "--no-floor" => {
@@ -248,6 +318,19 @@ pub(crate) fn parse(args: &[String]) -> Result<Parsed> {
             "--json-out" => json_out = Some(PathBuf::from(value()?)),
             "--scenario" => {
                 let text = value()?;
+                if text
+                    .split(',')
+                    .map(str::trim)
+                    .any(|part| part == CLOUD_BUDGET)
+                {
+                    ensure!(
+                        text.trim() == CLOUD_BUDGET,
+                        "--scenario {text}: {CLOUD_BUDGET} runs alone (it starts its own \
+                         emulators and providers)"
+                    );
+                    cloud_budget = true;
+                    continue;
+                }
                 named_spawn_only = text
                     .split(',')
                     .map(str::trim)
@@ -271,8 +354,53 @@ pub(crate) fn parse(args: &[String]) -> Result<Parsed> {
             "--warmup" => warmup = Some(window(name, &value()?)?),
             "--timeout" => timeout = Some(window(name, &value()?)?),
             "--client-threads" => client_threads = Some(number(name, &value()?, 1, 64)?),
+            "--cloud" => {
+                let mut list = value()?
+                    .split(',')
+                    .map(|part| Cloud::parse(part.trim()))
+                    .collect::<Result<Vec<_>>>()?;
+                list.sort();
+                list.dedup();
+                clouds = Some(list);
+            }
+            "--hosts" => {
+                let list = value()?
+                    .split(',')
+                    .map(|part| number(name, part, 1, MAX_OWNED_HOSTS))
+                    .collect::<Result<Vec<_>>>()?;
+                hosts = Some(list);
+            }
             _ => bail!("unknown argument {arg:?}\n\n{USAGE}"),
         }
+    }
+
+    if cloud_budget {
+        ensure!(
+            scenarios.is_none(),
+            "--scenario {CLOUD_BUDGET} runs alone (it starts its own emulators and providers)"
+        );
+        if let Some(flag) = given
+            .iter()
+            .find(|f| *f != "--scenario" && !CLOUD_BUDGET_FLAGS.contains(&f.as_str()))
+        {
+            bail!(
+                "{flag} does not apply to --scenario {CLOUD_BUDGET}: it starts its own emulators \
+                 and providers, and takes only {}",
+                CLOUD_BUDGET_FLAGS.join(", ")
+            );
+        }
+        return Ok(Parsed::CloudBudget(CloudBudget {
+            clouds: clouds.unwrap_or_else(|| Cloud::ALL.to_vec()),
+            hosts: hosts.unwrap_or_else(|| CLOUD_BUDGET_HOSTS.to_vec()),
+            json,
+            json_out,
+        }));
+    }
+    if let Some(flag) = ["--cloud", "--hosts"]
+        .into_iter()
+        .find(|flag| given.iter().any(|g| g == flag))
+    {
+        bail!("{flag} goes with --scenario {CLOUD_BUDGET}");
     }
 
     let endpoint = match (target, spawn) {
@@ -553,8 +681,77 @@ mod tests {
     fn options(text: &str) -> Options {
         match parse(&args(text)).unwrap() {
             Parsed::Run(options) => *options,
-            Parsed::Help => panic!("unexpected help"),
+            other => panic!("unexpected {other:?}"),
         }
+    }
+
+    fn cloud_budget(text: &str) -> CloudBudget {
+        match parse(&args(text)).unwrap() {
+            Parsed::CloudBudget(options) => options,
+            other => panic!("unexpected {other:?}"),
+        }
+    }
+
+    #[test]
+    fn cloud_budget_needs_no_endpoint_and_takes_its_own_flags() {
+        assert_eq!(
+            cloud_budget("--scenario cloud-budget"),
+            CloudBudget {
+                clouds: vec![Cloud::Hetzner, Cloud::DigitalOcean],
+                hosts: vec![100, 1000, 10_000],
+                json: false,
+                json_out: None,
+            }
+        );
+        assert_eq!(
+            cloud_budget(
+                "--json --scenario=cloud-budget --cloud digitalocean,hetzner,hetzner \
+                 --hosts 1_000,50 --json-out=r.json"
+            ),
+            CloudBudget {
+                clouds: vec![Cloud::Hetzner, Cloud::DigitalOcean],
+                hosts: vec![1000, 50],
+                json: true,
+                json_out: Some(PathBuf::from("r.json")),
+            }
+        );
+        assert_eq!(
+            cloud_budget("--scenario cloud-budget --cloud digitalocean").clouds,
+            [Cloud::DigitalOcean]
+        );
+        assert_eq!(
+            parse(&args("--scenario cloud-budget --help")).unwrap(),
+            Parsed::Help
+        );
+        // `all` stays the scenarios of a provider endpoint.
+        assert!(!options("--spawn bin --scenario all").scenarios.is_empty());
+        for bad in [
+            "--scenario cloud-budget --spawn bin",
+            "--scenario cloud-budget --target 127.0.0.1:9000",
+            "--scenario cloud-budget,get",
+            "--scenario all,cloud-budget",
+            "--scenario cloud-budget --quick",
+            "--scenario cloud-budget --repeats 2",
+            "--scenario cloud-budget --seeds 100",
+            "--scenario cloud-budget --cloud aws",
+            "--scenario cloud-budget --hosts 0",
+            "--scenario cloud-budget --hosts 1000001",
+            "--scenario cloud-budget --json=1",
+            "--scenario cloud-budget --scenario get",
+            "--scenario get --scenario cloud-budget",
+            "--spawn bin --hosts 100",
+            "--spawn bin --cloud hetzner",
+        ] {
+            assert!(parse(&args(bad)).is_err(), "accepted {bad:?}");
+        }
+        let refused = parse(&args("--scenario cloud-budget --spawn bin"))
+            .unwrap_err()
+            .to_string();
+        assert!(
+            refused.contains("--spawn does not apply to --scenario cloud-budget"),
+            "{refused}"
+        );
+        assert!(USAGE.contains("--scenario cloud-budget"));
     }
 
     #[test]

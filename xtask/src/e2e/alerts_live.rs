@@ -40,6 +40,7 @@ use tokio::time::Instant;
 
 use super::digitalocean_real::{
     Process, backend_args, droplet_of, eventually, start_agent, start_emulator,
+    start_on_free_bootstrap_port,
 };
 use super::provider_process::{self, Provider, Spec};
 use super::wire::{self, Caller, ClientSecurity, Shard, state_of};
@@ -669,22 +670,10 @@ async fn start_provider(
     pki: &Pki,
     leaf: &(PathBuf, PathBuf),
 ) -> Result<Provider> {
-    let mut last = None;
-    for _ in 0..3 {
-        let bootstrap = provider_process::free_port()?;
-        match provider_process::start(spec(root, api, dir, bootstrap, offerings, pki, leaf)).await {
-            Ok(provider) => return Ok(provider),
-            Err(e)
-                if format!("{e:#}")
-                    .to_lowercase()
-                    .contains("address already in use") =>
-            {
-                last = Some(e);
-            }
-            Err(e) => return Err(e),
-        }
-    }
-    Err(last.context("no start attempt")?).context("no free bootstrap port")
+    start_on_free_bootstrap_port(|bootstrap| {
+        provider_process::start(spec(root, api, dir, bootstrap, offerings, pki, leaf))
+    })
+    .await
 }
 
 /// Points Prometheus's file service discovery at the provider's metrics address.

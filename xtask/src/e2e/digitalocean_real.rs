@@ -12,6 +12,9 @@
 //!   agent's enrollment;
 //! - Delete removes the Droplet and settles SPECULATIVE;
 //! - SIGTERM stops the provider with exit 0.
+//!
+//! The flags of the real backend, the start on a free bootstrap port and the agent are shared
+//! with `cargo xtask bench --scenario cloud-budget`, which walks a machine the same way.
 
 use std::io::{BufRead, BufReader};
 use std::net::SocketAddr;
@@ -29,9 +32,9 @@ use tokio::time::Instant;
 use super::provider_process::{self, Provider, Spec};
 use super::wire::{self, Caller, ClientSecurity, Shard, acked, state_of};
 
-pub(super) const TOKEN: &str = "dop_v1_e2e_api_token_0123456789";
+pub(crate) const TOKEN: &str = "dop_v1_e2e_api_token_0123456789";
 pub(super) const SECRET: &str = "e2e-bootstrap-secret-0123456789abcdef";
-pub(super) const REGION: &str = "nyc3";
+pub(crate) const REGION: &str = "nyc3";
 const OFFERINGS: &str = r#"[
   {"size": "s-2vcpu-4gb", "region": "nyc3", "count": 2, "resources": {"cpu": "2", "memory": "4Gi"}},
   {"size": "s-1vcpu-2gb", "region": "nyc3", "count": 1, "resources": {"cpu": "1", "memory": "2Gi"}}
@@ -45,13 +48,13 @@ pub(super) const SETTLE: Duration = Duration::from_secs(15);
 const BOOTSTRAP_PORT_ATTEMPTS: usize = 3;
 
 /// A child process (emulator or agent) whose output is collected; killed when dropped.
-pub(super) struct Process {
+pub(crate) struct Process {
     child: Child,
     log: Arc<Mutex<Vec<String>>>,
 }
 
 impl Process {
-    pub(super) fn logs(&self) -> String {
+    pub(crate) fn logs(&self) -> String {
         self.log
             .lock()
             .unwrap_or_else(|e| e.into_inner())
@@ -117,7 +120,7 @@ pub(super) fn start_emulator(root: &Path) -> Result<(Process, SocketAddr)> {
 }
 
 /// The flags every DigitalOcean run on the real backend against do-emulator starts with.
-pub(super) fn backend_args(api: SocketAddr, bootstrap: u16, offerings: &Path) -> Vec<String> {
+pub(crate) fn backend_args(api: SocketAddr, bootstrap: u16, offerings: &Path) -> Vec<String> {
     vec![
         format!("--token={TOKEN}"),
         format!("--region={REGION}"),
@@ -132,6 +135,17 @@ pub(super) fn backend_args(api: SocketAddr, bootstrap: u16, offerings: &Path) ->
     ]
 }
 
+/// The bootstrap channel's TLS material from the committed test PKI `pki`, and its secret.
+pub(crate) fn bootstrap_args(pki: &Path) -> Vec<String> {
+    let pem = |name: &str| pki.join(name).display().to_string();
+    vec![
+        format!("--bootstrap-tls-cert={}", pem("server.pem")),
+        format!("--bootstrap-tls-key={}", pem("server-key.pem")),
+        format!("--bootstrap-ca={}", pem("ca.pem")),
+        format!("--bootstrap-secret={SECRET}"),
+    ]
+}
+
 fn spec(root: &Path, api: SocketAddr, bootstrap: u16, offerings: &Path, extra: &[String]) -> Spec {
     let pki = wire::pki_dir(root);
     let pem = |name: &str| pki.join(name).display().to_string();
@@ -140,11 +154,8 @@ fn spec(root: &Path, api: SocketAddr, bootstrap: u16, offerings: &Path, extra: &
         binary: provider_process::target_binary(root, "debug", "digitalocean"),
         args: backend_args(api, bootstrap, offerings)
             .into_iter()
+            .chain(bootstrap_args(&pki))
             .chain([
-                format!("--bootstrap-tls-cert={}", pem("server.pem")),
-                format!("--bootstrap-tls-key={}", pem("server-key.pem")),
-                format!("--bootstrap-ca={}", pem("ca.pem")),
-                format!("--bootstrap-secret={SECRET}"),
                 "--configure-timeout=30s".into(),
                 format!("--tls-cert={}", pem("server.pem")),
                 format!("--tls-key={}", pem("server-key.pem")),
@@ -168,10 +179,22 @@ pub(super) async fn start_provider(
     offerings: &Path,
     extra: &[String],
 ) -> Result<Provider> {
+    start_on_free_bootstrap_port(|bootstrap| {
+        provider_process::start(spec(root, api, bootstrap, offerings, extra))
+    })
+    .await
+}
+
+/// Runs `start` with a free bootstrap port until it starts; a port lost to another process
+/// meanwhile gets a fresh pick.
+pub(crate) async fn start_on_free_bootstrap_port<F>(start: impl Fn(u16) -> F) -> Result<Provider>
+where
+    F: std::future::Future<Output = Result<Provider>>,
+{
     let mut last = None;
     for _ in 0..BOOTSTRAP_PORT_ATTEMPTS {
         let bootstrap = provider_process::free_port()?;
-        match provider_process::start(spec(root, api, bootstrap, offerings, extra)).await {
+        match start(bootstrap).await {
             Ok(provider) => return Ok(provider),
             Err(e)
                 if format!("{e:#}")
@@ -218,7 +241,7 @@ fn agent_config(user_data: &str) -> Result<Value> {
 }
 
 /// The Droplet whose agent config names `machine_id`, and that config.
-pub(super) fn droplet_of(api: SocketAddr, machine_id: &str) -> Result<Option<(Value, Value)>> {
+pub(crate) fn droplet_of(api: SocketAddr, machine_id: &str) -> Result<Option<(Value, Value)>> {
     for droplet in droplets(api)? {
         let user_data = droplet["user_data"].as_str().unwrap_or_default();
         let Ok(config) = agent_config(user_data) else {
@@ -237,9 +260,15 @@ fn write_executable(path: &Path, body: &str) -> Result<()> {
         .with_context(|| format!("chmod {}", path.display()))
 }
 
-/// Starts `bigfleet-agent` in `dir` with `config`, a hook recording its arguments and a copy of
-/// the blob, and a drain script recording its argument.
+/// Starts the debug build of `bigfleet-agent` in `dir` with `config` (see [`start_agent_binary`]).
 pub(super) fn start_agent(root: &Path, dir: &Path, config: &Value) -> Result<Process> {
+    let binary = provider_process::target_binary(root, "debug", "bigfleet-agent");
+    start_agent_binary(&binary, dir, config)
+}
+
+/// Starts the `bigfleet-agent` at `binary` in `dir` with `config`, a hook recording its
+/// arguments and a copy of the blob, and a drain script recording its argument.
+pub(crate) fn start_agent_binary(binary: &Path, dir: &Path, config: &Value) -> Result<Process> {
     let config_path = dir.join("config.json");
     std::fs::write(&config_path, serde_json::to_vec_pretty(config)?)
         .context("write the agent config")?;
@@ -256,8 +285,7 @@ pub(super) fn start_agent(root: &Path, dir: &Path, config: &Value) -> Result<Pro
         &drain,
         &format!("#!/bin/sh\necho \"$1\" > '{}/drain.args'\n", dir.display()),
     )?;
-    let binary = provider_process::target_binary(root, "debug", "bigfleet-agent");
-    let mut child = Command::new(&binary)
+    let mut child = Command::new(binary)
         .arg("--config")
         .arg(&config_path)
         .arg("--hook")

@@ -19,6 +19,9 @@
 //!
 //! Host-key mismatches, retries, failing hooks and readiness are covered by the hetzner crate's
 //! integration tests against the same SSH server.
+//!
+//! The flags of the real backend, the client key and the servers' stand-in hook are shared with
+//! `cargo xtask bench --scenario cloud-budget`, which walks a machine the same way.
 
 use std::collections::HashMap;
 use std::io::{BufRead, BufReader};
@@ -40,7 +43,7 @@ const OFFERINGS: &str = r#"[
 
 /// Where the provider finds the hook, relative to the SSH command's working directory (the
 /// server's root).
-pub(super) const HOOK: &str = "opt/bigfleet/bootstrap";
+pub(crate) const HOOK: &str = "opt/bigfleet/bootstrap";
 const CLUSTER: &str = "e2e-cluster";
 
 /// The emulator process; killed when dropped.
@@ -121,7 +124,7 @@ impl Emulator {
 }
 
 /// A fresh ed25519 client key (`<dir>/id_ed25519`, public half `.pub`), via `ssh-keygen`.
-pub(super) fn client_key(dir: &Path) -> Result<PathBuf> {
+pub(crate) fn client_key(dir: &Path) -> Result<PathBuf> {
     let key = dir.join("id_ed25519");
     let out = Command::new("ssh-keygen")
         .args(["-q", "-t", "ed25519", "-N", "", "-C", "bigfleet-e2e", "-f"])
@@ -139,13 +142,13 @@ pub(super) fn client_key(dir: &Path) -> Result<PathBuf> {
 }
 
 /// Server `host`'s root, where the emulator's sshd runs its commands.
-pub(super) fn server_root(dir: &Path, host: &str) -> PathBuf {
+pub(crate) fn server_root(dir: &Path, host: &str) -> PathBuf {
     dir.join("servers").join(host)
 }
 
 /// Installs the stand-in bootstrap hook in `host`'s root: it records its arguments and copies
 /// the blob (which is removed when it exits).
-pub(super) fn install_hook(dir: &Path, host: &str) -> Result<()> {
+pub(crate) fn install_hook(dir: &Path, host: &str) -> Result<()> {
     use std::os::unix::fs::PermissionsExt;
     let hook = server_root(dir, host).join(HOOK);
     let parent = hook.parent().context("hook parent")?;
@@ -160,6 +163,27 @@ pub(super) fn read_text(path: &Path) -> Result<String> {
     std::fs::read_to_string(path).with_context(|| format!("read {}", path.display()))
 }
 
+/// The flags of the real backend against an emulator at `endpoint` that accepts `token`.
+pub(crate) fn backend_args(token: &str, endpoint: &str, offerings: &Path) -> Vec<String> {
+    vec![
+        "--hetzner-backend=hetzner".into(),
+        format!("--token={token}"),
+        format!("--hcloud-endpoint={endpoint}"),
+        "--image=ubuntu-24.04".into(),
+        format!("--offerings={}", offerings.display()),
+    ]
+}
+
+/// The flags of SSH delivery to the emulator's sshd on `port` with the client `key`, running
+/// the stand-in [`HOOK`].
+pub(crate) fn ssh_args(key: &Path, port: u16) -> Vec<String> {
+    vec![
+        format!("--ssh-key={}", key.display()),
+        format!("--ssh-port={port}"),
+        format!("--bootstrap-hook={HOOK}"),
+    ]
+}
+
 fn spec(root: &Path, emulator: &Emulator, offerings: &Path, key: &Path) -> Spec {
     let endpoint = &emulator.endpoint;
     let pki = wire::pki_dir(root);
@@ -167,28 +191,24 @@ fn spec(root: &Path, emulator: &Emulator, offerings: &Path, key: &Path) -> Spec 
     Spec {
         name: "hetzner (real backend)".into(),
         binary: provider_process::target_binary(root, "debug", "hetzner"),
-        args: vec![
-            "--hetzner-backend=hetzner".into(),
-            format!("--token={TOKEN}"),
-            format!("--hcloud-endpoint={endpoint}"),
-            "--image=ubuntu-24.04".into(),
-            format!("--offerings={}", offerings.display()),
-            format!("--ssh-key={}", key.display()),
-            format!("--ssh-port={}", emulator.ssh_port),
-            format!("--bootstrap-hook={HOOK}"),
-            format!("--tls-cert={}", pem("server.pem")),
-            format!("--tls-key={}", pem("server-key.pem")),
-            format!("--tls-ca={}", pem("ca.pem")),
-            "--shutdown-grace=5s".into(),
-            "--log-level=info".into(),
-        ],
+        args: backend_args(TOKEN, endpoint, offerings)
+            .into_iter()
+            .chain(ssh_args(key, emulator.ssh_port))
+            .chain([
+                format!("--tls-cert={}", pem("server.pem")),
+                format!("--tls-key={}", pem("server-key.pem")),
+                format!("--tls-ca={}", pem("ca.pem")),
+                "--shutdown-grace=5s".into(),
+                "--log-level=info".into(),
+            ])
+            .collect(),
         metrics: true,
         security: ClientSecurity::Mtls,
         pki,
     }
 }
 
-pub(super) fn host_of(machine: &pb::Machine) -> String {
+pub(crate) fn host_of(machine: &pb::Machine) -> String {
     machine
         .host
         .as_ref()

@@ -112,16 +112,22 @@ fn spawn(
 
 /// Starts `spec` on free loopback ports and waits until it reports SERVING.
 pub async fn start(spec: Spec) -> Result<Provider> {
-    start_until(spec, true).await
+    start_until(spec, true, START_DEADLINE).await
+}
+
+/// [`start`] with a deadline of its own from exec to SERVING, for a provider whose startup
+/// waits on something slow (an API budget that another user of the token spent).
+pub async fn start_within(spec: Spec, within: Duration) -> Result<Provider> {
+    start_until(spec, true, within).await
 }
 
 /// Starts `spec` and waits until its gRPC port answers the health check at all: a standby
 /// replica (`--state etcd://…`) reports NOT_SERVING until it leads.
 pub async fn start_answering(spec: Spec) -> Result<Provider> {
-    start_until(spec, false).await
+    start_until(spec, false, START_DEADLINE).await
 }
 
-async fn start_until(spec: Spec, serving: bool) -> Result<Provider> {
+async fn start_until(spec: Spec, serving: bool, within: Duration) -> Result<Provider> {
     let mut last_error = None;
     for _ in 0..PORT_ATTEMPTS {
         let grpc = loopback(free_port()?);
@@ -130,7 +136,7 @@ async fn start_until(spec: Spec, serving: bool) -> Result<Provider> {
         } else {
             None
         };
-        match start_on(spec.clone(), grpc, metrics, serving).await {
+        match start_on(spec.clone(), grpc, metrics, serving, within).await {
             Ok(provider) => return Ok(provider),
             Err(StartFailure::PortTaken(text)) => last_error = Some(text),
             Err(StartFailure::Other(e)) => return Err(e),
@@ -159,6 +165,7 @@ async fn start_on(
     grpc: SocketAddr,
     metrics: Option<SocketAddr>,
     serving: bool,
+    within: Duration,
 ) -> Result<Provider, StartFailure> {
     let (child, log) = spawn(&spec, grpc, metrics)?;
     let mut provider = Provider {
@@ -168,7 +175,7 @@ async fn start_on(
         child,
         log,
     };
-    let deadline = Instant::now() + START_DEADLINE;
+    let deadline = Instant::now() + within;
     loop {
         if let Some(status) = provider.child.try_wait().context("poll child")? {
             let logs = provider.logs();
@@ -194,7 +201,7 @@ async fn start_on(
         }
         if Instant::now() >= deadline {
             return Err(StartFailure::Other(anyhow::anyhow!(
-                "{} not SERVING within {START_DEADLINE:?}; log:\n{}",
+                "{} not SERVING within {within:?}; log:\n{}",
                 provider.spec.name,
                 provider.logs()
             )));
