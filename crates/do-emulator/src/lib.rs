@@ -84,6 +84,8 @@ struct EmulatedSize {
 #[derive(Default)]
 struct Knobs {
     fail_next: VecDeque<Fault>,
+    /// Every request until this moment meets this fault (before the queued ones).
+    outage: Option<(std::time::Instant, Fault)>,
     drop_create_responses: u32,
     active_after_polls: u32,
     /// How long new Droplets take to boot, when set (in place of `active_after_polls`).
@@ -271,12 +273,14 @@ impl Emulator {
         }
     }
 
-    /// Fails the next `count` API requests with `fault`.
-    /// Forgets every fault still queued.
+    /// Forgets every fault still queued, and ends an outage.
     pub fn clear_faults(&self) {
-        lock(&self.state).knobs.fail_next.clear();
+        let knobs = &mut lock(&self.state).knobs;
+        knobs.fail_next.clear();
+        knobs.outage = None;
     }
 
+    /// Fails the next `count` API requests with `fault`.
     pub fn fail_next(&self, count: usize, fault: Fault) {
         lock(&self.state)
             .knobs
@@ -287,6 +291,13 @@ impl Emulator {
     /// How many queued request faults wait for a request.
     pub fn pending_faults(&self) -> usize {
         lock(&self.state).knobs.fail_next.len()
+    }
+
+    /// Fails every API request with `fault` for `lasting` from now, however many requests
+    /// that is (an outage, as a cloud has them: by time, not by count), before any queued
+    /// fault. A later call replaces the outage.
+    pub fn fail_for(&self, lasting: std::time::Duration, fault: Fault) {
+        lock(&self.state).knobs.outage = Some((std::time::Instant::now() + lasting, fault));
     }
 
     /// The next `count` creates make the Droplet and then drop the connection unanswered.
@@ -586,7 +597,13 @@ async fn gate(
             )
                 .into_response();
         }
-        state.knobs.fail_next.pop_front()
+        match state.knobs.outage {
+            Some((until, fault)) if std::time::Instant::now() < until => Some(fault),
+            _ => {
+                state.knobs.outage = None;
+                state.knobs.fail_next.pop_front()
+            }
+        }
     };
     let reset = unix_now() + 60;
     if let Some(fault) = fault {

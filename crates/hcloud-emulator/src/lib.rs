@@ -113,6 +113,8 @@ struct World {
     create_bodies: Vec<serde_json::Value>,
     new_server_ipv6_net: Option<String>,
     faults: VecDeque<Fault>,
+    /// Every request until this moment meets this fault (before the queued ones).
+    outage: Option<(std::time::Instant, Fault)>,
     create_faults: VecDeque<CreateFault>,
     polls_to_running: u32,
     /// How long new servers take to boot, when set (in place of `polls_to_running`).
@@ -252,6 +254,7 @@ impl World {
             create_bodies: Vec::new(),
             new_server_ipv6_net: None,
             faults: VecDeque::new(),
+            outage: None,
             create_faults: VecDeque::new(),
             polls_to_running: 0,
             boot_time: None,
@@ -421,7 +424,14 @@ fn gate(
             "limit of requests per hour reached",
         ))
     } else {
-        match w.faults.pop_front() {
+        let outage = match &w.outage {
+            Some((until, fault)) if std::time::Instant::now() < *until => Some(fault.clone()),
+            _ => None,
+        };
+        if outage.is_none() {
+            w.outage = None;
+        }
+        match outage.or_else(|| w.faults.pop_front()) {
             None => Ok(()),
             Some(Fault::ServerError(status)) => {
                 let status =
@@ -1248,6 +1258,13 @@ impl Emulator {
     /// How many queued faults wait for a request.
     pub fn pending_faults(&self) -> usize {
         self.world().faults.len()
+    }
+
+    /// Answers every request with `fault` for `lasting` from now, however many requests that
+    /// is (an outage of the API, as a cloud has them: by time, not by count), before any
+    /// queued fault. A later call replaces the outage.
+    pub fn inject_for(&self, lasting: Duration, fault: Fault) {
+        self.world().outage = Some((std::time::Instant::now() + lasting, fault));
     }
 
     /// Every server not being deleted, as `(id, name)` (names derive from machine ids).

@@ -188,58 +188,30 @@ impl Emulated {
         self.live_hosts().iter().any(|(h, _)| h == id)
     }
 
-    /// Request faults queued and not yet met by a request.
-    fn pending_faults(&self) -> usize {
-        match self {
-            Emulated::Hetzner(e) => e.pending_faults(),
-            Emulated::DigitalOcean { emulator, .. } => emulator.pending_faults(),
-        }
-    }
-
-    /// Requests the emulator has answered so far.
-    fn requests_seen(&self) -> usize {
-        let classes = match self {
-            Emulated::Hetzner(e) => e.requests_by_class(),
-            Emulated::DigitalOcean { emulator, .. } => emulator.requests_by_class(),
-        };
-        classes.values().map(|(n, _)| n).sum()
-    }
-
     /// Injects one fault chosen by `chance`; returns its name for the counts.
     pub(crate) fn inject_random(&self, chance: &mut Chance) -> &'static str {
         let roll = chance.below(100);
-        let burst = 2 + chance.below(10) as usize;
-        // A storm or burst is queued for the next requests. While the provider makes few (a
-        // quiet spell, a restart), queued ones would pile up into an outage of unbounded
-        // length, which a real storm is not: at most one storm's worth waits at a time.
-        if roll < 40 && self.pending_faults() + burst > MAX_PENDING_FAULTS {
-            return "storm_still_pending";
-        }
-        // Nor does a storm come more often than the provider sends requests: one polling every
-        // booting host in one listing makes few, and storms a second apart would then fail
-        // nearly every one of them, which no cloud does.
-        let seen = self.requests_seen();
-        if roll < 40 {
-            let last = LAST_STORM_AT.load(std::sync::atomic::Ordering::Relaxed);
-            if seen >= last && seen < last + REQUESTS_BETWEEN_STORMS {
-                return "storm_waits_for_requests";
-            }
-            LAST_STORM_AT.store(seen, std::sync::atomic::Ordering::Relaxed);
-        }
+        // A storm or burst lasts a while, however many requests meet it, as a cloud's
+        // outages do: queued for a count of requests, it would last longer the fewer requests
+        // the provider sends (one polling every booting host in one listing sends few).
+        let lasting = chance.millis(100, 1000);
         match self {
             Emulated::Hetzner(e) => {
                 use hcloud_emulator::{CreateFault, Fault};
                 match roll {
                     0..20 => {
-                        e.inject((0..burst).map(|_| Fault::RateLimited {
-                            retry_after: Some(1),
-                            reset_in: Some(1),
-                        }));
+                        e.inject_for(
+                            lasting,
+                            Fault::RateLimited {
+                                retry_after: Some(1),
+                                reset_in: Some(1),
+                            },
+                        );
                         "rate_limit_storm"
                     }
                     20..40 => {
                         let status = [500, 502, 503, 504][chance.below(4) as usize];
-                        e.inject((0..burst).map(|_| Fault::ServerError(status)));
+                        e.inject_for(lasting, Fault::ServerError(status));
                         "server_error_burst"
                     }
                     40..50 => {
@@ -272,8 +244,8 @@ impl Emulated {
                 use do_emulator::Fault;
                 match roll {
                     0..20 => {
-                        e.fail_next(
-                            burst,
+                        e.fail_for(
+                            lasting,
                             Fault {
                                 status: 429,
                                 retry_after: Some(1),
@@ -283,8 +255,8 @@ impl Emulated {
                     }
                     20..40 => {
                         let status = [500, 502, 503, 504][chance.below(4) as usize];
-                        e.fail_next(
-                            burst,
+                        e.fail_for(
+                            lasting,
                             Fault {
                                 status,
                                 retry_after: None,
@@ -357,16 +329,6 @@ impl Emulated {
         }
     }
 }
-
-/// Requests the provider sends between two storms or bursts at least.
-const REQUESTS_BETWEEN_STORMS: usize = 20;
-
-/// The request count at the last storm or burst (a new emulator's count starts below it).
-static LAST_STORM_AT: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
-
-/// At most this many request faults wait at once (one storm of the largest size): fewer than
-/// a restarted provider's startup look-ups meet on two attempts (each gives up after 6 to 8).
-const MAX_PENDING_FAULTS: usize = 11;
 
 /// How long new hosts take to run: mostly a few seconds, sometimes longer than the Create
 /// deadline. By time, as a cloud boots (the provider's batched polls look at every booting

@@ -473,3 +473,41 @@ async fn every_deletion_is_an_account_action_listed_newest_first() {
     );
     assert_eq!(do_emulator::class_of("GET", "/v2/actions"), "actions");
 }
+
+#[tokio::test]
+async fn an_outage_fails_every_request_while_it_lasts_and_none_after() {
+    let (emulator, base, _stop) = start().await;
+    let http = reqwest::Client::new();
+    let sizes = || {
+        http.get(format!("{base}/v2/sizes"))
+            .bearer_auth(TOKEN)
+            .send()
+    };
+    emulator.fail_for(
+        std::time::Duration::from_millis(400),
+        do_emulator::Fault {
+            status: 429,
+            retry_after: Some(1),
+        },
+    );
+    // However many requests come while it lasts, each meets the outage.
+    for _ in 0..5 {
+        let r = sizes().await.unwrap();
+        assert_eq!(r.status(), 429);
+        assert_eq!(r.headers()["retry-after"], "1");
+    }
+    assert_eq!(emulator.pending_faults(), 0, "an outage queues nothing");
+    tokio::time::sleep(std::time::Duration::from_millis(450)).await;
+    assert_eq!(sizes().await.unwrap().status(), 200);
+    // A cleared outage ends at once.
+    emulator.fail_for(
+        std::time::Duration::from_secs(60),
+        do_emulator::Fault {
+            status: 503,
+            retry_after: None,
+        },
+    );
+    assert_eq!(sizes().await.unwrap().status(), 503);
+    emulator.clear_faults();
+    assert_eq!(sizes().await.unwrap().status(), 200);
+}

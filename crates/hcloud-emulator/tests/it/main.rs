@@ -6,6 +6,7 @@
 #![allow(clippy::unwrap_used)]
 
 use std::collections::HashMap;
+use std::time::Duration;
 
 use hcloud::apis::configuration::Configuration;
 use hcloud::apis::{Error, images_api, locations_api, networks_api, server_types_api, servers_api};
@@ -450,4 +451,24 @@ async fn production_resources_round_trip_through_the_generated_client() {
     .await
     .unwrap();
     assert!(emulator.placement_groups().is_empty());
+}
+
+#[tokio::test]
+async fn an_outage_fails_every_request_while_it_lasts_and_none_after() {
+    let emulator = Emulator::start(TOKEN).await.unwrap();
+    let c = config(&emulator, TOKEN);
+    emulator.inject_for(Duration::from_millis(400), Fault::ServerError(503));
+    // However many requests come while it lasts, each meets the outage.
+    for _ in 0..5 {
+        match server_types_api::list_server_types(&c, Default::default()).await {
+            Err(Error::ResponseError(content)) => assert_eq!(content.status.as_u16(), 503),
+            other => panic!("a request during the outage: {other:?}"),
+        }
+    }
+    assert_eq!(emulator.pending_faults(), 0, "an outage queues nothing");
+    tokio::time::sleep(Duration::from_millis(450)).await;
+    server_types_api::list_server_types(&c, Default::default())
+        .await
+        .unwrap();
+    assert_eq!(emulator.count_status(503), 5);
 }
