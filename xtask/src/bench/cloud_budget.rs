@@ -12,7 +12,9 @@
 //! - **bursts**: 50 Creates at once, from a full bucket, from one spent before the provider
 //!   started, and from one spent behind its back while it idled;
 //! - **the steady state**: owned hosts already in the cloud, and nothing for the provider to do
-//!   but reconcile, measured over several survey cycles.
+//!   but reconcile, measured over several survey cycles;
+//! - **crowded bursts** ([`crowd`]): 200 Creates beside 1,000 owned hosts under the cloud's
+//!   limit, alone on the token and beside another user spending half of it.
 //!
 //! Walks and bursts run in real time with the real limits and boot times (Hetzner 12 s,
 //! DigitalOcean 30 s): the binary paces its boot polls by its own clock, which no emulator
@@ -22,6 +24,7 @@
 //! gives no rate, so there the background share is raised tenfold instead. The report gives
 //! every figure in real time.
 
+mod crowd;
 mod digitalocean;
 mod hetzner;
 mod report;
@@ -37,7 +40,7 @@ use fleet_proto::v1alpha1 as pb;
 use tokio::task::JoinSet;
 use tokio::time::Instant;
 
-use self::report::{Bucket, Burst, Counts, Operation, Report, Steady, total};
+use self::report::{Bucket, Burst, Counts, Crowd, Operation, Report, Steady, total};
 use self::surveys::Snapshot;
 use super::args::{Cloud, CloudBudget};
 use super::procfs::Machine;
@@ -332,6 +335,20 @@ impl Lab {
             Lab::DigitalOcean(lab) => lab.live_hosts(),
         }
     }
+
+    /// Spends up to `n` tokens of the bucket, as another user of the token would, and says how
+    /// many it got.
+    fn drainer(&self) -> impl Fn(u32) -> u32 + Send + 'static {
+        let (hetzner, digitalocean) = match self {
+            Lab::Hetzner(lab) => (Some(lab.emulator.clone()), None),
+            Lab::DigitalOcean(lab) => (None, Some(lab.emulator.clone())),
+        };
+        move |n| match (&hetzner, &digitalocean) {
+            (Some(emulator), _) => emulator.drain_rate_limit(n),
+            (_, Some(emulator)) => emulator.drain_rate_limit(n),
+            (None, None) => 0,
+        }
+    }
 }
 
 /// One run's emulator, provider process and gRPC client.
@@ -465,6 +482,31 @@ impl Rig {
         let (status, body) = crate::e2e::http_get(addr, "/metrics")?;
         ensure!(status == 200, "GET /metrics: {status}");
         Ok(body)
+    }
+
+    /// Waits until `want` machines are IDLE; fails when one goes FAILED or at `deadline`.
+    async fn until_idle(&mut self, want: usize, deadline: Instant) -> Result<()> {
+        loop {
+            let machines = self.caller.list_all().await.context("List")?;
+            if let Some(failed) = machines
+                .iter()
+                .find(|m| state_of(m) == pb::MachineState::Failed)
+            {
+                bail!("{} went FAILED: {}", failed.id, failed.last_error);
+            }
+            let idle = machines
+                .iter()
+                .filter(|m| state_of(m) == pb::MachineState::Idle)
+                .count();
+            if idle == want {
+                return Ok(());
+            }
+            ensure!(
+                Instant::now() < deadline,
+                "{idle} of {want} machines IDLE by the deadline"
+            );
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
     }
 
     /// Stops the provider; an `outcome` that failed gets the end of its log.
@@ -642,28 +684,7 @@ async fn burst_on(rig: &mut Rig, bucket: Bucket) -> Result<Burst> {
             .await
             .with_context(|| format!("Create {id}"))?;
     }
-    let deadline = started + BURST_DEADLINE;
-    loop {
-        let machines = rig.caller.list_all().await.context("List")?;
-        if let Some(failed) = machines
-            .iter()
-            .find(|m| state_of(m) == pb::MachineState::Failed)
-        {
-            bail!("{} went FAILED: {}", failed.id, failed.last_error);
-        }
-        let idle = machines
-            .iter()
-            .filter(|m| state_of(m) == pb::MachineState::Idle)
-            .count();
-        if idle == CREATES {
-            break;
-        }
-        ensure!(
-            Instant::now() < deadline,
-            "{idle} of {CREATES} machines IDLE after {BURST_DEADLINE:?}"
-        );
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
+    rig.until_idle(CREATES, started + BURST_DEADLINE).await?;
     let wall = started.elapsed();
     let after = rig.quiet().await?;
     let live = rig.lab.live_hosts();
@@ -763,6 +784,7 @@ enum Figures {
     Walk(Vec<Operation>),
     Burst(Burst),
     Steady(Steady),
+    Crowd(Crowd),
 }
 
 /// Every run at once; the report has what completed and names what failed.
@@ -787,6 +809,11 @@ async fn measure_all(root: PathBuf, binaries: Binaries, options: CloudBudget) ->
                 Job::Steady(cloud, hosts) => steady(&root, &binaries, &dir, cloud, hosts)
                     .await
                     .map(Figures::Steady),
+                Job::Crowded(cloud, shared) => {
+                    crowd::crowded(&root, &binaries, &dir, cloud, shared)
+                        .await
+                        .map(Figures::Crowd)
+                }
             };
             (name, started.elapsed(), result)
         });
@@ -804,6 +831,13 @@ async fn measure_all(root: PathBuf, binaries: Binaries, options: CloudBudget) ->
             spawn(
                 format!("{}-steady-{hosts}", cloud.name()),
                 Job::Steady(cloud, hosts),
+            );
+        }
+        for shared in [false, true] {
+            let beside = if shared { "shared" } else { "alone" };
+            spawn(
+                format!("{}-crowded-{beside}", cloud.name()),
+                Job::Crowded(cloud, shared),
             );
         }
     }
@@ -828,6 +862,7 @@ async fn measure_all(root: PathBuf, binaries: Binaries, options: CloudBudget) ->
                     Figures::Walk(ops) => report.operations.extend(ops),
                     Figures::Burst(b) => report.bursts.push(b),
                     Figures::Steady(s) => report.steady.push(s),
+                    Figures::Crowd(c) => report.crowds.push(c),
                 }
             }
             Err(e) => {
@@ -841,6 +876,7 @@ async fn measure_all(root: PathBuf, binaries: Binaries, options: CloudBudget) ->
     report.operations.sort_by_key(|op| op.cloud);
     report.bursts.sort_by_key(|b| (b.cloud, b.bucket));
     report.steady.sort_by_key(|s| (s.cloud, s.hosts));
+    report.crowds.sort_by_key(|c| (c.cloud, c.other.is_some()));
     report.conditions = conditions(&options.clouds);
     Ok(report)
 }
@@ -850,6 +886,8 @@ enum Job {
     Walk(Cloud),
     Burst(Cloud, Bucket),
     Steady(Cloud, usize),
+    /// Whether another user shares the token.
+    Crowded(Cloud, bool),
 }
 
 fn summary(figures: &Figures) -> String {
@@ -871,6 +909,13 @@ fn summary(figures: &Figures) -> String {
             s.per_hour(),
             s.share() * 100.0
         ),
+        Figures::Crowd(c) => format!(
+            "{} requests, {} answered 429, in {:.1?} (budget time {:.1?})",
+            total(&c.requests),
+            report::refused(&c.requests),
+            c.wall,
+            c.budget
+        ),
     }
 }
 
@@ -890,6 +935,7 @@ fn conditions(clouds: &[Cloud]) -> Vec<String> {
         QUIET.as_secs()
     )];
     lines.extend(clouds.iter().map(|c| c.steady_conditions()));
+    lines.extend(crowd::conditions(clouds));
     lines.push(format!(
         "steady state: owned hosts put into the emulator as the provider labels or tags its own \
          (they run no sshd or agent); requests/hour are the survey requests (every class but \

@@ -1,8 +1,9 @@
 //! The API budget at fleet sizes a project can hold, against the emulator's real Hetzner
 //! limit (time-scaled): a burst of 200 Creates beside 1,000 servers already owned meets no 429
 //! and takes no longer than its requests take at the provider's share of the refill rate, with
-//! a reconcile survey running beside it; at 10,000 owned servers the paced surveys of an hour
-//! stay within the reconcile share and meet no 429.
+//! a reconcile survey running beside it; at 10,000 owned servers an hour of the provider's
+//! reconcile loop (paced surveys, out-of-band checks between them) stays within the reconcile
+//! share and meets no 429.
 
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -14,7 +15,10 @@ use provider_core::budget::{self, Class};
 use provider_core::fleet::{CapacityBook, Fleet, PriceBook};
 use provider_core::machine::MachineState;
 use provider_core::offerings::Offering;
+use provider_core::reconcile_loop::ReconcileLoop;
+use provider_core::replica::Replica;
 use tokio::time::Instant;
+use tokio_util::sync::CancellationToken;
 
 use crate::harness::{Env, Options, PROVIDER};
 
@@ -184,36 +188,47 @@ async fn an_hour_at_ten_thousand_owned_servers_stays_within_the_reconcile_share(
     insert_owned(&env, 10_000);
     let engine = engine(&env, 10_000).await;
     let hour = Duration::from_secs_f64(3_600.0 / STEADY_SCALE);
-    let budget = provider_core::cloud::Cloud::api_budget(env.cloud.as_ref())
-        .expect("the real client has a budget");
     let floor = Duration::from_secs_f64(120.0 / STEADY_SCALE);
     let before = total(&env);
+    let at_start = env.emulator.requests_by_class();
     let started = Instant::now();
-    let mut surveys = 0;
-    // The provider's reconcile loop: a survey, then the wait its cost sets at the background
-    // rate (never below the floor).
-    while started.elapsed() < hour {
-        let spent = budget.served(Class::Reconcile) + budget.served(Class::Proof);
-        budget::scoped(Class::Reconcile, engine.reconcile())
-            .await
-            .unwrap();
-        surveys += 1;
-        let cost = budget.served(Class::Reconcile) + budget.served(Class::Proof) - spent;
-        let period = budget::survey_period(floor, cost, budget.background_per_second());
-        tokio::time::sleep(period).await;
-    }
+    // The provider's own reconcile loop: surveys paced to their share, and the out-of-band
+    // check every floor between them.
+    let stop = CancellationToken::new();
+    let reconcile = tokio::spawn(
+        ReconcileLoop {
+            replica: Replica::single(engine.clone()),
+            cloud: Some(env.cloud.clone()),
+            floor,
+            telemetry: env.telemetry,
+        }
+        .run(stop.clone()),
+    );
+    tokio::time::sleep(hour).await;
+    stop.cancel();
+    reconcile.await.unwrap();
+    let elapsed = started.elapsed();
     let sent = total(&env) - before;
-    let per_hour = sent as f64 * hour.as_secs_f64() / started.elapsed().as_secs_f64();
+    let classes = env.emulator.requests_by_class();
+    let per_hour = sent as f64 * hour.as_secs_f64() / elapsed.as_secs_f64();
     let share = budget::DEFAULT_SHARE * budget::DEFAULT_RECONCILE_SHARE * 3_600.0;
     eprintln!(
-        "10,000 owned servers: {surveys} surveys in an hour, {per_hour:.0} requests an hour \
-         (reconcile share {share:.0}, {:.1}% of the limit)",
+        "10,000 owned servers: {per_hour:.0} requests an hour (reconcile share {share:.0}, \
+         {:.1}% of the limit); by class {classes:?}",
         per_hour / 36.0
     );
-    assert_eq!(env.emulator.count_status(429), 0);
-    assert!(surveys >= 1);
-    // A survey is 200 pages; the hour's surveys fit the share, with at most one survey's
-    // worth over it (the first runs at once).
+    assert_eq!(env.emulator.count_status(429), 0, "{classes:?}");
+    // The survey's pages (a survey is 200 pages of 50) and the checks between surveys.
+    let grew = |class: &str| {
+        let count = |c: &std::collections::BTreeMap<&str, (usize, usize)>| {
+            c.get(class).map_or(0, |(n, _)| *n)
+        };
+        count(&classes) - count(&at_start)
+    };
+    assert!(grew("listing") >= 200, "{classes:?}");
+    assert!(grew("count") >= 1, "{classes:?}");
+    // The hour's surveys and checks fit the share, with at most one survey's worth over it
+    // (the first runs at once).
     assert!(
         per_hour <= share + 200.0,
         "{per_hour:.0} requests an hour, above the reconcile share {share:.0}"

@@ -18,6 +18,18 @@ pub(crate) type Counts = BTreeMap<&'static str, (usize, usize)>;
 /// The class of the catalog reads (types, images, prices...), which are no survey's.
 pub(crate) const CATALOG: &str = "catalog";
 
+/// The classes of the out-of-band checks between surveys (Hetzner's one-server count,
+/// DigitalOcean's actions since a cursor): reconcile's requests, but no survey's.
+pub(crate) const CHECKS: [&str; 2] = ["count", "actions"];
+
+/// The requests of `counts` in `classes`.
+pub(crate) fn of_classes(counts: &Counts, classes: &[&str]) -> usize {
+    classes
+        .iter()
+        .map(|class| counts.get(class).map_or(0, |(n, _)| *n))
+        .sum()
+}
+
 /// Every request in `counts`.
 pub(crate) fn total(counts: &Counts) -> usize {
     counts.values().map(|(n, _)| n).sum()
@@ -133,18 +145,29 @@ pub(crate) struct Steady {
 }
 
 impl Steady {
-    /// The window's requests that are the surveys' (everything but the catalog reads).
-    pub(crate) fn survey_requests(&self) -> usize {
-        total(&self.requests) - self.requests.get(CATALOG).map_or(0, |(n, _)| *n)
+    /// The window's requests of reconcile: its surveys and the checks between them (everything
+    /// but the catalog reads).
+    pub(crate) fn reconcile_requests(&self) -> usize {
+        total(&self.requests) - of_classes(&self.requests, &[CATALOG])
+    }
+
+    /// The window's out-of-band checks.
+    pub(crate) fn check_requests(&self) -> usize {
+        of_classes(&self.requests, &CHECKS)
     }
 
     pub(crate) fn per_survey(&self) -> f64 {
-        self.survey_requests() as f64 / self.cycles.max(1) as f64
+        (self.reconcile_requests() - self.check_requests()) as f64 / self.cycles.max(1) as f64
     }
 
-    /// Survey requests per real hour.
+    /// Reconcile requests (surveys and checks) per real hour.
     pub(crate) fn per_hour(&self) -> f64 {
-        self.survey_requests() as f64 * 3600.0 / self.real_seconds.max(1e-9)
+        self.reconcile_requests() as f64 * 3600.0 / self.real_seconds.max(1e-9)
+    }
+
+    /// Out-of-band checks per real hour.
+    pub(crate) fn checks_per_hour(&self) -> f64 {
+        self.check_requests() as f64 * 3600.0 / self.real_seconds.max(1e-9)
     }
 
     /// Every request of the window per real hour (catalog refreshes included).
@@ -158,12 +181,43 @@ impl Steady {
     }
 }
 
+/// Creates beside many owned hosts, alone on the token or beside another user.
+#[derive(Clone, Debug, PartialEq)]
+pub(crate) struct Crowd {
+    pub cloud: Cloud,
+    pub owned: usize,
+    pub creates: usize,
+    /// How many times faster than real time the cloud's limit ran.
+    pub scale: f64,
+    /// What the other user of the token asked for and got, when there was one.
+    pub other: Option<(u32, u32)>,
+    pub requests: Counts,
+    /// From the first Create to the last machine IDLE.
+    pub wall: Duration,
+    /// What the provider's share of the refill allows for its requests, and one boot.
+    pub budget: Duration,
+}
+
+impl Crowd {
+    fn other_user(&self) -> String {
+        match self.other {
+            None => "none".into(),
+            Some((asked, got)) => format!("half the refill (got {got} of {asked})"),
+        }
+    }
+
+    pub(crate) fn ratio(&self) -> f64 {
+        self.wall.as_secs_f64() / self.budget.as_secs_f64().max(1e-9)
+    }
+}
+
 /// Everything one run measured, and what failed.
 #[derive(Clone, Debug, Default, PartialEq)]
 pub(crate) struct Report {
     pub operations: Vec<Operation>,
     pub bursts: Vec<Burst>,
     pub steady: Vec<Steady>,
+    pub crowds: Vec<Crowd>,
     /// How each kind of run was set up, one line each.
     pub conditions: Vec<String>,
     pub failures: Vec<String>,
@@ -226,13 +280,14 @@ pub(crate) fn tables(report: &Report) -> String {
         out.push_str("Steady state (reconcile only), in real time:\n\n");
         out.push_str(
             "| cloud | owned hosts | surveys | requests per survey | provider's count | \
-             period s | requests/hour | share of limit | all requests/hour | time scale |\n",
+             period s | checks/hour | requests/hour | share of limit | all requests/hour | \
+             time scale |\n",
         );
-        out.push_str("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n");
+        out.push_str("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n");
         for s in &report.steady {
             let _ = writeln!(
                 out,
-                "| {} | {} | {} | {} | {} | {} | {} | {:.1}% | {} | {} |",
+                "| {} | {} | {} | {} | {} | {} | {} | {} | {:.1}% | {} | {} |",
                 s.cloud.name(),
                 s.hosts,
                 s.cycles,
@@ -240,10 +295,37 @@ pub(crate) fn tables(report: &Report) -> String {
                 s.provider_survey_requests
                     .map_or_else(|| "?".into(), number),
                 s.period_seconds.map_or_else(|| "?".into(), number),
+                number(s.checks_per_hour()),
                 number(s.per_hour()),
                 s.share() * 100.0,
                 number(s.all_per_hour()),
                 number(s.scale)
+            );
+        }
+        out.push('\n');
+    }
+    if !report.crowds.is_empty() {
+        out.push_str("Creates beside owned hosts:\n\n");
+        out.push_str(
+            "| cloud | owned hosts | Creates | other user | requests | by class | 429 | wall time \
+             | budget time | wall / budget | time scale |\n",
+        );
+        out.push_str("|---|---:|---:|---|---:|---|---:|---:|---:|---:|---:|\n");
+        for c in &report.crowds {
+            let _ = writeln!(
+                out,
+                "| {} | {} | {} | {} | {} | {} | {} | {} | {} | {:.2} | {} |",
+                c.cloud.name(),
+                c.owned,
+                c.creates,
+                c.other_user(),
+                total(&c.requests),
+                by_class(&c.requests),
+                refused(&c.requests),
+                human(c.wall),
+                human(c.budget),
+                c.ratio(),
+                number(c.scale)
             );
         }
         out.push('\n');
@@ -291,10 +373,23 @@ pub(crate) fn to_json(report: &Report, machine: &Machine, took: Duration) -> Val
             "requests_per_survey": s.per_survey(),
             "provider_survey_requests": s.provider_survey_requests,
             "reconcile_period_seconds": s.period_seconds,
+            "checks_per_hour": s.checks_per_hour(),
             "requests_per_hour": s.per_hour(),
             "share_of_hourly_limit": s.share(),
             "all_requests_per_hour": s.all_per_hour(),
             "by_class": classes_json(&s.requests),
+        })).collect::<Vec<_>>(),
+        "crowded": report.crowds.iter().map(|c| json!({
+            "cloud": c.cloud.name(),
+            "owned_hosts": c.owned,
+            "creates": c.creates,
+            "time_scale": c.scale,
+            "other_user": c.other.map(|(asked, got)| json!({"asked": asked, "got": got})),
+            "requests": total(&c.requests),
+            "refused": refused(&c.requests),
+            "by_class": classes_json(&c.requests),
+            "seconds": c.wall.as_secs_f64(),
+            "budget_seconds": c.budget.as_secs_f64(),
         })).collect::<Vec<_>>(),
         "failures": report.failures,
     })
@@ -328,11 +423,21 @@ mod tests {
                 hosts: 1000,
                 scale: 100.0,
                 cycles: 3,
-                requests: counts(&[("listing", 63, 0), ("catalog", 6, 0)]),
+                requests: counts(&[("listing", 63, 0), ("count", 9, 0), ("catalog", 6, 0)]),
                 real_seconds: 630.0,
                 period_seconds: Some(210.0),
                 provider_survey_requests: Some(21.0),
                 hourly_limit: 3600.0,
+            }],
+            crowds: vec![Crowd {
+                cloud: Cloud::Hetzner,
+                owned: 1000,
+                creates: 200,
+                scale: 10.0,
+                other: Some((1500, 1490)),
+                requests: counts(&[("create", 200, 0), ("listing", 40, 0)]),
+                wall: Duration::from_secs(63),
+                budget: Duration::from_secs(60),
             }],
             conditions: vec!["walks at real time".into()],
             failures: vec!["digitalocean steady 10000: boom".into()],
@@ -355,11 +460,13 @@ mod tests {
     #[test]
     fn steady_figures_are_per_real_hour() {
         let s = &sample().steady[0];
-        assert_eq!(s.survey_requests(), 63);
+        assert_eq!(s.reconcile_requests(), 72);
+        assert_eq!(s.check_requests(), 9);
         assert_eq!(s.per_survey(), 21.0);
-        assert_eq!(s.per_hour(), 360.0);
-        assert_eq!(s.all_per_hour(), 394.2857142857143);
-        assert_eq!(s.share(), 0.1);
+        assert_eq!(s.per_hour(), 411.42857142857144);
+        assert_eq!(s.checks_per_hour(), 51.42857142857143);
+        assert_eq!(s.all_per_hour(), 445.7142857142857);
+        assert!((s.share() - 0.1142857142857143).abs() < 1e-12);
     }
 
     #[test]
@@ -385,7 +492,14 @@ mod tests {
             "{text}"
         );
         assert!(
-            text.contains("| hetzner | 1000 | 3 | 21 | 21 | 210 | 360 | 10.0% | 394 | 100 |"),
+            text.contains("| hetzner | 1000 | 3 | 21 | 21 | 210 | 51 | 411 | 11.4% | 446 | 100 |"),
+            "{text}"
+        );
+        assert!(
+            text.contains(
+                "| hetzner | 1000 | 200 | half the refill (got 1490 of 1500) | 240 | create 200, \
+                 listing 40 | 0 | 63.0 s | 60.0 s | 1.05 | 10 |"
+            ),
             "{text}"
         );
         assert!(text.ends_with("- walks at real time\n"), "{text}");
@@ -400,8 +514,10 @@ mod tests {
         assert_eq!(json["transitions"][0]["requests"], 6);
         assert_eq!(json["bursts"][0]["refused"], 12);
         assert_eq!(json["bursts"][0]["by_class"]["listing"]["refused"], 12);
-        assert_eq!(json["steady"][0]["requests_per_hour"], 360.0);
-        assert_eq!(json["steady"][0]["share_of_hourly_limit"], 0.1);
+        assert_eq!(json["steady"][0]["requests_per_hour"], 411.42857142857144);
+        assert_eq!(json["steady"][0]["checks_per_hour"], 51.42857142857143);
+        assert_eq!(json["crowded"][0]["other_user"]["got"], 1490);
+        assert_eq!(json["crowded"][0]["budget_seconds"], 60.0);
         assert_eq!(json["failures"][0], "digitalocean steady 10000: boom");
         // Nothing measured: no table at all.
         assert_eq!(tables(&Report::default()), "");

@@ -1,15 +1,16 @@
 //! Reconcile surveys found in a record of the emulator's request counts, and the real-time
 //! length of a window of whole survey cycles. Pure, so both have unit tests.
 //!
-//! A survey is a run of requests (other than catalog reads) that follow each other closely; two
-//! surveys are apart by at least the provider's wait between them. When the run goes `scale`
+//! A survey is a run of requests (other than catalog reads and the out-of-band checks between
+//! surveys) that follow each other closely; two surveys are apart by at least the provider's
+//! wait between them. When the run goes `scale`
 //! times faster than real time, the waits are scaled but a survey's own requests take the
 //! emulator's real answer time, so a window's real length counts the time between surveys
 //! `scale` times and the time inside them once.
 
 use std::time::Duration;
 
-use super::report::{CATALOG, Counts, total};
+use super::report::{CATALOG, CHECKS, Counts, of_classes, total};
 
 /// The emulator's counts as they were from `at` (since the record began) on.
 #[derive(Clone, Debug, PartialEq)]
@@ -30,12 +31,12 @@ pub(crate) struct Survey {
 }
 
 fn surveyed(counts: &Counts) -> usize {
-    total(counts) - counts.get(CATALOG).map_or(0, |(n, _)| *n)
+    total(counts) - of_classes(counts, &[CATALOG]) - of_classes(counts, &CHECKS)
 }
 
 /// The surveys in `record` (snapshots in time order, the first one the state when it began):
-/// a request seen `gap` or longer after the previous one starts a new survey. Catalog reads
-/// neither start nor end one.
+/// a request seen `gap` or longer after the previous one starts a new survey. Catalog reads and
+/// checks neither start nor end one.
 pub(crate) fn find(record: &[Snapshot], gap: Duration) -> Vec<Survey> {
     let mut surveys: Vec<Survey> = Vec::new();
     for i in 1..record.len() {
@@ -138,6 +139,39 @@ mod tests {
         assert_eq!(find(&record, Duration::from_secs(2)).len(), 1);
         // Catalog reads alone are no survey.
         assert!(find(&[at(0, 0, 0), at(5, 0, 1), at(900, 0, 2)], Duration::ZERO).is_empty());
+    }
+
+    #[test]
+    fn checks_between_surveys_are_no_survey_but_count_in_the_window() {
+        // The record above with an out-of-band check 500 ms after each survey.
+        let mut record = record();
+        for snapshot in &mut record {
+            let checks = (0..4u64)
+                .filter(|cycle| snapshot.at >= Duration::from_millis(720 + cycle * 1000))
+                .count();
+            if checks > 0 {
+                snapshot.counts.insert(CHECKS[0], (checks, 0));
+            }
+        }
+        for cycle in 0..4u64 {
+            let mut check = record
+                .iter()
+                .rev()
+                .find(|s| s.at <= Duration::from_millis(700 + cycle * 1000))
+                .unwrap()
+                .clone();
+            check.at = Duration::from_millis(720 + cycle * 1000);
+            check.counts.insert(CHECKS[0], (cycle as usize + 1, 0));
+            let at = record.partition_point(|s| s.at < check.at);
+            record.insert(at, check);
+        }
+        let surveys = find(&record, Duration::from_millis(300));
+        assert_eq!(surveys.len(), 4, "{surveys:?}");
+        assert_eq!(surveys[1].start, Duration::from_millis(1200));
+        assert_eq!(surveys[1].end, Duration::from_millis(1220));
+        let w = window(&record, &surveys, 1, 2, 100.0).unwrap();
+        assert_eq!(w.requests.get("listing"), Some(&(6, 0)));
+        assert_eq!(w.requests.get(CHECKS[0]), Some(&(2, 0)));
     }
 
     #[test]
