@@ -492,7 +492,9 @@ mod tests {
             "{text}"
         );
         assert!(
-            text.contains("| hetzner | 1000 | 3 | 21 | 21 | 210 | 51 | 411 | 11.4% | 446 | 100 |"),
+            text.contains(
+                "| hetzner | 1000 | 3 | 21 | 21 | 210 | 51.4 | 411 | 11.4% | 446 | 100 |"
+            ),
             "{text}"
         );
         assert!(
