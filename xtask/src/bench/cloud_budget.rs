@@ -938,8 +938,8 @@ fn conditions(clouds: &[Cloud]) -> Vec<String> {
     lines.extend(crowd::conditions(clouds));
     lines.push(format!(
         "steady state: owned hosts put into the emulator as the provider labels or tags its own \
-         (they run no sshd or agent); requests/hour are the survey requests (every class but \
-         catalog) over {CYCLES} whole survey cycles after the first survey, the waits between \
+         (they run no sshd or agent); requests/hour are the requests of the surveys and of the \
+         out-of-band checks between them (every class but catalog) over {CYCLES} whole survey cycles after the first survey, the waits between \
          surveys counted at the scale and the surveys' own time once; period is the provider's \
          <prefix>_reconcile_period_seconds at the end of the window, times the scale"
     ));
