@@ -338,15 +338,16 @@ impl Lab {
 
     /// Spends up to `n` tokens of the bucket, as another user of the token would, and says how
     /// many it got.
-    fn drainer(&self) -> impl Fn(u32) -> u32 + Send + 'static {
-        let (hetzner, digitalocean) = match self {
-            Lab::Hetzner(lab) => (Some(lab.emulator.clone()), None),
-            Lab::DigitalOcean(lab) => (None, Some(lab.emulator.clone())),
-        };
-        move |n| match (&hetzner, &digitalocean) {
-            (Some(emulator), _) => emulator.drain_rate_limit(n),
-            (_, Some(emulator)) => emulator.drain_rate_limit(n),
-            (None, None) => 0,
+    fn drainer(&self) -> Box<dyn Fn(u32) -> u32 + Send> {
+        match self {
+            Lab::Hetzner(lab) => {
+                let emulator = lab.emulator.clone();
+                Box::new(move |n| emulator.drain_rate_limit(n))
+            }
+            Lab::DigitalOcean(lab) => {
+                let emulator = lab.emulator.clone();
+                Box::new(move |n| emulator.drain_rate_limit(n))
+            }
         }
     }
 }
@@ -939,9 +940,10 @@ fn conditions(clouds: &[Cloud]) -> Vec<String> {
     lines.push(format!(
         "steady state: owned hosts put into the emulator as the provider labels or tags its own \
          (they run no sshd or agent); requests/hour are the requests of the surveys and of the \
-         out-of-band checks between them (every class but catalog) over {CYCLES} whole survey cycles after the first survey, the waits between \
-         surveys counted at the scale and the surveys' own time once; period is the provider's \
-         <prefix>_reconcile_period_seconds at the end of the window, times the scale"
+         out-of-band checks between them (every class but catalog) over {CYCLES} whole survey \
+         cycles after the first survey, the waits between surveys counted at the scale and the \
+         surveys' own time once; period is the provider's <prefix>_reconcile_period_seconds at \
+         the end of the window, times the scale"
     ));
     lines
 }

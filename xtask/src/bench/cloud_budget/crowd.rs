@@ -12,13 +12,12 @@
 //!   rate to scale) from a full bucket: the binary's share of the minute's 250 is what paces it.
 
 use std::path::Path;
-use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
 use std::time::Duration;
 
 use anyhow::{Context, Result, ensure};
 use fleet_proto::v1alpha1 as pb;
 use tokio::time::Instant;
+use tokio_util::sync::CancellationToken;
 
 use super::report::{Counts, Crowd};
 use super::{Binaries, DEFAULT_SHARES, Lab, Rig, Setup, Spent, slot};
@@ -118,50 +117,40 @@ pub(super) fn conditions(clouds: &[Cloud]) -> Vec<String> {
 /// Another user of the token who asks for half its refill every [`OTHER_TICK`] and takes what
 /// the bucket has.
 struct OtherUser {
-    stop: Arc<AtomicBool>,
-    asked: Arc<AtomicU32>,
-    got: Arc<AtomicU32>,
-    task: tokio::task::JoinHandle<()>,
+    stop: CancellationToken,
+    /// Ends with what it asked for and what it got.
+    task: tokio::task::JoinHandle<(u32, u32)>,
 }
 
 impl OtherUser {
     fn start(lab: &Lab, cloud: Cloud) -> OtherUser {
-        let (stop, asked, got) = (Arc::default(), Arc::default(), Arc::default());
+        let stop = CancellationToken::new();
         let drain = lab.drainer();
         let per_tick = 0.5 * refill(cloud) * OTHER_TICK.as_secs_f64();
-        let task = {
-            let (stop, asked, got): (Arc<AtomicBool>, Arc<AtomicU32>, Arc<AtomicU32>) =
-                (Arc::clone(&stop), Arc::clone(&asked), Arc::clone(&got));
-            tokio::spawn(async move {
-                let mut tick = tokio::time::interval(OTHER_TICK);
-                let mut owed = 0.0;
-                while !stop.load(Ordering::SeqCst) {
-                    tick.tick().await;
-                    owed += per_tick;
-                    let whole = owed.floor();
-                    owed -= whole;
-                    let n = whole as u32;
-                    asked.fetch_add(n, Ordering::SeqCst);
-                    got.fetch_add(drain(n), Ordering::SeqCst);
+        let until = stop.clone();
+        let task = tokio::spawn(async move {
+            let mut tick = tokio::time::interval(OTHER_TICK);
+            let (mut owed, mut asked, mut got) = (0.0, 0, 0);
+            loop {
+                tokio::select! {
+                    () = until.cancelled() => return (asked, got),
+                    _ = tick.tick() => {}
                 }
-            })
-        };
-        OtherUser {
-            stop,
-            asked,
-            got,
-            task,
-        }
+                owed += per_tick;
+                let whole = owed.floor();
+                owed -= whole;
+                let n = whole as u32;
+                asked += n;
+                got += drain(n);
+            }
+        });
+        OtherUser { stop, task }
     }
 
     /// Stops it; what it asked for and what it got.
     async fn stop(self) -> (u32, u32) {
-        self.stop.store(true, Ordering::SeqCst);
-        let _ = self.task.await;
-        (
-            self.asked.load(Ordering::SeqCst),
-            self.got.load(Ordering::SeqCst),
-        )
+        self.stop.cancel();
+        self.task.await.unwrap_or_default()
     }
 }
 
