@@ -234,6 +234,13 @@ struct Process {
     spec: Spec,
     provider: Option<Provider>,
     channel: watch::Sender<Option<Channel>>,
+    /// Panics logged by the runs killed so far.
+    panics: usize,
+}
+
+/// The panics a provider log reports.
+fn panic_lines(log: &str) -> usize {
+    log.lines().filter(|l| l.contains("panicked")).count()
 }
 
 impl Process {
@@ -245,6 +252,7 @@ impl Process {
             spec,
             provider: Some(provider),
             channel: tx,
+            panics: 0,
         })
     }
 
@@ -252,6 +260,7 @@ impl Process {
     async fn kill_and_restart(&mut self) -> Result<()> {
         self.channel.send_replace(None);
         if let Some(mut provider) = self.provider.take() {
+            self.panics += panic_lines(&provider.logs());
             let status = Command::new("kill")
                 .args(["-KILL", &provider.pid().to_string()])
                 .status()
@@ -323,9 +332,16 @@ async fn soak(root: &Path, cloud: CloudKind, seed: u64, duration: Duration) -> R
         Ok(()) => settle_and_check(&process, &emulated, &checker).await,
         Err(e) => Err(e),
     };
+    // A panic in any run of the provider (each restart's log is read before its kill) fails
+    // the soak, whatever else held.
+    let outcome = outcome.and_then(|figures| {
+        let panics = process.panics + panic_lines(&process.logs());
+        ensure!(panics == 0, "the provider logged {panics} panic(s)");
+        Ok(figures)
+    });
     let result = match outcome {
-        Ok(()) => Ok(format!(
-            "{}s, {} restarts; {}",
+        Ok(figures) => Ok(format!(
+            "{}s, {} restarts; {figures}; {}",
             started.elapsed().as_secs(),
             tally_value(&tally, "fault.kill9"),
             tally.render()
@@ -452,11 +468,13 @@ async fn drive(
 
 /// After the run: faults off, every machine settles, orphans get their grace, then the final
 /// checks.
+/// Waits until every machine settled and the final properties hold; returns the run's
+/// figures ([`Checker::figures`]).
 async fn settle_and_check(
     process: &Process,
     emulated: &Emulated,
     checker: &Arc<Checker>,
-) -> Result<()> {
+) -> Result<String> {
     let channel = process
         .channel
         .borrow()
@@ -476,7 +494,7 @@ async fn settle_and_check(
             (false, Ok(())) => {
                 let since = *quiet_since.get_or_insert_with(Instant::now);
                 if since.elapsed() >= ORPHAN_GRACE + RECONCILE_INTERVAL * 3 {
-                    return Ok(());
+                    return Ok(checker.figures(&machines));
                 }
             }
             (_, Err(e)) if Instant::now() >= deadline => return Err(e),

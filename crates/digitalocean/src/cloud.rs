@@ -380,6 +380,10 @@ impl DigitalOceanCloud {
                 .await
                 .map_err(|e| format!("create droplet {size}: {e}"))?;
         };
+        // Into the machine's record before anything else is asked of the cloud.
+        ctx.record_host(&created.id.to_string())
+            .await
+            .map_err(|e| e.0)?;
         let active = self
             .wait_active(&created, Some(Instant::now()), ctx)
             .await

@@ -282,6 +282,7 @@ impl HetznerCloud {
             .map_err(|e| err(format!("look up existing servers: {e}")))?
         {
             tracing::info!(machine = %machine.id, server = existing.id, "adopting the server a previous Create made");
+            ctx.record_host(&existing.id.to_string()).await?;
             self.claim_if_legacy(&existing, deadline)
                 .await
                 .map_err(|e| err(format!("claim server {}: {e}", existing.id)))?;
@@ -371,6 +372,8 @@ impl HetznerCloud {
             }
         };
         tracing::info!(machine = %machine.id, server = created.id, name = %name, "server created");
+        // Into the machine's record before anything else is asked of the cloud.
+        ctx.record_host(&created.id.to_string()).await?;
         let server = self
             .wait_running(&created, &machine.id, Some(Instant::now()), ctx)
             .await?;

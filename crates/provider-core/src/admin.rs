@@ -41,6 +41,9 @@ pub struct AdminResponse {
     pub error: String,
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub failed: Vec<FailedMachine>,
+    /// What a successful action did, for the operator.
+    #[serde(default, skip_serializing_if = "String::is_empty")]
+    pub message: String,
 }
 
 async fn handle(engine: &Engine, request: AdminRequest) -> AdminResponse {
@@ -64,12 +67,14 @@ async fn handle(engine: &Engine, request: AdminRequest) -> AdminResponse {
                 ok: true,
                 error: String::new(),
                 failed,
+                message: String::new(),
             }
         }
         AdminRequest::Release { machine_id } => match engine.release(&machine_id).await {
-            Ok(()) => {
+            Ok(message) => {
                 tracing::info!(
                     machine_id,
+                    done = message,
                     "admin: released FAILED machine back to Speculative"
                 );
                 telemetry.admin("release", "success");
@@ -77,6 +82,7 @@ async fn handle(engine: &Engine, request: AdminRequest) -> AdminResponse {
                     ok: true,
                     error: String::new(),
                     failed: Vec::new(),
+                    message,
                 }
             }
             Err(e) => {
@@ -86,6 +92,7 @@ async fn handle(engine: &Engine, request: AdminRequest) -> AdminResponse {
                     ok: false,
                     error: e.to_string(),
                     failed: Vec::new(),
+                    message: String::new(),
                 }
             }
         },
@@ -117,6 +124,7 @@ async fn session(replica: Arc<Replica>, stream: UnixStream) -> std::io::Result<(
                 ok: false,
                 error: format!("admin request line longer than {MAX_REQUEST_LINE} bytes"),
                 failed: Vec::new(),
+                message: String::new(),
             };
             reply(&mut write, &response).await?;
             return Ok(());
@@ -129,12 +137,14 @@ async fn session(replica: Arc<Replica>, stream: UnixStream) -> std::io::Result<(
                     ok: false,
                     error: status.message().to_owned(),
                     failed: Vec::new(),
+                    message: String::new(),
                 },
             },
             Err(e) => AdminResponse {
                 ok: false,
                 error: format!("bad admin request: {e}"),
                 failed: Vec::new(),
+                message: String::new(),
             },
         };
         reply(&mut write, &response).await?;

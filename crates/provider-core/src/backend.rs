@@ -20,6 +20,9 @@ pub struct TransitionContext {
     pub deadline: Instant,
     /// Cancelled when the deadline passes or the provider gives up on the work.
     pub cancel: CancellationToken,
+    /// Where a Create records the host the substrate gave it (see
+    /// [`TransitionContext::record_host`]).
+    pub host_log: HostLog,
 }
 
 impl TransitionContext {
@@ -28,13 +31,74 @@ impl TransitionContext {
         self.deadline.saturating_duration_since(Instant::now())
     }
 
-    /// A context for work outside a transition (admin release, tests).
+    /// A context for work outside a transition (admin release, tests): nothing records hosts.
     pub fn with_timeout(operation_id: impl Into<String>, timeout: Duration) -> TransitionContext {
         TransitionContext {
             operation_id: operation_id.into(),
             deadline: Instant::now() + timeout,
             cancel: CancellationToken::new(),
+            host_log: HostLog::default(),
         }
+    }
+
+    /// Makes the host id `id` (a server id, a Droplet id) part of the machine's durable
+    /// record before the Create sends anything else: called the moment the substrate names the
+    /// host (a create call's answer, or the look-up that finds a previous attempt's host), so
+    /// that whatever happens next (a deadline, a 429 storm, a restart) leaves the machine with
+    /// its host, never without it while it runs. An error means the record could not be made
+    /// durable; the Create should stop (a later attempt finds the host by its labels).
+    pub async fn record_host(&self, id: &str) -> Result<(), BackendError> {
+        let Some(sink) = &self.host_log.sink else {
+            return Ok(());
+        };
+        let host = HostRef {
+            provider: self.host_log.provider.clone(),
+            id: id.to_owned(),
+        };
+        sink(host)
+            .await
+            .map_err(|e| BackendError(format!("record host {id} in the machine's record: {e}")))
+    }
+
+    /// This context with hosts recorded under `provider` (the `HostRef.provider` the
+    /// backend reports).
+    pub fn with_host_provider(&self, provider: &str) -> TransitionContext {
+        let mut ctx = self.clone();
+        ctx.host_log.provider = provider.to_owned();
+        ctx
+    }
+}
+
+/// Records a host in the durable record of the machine a Create is for.
+pub type HostSink = std::sync::Arc<
+    dyn Fn(HostRef) -> futures_util::future::BoxFuture<'static, Result<(), String>> + Send + Sync,
+>;
+
+/// The engine's end of [`TransitionContext::record_host`]: empty outside a Create.
+#[derive(Clone, Default)]
+pub struct HostLog {
+    /// Set by the engine for a Create.
+    pub sink: Option<HostSink>,
+    /// The `HostRef.provider` of recorded hosts.
+    pub provider: String,
+}
+
+impl HostLog {
+    /// A log that hands every host to `sink`.
+    pub fn new(sink: HostSink) -> HostLog {
+        HostLog {
+            sink: Some(sink),
+            provider: String::new(),
+        }
+    }
+}
+
+impl std::fmt::Debug for HostLog {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("HostLog")
+            .field("recording", &self.sink.is_some())
+            .field("provider", &self.provider)
+            .finish()
     }
 }
 

@@ -217,6 +217,12 @@ struct Level {
     tokens: f64,
     capacity: f64,
     per_second: f64,
+    /// Tokens of ours that the cloud's answers took away without this provider spending them
+    /// (a 429 because another user of the token spent the bucket, a low `-Remaining`): held
+    /// back, not lost, and handed back as soon as an answer shows the cloud's bucket has room
+    /// for them again, so one storm never leaves the provider slower than its share. Tokens
+    /// and held tokens together never exceed the capacity.
+    held: f64,
 }
 
 impl Level {
@@ -225,11 +231,31 @@ impl Level {
             tokens: bucket.capacity * fraction,
             capacity: bucket.capacity * fraction,
             per_second: bucket.per_second * fraction,
+            held: 0.0,
         }
     }
 
     fn refill(&mut self, elapsed: Duration) {
         self.tokens = (self.tokens + elapsed.as_secs_f64() * self.per_second).min(self.capacity);
+        self.held = self.held.min(self.capacity - self.tokens).max(0.0);
+    }
+
+    /// The cloud has at most `cap` of ours left: hold back what is above it.
+    fn hold_above(&mut self, cap: f64) {
+        if self.tokens > cap {
+            self.held = (self.held + self.tokens - cap.max(0.0)).min(self.capacity);
+            self.tokens = cap;
+        }
+    }
+
+    /// The cloud has room for `cap` of ours again: hand back what was held, up to it.
+    fn release_up_to(&mut self, cap: f64) {
+        let room = cap.min(self.capacity) - self.tokens;
+        if room > 0.0 && self.held > 0.0 {
+            let given = room.min(self.held);
+            self.tokens += given;
+            self.held -= given;
+        }
     }
 
     /// How long until one whole token is there.
@@ -267,10 +293,25 @@ struct State {
     /// What the cloud last said is left of the whole bucket (`-Remaining`); the published
     /// capacity until an answer says.
     cloud_remaining: f64,
+    /// When each request handed a token and not answered yet was sent, oldest first: an
+    /// answer's `-Remaining` does not count them yet, so tokens handed back never overlook
+    /// them. A request unanswered for [`IN_FLIGHT_FOR`] (a transport failure) is forgotten.
+    in_flight: std::collections::VecDeque<Instant>,
 }
+
+/// How long a request counts as in flight without an answer: longer than any request's
+/// timeout.
+const IN_FLIGHT_FOR: Duration = Duration::from_secs(120);
 
 impl State {
     fn refill(&mut self, now: Instant) {
+        while self
+            .in_flight
+            .front()
+            .is_some_and(|sent| now.saturating_duration_since(*sent) >= IN_FLIGHT_FOR)
+        {
+            self.in_flight.pop_front();
+        }
         let elapsed = now.saturating_duration_since(self.refilled);
         self.refilled = now;
         self.main.refill(elapsed);
@@ -295,7 +336,8 @@ impl State {
         wait
     }
 
-    fn take(&mut self, class: Class) {
+    fn take(&mut self, class: Class, now: Instant) {
+        self.in_flight.push_back(now);
         self.main.tokens -= 1.0;
         if !self.calibrated && self.held.is_none() {
             // The probe is out: hold the rest back until its answer.
@@ -388,6 +430,7 @@ impl ApiBudget {
             held: None,
             calibrated: false,
             cloud_remaining: limits.main.capacity,
+            in_flight: std::collections::VecDeque::new(),
         };
         let budget = ApiBudget {
             inner: Arc::new(Inner {
@@ -450,7 +493,7 @@ impl ApiBudget {
                 if state.queue.first() == Some(&ticket) {
                     let wait = state.wait(class, now);
                     if wait.is_zero() {
-                        state.take(class);
+                        state.take(class, now);
                         state.queue.remove(&ticket);
                         self.publish(&state);
                         drop(state);
@@ -512,6 +555,8 @@ impl ApiBudget {
             }
         }
         state.refill(now);
+        // This answer's request is no longer in flight.
+        state.in_flight.pop_front();
         if let Some(limit) = limit.filter(|l| *l >= 1.0) {
             let ours = limit * shares.share;
             if (ours - state.main.capacity).abs() > f64::EPSILON {
@@ -530,15 +575,22 @@ impl ApiBudget {
         }
         if let Some(remaining) = remaining {
             state.cloud_remaining = remaining;
-            // Our part of what the cloud still holds: never more than our own bucket.
+            // Our part of what the cloud still holds: never more than our own bucket. What an
+            // earlier answer held back comes back once the cloud has room for it (the cloud
+            // refilled after a storm); what this answer shows missing is held back.
             let ours = remaining * shares.share;
-            state.main.tokens = state.main.tokens.min(ours);
-            state.background.tokens = state.background.tokens.min(ours);
+            if status != 429 {
+                let room = ours - state.in_flight.len() as f64;
+                state.main.release_up_to(room);
+                state.background.release_up_to(room);
+            }
+            state.main.hold_above(ours);
+            state.background.hold_above(ours);
         }
         if status == 429 {
             counter!(self.inner.names.rate_limited).increment(1);
             // Someone else spent the token's budget: nothing is left until the cloud says so.
-            state.main.tokens = state.main.tokens.min(0.0);
+            state.main.hold_above(0.0);
             if let Some(burst) = &mut state.burst {
                 burst.tokens = burst.tokens.min(0.0);
             }

@@ -103,7 +103,11 @@ pub async fn run(command: Command) -> Result<String, String> {
                 )
                 .await?;
                 if reply.ok {
-                    Ok(format!("released {id}"))
+                    Ok(if reply.message.is_empty() {
+                        format!("released {id}")
+                    } else {
+                        reply.message
+                    })
                 } else {
                     Err(reply.error)
                 }

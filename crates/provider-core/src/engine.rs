@@ -12,14 +12,14 @@ use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 
 use crate::backend::{
-    Backend, BackendError, BootstrapBlob, ConfigureOrder, TransitionContext, validate,
+    Backend, BackendError, BootstrapBlob, ConfigureOrder, HostLog, TransitionContext, validate,
 };
 use crate::duration;
 use crate::error::CoreError;
 use crate::fence::FenceToken;
 use crate::inventory::{
-    Admission, Binding, Effect, EnrollVerdict, Interrupted, Inventory, ReconcileReport, Selected,
-    Selection, Sighting, Suspect,
+    Admission, Binding, Effect, EnrollVerdict, HostRecord, Interrupted, Inventory, ReconcileReport,
+    Selected, Selection, Sighting, Suspect,
 };
 use crate::lifecycle::OperationKind;
 use crate::limits;
@@ -917,8 +917,10 @@ impl Engine {
             report.vanished += vanished;
         }
         for orphan in outcome.orphans_due {
-            if self.delete_orphan(&orphan).await {
-                report.orphans_deleted += 1;
+            match self.delete_orphan(&orphan).await? {
+                Some(true) => report.failed_hosts_deleted += 1,
+                Some(false) => report.orphans_deleted += 1,
+                None => {}
             }
         }
         Ok(report)
@@ -960,10 +962,11 @@ impl Engine {
         confirmed
     }
 
-    /// Deletes an owned host attached to no machine record, if it still is one.
-    async fn delete_orphan(&self, orphan: &Sighting) -> bool {
+    /// Deletes an owned host attached to no machine record (or the unbound host of a FAILED
+    /// one), if it still is one. `Some(was a FAILED machine's)` when it was deleted.
+    async fn delete_orphan(&self, orphan: &Sighting) -> Result<Option<bool>, CoreError> {
         if !self.read().still_orphan(orphan) {
-            return false;
+            return Ok(None);
         }
         let mut machine = Machine::speculative(orphan.machine_id.clone(), "");
         machine.capacity_type = CapacityType::OnDemand;
@@ -978,20 +981,36 @@ impl Engine {
             .unwrap_or_else(|_| Err(BackendError::new("delete timed out")));
         match outcome {
             Ok(()) => {
-                tracing::warn!(machine_id = orphan.machine_id, host = orphan.host.id, grace = %duration::format(self.options.orphan_grace), "reconcile: deleted an owned host attached to no machine record");
-                self.write().orphan_deleted(orphan);
-                true
+                let (was_failed, commit) =
+                    self.apply(|inv, changes| inv.orphan_deleted(orphan, changes));
+                self.commit(commit).await?;
+                let grace = duration::format(self.options.orphan_grace);
+                if was_failed {
+                    tracing::warn!(machine_id = orphan.machine_id, host = orphan.host.id, grace = %grace, "reconcile: deleted the host of a FAILED machine that no release came for; the machine stays FAILED without it");
+                } else {
+                    tracing::warn!(machine_id = orphan.machine_id, host = orphan.host.id, grace = %grace, "reconcile: deleted an owned host attached to no machine record");
+                }
+                self.options
+                    .telemetry
+                    .reconcile_host_deleted(if was_failed { "failed" } else { "orphan" });
+                Ok(Some(was_failed))
             }
             Err(e) => {
                 tracing::warn!(machine_id = orphan.machine_id, host = orphan.host.id, err = %e, "reconcile: deleting an orphaned host failed; trying again next pass");
-                false
+                Ok(None)
             }
         }
     }
 
-    /// Releases a FAILED slot: deletes its host through the backend if it has one, then returns
-    /// it to Speculative.
-    pub async fn release(&self, machine_id: &str) -> Result<(), CoreError> {
+    /// Releases a FAILED slot: deletes its host through the backend if it has one (or, when
+    /// the record holds none, any host the substrate shows for the machine), then returns it
+    /// to Speculative. The whole release runs under one deadline, the Delete timeout, and its
+    /// cloud requests wait for the API budget within it (a rate-limit storm delays a release,
+    /// it does not fail it). A release that gives up changes nothing it did not finish: the
+    /// machine stays FAILED holding the host that is left, and the error says which hosts were
+    /// deleted and which are left. Running it again carries on (a host already gone counts as
+    /// deleted). Returns what was done, for the operator.
+    pub async fn release(&self, machine_id: &str) -> Result<String, CoreError> {
         let machine = {
             let inventory = self.read();
             let slot = inventory
@@ -999,53 +1018,99 @@ impl Engine {
                 .ok_or_else(|| CoreError::UnknownMachine(machine_id.to_owned()))?;
             if slot.machine.state != MachineState::Failed {
                 return Err(CoreError::Admin(format!(
-                    "machine {machine_id} is {}, not Failed; only FAILED slots can be released",
+                    "machine {machine_id} is {}, not Failed; only FAILED slots can be released \
+                     (nothing changed)",
                     slot.machine.state
                 )));
             }
             slot.machine.clone()
+        };
+        let limit = self.options.timeouts.delete;
+        let ctx = TransitionContext::with_timeout(format!("release-{}", unix_micros()), limit);
+        let started = Instant::now();
+        let gave_up = |what: String, deleted: &[String]| {
+            CoreError::Admin(format!(
+                "release {machine_id} gave up after {} (its deadline is {}, the wait for the \
+                 cloud API budget included): {what}; deleted so far: {}; the machine stays FAILED; \
+                 run the release again once the cause is fixed (hosts already deleted count as \
+                 deleted)",
+                duration::format(started.elapsed()),
+                duration::format(limit),
+                if deleted.is_empty() {
+                    "none".to_owned()
+                } else {
+                    deleted.join(", ")
+                },
+            ))
         };
         let hosts = match &machine.host {
             Some(host) => vec![host.clone()],
             // A Create that failed after its host existed may have left one that no reconcile
             // pass has recorded yet: look before the slot goes back to Speculative, or the
             // next pass would adopt it behind the operator's back.
-            None => self.hosts_of(machine_id).await.map_err(|e| {
-                CoreError::Admin(format!(
-                    "release {machine_id}: look for a host a failed Create may have left: {e}"
-                ))
-            })?,
+            None => self
+                .hosts_of(machine_id, ctx.remaining())
+                .await
+                .map_err(|e| {
+                    gave_up(
+                        format!("could not look for a host a failed Create may have left: {e}"),
+                        &[],
+                    )
+                })?,
         };
-        for host in hosts {
+        let mut deleted = Vec::new();
+        for (i, host) in hosts.iter().enumerate() {
             let mut target = (*machine).clone();
             target.host = Some(host.clone());
-            let ctx = TransitionContext::with_timeout(
-                format!("release-{}", unix_micros()),
-                self.options.timeouts.delete,
-            );
             let outcome = tokio::time::timeout(ctx.remaining(), self.backend.delete(&target, &ctx))
                 .await
                 .unwrap_or_else(|_| Err(BackendError::new("delete timed out")));
-            outcome
-                .map_err(|e| CoreError::Admin(format!("release {machine_id}: delete host: {e}")))?;
+            if let Err(e) = outcome {
+                // What is left stays on the record, so the next release (or reconcile, after
+                // --orphan-grace) finds it.
+                let left: Vec<String> = hosts[i..].iter().map(|h| h.id.clone()).collect();
+                let (_, commit) = self
+                    .apply(|inv, changes| inv.keep_failed_host(machine_id, host, changes));
+                self.commit(commit).await?;
+                return Err(gave_up(
+                    format!(
+                        "delete host {}: {e}; left: host {}",
+                        host.id,
+                        left.join(", host ")
+                    ),
+                    &deleted,
+                ));
+            }
             self.write().remember_deleted_host(&host.id);
+            deleted.push(host.id.clone());
         }
         let (result, commit) = self.apply(|inv, changes| inv.release(machine_id, changes));
         self.commit(commit).await?;
-        result
+        result?;
+        Ok(match deleted.as_slice() {
+            [] => format!("released {machine_id}: it held no host"),
+            ids => format!(
+                "released {machine_id}: deleted host {} in {} (deadline {}, the wait for the \
+                 cloud API budget included)",
+                ids.join(", host "),
+                duration::format(started.elapsed()),
+                duration::format(limit)
+            ),
+        })
     }
 
     /// Every host the substrate shows for `machine_id` now: read for that machine alone where
     /// the backend can (a paged listing of every host can skip one while others are deleted),
     /// else picked out of a survey.
-    async fn hosts_of(&self, machine_id: &str) -> Result<Vec<crate::machine::HostRef>, String> {
-        let direct = tokio::time::timeout(
-            self.options.describe_timeout,
-            self.backend.machine_hosts(machine_id),
-        )
-        .await
-        .map_err(|_| "backend host read timed out".to_owned())?
-        .map_err(|e| e.0)?;
+    async fn hosts_of(
+        &self,
+        machine_id: &str,
+        within: Duration,
+    ) -> Result<Vec<crate::machine::HostRef>, String> {
+        let direct = tokio::time::timeout(within, self.backend.machine_hosts(machine_id))
+            .await
+            .map_err(|_| format!("backend host read timed out after {}", duration::format(within)))?
+            .map_err(|e| e.0)?;
         if let Some(hosts) = direct {
             return Ok(hosts);
         }
@@ -1080,10 +1145,16 @@ impl Engine {
         let engine = self.clone();
         let kind = work.kind();
         let timeout = self.options.timeouts.of(kind);
+        let host_log = if kind == OperationKind::Create {
+            HostLog::new(self.host_sink(&machine.id, &operation_id))
+        } else {
+            HostLog::default()
+        };
         let ctx = TransitionContext {
             operation_id: operation_id.clone(),
             deadline: deadline.unwrap_or_else(|| Instant::now() + timeout),
             cancel: self.abandon.child_token(),
+            host_log,
         };
         let machine_id = machine.id.clone();
         self.tasks.spawn(async move {
@@ -1091,32 +1162,33 @@ impl Engine {
             let backend = engine.backend.clone();
             let task_ctx = ctx.clone();
             // The backend runs in its own task so a backend that ignores cancellation can still
-            // finish late; its late result is then discarded as stale.
+            // finish late; its late result is then discarded as stale (a host it names was
+            // recorded by the Create as soon as the substrate gave it, see `host_sink`).
             let mut handle = tokio::spawn(async move { run_backend(&*backend, &machine, &task_ctx, work).await });
-            let outcome = tokio::select! {
+            let (outcome, pending) = tokio::select! {
                 biased;
                 _ = engine.abandon.cancelled() => {
                     // Shutdown grace ran out: leave the slot transitional in the store so the
                     // next start resumes (or fails) it.
                     return;
                 }
-                joined = &mut handle => match joined {
+                joined = &mut handle => (match joined {
                     Ok(result) => result.map_err(|e| e.0),
                     Err(_) => Err(format!("{kind} transition aborted: the backend panicked")),
-                },
+                }, None),
                 _ = tokio::time::sleep_until(ctx.deadline) => {
                     ctx.cancel.cancel();
-                    Err(format!(
+                    (Err(format!(
                         "{kind} transition timed out after {}: context deadline exceeded",
                         duration::format(timeout)
-                    ))
+                    )), Some(handle))
                 },
             };
             if outcome.is_err() && engine.abandon.is_cancelled() {
                 // The error is the abandonment itself, not the substrate's answer.
                 return;
             }
-            let timed_out = !handle.is_finished() || (outcome.is_err() && Instant::now() >= ctx.deadline);
+            let timed_out = pending.is_some() || (outcome.is_err() && Instant::now() >= ctx.deadline);
             let ok = outcome.is_ok();
             if let Err(message) = &outcome {
                 tracing::warn!(machine_id, kind = kind.name(), operation_id, error = %message, "providerkit: transition failed");
@@ -1127,8 +1199,9 @@ impl Engine {
                 started.elapsed(),
             );
             engine.finish(&machine_id, kind, &operation_id, outcome).await;
-            if timed_out {
-                // Let a late result arrive and be discarded by the stale check.
+            if let Some(handle) = pending {
+                // The backend ignored the cancellation: let its result arrive and be discarded
+                // by the stale check (what it created, it has recorded on the way).
                 let late_engine = engine.clone();
                 let op = operation_id.clone();
                 tokio::spawn(async move {
@@ -1138,6 +1211,55 @@ impl Engine {
                 });
             }
         });
+    }
+
+    /// The sink a Create's backend hands each host the substrate names for the machine
+    /// ([`TransitionContext::record_host`]): the host goes into the machine's record, durably,
+    /// before the backend goes on. On a Create that already failed (its deadline passed while
+    /// the substrate was still answering) the host is recorded on the FAILED record, so an
+    /// operator or reconcile can delete it.
+    fn host_sink(self: &Arc<Self>, machine_id: &str, operation_id: &str) -> crate::backend::HostSink {
+        let engine = Arc::downgrade(self);
+        let machine_id = machine_id.to_owned();
+        let operation_id = operation_id.to_owned();
+        Arc::new(move |host| {
+            let engine = engine.clone();
+            let machine_id = machine_id.clone();
+            let operation_id = operation_id.clone();
+            Box::pin(async move {
+                let Some(engine) = engine.upgrade() else {
+                    return Err("the provider is shutting down".to_owned());
+                };
+                engine.record_created_host(&machine_id, &operation_id, host).await
+            })
+        })
+    }
+
+    async fn record_created_host(
+        &self,
+        machine_id: &str,
+        operation_id: &str,
+        host: crate::machine::HostRef,
+    ) -> Result<(), String> {
+        if self.store_failed.load(Ordering::SeqCst) {
+            return Err("the state store refuses writes (an earlier commit failed, or this replica no longer leads)".into());
+        }
+        let (recorded, commit) = self.apply(|inv, changes| {
+            inv.record_created_host(machine_id, operation_id, host.clone(), changes)
+        });
+        self.commit(commit).await.map_err(|e| e.to_string())?;
+        match recorded {
+            HostRecord::Recorded => {
+                tracing::info!(machine_id, operation_id, host = host.id, "host recorded for the Create in flight");
+                Ok(())
+            }
+            HostRecord::Unchanged => Ok(()),
+            HostRecord::OnFailed => {
+                tracing::warn!(machine_id, operation_id, host = host.id, "host recorded on the machine its Create left FAILED; `admin failed release` deletes it, as does reconcile after --orphan-grace");
+                Ok(())
+            }
+            HostRecord::Refused(why) => Err(why),
+        }
     }
 
     async fn finish(
@@ -1255,3 +1377,6 @@ mod release_tests;
 
 #[cfg(test)]
 mod limits_tests;
+
+#[cfg(test)]
+mod host_record_tests;

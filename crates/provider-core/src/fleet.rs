@@ -402,7 +402,8 @@ impl Backend for Fleet {
         machine: &Machine,
         ctx: &TransitionContext,
     ) -> Result<Effect, BackendError> {
-        let host = self.cloud.create_host(machine, ctx).await?;
+        let ctx = ctx.with_host_provider(&self.provider);
+        let host = self.cloud.create_host(machine, &ctx).await?;
         if host.id.is_empty() {
             return Err(BackendError(format!(
                 "create {} returned no host id",

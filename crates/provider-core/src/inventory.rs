@@ -37,6 +37,19 @@ pub enum EnrollVerdict {
     Conflict,
 }
 
+/// What [`Inventory::record_created_host`] did.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum HostRecord {
+    /// The host is now on the Creating record.
+    Recorded,
+    /// The record held that host already.
+    Unchanged,
+    /// The Create had already failed: the host is now on its FAILED record.
+    OnFailed,
+    /// The machine moved on (another Create, another state): nothing recorded.
+    Refused(String),
+}
+
 /// Operation ids are `<prefix>-<n>`; the reference uses the prefix `op`.
 pub const OPERATION_PREFIX: &str = "op";
 
@@ -423,6 +436,54 @@ impl Inventory {
         };
         changes.push(Change::PutSlot(Slot::clone(&slot)));
         Ok(verdict)
+    }
+
+    /// Records `host`, which the substrate just named for the Create `operation_id` of
+    /// `machine_id`, on the machine's record: on the Creating record (not shown on the wire
+    /// until the Create ends), or on the FAILED record that Create left when the deadline
+    /// passed before the substrate answered. The slot's List revision moves, as for any
+    /// durable change.
+    pub fn record_created_host(
+        &mut self,
+        machine_id: &str,
+        operation_id: &str,
+        host: HostRef,
+        changes: &mut Vec<Change>,
+    ) -> HostRecord {
+        let Some(mut slot) = self.slots.get_mut(machine_id) else {
+            return HostRecord::Refused(format!("machine {machine_id} does not exist"));
+        };
+        if slot.operation(OperationKind::Create) != Some(operation_id) {
+            return HostRecord::Refused(format!(
+                "machine {machine_id} was given another Create since {operation_id}"
+            ));
+        }
+        let held = slot.machine.host.clone();
+        let outcome = match (slot.machine.state, held) {
+            (_, Some(held)) if held == host => return HostRecord::Unchanged,
+            (MachineState::Creating, held) => {
+                if let Some(held) = held {
+                    tracing::warn!(machine_id, operation_id, replaced = held.id, host = host.id, "the Create names another host than the one it recorded; the first becomes an orphan");
+                }
+                HostRecord::Recorded
+            }
+            (MachineState::Failed, None) => HostRecord::OnFailed,
+            (MachineState::Failed, Some(held)) => {
+                return HostRecord::Refused(format!(
+                    "machine {machine_id} is FAILED and holds host {} already",
+                    held.id
+                ));
+            }
+            (state, _) => {
+                return HostRecord::Refused(format!(
+                    "machine {machine_id} is {state}, no longer Creating"
+                ));
+            }
+        };
+        crate::machine::edit(&mut slot.machine).host = Some(host);
+        drop(slot);
+        self.touch(machine_id, changes);
+        outcome
     }
 
     /// The operation id the next accepted transition gets (a Configure seals its blob for it

@@ -102,6 +102,12 @@ impl Backoff {
     /// Runs `attempt` until it succeeds, fails fatally, runs out of attempts, or no further
     /// attempt fits before `deadline`. A wait (a 429's hint included) that would pass the
     /// deadline is shortened so one more attempt runs before it. `classify` decides per error.
+    ///
+    /// An attempt refused with a hint (a 429: the request never ran, and the wait for the
+    /// next one is the API budget's) does not count against `max_attempts` when there is a
+    /// deadline: a rate-limit storm delays a call by about its length, up to the deadline,
+    /// instead of using up its attempts in a few seconds. Without a deadline every attempt
+    /// counts.
     pub async fn run<T, E, F, Fut>(
         &self,
         deadline: Option<Instant>,
@@ -112,7 +118,9 @@ impl Backoff {
         F: FnMut(u32) -> Fut,
         Fut: std::future::Future<Output = Result<T, E>>,
     {
+        // `n` numbers the attempts (what `attempt` is told); `counted` those that count.
         let mut n = 1;
+        let mut counted = 1;
         loop {
             let err = match attempt(n).await {
                 Ok(v) => return Ok(v),
@@ -121,14 +129,18 @@ impl Backoff {
             let Verdict::Retry { after } = classify(&err) else {
                 return Err(err);
             };
-            if n >= self.max_attempts {
+            let limited = after.is_some() && deadline.is_some();
+            if !limited && counted >= self.max_attempts {
                 return Err(err);
             }
-            let Some(wait) = Backoff::fit(self.delay(n, after), deadline) else {
+            let Some(wait) = Backoff::fit(self.delay(counted, after), deadline) else {
                 return Err(err);
             };
             tokio::time::sleep(wait).await;
             n += 1;
+            if !limited {
+                counted += 1;
+            }
         }
     }
 }
@@ -204,6 +216,44 @@ mod tests {
         assert_eq!(r, Err(429));
         assert!(Instant::now() < deadline);
         assert_eq!(calls.load(Ordering::SeqCst), 2);
+    }
+
+    /// A rate-limit storm longer than the attempts would last (eight 429s a second apart) but
+    /// shorter than the deadline delays the call by about its length and then lets it through;
+    /// without a deadline the attempts still count.
+    #[tokio::test(start_paused = true)]
+    async fn a_rate_limit_storm_uses_no_attempts_while_the_deadline_allows() {
+        let backoff = Backoff::default();
+        let started = Instant::now();
+        let storm = Duration::from_secs(20);
+        let limited = |_: u32| async move {
+            if started.elapsed() < storm {
+                Err(429)
+            } else {
+                Ok(())
+            }
+        };
+        let hint = |s: &u16| classify_status(*s, Some(Duration::from_secs(1)));
+        let r: Result<(), u16> = backoff
+            .run(Some(started + Duration::from_secs(60)), limited, hint)
+            .await;
+        assert_eq!(r, Ok(()));
+        assert!(started.elapsed() <= storm + Duration::from_secs(1));
+        let started = Instant::now();
+        let calls = AtomicU32::new(0);
+        let r: Result<(), u16> = backoff
+            .run(
+                None,
+                |_| {
+                    calls.fetch_add(1, Ordering::SeqCst);
+                    async { Err(429) }
+                },
+                hint,
+            )
+            .await;
+        assert_eq!(r, Err(429));
+        assert_eq!(calls.load(Ordering::SeqCst), backoff.max_attempts);
+        assert!(started.elapsed() < storm);
     }
 
     /// A 5xx that carries a rate-limit reset an hour away (both clouds send the header on every

@@ -149,10 +149,12 @@ pub fn machine_to_wire(m: &Machine) -> pb::Machine {
     pb::Machine {
         id: m.id.clone(),
         state: m.state.wire(),
+        // A Create records its host as soon as the substrate names it (so no failure can
+        // lose it), but the wire shows a host from Idle on, as the contract has it.
         host: m
             .host
             .as_ref()
-            .filter(|h| !h.is_empty())
+            .filter(|h| !h.is_empty() && m.state != crate::machine::MachineState::Creating)
             .map(|h| pb::HostRef {
                 provider: h.provider.clone(),
                 r#ref: h.id.clone(),

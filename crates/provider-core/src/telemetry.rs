@@ -21,6 +21,7 @@ pub struct Telemetry {
     pub reconcile_period: &'static str,
     pub reconcile_survey_requests: &'static str,
     pub reconcile_early_surveys: &'static str,
+    pub reconcile_hosts_deleted: &'static str,
     pub price_refresh: &'static str,
     pub api_calls: &'static str,
     pub api_duration: &'static str,
@@ -118,6 +119,7 @@ impl Telemetry {
             reconcile: leak(prefix, "reconcile_total"),
             reconcile_period: leak(prefix, "reconcile_period_seconds"),
             reconcile_survey_requests: leak(prefix, "reconcile_survey_requests"),
+            reconcile_hosts_deleted: leak(prefix, "reconcile_hosts_deleted_total"),
             reconcile_early_surveys: leak(prefix, "reconcile_early_surveys_total"),
             price_refresh: leak(prefix, "price_refresh_total"),
             api_calls: leak(prefix, "api_calls_total"),
@@ -212,6 +214,12 @@ impl Telemetry {
     /// check said the owned hosts changed.
     pub fn reconcile_early_survey(&self) {
         counter!(self.reconcile_early_surveys).increment(1);
+    }
+
+    /// Reconcile deleted an owned host: an `orphan` attached to no machine, or the unbound
+    /// host of a `failed` machine, once `--orphan-grace` passed.
+    pub fn reconcile_host_deleted(&self, reason: &'static str) {
+        counter!(self.reconcile_hosts_deleted, "reason" => reason).increment(1);
     }
 
     pub fn price_refresh_outcome(&self, outcome: &'static str) {

@@ -47,6 +47,8 @@ struct Inner {
     /// machine -> the last things workers did to it, for violation reports.
     history: HashMap<String, std::collections::VecDeque<String>>,
     untracked_since: HashMap<String, Instant>,
+    /// Every host seen live during the run.
+    seen_hosts: HashSet<String>,
 }
 
 pub(crate) struct Checker {
@@ -150,6 +152,9 @@ impl Checker {
             bail!("two live hosts for one machine: {name} has hosts {ids:?}");
         }
         let mut inner = self.inner();
+        inner
+            .seen_hosts
+            .extend(live.iter().map(|(id, _)| id.clone()));
         let mut tracked: HashMap<String, &str> = HashMap::new();
         for m in machines {
             let state = wire::state_of(m);
@@ -229,6 +234,29 @@ impl Checker {
         Ok(())
     }
 
+    /// The run's figures at its end, from the final listing: hosts seen live during the run,
+    /// live hosts attached to no machine (leaked), FAILED machines with and without a host.
+    pub(crate) fn figures(&self, machines: &[pb::Machine]) -> String {
+        let live = self.emulated.live_hosts();
+        let tracked: HashSet<String> = machines.iter().filter_map(host_of).collect();
+        let leaked = live.iter().filter(|(id, _)| !tracked.contains(id)).count();
+        let failed = |with_host: bool| {
+            machines
+                .iter()
+                .filter(|m| {
+                    wire::state_of(m) == pb::MachineState::Failed
+                        && host_of(m).is_some() == with_host
+                })
+                .count()
+        };
+        format!(
+            "hosts_seen={} leaked={leaked} failed_with_host={} failed_without_host={}",
+            self.inner().seen_hosts.len(),
+            failed(true),
+            failed(false)
+        )
+    }
+
     /// The continuous check: every half second until `end`.
     pub(crate) async fn watch(
         &self,
@@ -254,7 +282,8 @@ impl Checker {
     }
 
     /// The end state, once every machine settled: every live owned host attached to exactly
-    /// one machine, every Idle machine's host alive, the continuous properties too.
+    /// one machine (so no machine is FAILED without the host that exists for it), every Idle
+    /// machine's host alive, the continuous properties too.
     pub(crate) fn final_check(&self, machines: &[pb::Machine], asked: Instant) -> Result<()> {
         self.compare(machines, asked)?;
         let live = self.emulated.live_hosts();
@@ -264,7 +293,17 @@ impl Checker {
             .collect();
         for (id, name) in &live {
             if !tracked.contains_key(id) {
-                bail!("live host {id} ({name}) is attached to no machine");
+                let hostless_failed: Vec<&str> = machines
+                    .iter()
+                    .filter(|m| {
+                        wire::state_of(m) == pb::MachineState::Failed && host_of(m).is_none()
+                    })
+                    .map(|m| m.id.as_str())
+                    .collect();
+                bail!(
+                    "live host {id} ({name}) is attached to no machine (a leak); FAILED machines \
+                     without a host: {hostless_failed:?}"
+                );
             }
         }
         for m in machines {

@@ -153,12 +153,8 @@ impl Emulated {
         };
         std::fs::write(&offerings, text)
             .with_context(|| format!("write {}", offerings.display()))?;
-        // One process on the token, its background work included: it may spend the whole
-        // (unscaled) budget, as nothing else shares the emulator's.
-        args.extend([
-            "--api-budget-share=1".to_owned(),
-            "--api-reconcile-share=1".to_owned(),
-        ]);
+        // The API budget runs at its defaults (`--api-budget-share 0.5`,
+        // `--api-reconcile-share 0.2`), as operators run it, against the cloud's real limits.
         Ok(provider_spec(root, binary, args))
     }
 

@@ -461,10 +461,14 @@ async fn a_droplet_left_by_a_failed_create_is_recorded_and_released() {
         provider_core::MachineState::Failed,
         "{failed:?}"
     );
-    assert!(failed.host.is_none());
     assert_eq!(env.emulator.droplets().len(), 1, "the Droplet exists");
+    assert_eq!(
+        failed.host.as_ref().map(|h| h.id.clone()),
+        Some(env.emulator.droplets()[0].id.to_string()),
+        "the Create recorded the Droplet the moment the cloud named it"
+    );
     let report = engine.reconcile().await.unwrap();
-    assert_eq!(report.attached, 1, "{report:?}");
+    assert_eq!(report.attached, 0, "nothing left to attach: {report:?}");
     let m = engine.get(&id).unwrap();
     assert_eq!(
         m.host.as_ref().map(|h| h.id.clone()),

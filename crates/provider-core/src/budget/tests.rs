@@ -224,32 +224,68 @@ async fn a_dropped_wait_leaves_the_queue() {
 }
 
 #[tokio::test(start_paused = true)]
-async fn remaining_from_the_headers_lowers_the_bucket_never_raises_it() {
+async fn remaining_from_the_headers_holds_back_what_the_cloud_lacks_and_hands_back_only_that() {
     let budget = ApiBudget::new(Limits::HETZNER, Shares::default(), "bigfleet_budget_test");
     assert_eq!(budget.remaining(), 1800.0);
-    budget.observe(
-        200,
-        &headers(&[
+    let answer = |remaining: u32| {
+        headers(&[
             ("ratelimit-limit", "3600".into()),
-            ("ratelimit-remaining", "100".into()),
-        ]),
-    );
+            ("ratelimit-remaining", remaining.to_string()),
+        ])
+    };
+    budget.observe(200, &answer(100));
     assert_eq!(
         budget.remaining(),
         50.0,
         "half of what the cloud still holds"
     );
+    budget.observe(200, &answer(3000));
+    assert_eq!(
+        budget.remaining(),
+        1500.0,
+        "the cloud refilled: what was held back comes back, up to half of what it holds"
+    );
+    budget.observe(200, &answer(3600));
+    assert_eq!(budget.remaining(), 1800.0, "never more than was ours");
+    // What this provider spent itself is spent: a full cloud hands nothing back for it.
+    for _ in 0..1000 {
+        budget.acquire(None).await.unwrap();
+    }
+    budget.observe(200, &answer(3599));
+    assert_eq!(budget.remaining(), 800.0);
+}
+
+/// After a 429 storm (another user of the token spent the cloud's bucket) the first answer
+/// that shows the cloud refilled gives the provider back its share at once: it does not crawl
+/// back at the refill rate for an hour.
+#[tokio::test(start_paused = true)]
+async fn after_a_storm_the_pace_returns_to_the_share_at_the_first_healthy_answer() {
+    let budget = ApiBudget::new(Limits::HETZNER, Shares::default(), "bigfleet_budget_test");
+    let limited = headers(&[
+        ("ratelimit-limit", "3600".into()),
+        ("ratelimit-remaining", "0".into()),
+        ("retry-after", "1".into()),
+    ]);
+    for _ in 0..5 {
+        budget.observe(429, &limited);
+        budget.acquire(None).await.unwrap();
+    }
+    assert!(budget.remaining() < 1.0);
     budget.observe(
         200,
         &headers(&[
-            ("RateLimit-Limit", "3600".into()),
-            ("RateLimit-Remaining", "3000".into()),
+            ("ratelimit-limit", "3600".into()),
+            ("ratelimit-remaining", "3590".into()),
         ]),
     );
+    let started = Instant::now();
+    for _ in 0..1000 {
+        budget.acquire(None).await.unwrap();
+    }
     assert_eq!(
-        budget.remaining(),
-        50.0,
-        "another answer showing more does not hand out more than was ours"
+        started.elapsed(),
+        Duration::ZERO,
+        "the held-back share is spendable again"
     );
 }
 

@@ -13,6 +13,9 @@
 //! - **Every owned host is accounted for.** A host is attached to its slot (adopted by a
 //!   Speculative one, recorded on a FAILED one so an operator can release it), left to the
 //!   Create that is finding it, or is an orphan: deleted once it stayed one for the grace period.
+//!   The host of a FAILED machine that holds no cluster binding (its Create or its Delete
+//!   failed: no node ever ran there, or it was on its way out) is treated as an orphan too,
+//!   so no release that never comes leaves it running.
 
 use std::collections::{HashMap, HashSet, VecDeque};
 use std::sync::Arc;
@@ -64,6 +67,10 @@ pub struct ReconcileReport {
     pub orphans: usize,
     /// Orphans deleted after their grace period.
     pub orphans_deleted: usize,
+    /// Hosts of FAILED machines without a cluster binding (a failed Create or Delete) that no
+    /// release came for within the grace period: counted among `orphans` while they wait,
+    /// deleted like them.
+    pub failed_hosts_deleted: usize,
 }
 
 impl ReconcileReport {
@@ -259,7 +266,7 @@ impl Inventory {
         for sighting in sightings {
             match self.host_standing(&sighting, since) {
                 Standing::Attached | Standing::Undecided => continue,
-                Standing::Orphan => {}
+                Standing::Orphan | Standing::FailedUnbound => {}
             }
             let first = self
                 .upkeep
@@ -294,6 +301,10 @@ impl Inventory {
         };
         let m = &slot.machine;
         if m.host.as_ref().is_some_and(|h| h.id == sighting.host.id) {
+            if m.state == MachineState::Failed && m.cluster.is_empty() && slot.last_change <= since
+            {
+                return Standing::FailedUnbound;
+            }
             return Standing::Attached;
         }
         if slot.last_change > since || m.state == MachineState::Creating {
@@ -303,9 +314,13 @@ impl Inventory {
         Standing::Orphan
     }
 
-    /// Whether `sighting` is still an orphan now (re-checked before deleting it).
+    /// Whether `sighting` is still an orphan (or a FAILED machine's unbound host) now:
+    /// re-checked before deleting it.
     pub fn still_orphan(&self, sighting: &Sighting) -> bool {
-        self.host_standing(sighting, self.revision) == Standing::Orphan
+        matches!(
+            self.host_standing(sighting, self.revision),
+            Standing::Orphan | Standing::FailedUnbound
+        )
     }
 
     /// Records a host the provider deleted outside a transition (admin release): it is never
@@ -314,10 +329,25 @@ impl Inventory {
         self.upkeep.remember_deleted(host_id);
     }
 
-    /// Forgets an orphan that was deleted, and never adopts it again.
-    pub fn orphan_deleted(&mut self, sighting: &Sighting) {
+    /// Forgets an orphan that was deleted, and never adopts it again. When it was a FAILED
+    /// machine's host, the machine (still FAILED, its `last_error` kept) no longer holds it;
+    /// returns whether it was.
+    pub fn orphan_deleted(&mut self, sighting: &Sighting, changes: &mut Vec<Change>) -> bool {
         self.upkeep.orphans.remove(&sighting.host.id);
         self.upkeep.remember_deleted(&sighting.host.id);
+        let Some(mut slot) = self.slots.get_mut(&sighting.machine_id) else {
+            return false;
+        };
+        if slot.machine.state != MachineState::Failed
+            || slot.machine.host.as_ref() != Some(&sighting.host)
+        {
+            return false;
+        }
+        crate::machine::edit(&mut slot.machine).host = None;
+        drop(slot);
+        self.touch(&sighting.machine_id, changes);
+        changes.push(self.counters());
+        true
     }
 
     /// Applies the vanished hosts a pass proved absent: an Idle slot returns to Speculative, a
@@ -401,6 +431,27 @@ impl Inventory {
         added
     }
 
+    /// Records `host` on FAILED `machine_id` if the record holds no host (a release that could
+    /// not delete a host it found keeps it visible). Returns whether it did.
+    pub fn keep_failed_host(
+        &mut self,
+        machine_id: &str,
+        host: &HostRef,
+        changes: &mut Vec<Change>,
+    ) -> bool {
+        let Some(mut slot) = self.slots.get_mut(machine_id) else {
+            return false;
+        };
+        if slot.machine.state != MachineState::Failed || slot.machine.host.is_some() {
+            return false;
+        }
+        crate::machine::edit(&mut slot.machine).host = Some(host.clone());
+        drop(slot);
+        self.touch(machine_id, changes);
+        changes.push(self.counters());
+        true
+    }
+
     /// Returns a FAILED slot to Speculative after its host (if any) was deleted.
     pub fn release(
         &mut self,
@@ -437,6 +488,8 @@ enum Standing {
     Attached,
     Undecided,
     Orphan,
+    /// The host of a FAILED machine without a cluster binding.
+    FailedUnbound,
 }
 
 fn host_vanished_message(host: &HostRef) -> String {

@@ -333,7 +333,7 @@ fn a_second_host_for_a_machine_is_an_orphan_after_the_grace_period() {
             host: host("h2")
         }]
     );
-    inv.orphan_deleted(&outcome.orphans_due[0]);
+    inv.orphan_deleted(&outcome.orphans_due[0], &mut Vec::new());
     assert!(inv.deleted_by_us("h2"));
     // Seen again (eventual consistency): the grace starts over, it is not adopted.
     let outcome = pass(
