@@ -1069,8 +1069,8 @@ impl Engine {
                 // What is left stays on the record, so the next release (or reconcile, after
                 // --orphan-grace) finds it.
                 let left: Vec<String> = hosts[i..].iter().map(|h| h.id.clone()).collect();
-                let (_, commit) = self
-                    .apply(|inv, changes| inv.keep_failed_host(machine_id, host, changes));
+                let (_, commit) =
+                    self.apply(|inv, changes| inv.keep_failed_host(machine_id, host, changes));
                 self.commit(commit).await?;
                 return Err(gave_up(
                     format!(
@@ -1109,7 +1109,12 @@ impl Engine {
     ) -> Result<Vec<crate::machine::HostRef>, String> {
         let direct = tokio::time::timeout(within, self.backend.machine_hosts(machine_id))
             .await
-            .map_err(|_| format!("backend host read timed out after {}", duration::format(within)))?
+            .map_err(|_| {
+                format!(
+                    "backend host read timed out after {}",
+                    duration::format(within)
+                )
+            })?
             .map_err(|e| e.0)?;
         if let Some(hosts) = direct {
             return Ok(hosts);
@@ -1218,7 +1223,11 @@ impl Engine {
     /// before the backend goes on. On a Create that already failed (its deadline passed while
     /// the substrate was still answering) the host is recorded on the FAILED record, so an
     /// operator or reconcile can delete it.
-    fn host_sink(self: &Arc<Self>, machine_id: &str, operation_id: &str) -> crate::backend::HostSink {
+    fn host_sink(
+        self: &Arc<Self>,
+        machine_id: &str,
+        operation_id: &str,
+    ) -> crate::backend::HostSink {
         let engine = Arc::downgrade(self);
         let machine_id = machine_id.to_owned();
         let operation_id = operation_id.to_owned();
@@ -1230,7 +1239,9 @@ impl Engine {
                 let Some(engine) = engine.upgrade() else {
                     return Err("the provider is shutting down".to_owned());
                 };
-                engine.record_created_host(&machine_id, &operation_id, host).await
+                engine
+                    .record_created_host(&machine_id, &operation_id, host)
+                    .await
             })
         })
     }
@@ -1250,12 +1261,22 @@ impl Engine {
         self.commit(commit).await.map_err(|e| e.to_string())?;
         match recorded {
             HostRecord::Recorded => {
-                tracing::info!(machine_id, operation_id, host = host.id, "host recorded for the Create in flight");
+                tracing::info!(
+                    machine_id,
+                    operation_id,
+                    host = host.id,
+                    "host recorded for the Create in flight"
+                );
                 Ok(())
             }
             HostRecord::Unchanged => Ok(()),
             HostRecord::OnFailed => {
-                tracing::warn!(machine_id, operation_id, host = host.id, "host recorded on the machine its Create left FAILED; `admin failed release` deletes it, as does reconcile after --orphan-grace");
+                tracing::warn!(
+                    machine_id,
+                    operation_id,
+                    host = host.id,
+                    "host recorded on the machine its Create left FAILED; `admin failed release` deletes it, as does reconcile after --orphan-grace"
+                );
                 Ok(())
             }
             HostRecord::Refused(why) => Err(why),

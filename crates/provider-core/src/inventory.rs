@@ -463,7 +463,13 @@ impl Inventory {
             (_, Some(held)) if held == host => return HostRecord::Unchanged,
             (MachineState::Creating, held) => {
                 if let Some(held) = held {
-                    tracing::warn!(machine_id, operation_id, replaced = held.id, host = host.id, "the Create names another host than the one it recorded; the first becomes an orphan");
+                    tracing::warn!(
+                        machine_id,
+                        operation_id,
+                        replaced = held.id,
+                        host = host.id,
+                        "the Create names another host than the one it recorded; the first becomes an orphan"
+                    );
                 }
                 HostRecord::Recorded
             }

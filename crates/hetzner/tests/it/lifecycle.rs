@@ -444,7 +444,9 @@ async fn releasing_a_failed_create_deletes_the_server_it_left_before_reconcile_s
     let env = Env::new(Options::default()).await;
     env.emulator.set_polls_to_running(1_000_000);
     env.emulator
-        .inject_create([hcloud_emulator::CreateFault::Hang(std::time::Duration::from_secs(3))]);
+        .inject_create([hcloud_emulator::CreateFault::Hang(
+            std::time::Duration::from_secs(3),
+        )]);
     let engine = engine(
         &env,
         vec![offering("cx22", "nbg1", 1)],

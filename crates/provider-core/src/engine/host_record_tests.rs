@@ -62,7 +62,11 @@ impl Backend for Booting {
             hosts: Some(self.hosts.lock().unwrap().clone()),
         })
     }
-    async fn create(&self, machine: &Machine, ctx: &TransitionContext) -> Result<Effect, BackendError> {
+    async fn create(
+        &self,
+        machine: &Machine,
+        ctx: &TransitionContext,
+    ) -> Result<Effect, BackendError> {
         let host = host_of(&machine.id);
         if let Then::AnswerLate { late } = self.then {
             tokio::time::sleep_until(ctx.deadline + late).await;
@@ -148,7 +152,11 @@ async fn a_create_that_times_out_while_its_host_boots_fails_with_the_host() {
     );
     let failed = until_failed(&engine).await;
     assert_eq!(failed.host, Some(host_of("m-0")));
-    assert!(failed.last_error.contains("timed out"), "{}", failed.last_error);
+    assert!(
+        failed.last_error.contains("timed out"),
+        "{}",
+        failed.last_error
+    );
     assert!(crate::server::machine_to_wire(&failed).host.is_some());
     assert_eq!(engine.census().failed_with_host, 1);
 }
@@ -171,7 +179,10 @@ async fn a_host_the_cloud_names_after_the_deadline_lands_on_the_failed_record() 
     // Release deletes it.
     engine.release("m-0").await.expect("release");
     assert_eq!(*backend.deleted.lock().unwrap(), vec!["h-m-0".to_owned()]);
-    assert_eq!(engine.get("m-0").expect("m-0").state, MachineState::Speculative);
+    assert_eq!(
+        engine.get("m-0").expect("m-0").state,
+        MachineState::Speculative
+    );
 }
 
 #[tokio::test(start_paused = true)]
@@ -185,8 +196,18 @@ async fn reconcile_deletes_an_unreleased_failed_hosts_after_the_grace_and_keeps_
     assert_eq!(first.orphans, 1, "counted while it waits: {first:?}");
     assert_eq!(first.failed_hosts_deleted, 0);
     tokio::time::sleep(grace / 2).await;
-    assert_eq!(engine.reconcile().await.expect("reconcile").failed_hosts_deleted, 0);
-    assert!(backend.deleted.lock().unwrap().is_empty(), "not before the grace");
+    assert_eq!(
+        engine
+            .reconcile()
+            .await
+            .expect("reconcile")
+            .failed_hosts_deleted,
+        0
+    );
+    assert!(
+        backend.deleted.lock().unwrap().is_empty(),
+        "not before the grace"
+    );
     tokio::time::sleep(grace / 2).await;
     let due = engine.reconcile().await.expect("reconcile");
     assert_eq!(due.failed_hosts_deleted, 1, "{due:?}");
@@ -199,7 +220,11 @@ async fn reconcile_deletes_an_unreleased_failed_hosts_after_the_grace_and_keeps_
     assert_eq!(engine.census().failed_with_host, 0);
     // Nothing more to do.
     let after = engine.reconcile().await.expect("reconcile");
-    assert_eq!((after.orphans, after.failed_hosts_deleted), (0, 0), "{after:?}");
+    assert_eq!(
+        (after.orphans, after.failed_hosts_deleted),
+        (0, 0),
+        "{after:?}"
+    );
 }
 
 /// A FAILED machine bound to a cluster (its Configure or Drain failed) may hold a node: its
