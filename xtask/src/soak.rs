@@ -339,11 +339,13 @@ async fn soak(root: &Path, cloud: CloudKind, seed: u64, duration: Duration) -> R
         ensure!(panics == 0, "the provider logged {panics} panic(s)");
         Ok(figures)
     });
+    let (requests, classes) = emulated.requests();
     let result = match outcome {
         Ok(figures) => Ok(format!(
-            "{}s, {} restarts; {figures}; {}",
+            "{}s, {} restarts; {figures}; {requests} API requests ({:.1}/s; {classes}); {}",
             started.elapsed().as_secs(),
             tally_value(&tally, "fault.kill9"),
+            requests as f64 / started.elapsed().as_secs_f64(),
             tally.render()
         )),
         Err(e) => {

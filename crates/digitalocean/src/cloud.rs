@@ -365,8 +365,14 @@ impl DigitalOceanCloud {
             };
             let wait = backoff.delay(attempt, after);
             if attempt >= backoff.max_attempts || Instant::now() + wait >= ctx.deadline {
+                // This look-up may outlast the Create's deadline (a create call cut short by it
+                // may still have made the Droplet): one it finds is recorded on the machine,
+                // FAILED by then, so it is never left running untracked.
                 let last = self
-                    .find_created(&machine.id, ctx.deadline)
+                    .find_created(
+                        &machine.id,
+                        provider_core::backend::after_deadline(ctx.deadline),
+                    )
                     .await
                     .ok()
                     .flatten();

@@ -324,14 +324,21 @@ impl HetznerCloud {
                 Ok(server) => break server,
                 Err(e) if e.code() == Some("uniqueness_error") || e.is_ambiguous() => {
                     // The name is taken or the response was lost: the server may exist. Adopt
-                    // it only if its labels say it is this machine's.
-                    let found = self.machine_servers(&machine.id, deadline).await.map_err(
-                        |le| {
+                    // it only if its labels say it is this machine's. The look-up may outlast
+                    // the Create's deadline (a create call cut short by it may still have made
+                    // the server): a server it finds is recorded on the machine, FAILED by
+                    // then, so it is never left running untracked.
+                    let found = self
+                        .machine_servers(
+                            &machine.id,
+                            provider_core::backend::after_deadline(deadline),
+                        )
+                        .await
+                        .map_err(|le| {
                             err(format!(
                                 "create server {server_type}: {e}; look up after the failure: {le}"
                             ))
-                        },
-                    )?;
+                        })?;
                     if let Some(server) = found
                         .into_iter()
                         .find(|s| s.status != models::server::Status::Deleting)

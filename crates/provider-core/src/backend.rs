@@ -69,6 +69,19 @@ impl TransitionContext {
     }
 }
 
+/// How long after a Create's deadline its look-up for a host a cut-short create call may have
+/// made still runs (see [`after_deadline`]).
+pub const LATE_LOOK_UP: Duration = Duration::from_secs(60);
+
+/// The deadline of a look-up for a host a create call may have made although it failed (its
+/// answer lost, or cut short by the transition's deadline): the transition's `deadline`, or
+/// [`LATE_LOOK_UP`] from now if that is later. A host it finds is recorded on the machine
+/// ([`TransitionContext::record_host`]), which by then may be FAILED, so no failure leaves a
+/// host the cloud made running without its machine.
+pub fn after_deadline(deadline: Instant) -> Instant {
+    deadline.max(Instant::now() + LATE_LOOK_UP)
+}
+
 /// Records a host in the durable record of the machine a Create is for.
 pub type HostSink = std::sync::Arc<
     dyn Fn(HostRef) -> futures_util::future::BoxFuture<'static, Result<(), String>> + Send + Sync,

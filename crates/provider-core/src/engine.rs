@@ -489,6 +489,7 @@ impl Engine {
     /// the batch (or, with no changes, everything `f` could see) stands in the submission order.
     fn apply<T>(&self, f: impl FnOnce(&mut Inventory, &mut Vec<Change>) -> T) -> (T, Pending) {
         let mut inventory = self.write();
+        inventory.forget_acknowledged(self.durability.revision());
         let mut changes = Vec::new();
         let value = f(&mut inventory, &mut changes);
         let revision = inventory.revision();
@@ -773,6 +774,45 @@ impl Engine {
                 Ok(value)
             }
         }
+    }
+
+    /// Get when the store stopped committing before the machine's last change was durable
+    /// (a leader that lost etcd): the machine as the store holds it. `None` while the store
+    /// commits (wait for it instead), or for a machine the store never held.
+    pub fn acknowledged_get(&self, id: &str) -> Option<Arc<Machine>> {
+        if !self.durability.is_stopped() {
+            return None;
+        }
+        self.read().acknowledged_get(id, self.durability.revision())
+    }
+
+    /// List when the store stopped committing (a leader that lost etcd, answering reads while
+    /// no replica can lead): every machine as the store holds it, at the last revision the
+    /// store confirmed, so the answer shows nothing a new leader could take back and its
+    /// revision is never one a new leader could reuse for other changes. `None` while the
+    /// store commits.
+    pub fn acknowledged_list(&self, query: &ListQuery) -> Option<Listing> {
+        if !self.durability.is_stopped() {
+            return None;
+        }
+        let durable = self.durability.revision();
+        let cursor = std::str::from_utf8(&query.since_revision)
+            .ok()
+            .filter(|s| !s.is_empty())
+            .and_then(|s| s.parse::<i64>().ok());
+        let selection = Selection {
+            states: query.states.clone(),
+            since: cursor.filter(|c| *c <= durable),
+            cap: usize::try_from(query.max_results)
+                .ok()
+                .filter(|n| *n > 0)
+                .unwrap_or(usize::MAX),
+        };
+        let machines = self.read().acknowledged_select(&selection, durable);
+        Some(Listing {
+            machines,
+            revision: durable,
+        })
     }
 
     /// List with a state filter, a cap and a `since_revision` cursor (contract.md §8). A cursor
@@ -1401,3 +1441,6 @@ mod limits_tests;
 
 #[cfg(test)]
 mod host_record_tests;
+
+#[cfg(test)]
+mod acknowledged_tests;

@@ -248,6 +248,41 @@ impl Inventory {
         self.slots.get(id)
     }
 
+    /// Forgets the pre-change copies of slots whose changes the store confirmed up to
+    /// revision `durable` (see [`Inventory::acknowledged_select`]).
+    pub fn forget_acknowledged(&mut self, durable: i64) {
+        self.slots.forget_acknowledged(durable);
+    }
+
+    /// Machine `id` as the store holds it after revision `durable` (a slot whose newer change
+    /// the store never confirmed shows as it was before that change; one the store never held
+    /// is `None`).
+    pub fn acknowledged_get(&self, id: &str, durable: i64) -> Option<Arc<Machine>> {
+        self.slots.acknowledged(id, durable).map(|(m, _)| m)
+    }
+
+    /// [`Inventory::select`] as of revision `durable`: every matching machine as the store
+    /// holds it, uncapped rotation aside (the first `cap` matches).
+    pub fn acknowledged_select(&self, selection: &Selection, durable: i64) -> Vec<Arc<Machine>> {
+        let since = selection.since.unwrap_or(0);
+        let everything = Selection {
+            states: Vec::new(),
+            since: selection.since,
+            cap: usize::MAX,
+        };
+        self.select(&everything, 0)
+            .machines
+            .iter()
+            .filter_map(|m| self.slots.acknowledged(&m.id, durable))
+            .filter(|(m, revision)| {
+                (selection.since.is_none() || *revision > since)
+                    && (selection.states.is_empty() || selection.states.contains(&m.state))
+            })
+            .map(|(m, _)| m)
+            .take(selection.cap)
+            .collect()
+    }
+
     pub fn slots(&self) -> impl Iterator<Item = &Slot> {
         self.slots.values()
     }

@@ -321,7 +321,12 @@ impl CapacityProvider for Service {
         let replica = self.replica.clone();
         observe(self.telemetry, "Get", &id.clone(), async move {
             let engine = replica.reader()?;
-            let m = engine.settle(engine.get_durable(&id)?).await?;
+            let m = match engine.settle(engine.get_durable(&id)?).await {
+                Ok(m) => m,
+                // The store stopped before this change was durable (degraded: etcd is down
+                // for everyone): the machine as the store holds it.
+                Err(e) => engine.acknowledged_get(&id).ok_or(e)?,
+            };
             Ok(Response::new(machine_to_wire(&m)))
         })
         .await
@@ -345,7 +350,12 @@ impl CapacityProvider for Service {
                 max_results: r.max_results,
                 since_revision: r.since_revision,
             };
-            let listing = engine.settle(engine.list_durable(&query)).await?;
+            let listing = match engine.settle(engine.list_durable(&query)).await {
+                Ok(listing) => listing,
+                // The store stopped before the head was durable (degraded): the listing as
+                // the store holds it, at the last revision it confirmed.
+                Err(e) => engine.acknowledged_list(&query).ok_or(e)?,
+            };
             // Each machine is encoded once per change and reused by every later List and Get.
             let encoded = listing.machines.iter().map(|m| wire_bytes(m)).collect();
             Ok(Response::new(pb::MachineList {

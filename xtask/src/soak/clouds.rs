@@ -179,6 +179,21 @@ impl Emulated {
         }
     }
 
+    /// The API requests the provider sent so far, by class, and their total.
+    pub(crate) fn requests(&self) -> (usize, String) {
+        let classes = match self {
+            Emulated::Hetzner(e) => e.requests_by_class(),
+            Emulated::DigitalOcean { emulator, .. } => emulator.requests_by_class(),
+        };
+        let total = classes.values().map(|(n, _)| n).sum();
+        let text = classes
+            .iter()
+            .map(|(class, (n, _))| format!("{class}:{n}"))
+            .collect::<Vec<_>>()
+            .join(",");
+        (total, text)
+    }
+
     /// Whether host `id` is live.
     pub(crate) fn is_live(&self, id: &str) -> bool {
         self.live_hosts().iter().any(|(h, _)| h == id)

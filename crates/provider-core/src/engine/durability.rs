@@ -74,6 +74,16 @@ impl Durability {
         self.changed.notify_waiters();
     }
 
+    /// The revision head of the last durable batch.
+    pub(super) fn revision(&self) -> i64 {
+        self.revision.load(Ordering::Acquire)
+    }
+
+    /// Whether the store stopped committing (nothing more becomes durable here).
+    pub(super) fn is_stopped(&self) -> bool {
+        self.stopped.load(Ordering::SeqCst)
+    }
+
     /// Whether the revision `revision` is durable (the fast path of every read).
     pub(super) fn revision_is_durable(&self, revision: i64) -> bool {
         self.revision.load(Ordering::Acquire) >= revision

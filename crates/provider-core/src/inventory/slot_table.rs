@@ -24,6 +24,11 @@ const STATES: usize = MachineState::ALL.len();
 pub(crate) struct SlotTable {
     by_id: IndexMap<String, Slot>,
     index: Positions,
+    /// Each slot changed since the store last confirmed its changes durable, as it was before
+    /// that first change (its machine and revision): what the store holds for it. A replica
+    /// whose store stopped answers reads from these ([`SlotTable::acknowledged`]); entries
+    /// leave once their slot's change is durable ([`SlotTable::forget_acknowledged`]).
+    acknowledged: std::collections::HashMap<String, (std::sync::Arc<crate::machine::Machine>, i64)>,
 }
 
 /// Slot positions by (last-change revision, position) and by state.
@@ -108,6 +113,11 @@ impl SlotTable {
 
     pub(crate) fn get_mut(&mut self, id: &str) -> Option<SlotMut<'_>> {
         let (position, _, slot) = self.by_id.get_full_mut(id)?;
+        if !self.acknowledged.contains_key(id) {
+            // Held here, the machine is copied by the change, not changed in place.
+            self.acknowledged
+                .insert(id.to_owned(), (slot.machine.clone(), slot.last_change));
+        }
         Some(SlotMut {
             state: slot.machine.state,
             last_change: slot.last_change,
@@ -137,6 +147,35 @@ impl SlotTable {
     }
 
     /// Sets every slot's last-change revision to `revision`.
+    /// Forgets what was kept for slots whose last change is durable (`durable` is the
+    /// revision the store confirmed) and for slots that are gone.
+    pub(crate) fn forget_acknowledged(&mut self, durable: i64) {
+        if self.acknowledged.is_empty() {
+            return;
+        }
+        let by_id = &self.by_id;
+        self.acknowledged
+            .retain(|id, _| by_id.get(id).is_some_and(|s| s.last_change > durable));
+    }
+
+    /// The machine `id` as the store holds it, when the store confirmed revision `durable`:
+    /// the slot itself when its last change is durable, what it was before its first change
+    /// since otherwise, `None` for a slot the store does not hold yet. With its revision.
+    pub(crate) fn acknowledged(
+        &self,
+        id: &str,
+        durable: i64,
+    ) -> Option<(std::sync::Arc<crate::machine::Machine>, i64)> {
+        let slot = self.by_id.get(id)?;
+        if slot.last_change <= durable {
+            return Some((slot.machine.clone(), slot.last_change));
+        }
+        self.acknowledged
+            .get(id)
+            .filter(|(_, revision)| *revision <= durable)
+            .cloned()
+    }
+
     pub(crate) fn mark_all_changed(&mut self, revision: i64) {
         for slot in self.by_id.values_mut() {
             slot.last_change = revision;
