@@ -20,6 +20,14 @@ pub struct TransitionContext {
     pub deadline: Instant,
     /// Cancelled when the deadline passes or the provider gives up on the work.
     pub cancel: CancellationToken,
+    /// For a Configure, what tells it apart from every other Configure on any host, even one
+    /// under the same operation id after a state was lost and its ids started again, while
+    /// every process that resumes it gets the same value: a digest of its sealed record in the
+    /// state (drawn at random when it was accepted, [`crate::seal::configure_nonce`]), or,
+    /// for a Configure the state does not keep (no `--state-encryption-key-file`), which no
+    /// process ever resumes, a random value drawn when it starts. 16 lower-case hex digits,
+    /// nothing secret. `None` for other transitions and outside the engine.
+    pub configure_nonce: Option<String>,
 }
 
 impl TransitionContext {
@@ -34,6 +42,7 @@ impl TransitionContext {
             operation_id: operation_id.into(),
             deadline: Instant::now() + timeout,
             cancel: CancellationToken::new(),
+            configure_nonce: None,
         }
     }
 }
