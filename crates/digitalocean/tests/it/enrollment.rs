@@ -1,8 +1,11 @@
 //! Agent enrollment against the real `digitalocean` binary and the real `bigfleet-agent` on
 //! loopback: the user_data token is spent by the first enrollment, the enrolled credential
 //! survives restarts of either side and a rotation of `--bootstrap-secret`, a stolen token is
-//! detected whichever side enrolls first, a re-created Droplet enrolls afresh, and the blob
-//! never reaches anyone but the enrolled agent.
+//! detected whichever side enrolls first, a re-created Droplet enrolls afresh, a replay of the
+//! spent token once the agent was handed its blob changes nothing (the Drain and the next
+//! Configure go on), the per-slot token speaks only for a Droplet created before enrollment,
+//! and the blob never reaches anyone but the enrolled agent. (A Configure resumed under a
+//! rotated secret runs its hook once: `restart.rs` and `resume.rs`.)
 
 use std::os::unix::fs::PermissionsExt as _;
 use std::path::Path;
