@@ -2,11 +2,13 @@
 //! trusts only its pin over TLS 1.3 (the channel certificate's public key, or the named CA), long-polls the bootstrap channel with its
 //! per-machine token, runs each command once (configure: write the blob and run the hook;
 //! drain: run the drain command; ready, a probe, each time it is served), and acks it by id.
-//! Executed command ids and their outcomes are persisted, so a command re-served after a
-//! restart of the agent or of the provider (the provider derives the id from the transition,
-//! so a resumed transition serves the same id) is answered from the record instead of being
-//! run twice; one whose run was cut short by an agent restart is answered as failed. The token
-//! and the blob are never logged.
+//! Executed commands and their outcomes are persisted, so a command re-served after a restart
+//! of the agent or of the provider is answered from the record instead of being run twice; one
+//! whose run was cut short by an agent restart is answered as failed. A command is known by its
+//! id (the provider derives it from the transition, so a resumed transition serves the same
+//! id), and a Configure by its run key where the provider sends one: the key stays the same
+//! when the id changes (a new `--bootstrap-secret`) and differs for every other Configure, so a
+//! record kept under an earlier id still answers it. The token and the blob are never logged.
 
 use std::collections::VecDeque;
 use std::io::Write as _;
@@ -187,6 +189,9 @@ pub struct WireCommand {
     blob: Zeroizing<String>,
     #[serde(default)]
     grace_seconds: i64,
+    /// What the run of a Configure is recorded under (providers before run keys send none).
+    #[serde(default)]
+    run_key: String,
 }
 
 impl std::fmt::Debug for WireCommand {
@@ -200,6 +205,7 @@ impl std::fmt::Debug for WireCommand {
                 &format_args!("[redacted; {} bytes]", self.blob.len()),
             )
             .field("grace_seconds", &self.grace_seconds)
+            .field("run_key", &self.run_key)
             .finish()
     }
 }
@@ -217,6 +223,31 @@ struct WireAck<'a> {
 struct Executed {
     id: String,
     outcome: Option<Result<(), String>>,
+    /// The run key it came with; absent for a command without one, and in the records of
+    /// agents before run keys.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    key: Option<String>,
+}
+
+/// How a command is looked up in the record: its id, and its run key if it has one.
+#[derive(Clone, Copy, Debug)]
+struct CommandRef<'a> {
+    id: &'a str,
+    key: &'a str,
+}
+
+impl CommandRef<'_> {
+    /// Whether `entry` records this command. A command with a run key is known by that key
+    /// (the id of the same Configure changes with the provider's secret, and an id can come
+    /// round again for another Configure after the provider lost its state), or by its id in
+    /// an entry that has no key (the record of an agent before run keys). A command without
+    /// one (from a provider before run keys) is known by its id, as before.
+    fn names(&self, entry: &Executed) -> bool {
+        match (&entry.key, self.key.is_empty()) {
+            (Some(key), false) => *key == self.key,
+            (None, false) | (_, true) => entry.id == self.id,
+        }
+    }
 }
 
 /// The executed-command record, persisted atomically after every change, and the agent's
@@ -286,22 +317,23 @@ impl AgentState {
         std::fs::rename(&tmp, path).map_err(fail)
     }
 
-    fn forget(&mut self, id: &str) {
-        self.executed.retain(|e| e.id != id);
+    fn forget(&mut self, command: CommandRef<'_>) {
+        self.executed.retain(|e| !command.names(e));
     }
 
-    fn find(&self, id: &str) -> Option<&Executed> {
-        self.executed.iter().find(|e| e.id == id)
+    fn find(&self, command: CommandRef<'_>) -> Option<&Executed> {
+        self.executed.iter().find(|e| command.names(e))
     }
 
-    fn record(&mut self, id: &str, outcome: Option<Result<(), String>>) {
-        if let Some(e) = self.executed.iter_mut().find(|e| e.id == id) {
+    fn record(&mut self, command: CommandRef<'_>, outcome: Option<Result<(), String>>) {
+        if let Some(e) = self.executed.iter_mut().find(|e| command.names(e)) {
             e.outcome = outcome;
             return;
         }
         self.executed.push_back(Executed {
-            id: id.to_owned(),
+            id: command.id.to_owned(),
             outcome,
+            key: (!command.key.is_empty()).then(|| command.key.to_owned()),
         });
         while self.executed.len() > REMEMBERED {
             self.executed.pop_front();
@@ -330,7 +362,7 @@ pub fn read_record(path: &Path) -> Result<Vec<RecordedCommand>, String> {
 pub fn write_record(path: &Path, entries: &[RecordedCommand]) -> Result<(), String> {
     let mut state = AgentState::default();
     for (id, outcome) in entries {
-        state.record(id, outcome.clone());
+        state.record(CommandRef { id, key: "" }, outcome.clone());
     }
     state.save(path)
 }
@@ -601,6 +633,8 @@ impl Agent {
 
     async fn handle(&mut self, command: WireCommand) {
         let id = command.id.clone();
+        let key = command.run_key.clone();
+        let named = CommandRef { id: &id, key: &key };
         if command.kind == "ready" {
             // Readiness is a probe that changes nothing: it is answered by running it each
             // time it is served, so an earlier "not ready" is never replayed and a check
@@ -611,21 +645,21 @@ impl Agent {
             self.ack(&id, &outcome).await;
             return;
         }
-        let outcome = match self.state.find(&id) {
+        let outcome = match self.state.find(named) {
             Some(Executed {
                 outcome: Some(outcome),
                 ..
             }) => {
-                tracing::info!(command_id = %id, "command already executed; acknowledging again");
+                tracing::info!(command_id = %id, run_key = %key, "command already executed; acknowledging again");
                 outcome.clone()
             }
             Some(Executed { outcome: None, .. }) => {
-                tracing::warn!(command_id = %id, "command was interrupted by an agent restart; not running it again");
+                tracing::warn!(command_id = %id, run_key = %key, "command was interrupted by an agent restart; not running it again");
                 let outcome = Err(
                     "the agent restarted while running this command; it was not run again"
                         .to_owned(),
                 );
-                if let Err(e) = self.remember(&id, Some(outcome.clone())) {
+                if let Err(e) = self.remember(named, Some(outcome.clone())) {
                     tracing::error!(command_id = %id, error = %e, "cannot persist the outcome of the command");
                 }
                 outcome
@@ -634,10 +668,10 @@ impl Agent {
                 // Recorded as started before anything runs: if the start cannot be made
                 // durable, a crash during the run could not be told from a command never run,
                 // so it is not run at all.
-                if let Err(e) = self.remember(&id, None) {
+                if let Err(e) = self.remember(named, None) {
                     tracing::error!(command_id = %id, error = %e, "cannot record the command before running it; not running it");
                     // Forget it again, so a later delivery once the disk is writable runs it.
-                    self.state.forget(&id);
+                    self.state.forget(named);
                     let outcome = Err(format!(
                         "the agent could not record the command before running it, so it did \
                          not run it: {e}"
@@ -645,10 +679,10 @@ impl Agent {
                     self.ack(&id, &outcome).await;
                     return;
                 }
-                tracing::info!(command_id = %id, command = %command.kind, cluster_id = %command.cluster_id, "running command");
+                tracing::info!(command_id = %id, run_key = %key, command = %command.kind, cluster_id = %command.cluster_id, "running command");
                 let outcome = self.execute(&command).await;
                 log_outcome(&id, &command.kind, &outcome);
-                if let Err(e) = self.remember(&id, Some(outcome.clone())) {
+                if let Err(e) = self.remember(named, Some(outcome.clone())) {
                     // The start is on disk: a re-delivery after a restart is answered as
                     // interrupted, never run again.
                     tracing::error!(command_id = %id, error = %e, "cannot persist the outcome of the command");
@@ -659,8 +693,12 @@ impl Agent {
         self.ack(&id, &outcome).await;
     }
 
-    fn remember(&mut self, id: &str, outcome: Option<Result<(), String>>) -> Result<(), String> {
-        self.state.record(id, outcome);
+    fn remember(
+        &mut self,
+        command: CommandRef<'_>,
+        outcome: Option<Result<(), String>>,
+    ) -> Result<(), String> {
+        self.state.record(command, outcome);
         self.state.save(&self.options.state_path)
     }
 
@@ -897,21 +935,82 @@ fn describe(e: &reqwest::Error) -> String {
 mod tests {
     use super::*;
 
+    fn id(id: &str) -> CommandRef<'_> {
+        CommandRef { id, key: "" }
+    }
+
+    /// A Configure with a run key is known by it: under another id (a rotated secret) it is
+    /// answered from its record; another key under the same id (an operation id that came
+    /// round again after the provider lost its state) is another command; an entry an older
+    /// agent wrote without a key still answers its id, and a command without a key (an older
+    /// provider) is known by its id alone.
+    #[test]
+    fn run_keys_name_a_configure_across_ids() {
+        let mut state = AgentState::default();
+        let keyed = |id, key| CommandRef { id, key };
+        state.record(
+            keyed("op-2.configure.7ad30b06aaaaaaaa", "op-2.configure.k1"),
+            Some(Ok(())),
+        );
+        assert!(
+            state
+                .find(keyed(
+                    "op-2.configure.f144099dbbbbbbbb",
+                    "op-2.configure.k1"
+                ))
+                .is_some()
+        );
+        assert!(
+            state
+                .find(keyed(
+                    "op-2.configure.7ad30b06aaaaaaaa",
+                    "op-2.configure.k2"
+                ))
+                .is_none()
+        );
+        assert!(state.find(id("op-2.configure.7ad30b06aaaaaaaa")).is_some());
+        state.record(id("op-3.configure.0000000000000000"), None);
+        assert!(
+            state
+                .find(keyed(
+                    "op-3.configure.0000000000000000",
+                    "op-3.configure.k3"
+                ))
+                .is_some()
+        );
+        // An outcome recorded under a new id keeps the entry (one entry per run).
+        state.record(
+            keyed("op-2.configure.f144099dbbbbbbbb", "op-2.configure.k1"),
+            Some(Err("x".into())),
+        );
+        assert_eq!(state.executed.len(), 2);
+        assert_eq!(state.executed[0].key.as_deref(), Some("op-2.configure.k1"));
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("state.json");
+        state.save(&path).unwrap();
+        let text = std::fs::read_to_string(&path).unwrap();
+        assert!(text.contains("\"key\":\"op-2.configure.k1\""), "{text}");
+        assert_eq!(AgentState::load(&path).unwrap().executed, state.executed);
+    }
+
     #[test]
     fn state_remembers_a_bounded_number_of_ids() {
         let dir = tempfile::tempdir().unwrap();
         let path = dir.path().join("sub/state.json");
         let mut state = AgentState::default();
         for i in 0..(REMEMBERED + 5) {
-            state.record(&i.to_string(), Some(Ok(())));
+            state.record(id(&i.to_string()), Some(Ok(())));
         }
-        state.record("x", None);
-        state.record("x", Some(Err("boom".into())));
+        state.record(id("x"), None);
+        state.record(id("x"), Some(Err("boom".into())));
         state.save(&path).unwrap();
         let loaded = AgentState::load(&path).unwrap();
         assert_eq!(loaded.executed.len(), REMEMBERED);
-        assert!(loaded.find("0").is_none());
-        assert_eq!(loaded.find("x").unwrap().outcome, Some(Err("boom".into())));
+        assert!(loaded.find(id("0")).is_none());
+        assert_eq!(
+            loaded.find(id("x")).unwrap().outcome,
+            Some(Err("boom".into()))
+        );
         let mode = std::fs::metadata(&path).unwrap().permissions().mode() & 0o777;
         assert_eq!(mode, 0o600);
         assert!(
@@ -935,20 +1034,23 @@ mod tests {
         )
         .unwrap();
         let mut state = AgentState::load(&path).unwrap();
-        assert_eq!(state.find("9f2c4a1b7e30-1").unwrap().outcome, Some(Ok(())));
         assert_eq!(
-            state.find("9f2c4a1b7e30-2").unwrap().outcome,
+            state.find(id("9f2c4a1b7e30-1")).unwrap().outcome,
+            Some(Ok(()))
+        );
+        assert_eq!(
+            state.find(id("9f2c4a1b7e30-2")).unwrap().outcome,
             Some(Err("bootstrap hook failed: exit status: 3".into()))
         );
-        assert_eq!(state.find("9f2c4a1b7e30-3").unwrap().outcome, None);
-        state.record("op-7.configure.0123456789abcdef", Some(Ok(())));
+        assert_eq!(state.find(id("9f2c4a1b7e30-3")).unwrap().outcome, None);
+        state.record(id("op-7.configure.0123456789abcdef"), Some(Ok(())));
         state.save(&path).unwrap();
         let reloaded = AgentState::load(&path).unwrap();
         assert_eq!(reloaded.executed.len(), 4);
         assert_eq!(reloaded.executed[0].id, "9f2c4a1b7e30-1");
         assert_eq!(
             reloaded
-                .find("op-7.configure.0123456789abcdef")
+                .find(id("op-7.configure.0123456789abcdef"))
                 .unwrap()
                 .outcome,
             Some(Ok(()))
@@ -962,7 +1064,7 @@ mod tests {
         assert!(
             AgentState::load(&path)
                 .unwrap()
-                .find("op-1.drain")
+                .find(id("op-1.drain"))
                 .is_some()
         );
         // A damaged file stops the agent instead of letting it forget what it ran.

@@ -223,8 +223,8 @@ impl Command {
     }
 
     /// The wire form: compact JSON with keys `id`, `type`, `cluster_id`, `blob`,
-    /// `grace_seconds` in that order, empty ones omitted, and a trailing newline.
-    fn to_wire(&self, id: &str) -> Zeroizing<Vec<u8>> {
+    /// `grace_seconds`, `run_key` in that order, empty ones omitted, and a trailing newline.
+    fn to_wire(&self, id: &str, run_key: &str) -> Zeroizing<Vec<u8>> {
         #[derive(Serialize)]
         struct Wire<'a> {
             id: &'a str,
@@ -236,6 +236,8 @@ impl Command {
             blob: &'a str,
             #[serde(skip_serializing_if = "is_zero")]
             grace_seconds: i64,
+            #[serde(skip_serializing_if = "str::is_empty")]
+            run_key: &'a str,
         }
         fn is_zero(n: &i64) -> bool {
             *n == 0
@@ -256,6 +258,7 @@ impl Command {
             cluster_id,
             blob: &encoded,
             grace_seconds,
+            run_key,
         };
         let mut body = Zeroizing::new(serde_json::to_vec(&wire).unwrap_or_default());
         body.push(b'\n');
@@ -376,16 +379,30 @@ impl FailureTable {
 #[derive(Debug, PartialEq)]
 enum Admission {
     /// The machine's enrolled credential (`enrolled`), or, for a machine that has not
-    /// enrolled, its user_data token.
+    /// enrolled, its user_data token (`per_slot` when it is the older per-slot token, which
+    /// speaks only for a Droplet created without an enrollment token: checked with the cloud
+    /// before the request is served).
     Machine {
         machine_id: String,
         enrolled: bool,
+        per_slot: bool,
     },
     /// The replica cannot read its state now (it stopped serving mid-request).
     NotServing,
     Unauthorized,
     /// Wrong token, and this (source, machine id) pair has failed too often: retry after this.
     Throttled(Duration),
+}
+
+/// What a request's bearer token proved.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Bearer {
+    /// The machine's enrolled credential.
+    Enrolled,
+    /// The one-time enrollment token of the machine's Create.
+    EnrollmentToken,
+    /// The older per-slot token.
+    PerSlot,
 }
 
 struct Inner {
@@ -413,6 +430,11 @@ struct Inner {
     directory: std::sync::OnceLock<Arc<dyn DropletDirectory>>,
     /// `--bootstrap-enrollment-source`.
     enrollment_source: std::sync::OnceLock<EnrollmentSource>,
+    /// Per machine: its recorded Droplet as the cloud showed it, and whether that Droplet was
+    /// created without an enrollment token (a per-slot token may speak for it). A Droplet's
+    /// tags at create do not change, so one look-up per Droplet serves every poll of an older
+    /// agent.
+    per_slot_droplets: Mutex<HashMap<String, (String, bool)>>,
 }
 
 /// The bootstrap channel: shared by the HTTPS server and the transitions that deliver commands.
@@ -464,6 +486,7 @@ impl Channel {
                 memory_book: Book::Memory(Mutex::default()),
                 directory: std::sync::OnceLock::new(),
                 enrollment_source: std::sync::OnceLock::new(),
+                per_slot_droplets: Mutex::new(HashMap::new()),
             }),
         }
     }
@@ -547,10 +570,10 @@ impl Channel {
     }
 
     /// The id under which `command` for `machine_id` is delivered in the transition
-    /// `operation_id`. It is derived from the transition, never from this process, so a
-    /// transition resumed by another process or replica (same operation id, same secret)
-    /// delivers the same id again and the agent answers it from its record instead of running
-    /// it twice:
+    /// `operation_id`, and which its ack echoes. It is derived from the transition, never from
+    /// this process, so a transition resumed by another process or replica (same operation id,
+    /// same secret) delivers the same id again, and an agent that predates run keys
+    /// ([`Channel::run_key`]) answers it from its record instead of running it twice:
     ///
     /// - `<op>.configure.<fingerprint>`, the fingerprint a keyed digest (the bootstrap secret)
     ///   of the machine id, the cluster id and the blob: a resumed Configure carries the same
@@ -566,6 +589,10 @@ impl Channel {
     /// transitions; the agent's record is per machine, so ids of different machines cannot
     /// meet either. Without an operation id the id is `<random per-process prefix>-<n>`,
     /// the older form, which never repeats and holds no dot.
+    ///
+    /// The fingerprint changes with `--bootstrap-secret`, and an operation id comes round
+    /// again after a state was lost: what the agent records a Configure's run under is its run
+    /// key instead.
     pub(crate) fn command_id(
         &self,
         machine_id: &str,
@@ -579,20 +606,7 @@ impl Channel {
                 self.inner.counter.fetch_add(1, Ordering::Relaxed) + 1
             );
         }
-        let hex = |bytes: [u8; 8]| -> String { bytes.iter().map(|b| format!("{b:02x}")).collect() };
-        let verbatim = operation_id.len() <= MAX_VERBATIM_OPERATION_ID
-            && operation_id
-                .bytes()
-                .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'_' | b':' | b'-'));
-        let op = if verbatim {
-            operation_id.to_owned()
-        } else {
-            let digest = self
-                .inner
-                .secret
-                .fingerprint(&[b"operation", operation_id.as_bytes()]);
-            format!("x.{}", hex(digest))
-        };
+        let op = self.operation_part(operation_id);
         match command {
             Command::Configure { cluster_id, blob } => {
                 let digest = self.inner.secret.fingerprint(&[
@@ -605,6 +619,41 @@ impl Channel {
             }
             Command::Ready { .. } | Command::Drain { .. } => format!("{op}.{}", command.kind()),
         }
+    }
+
+    /// The key under which the agent records the run of a Configure (sent beside its id):
+    /// `<op>.configure.<nonce>`, `<op>` as in [`Channel::command_id`] and the nonce the
+    /// Configure's [`TransitionContext::configure_nonce`]. It holds nothing that changes when
+    /// the Configure is resumed (by a restart, a takeover, a new `--bootstrap-secret`) and
+    /// nothing that two Configures share, not even two under one operation id after a state
+    /// was lost. Empty (no run key sent) for other commands and without a nonce.
+    pub(crate) fn run_key(&self, command: &Command, ctx: &TransitionContext) -> String {
+        match (command, &ctx.configure_nonce) {
+            (Command::Configure { .. }, Some(nonce)) if !ctx.operation_id.is_empty() => {
+                format!(
+                    "{}.configure.{nonce}",
+                    self.operation_part(&ctx.operation_id)
+                )
+            }
+            _ => String::new(),
+        }
+    }
+
+    /// An operation id as command ids and run keys show it: verbatim when it is 1 to 128
+    /// characters of `A-Z a-z 0-9 _ : -`, else `x.<keyed digest of it>`.
+    fn operation_part(&self, operation_id: &str) -> String {
+        let verbatim = operation_id.len() <= MAX_VERBATIM_OPERATION_ID
+            && operation_id
+                .bytes()
+                .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'_' | b':' | b'-'));
+        if verbatim {
+            return operation_id.to_owned();
+        }
+        let digest = self
+            .inner
+            .secret
+            .fingerprint(&[b"operation", operation_id.as_bytes()]);
+        format!("x.{}", hex(digest))
     }
 
     /// Makes `command` the pending command of `machine_id` and waits until the agent acks it,
@@ -628,6 +677,7 @@ impl Channel {
             return Err(DeliveryError(conflict_error(kind, machine_id)));
         }
         let id = self.command_id(machine_id, &command, &ctx.operation_id);
+        let run_key = self.run_key(&command, ctx);
         let delivery = self.inner.counter.fetch_add(1, Ordering::Relaxed);
         let (tx, rx) = oneshot::channel();
         {
@@ -636,7 +686,7 @@ impl Channel {
             let previous = slot.pending.replace(Pending {
                 id: id.clone(),
                 delivery,
-                body: command.to_wire(&id),
+                body: command.to_wire(&id, &run_key),
                 secret,
                 waiter: tx,
             });
@@ -645,7 +695,7 @@ impl Channel {
             }
             slot.notify.notify_waiters();
         }
-        tracing::info!(machine_id, command_id = %id, command = kind, "bootstrap command queued");
+        tracing::info!(machine_id, command_id = %id, run_key, command = kind, "bootstrap command queued");
         // Removes the command if this wait ends for any reason other than its ack.
         let guard = PendingGuard {
             channel: self,
@@ -925,7 +975,14 @@ impl Channel {
             Admission::Machine {
                 machine_id,
                 enrolled,
-            } => (machine_id, enrolled),
+                per_slot,
+            } => {
+                if per_slot && !self.per_slot_allowed(&machine_id).await {
+                    let refused = self.failed(peer, Some(&machine_id));
+                    return self.refusal(refused, peer, path);
+                }
+                (machine_id, enrolled)
+            }
             refused => return self.refusal(refused, peer, path),
         };
         if is_poll {
@@ -973,10 +1030,11 @@ impl Channel {
     ) -> Admission {
         if let (Some(machine_id), Some(presented)) = (&machine_id, presented) {
             match self.authenticate(machine_id, presented) {
-                Ok(enrolled) => {
+                Ok(bearer) => {
                     return Admission::Machine {
                         machine_id: machine_id.clone(),
-                        enrolled,
+                        enrolled: bearer == Bearer::Enrolled,
+                        per_slot: bearer == Bearer::PerSlot,
                     };
                 }
                 Err(Some(refused)) => return refused,
@@ -986,12 +1044,12 @@ impl Channel {
         self.failed(peer, machine_id.as_deref())
     }
 
-    /// Who `presented` speaks for: `Ok(true)` the machine's enrolled credential, `Ok(false)`
-    /// the user_data token of a machine that has not enrolled (its one-time token, for a
-    /// Droplet created by this version, or the per-slot token of an older Droplet). Once the
-    /// machine enrolled, only its credential is accepted, and after a conflict nothing is.
-    /// `Err(None)` is a failed authentication; `Err(Some(_))` another answer.
-    fn authenticate(&self, machine_id: &str, presented: &str) -> Result<bool, Option<Admission>> {
+    /// What `presented` is for the machine: its enrolled credential, or the user_data token
+    /// of a machine that has not enrolled (the one-time token of its Droplet's Create, or the
+    /// per-slot token, which the caller still checks against the Droplet). Once the machine
+    /// enrolled, only its credential is accepted, and after a conflict nothing is. `Err(None)`
+    /// is a failed authentication; `Err(Some(_))` another answer.
+    fn authenticate(&self, machine_id: &str, presented: &str) -> Result<Bearer, Option<Admission>> {
         let view = match self.book().view(machine_id) {
             Ok(view) => view,
             Err(BookError::NotServing) => return Err(Some(Admission::NotServing)),
@@ -1004,7 +1062,7 @@ impl Channel {
                 presented,
             );
             return if matches && !enrollment.conflict {
-                Ok(true)
+                Ok(Bearer::Enrolled)
             } else {
                 Err(None)
             };
@@ -1020,10 +1078,48 @@ impl Channel {
                     .as_ref()
                     .is_none_or(|c| *c == create_operation) =>
             {
-                Ok(false)
+                Ok(Bearer::EnrollmentToken)
             }
-            Some(UserDataToken::PerSlot) => Ok(false),
+            Some(UserDataToken::PerSlot) => Ok(Bearer::PerSlot),
             _ => Err(None),
+        }
+    }
+
+    /// Whether the per-slot token may speak for `machine_id`: only when its Droplet (the
+    /// recorded one, or while the Create runs the only one the cloud shows) was created
+    /// without an enrollment token, by a provider before enrollment. Without a cloud behind
+    /// the channel (tests, fuzzing) there is no Droplet to tell by, and it may. A Droplet the
+    /// cloud cannot show now is refused; the answer for a recorded Droplet is remembered.
+    async fn per_slot_allowed(&self, machine_id: &str) -> bool {
+        if self.inner.directory.get().is_none() {
+            return true;
+        }
+        let recorded = self.book().view(machine_id).ok().and_then(|v| v.host_id);
+        if let Some(host) = &recorded
+            && let Some((droplet, older)) = lock(&self.inner.per_slot_droplets).get(machine_id)
+            && droplet == host
+        {
+            return *older;
+        }
+        match self
+            .enrolling_droplet(machine_id, recorded.as_deref())
+            .await
+        {
+            Ok(droplet) => {
+                let older = !droplet.enrollment_token;
+                if !older {
+                    tracing::warn!(machine_id, droplet = %droplet.id, "bootstrap channel: the per-slot token was presented for a Droplet created with a one-time enrollment token; refused");
+                }
+                if recorded.is_some() {
+                    lock(&self.inner.per_slot_droplets)
+                        .insert(machine_id.to_owned(), (droplet.id, older));
+                }
+                older
+            }
+            Err(why) => {
+                tracing::debug!(machine_id, reason = %why, "bootstrap channel: the per-slot token's Droplet could not be checked; refused");
+                false
+            }
         }
     }
 
@@ -1101,25 +1197,34 @@ impl Channel {
         let Some(ack) = parse_ack(&body) else {
             return self.bad_ack();
         };
-        let mut machines = lock(&self.inner.machines);
-        let Some(slot) = machines.get_mut(machine_id) else {
-            self.inner.telemetry.bootstrap_ack("stale");
-            return empty(StatusCode::NO_CONTENT);
-        };
         // A command only an enrolled agent is served is only acked by one.
-        if slot
-            .pending
-            .as_ref()
-            .is_none_or(|p| p.id != ack.command_id || (p.secret && !enrolled))
-        {
-            self.inner.telemetry.bootstrap_ack("stale");
-            tracing::debug!(machine_id, command_id = %ack.command_id, "stale bootstrap ack ignored");
-            return empty(StatusCode::NO_CONTENT);
-        }
-        let Some(pending) = slot.pending.take() else {
-            return empty(StatusCode::NO_CONTENT);
+        let matching = |slot: Option<&MachineSlot>| {
+            slot.and_then(|s| s.pending.as_ref())
+                .filter(|p| p.id == ack.command_id && (!p.secret || enrolled))
+                .map(|p| (p.delivery, p.secret))
         };
-        drop(machines);
+        let Some((delivery, secret)) = matching(lock(&self.inner.machines).get(machine_id)) else {
+            return self.stale_ack(machine_id, &ack.command_id);
+        };
+        // The blob went to the enrolled agent: its enrollment is confirmed, durably, before
+        // the Configure can end, so from now on a replay of the spent token cannot cut the
+        // machine off.
+        if secret && let Err(refused) = self.confirm_enrollment(machine_id).await {
+            return refused;
+        }
+        let pending = {
+            let mut machines = lock(&self.inner.machines);
+            let slot = machines.get_mut(machine_id);
+            match slot {
+                Some(slot) if matching(Some(slot)).is_some_and(|(d, _)| d == delivery) => {
+                    slot.pending.take()
+                }
+                _ => None,
+            }
+        };
+        let Some(pending) = pending else {
+            return self.stale_ack(machine_id, &ack.command_id);
+        };
         let outcome = if ack.ok {
             self.inner.telemetry.bootstrap_ack("ok");
             Outcome::Applied
@@ -1133,6 +1238,32 @@ impl Channel {
         };
         let _ = pending.waiter.send(outcome);
         empty(StatusCode::OK)
+    }
+
+    /// An ack for no pending command (or another one): 204, and no waiter is released.
+    fn stale_ack(&self, machine_id: &str, command_id: &str) -> Response<Full<Bytes>> {
+        self.inner.telemetry.bootstrap_ack("stale");
+        tracing::debug!(machine_id, command_id, "stale bootstrap ack ignored");
+        empty(StatusCode::NO_CONTENT)
+    }
+
+    /// Confirms the enrollment of `machine_id` (its agent acked a Configure's blob). A replica
+    /// that stopped serving answers 503, so the agent acks again to the leader; a state that
+    /// refuses the write leaves the enrollment unconfirmed (a later replay is then a conflict)
+    /// and is logged.
+    async fn confirm_enrollment(&self, machine_id: &str) -> Result<(), Response<Full<Bytes>>> {
+        match self.book().confirm(machine_id).await {
+            Ok(()) => Ok(()),
+            Err(BookError::NotServing) => Err(text(
+                StatusCode::SERVICE_UNAVAILABLE,
+                "this provider replica is a standby; the leader serves the channel",
+            )),
+            Err(BookError::Unknown) => Ok(()),
+            Err(BookError::Refused(why)) => {
+                tracing::warn!(machine_id, reason = %why, "bootstrap channel: the enrollment could not be confirmed; a later enrollment with the spent token will cut the machine off");
+                Ok(())
+            }
+        }
     }
 
     /// Reads a request body within the channel's size and time limits.
@@ -1168,9 +1299,11 @@ impl Channel {
     /// address the cloud assigned to the machine's Droplet (unless
     /// `--bootstrap-enrollment-source any`), recorded durably before the answer, and from then
     /// on only the credential speaks for the machine. The same credential again is answered
-    /// as enrolled (an agent whose answer was lost); any other enrollment while one holds is a
-    /// conflict: 401, every command queued for the machine is withdrawn, and nothing is
-    /// delivered to it any more.
+    /// as enrolled (an agent whose answer was lost). Any other enrollment while one holds is,
+    /// once the enrolled agent was handed a Configure's blob (the enrollment is confirmed), a
+    /// replay: 401, counted, and nothing changes; before that it is a conflict: 401, every
+    /// command queued for the machine is withdrawn, and nothing is delivered to it any more.
+    /// The per-slot token enrolls only a Droplet created without an enrollment token.
     async fn enroll(
         &self,
         peer: IpAddr,
@@ -1209,6 +1342,7 @@ impl Channel {
             Err(BookError::NotServing) => return self.refusal(Admission::NotServing, peer, ""),
             Err(_) => return unauthorized("unauthorized"),
         };
+        let per_slot = token == UserDataToken::PerSlot;
         let create_operation = match token {
             UserDataToken::Enrollment { create_operation } => {
                 if view
@@ -1238,6 +1372,10 @@ impl Channel {
                 return response;
             }
         };
+        if per_slot && droplet.enrollment_token {
+            tracing::warn!(peer = %peer, machine_id, droplet = %droplet.id, "bootstrap channel: enrollment with the per-slot token of a slot whose Droplet was created with a one-time enrollment token refused");
+            return unauthorized("per_slot_refused");
+        }
         if self.enrollment_source() == EnrollmentSource::Droplet
             && !droplet.addresses.iter().any(|a| same_address(*a, peer))
         {
@@ -1249,6 +1387,7 @@ impl Channel {
             host_id: droplet.id.clone(),
             create_operation,
             conflict: false,
+            confirmed: false,
         };
         match self.book().record(&machine_id, enrollment).await {
             Ok(EnrollVerdict::Enrolled) => {
@@ -1261,11 +1400,18 @@ impl Channel {
                 tracing::info!(peer = %peer, machine_id, droplet = %droplet.id, "bootstrap channel: agent enrolled again with its own credential");
                 json_ok()
             }
+            Ok(EnrollVerdict::Replayed) => {
+                telemetry.bootstrap_enrollment("replayed");
+                telemetry.bootstrap_enrollment_replay();
+                telemetry.bootstrap_unauthorized();
+                tracing::warn!(peer = %peer, machine_id, droplet = %droplet.id, "bootstrap channel: an enrollment presented this machine's spent one-time token after its agent was handed a Configure's blob (something that read the Droplet's user_data, such as a process on the node): refused; the enrolled agent keeps the machine");
+                text(StatusCode::UNAUTHORIZED, "unauthorized")
+            }
             Ok(EnrollVerdict::Conflict) => {
                 telemetry.bootstrap_enrollment("conflict");
                 telemetry.bootstrap_enrollment_conflict();
                 let withdrawn = self.withdraw_all(&machine_id);
-                tracing::error!(peer = %peer, machine_id, droplet = %droplet.id, withdrawn, "bootstrap channel: a second enrollment presented this machine's spent one-time token (an attack, or a cloned disk): every command for the machine is withdrawn and nothing is delivered to it any more; release the machine (admin failed release) to replace its Droplet");
+                tracing::error!(peer = %peer, machine_id, droplet = %droplet.id, withdrawn, "bootstrap channel: a second enrollment presented this machine's spent one-time token before its agent was handed a Configure's blob, so which party is the real agent cannot be told (an attack, or a cloned disk): every command for the machine is withdrawn and nothing is delivered to it any more; release the machine (admin failed release) to replace its Droplet");
                 text(StatusCode::UNAUTHORIZED, "unauthorized")
             }
             Err(BookError::NotServing) => self.refusal(Admission::NotServing, peer, ""),
@@ -1285,9 +1431,11 @@ impl Channel {
         recorded: Option<&str>,
     ) -> Result<DropletSighting, String> {
         let Some(directory) = self.inner.directory.get() else {
-            // No cloud around the channel: nothing to bind to but the recorded host.
+            // No cloud around the channel: nothing to bind to but the recorded host, and
+            // nothing tells how it was created.
             return Ok(DropletSighting {
                 id: recorded.unwrap_or_default().to_owned(),
+                enrollment_token: false,
                 addresses: Vec::new(),
             });
         };
@@ -1431,11 +1579,17 @@ fn parse_ack(body: &[u8]) -> Option<Ack> {
     Some(ack)
 }
 
+/// Lower-case hex of a fingerprint.
+fn hex(bytes: [u8; 8]) -> String {
+    bytes.iter().map(|b| format!("{b:02x}")).collect()
+}
+
 /// Why a command for a machine in enrollment conflict is not delivered.
 fn conflict_error(kind: &str, machine_id: &str) -> String {
     format!(
         "agent did not apply {kind} for {machine_id}: a second enrollment presented the \
-         machine's spent one-time token (an attack, or a cloned disk), so nothing is delivered \
+         machine's spent one-time token before its agent was handed a Configure's blob (an \
+         attack, or a cloned disk), so nothing is delivered \
          to its Droplet any more; release the machine (admin failed release) to replace it"
     )
 }
@@ -1486,12 +1640,12 @@ mod tests {
             blob: b"hi".to_vec(),
         };
         assert_eq!(
-            &configure.to_wire("1")[..],
+            &configure.to_wire("1", "")[..],
             b"{\"id\":\"1\",\"type\":\"configure\",\"cluster_id\":\"c\",\"blob\":\"aGk=\"}\n"
         );
         let drain = Command::Drain { grace_seconds: 1 };
         assert_eq!(
-            &drain.to_wire("2")[..],
+            &drain.to_wire("2", "")[..],
             b"{\"id\":\"2\",\"type\":\"drain\",\"grace_seconds\":1}\n"
         );
         let empty_blob = Command::Configure {
@@ -1499,15 +1653,19 @@ mod tests {
             blob: Vec::new(),
         };
         assert_eq!(
-            &empty_blob.to_wire("3")[..],
+            &empty_blob.to_wire("3", "")[..],
             b"{\"id\":\"3\",\"type\":\"configure\",\"cluster_id\":\"c\"}\n"
         );
         let ready = Command::Ready {
             cluster_id: "c".into(),
         };
         assert_eq!(
-            &ready.to_wire("4")[..],
+            &ready.to_wire("4", "")[..],
             b"{\"id\":\"4\",\"type\":\"ready\",\"cluster_id\":\"c\"}\n"
+        );
+        assert_eq!(
+            &configure.to_wire("5", "op-1.configure.0123456789abcdef")[..],
+            b"{\"id\":\"5\",\"type\":\"configure\",\"cluster_id\":\"c\",\"blob\":\"aGk=\",\"run_key\":\"op-1.configure.0123456789abcdef\"}\n"
         );
         assert!(!format!("{configure:?}").contains("hi"));
     }
@@ -1677,7 +1835,8 @@ mod tests {
             ch.admit(nat, Some("m-good".into()), Some(good.expose())),
             Admission::Machine {
                 machine_id: "m-good".into(),
-                enrolled: false
+                enrolled: false,
+                per_slot: true
             }
         );
         let bad = ch.token_for("m-bad");
@@ -1685,7 +1844,8 @@ mod tests {
             ch.admit(nat, Some("m-bad".into()), Some(bad.expose())),
             Admission::Machine {
                 machine_id: "m-bad".into(),
-                enrolled: false
+                enrolled: false,
+                per_slot: true
             }
         );
         // Failures of one machine id do not spend another's budget at the same address.

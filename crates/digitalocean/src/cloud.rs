@@ -23,8 +23,8 @@ use crate::api::{ApiClient, ApiError, CreateDroplet, Droplet, ImageRef, Size};
 use crate::channel::{Channel, Command};
 use crate::enrollment::{DropletDirectory, DropletSighting};
 use crate::naming::{
-    CLUSTER_TAG_PREFIX, MACHINE_TAG_PREFIX, MANAGED_TAG, booting_tag, cluster_tag, decode_tag,
-    droplet_name, machine_tag, provider_tag,
+    CLUSTER_TAG_PREFIX, ENROLLMENT_TOKEN_TAG, MACHINE_TAG_PREFIX, MANAGED_TAG, booting_tag,
+    cluster_tag, decode_tag, droplet_name, machine_tag, provider_tag,
 };
 use crate::profile::DropletProfile;
 use crate::profile_cache::ProfileBook;
@@ -321,6 +321,7 @@ impl DigitalOceanCloud {
             machine_tag(&machine.id),
             self.provider_tag.clone(),
             self.booting_tag.clone(),
+            ENROLLMENT_TOKEN_TAG.to_owned(),
         ];
         tags.extend(profile.tags);
         let request = CreateDroplet {
@@ -948,10 +949,12 @@ impl DropletDirectory for ApiDirectory {
 /// How long an enrollment waits for the API (the agent retries a deferred enrollment).
 const ENROLLMENT_LOOKUP_BUDGET: Duration = Duration::from_secs(10);
 
-/// A Droplet's id and every address it was assigned (public and VPC, IPv4 and IPv6).
+/// A Droplet's id, every address it was assigned (public and VPC, IPv4 and IPv6) and whether
+/// it was created with a one-time enrollment token.
 fn sighting(d: &Droplet) -> DropletSighting {
     DropletSighting {
         id: d.id.to_string(),
+        enrollment_token: d.has_tag(ENROLLMENT_TOKEN_TAG),
         addresses: d
             .networks
             .v4

@@ -2,8 +2,11 @@
 //! one-time credential. The agent's first request presents it with a credential of its own
 //! (32 random bytes); the provider records, durably and in the machine's own slot, which
 //! Droplet enrolled and a digest of that credential, and from then on only the credential
-//! speaks for the machine. A second enrollment with the spent token is a conflict: nothing is
-//! delivered to the machine any more.
+//! speaks for the machine. Once the enrolled agent acknowledged a Configure's blob, the
+//! enrollment is confirmed, and a later enrollment with the spent token (anything on the node
+//! can read it) is a replay: refused, counted, and nothing changes for the enrolled agent.
+//! Before that, a second enrollment cannot be told from the real agent's: it is a conflict,
+//! and nothing is delivered to the machine any more.
 //!
 //! Why a random secret and not an ed25519 key: the channel is already a pinned TLS 1.3 channel
 //! with bearer authentication, so a bearer secret changes nothing in its shape, needs no
@@ -46,6 +49,9 @@ impl EnrollmentSource {
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct DropletSighting {
     pub id: String,
+    /// It carries [`crate::naming::ENROLLMENT_TOKEN_TAG`]: its user_data holds a one-time
+    /// enrollment token, so no per-slot token speaks for it.
+    pub enrollment_token: bool,
     /// Every address the cloud assigned to it: public IPv4 and IPv6, VPC.
     pub addresses: Vec<IpAddr>,
 }
@@ -135,8 +141,16 @@ impl Book {
                 let verdict = match map.get(machine_id) {
                     Some(held) if held.conflict => EnrollVerdict::Conflict,
                     Some(held) if held.credential_digest == enrollment.credential_digest => {
+                        if enrollment.confirmed && !held.confirmed {
+                            let confirmed = Arc::new(Enrollment {
+                                confirmed: true,
+                                ..Enrollment::clone(held)
+                            });
+                            map.insert(machine_id.to_owned(), confirmed);
+                        }
                         EnrollVerdict::AlreadyEnrolled
                     }
+                    Some(held) if held.confirmed => EnrollVerdict::Replayed,
                     Some(held) => {
                         let marked = Arc::new(Enrollment {
                             conflict: true,
@@ -157,6 +171,23 @@ impl Book {
 }
 
 impl Book {
+    /// Confirms the enrollment that speaks for `machine_id`'s host (its agent acknowledged a
+    /// Configure's blob), durably for the state; nothing to do when there is none or it is
+    /// confirmed already.
+    pub async fn confirm(&self, machine_id: &str) -> Result<(), BookError> {
+        let Some(held) = self.view(machine_id)?.enrollment else {
+            return Ok(());
+        };
+        if held.confirmed || held.conflict {
+            return Ok(());
+        }
+        let confirmed = Enrollment {
+            confirmed: true,
+            ..Enrollment::clone(&held)
+        };
+        self.record(machine_id, confirmed).await.map(|_| ())
+    }
+
     /// Takes the in-memory enrollments of `other`, as a new process takes them from the
     /// state it loads (for channels with no provider state around them).
     pub fn adopt(&self, other: &Book) {
@@ -239,7 +270,26 @@ mod tests {
             create_operation: "op-1".into(),
             credential_digest: vec![digest],
             conflict: false,
+            confirmed: false,
         };
+        // Confirmed, another credential is a replay and changes nothing.
+        assert_eq!(
+            book.record("c", e(1)).await.ok(),
+            Some(EnrollVerdict::Enrolled)
+        );
+        book.confirm("c").await.unwrap();
+        assert!(book.view("c").unwrap().enrollment.unwrap().confirmed);
+        assert_eq!(
+            book.record("c", e(2)).await.ok(),
+            Some(EnrollVerdict::Replayed)
+        );
+        let held = book.view("c").unwrap().enrollment.unwrap();
+        assert!(held.confirmed && !held.conflict && held.credential_digest == vec![1]);
+        assert_eq!(
+            book.record("c", e(1)).await.ok(),
+            Some(EnrollVerdict::AlreadyEnrolled)
+        );
+        // Unconfirmed, it is a conflict.
         assert_eq!(
             book.record("m", e(1)).await.ok(),
             Some(EnrollVerdict::Enrolled)

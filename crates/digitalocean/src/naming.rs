@@ -13,6 +13,11 @@ pub const MACHINE_TAG_PREFIX: &str = "bfmid:";
 pub const CLUSTER_TAG_PREFIX: &str = "bfcluster:";
 /// Prefix of the provider-instance tag (`--provider`).
 pub const PROVIDER_TAG_PREFIX: &str = "bfprov:";
+/// Every Droplet whose user_data carries a one-time enrollment token (`e1.`, bound to its
+/// Create) carries this tag from its create on: the older per-slot token never enrolls or
+/// authenticates for it. A Droplet without it was created by a provider before this tag
+/// existed, and may carry a per-slot token.
+pub const ENROLLMENT_TOKEN_TAG: &str = "bftoken:e1";
 
 pub use provider_core::encoding::base32_lower;
 

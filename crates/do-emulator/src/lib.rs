@@ -360,6 +360,19 @@ impl Emulator {
         }
     }
 
+    /// Takes `tag` off Droplet `id`, as a Droplet created before the provider set that tag
+    /// would lack it; false if the Droplet does not exist or did not carry it.
+    pub fn remove_tag(&self, id: u64, tag: &str) -> bool {
+        match lock(&self.state).droplets.get_mut(&id) {
+            Some(droplet) => {
+                let before = droplet.tags.len();
+                droplet.tags.retain(|t| t != tag);
+                droplet.tags.len() != before
+            }
+            None => false,
+        }
+    }
+
     /// Deletes a Droplet behind the provider's back (recording its `destroy` action, as the
     /// console does); false if it did not exist.
     pub fn delete_out_of_band(&self, id: u64) -> bool {

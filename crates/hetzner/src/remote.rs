@@ -185,7 +185,7 @@ impl HetznerCloud {
         let (server, ip) = self
             .resolve_host("configure", machine, host_id, ctx.deadline)
             .await?;
-        let run = ssh::run_name("configure", &ctx.operation_id);
+        let run = ssh::configure_run_name(&ctx.operation_id, ctx.configure_nonce.as_deref());
         // Built when sent, so the run's time limit is what is left of the deadline then.
         let start = || {
             ssh::configure_start_script(

@@ -442,6 +442,27 @@ pub(crate) fn run_name(kind: &str, operation_id: &str) -> String {
     format!("{kind}-{kept}-{hash}")
 }
 
+/// The name of a Configure's detached run: [`run_name`] of its operation id, followed by its
+/// nonce (`TransitionContext::configure_nonce`) where it has one. The operation id alone is not
+/// enough: ids start again at `op-1` after a state was lost, and a server adopted again may
+/// still hold the run of an earlier `configure-op-N`, whose record would answer for a
+/// Configure it never ran. The nonce is the same for every process that resumes the Configure
+/// and differs for every other one, so a resumed Configure finds its run and no other does.
+pub(crate) fn configure_run_name(operation_id: &str, nonce: Option<&str>) -> String {
+    let run = run_name("configure", operation_id);
+    match nonce {
+        Some(nonce) => {
+            let nonce: String = nonce
+                .chars()
+                .filter(|c| c.is_ascii_alphanumeric())
+                .take(32)
+                .collect();
+            format!("{run}-n{nonce}")
+        }
+        None => run,
+    }
+}
+
 /// Where detached runs live on a host: `<hook>.runs/<run>/`, next to `<hook>.blob`.
 fn runs_dir(hook: &str) -> String {
     format!("{hook}.runs")
@@ -1086,6 +1107,22 @@ mod tests {
                 "{name}"
             );
         }
+    }
+
+    #[test]
+    fn configure_run_names_carry_the_nonce() {
+        assert_eq!(configure_run_name("op-3", None), "configure-op-3");
+        let run = configure_run_name("op-3", Some("0123456789abcdef"));
+        assert_eq!(run, "configure-op-3-n0123456789abcdef");
+        assert_ne!(run, configure_run_name("op-3", Some("fedcba9876543210")));
+        assert_ne!(run, configure_run_name("op-4", Some("0123456789abcdef")));
+        let odd = configure_run_name("op/3", Some("ab/../cd"));
+        assert!(
+            odd.chars()
+                .all(|c| c.is_ascii_alphanumeric() || matches!(c, '-' | '_' | '.')),
+            "{odd}"
+        );
+        assert!(odd.ends_with("-nabcd"), "{odd}");
     }
 
     #[test]

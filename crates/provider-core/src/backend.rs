@@ -23,6 +23,14 @@ pub struct TransitionContext {
     /// Where a Create records the host the substrate gave it (see
     /// [`TransitionContext::record_host`]).
     pub host_log: HostLog,
+    /// For a Configure, what tells it apart from every other Configure on any host, even one
+    /// under the same operation id after a state was lost and its ids started again, while
+    /// every process that resumes it gets the same value: a digest of its sealed record in the
+    /// state (drawn at random when it was accepted, [`crate::seal::configure_nonce`]), or,
+    /// for a Configure the state does not keep (no `--state-encryption-key-file`), which no
+    /// process ever resumes, a random value drawn when it starts. 16 lower-case hex digits,
+    /// nothing secret. `None` for other transitions and outside the engine.
+    pub configure_nonce: Option<String>,
 }
 
 impl TransitionContext {
@@ -38,6 +46,7 @@ impl TransitionContext {
             deadline: Instant::now() + timeout,
             cancel: CancellationToken::new(),
             host_log: HostLog::default(),
+            configure_nonce: None,
         }
     }
 

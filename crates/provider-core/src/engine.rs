@@ -1195,11 +1195,16 @@ impl Engine {
         } else {
             HostLog::default()
         };
+        let configure_nonce = matches!(work, Work::Configure(_)).then(|| {
+            let sealed = self.read().get(&machine.id).and_then(|s| s.sealed.clone());
+            crate::seal::configure_nonce(sealed.as_deref())
+        });
         let ctx = TransitionContext {
             operation_id: operation_id.clone(),
             deadline: deadline.unwrap_or_else(|| Instant::now() + timeout),
             cancel: self.abandon.child_token(),
             host_log,
+            configure_nonce,
         };
         let machine_id = machine.id.clone();
         self.tasks.spawn(async move {

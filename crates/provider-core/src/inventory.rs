@@ -33,8 +33,11 @@ pub enum EnrollVerdict {
     Enrolled,
     /// The same credential again (an agent whose answer was lost): nothing changed.
     AlreadyEnrolled,
-    /// Another enrollment while one holds: the record is marked as a conflict.
+    /// Another enrollment while an unconfirmed one holds: the record is marked as a conflict.
     Conflict,
+    /// Another enrollment while a confirmed one holds (its agent was handed a Configure's
+    /// blob): refused, and nothing changed.
+    Replayed,
 }
 
 /// What [`Inventory::record_created_host`] did.
@@ -426,10 +429,13 @@ impl Inventory {
 
     /// Records the enrollment of the agent on `machine_id`'s host, atomically with what the
     /// slot already holds: a first enrollment is recorded; the same credential again changes
-    /// nothing; any other enrollment while one holds (the one-time token presented twice)
-    /// marks the recorded one as a conflict, for good. Refused when the slot is gone, holds
-    /// another host, or was created again since the token was issued. The slot's List
-    /// revision does not move: nothing a shard sees changes.
+    /// nothing, except that one presented `confirmed` confirms the held enrollment; any other
+    /// enrollment (the one-time token presented twice) is a replay once the held one is
+    /// confirmed, or its machine is Configured or Draining (an enrollment of a release before
+    /// confirmation existed), and changes nothing; before that it marks the held one as a
+    /// conflict, for good. Refused when the slot is gone, holds another host, or was created
+    /// again since the token was issued. The slot's List revision does not move: nothing a
+    /// shard sees changes.
     pub fn record_enrollment(
         &mut self,
         machine_id: &str,
@@ -453,10 +459,25 @@ impl Inventory {
         let verdict = match slot.enrollment.as_deref() {
             Some(held) if enrollment_holds(&slot.machine, held) => {
                 if !held.conflict && held.credential_digest == enrollment.credential_digest {
+                    if !enrollment.confirmed || held.confirmed {
+                        return Ok(EnrollVerdict::AlreadyEnrolled);
+                    }
+                    slot.enrollment = Some(Arc::new(Enrollment {
+                        confirmed: true,
+                        ..held.clone()
+                    }));
+                    changes.push(Change::PutSlot(Slot::clone(&slot)));
                     return Ok(EnrollVerdict::AlreadyEnrolled);
                 }
                 if held.conflict {
                     return Ok(EnrollVerdict::Conflict);
+                }
+                let configured = matches!(
+                    slot.machine.state,
+                    MachineState::Configured | MachineState::Draining
+                );
+                if held.confirmed || configured {
+                    return Ok(EnrollVerdict::Replayed);
                 }
                 slot.enrollment = Some(Arc::new(Enrollment {
                     conflict: true,

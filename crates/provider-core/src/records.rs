@@ -26,8 +26,8 @@ pub struct Slot {
 
 /// An on-host agent's enrollment, as the state keeps it: the host it was made on, a digest of
 /// the credential it chose (never the credential: a reader of the state learns nothing that
-/// lets it speak for the agent), and whether a second enrollment was attempted with the spent
-/// one-time token.
+/// lets it speak for the agent), whether its agent was handed a Configure's blob under it, and
+/// whether a second enrollment with the spent one-time token cut the machine off.
 #[derive(Clone, PartialEq, Eq)]
 pub struct Enrollment {
     /// The cloud's host id the credential is bound to (a Droplet id).
@@ -36,9 +36,13 @@ pub struct Enrollment {
     pub create_operation: String,
     /// A digest of the credential (bound to the host id; the channel defines it).
     pub credential_digest: Vec<u8>,
-    /// Set when another enrollment presented the spent token: nothing is delivered to the
-    /// machine's host any more, and its Configures fail.
+    /// Set when another enrollment presented the spent token before the enrollment was
+    /// confirmed: nothing is delivered to the machine's host any more, and its Configures fail.
     pub conflict: bool,
+    /// Set once the enrolled agent acknowledged a Configure's blob: the blob went to the
+    /// party that enrolled, so a later enrollment with the spent token (anything on the node
+    /// can read it from the metadata service) is refused as a replay and changes nothing.
+    pub confirmed: bool,
 }
 
 impl std::fmt::Debug for Enrollment {
@@ -47,6 +51,7 @@ impl std::fmt::Debug for Enrollment {
             .field("host_id", &self.host_id)
             .field("create_operation", &self.create_operation)
             .field("conflict", &self.conflict)
+            .field("confirmed", &self.confirmed)
             .finish_non_exhaustive()
     }
 }

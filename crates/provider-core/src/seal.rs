@@ -46,6 +46,25 @@ pub enum OpenError {
     NoKey(usize),
 }
 
+/// The nonce of a Configure (`TransitionContext::configure_nonce`): the first 8 bytes of the
+/// SHA-256 of its sealed record, which holds a random nonce of its own, so it differs for every
+/// accepted Configure and is the same wherever the record is read; without a sealed record, 8
+/// random bytes. As 16 lower-case hex digits. The digest of a ciphertext tells nothing of the
+/// blob or the key.
+pub fn configure_nonce(sealed: Option<&crate::records::SealedConfigure>) -> String {
+    let mut bytes = [0u8; 8];
+    match sealed {
+        Some(sealed) => {
+            let mut context = ring::digest::Context::new(&ring::digest::SHA256);
+            context.update(b"bigfleet/configure-nonce/v1\0");
+            context.update(&sealed.sealed);
+            bytes.copy_from_slice(&context.finish().as_ref()[..8]);
+        }
+        None => rand::Rng::fill_bytes(&mut rand::rng(), &mut bytes),
+    }
+    bytes.iter().map(|b| format!("{b:02x}")).collect()
+}
+
 impl StateKeys {
     /// Reads the key file: one base64 key of 32 bytes per line, the current key first. Blank
     /// lines and lines starting with `#` are skipped. Errors name the flag, the file and the line,
@@ -218,6 +237,37 @@ mod tests {
             a.open("m-1", "op-7", &other_format).unwrap_err(),
             OpenError::Format(9)
         );
+    }
+
+    #[test]
+    fn a_configure_nonce_follows_its_sealed_record() {
+        let a = keys(KEY_A);
+        let record = |sealed: Vec<u8>| crate::records::SealedConfigure {
+            deadline_unix_ms: 1,
+            sealed,
+        };
+        let one = record(a.seal("m-1", "op-1", b"same").expect("seal"));
+        let two = record(a.seal("m-1", "op-1", b"same").expect("seal"));
+        let nonce = configure_nonce(Some(&one));
+        assert_eq!(nonce.len(), 16);
+        assert!(
+            nonce
+                .bytes()
+                .all(|b| b.is_ascii_hexdigit() && !b.is_ascii_uppercase())
+        );
+        assert_eq!(
+            nonce,
+            configure_nonce(Some(&one.clone())),
+            "read again, the same"
+        );
+        assert_ne!(
+            nonce,
+            configure_nonce(Some(&two)),
+            "the same blob sealed again differs"
+        );
+        let (x, y) = (configure_nonce(None), configure_nonce(None));
+        assert_ne!(x, y);
+        assert_eq!(x.len(), 16);
     }
 
     #[test]

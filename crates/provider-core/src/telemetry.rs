@@ -39,6 +39,7 @@ pub struct Telemetry {
     pub bootstrap_unauthorized: &'static str,
     pub bootstrap_enrollments: &'static str,
     pub bootstrap_enrollment_conflicts: &'static str,
+    pub bootstrap_enrollment_replays: &'static str,
     pub build_info: &'static str,
     // Listener and input limits (docs/limits.md).
     pub unknown_id_marks: &'static str,
@@ -138,6 +139,7 @@ impl Telemetry {
             bootstrap_unauthorized: leak(prefix, "bootstrap_unauthorized_total"),
             bootstrap_enrollments: leak(prefix, "bootstrap_enrollments_total"),
             bootstrap_enrollment_conflicts: leak(prefix, "bootstrap_enrollment_conflicts_total"),
+            bootstrap_enrollment_replays: leak(prefix, "bootstrap_enrollment_replays_total"),
             build_info: leak(prefix, "build_info"),
             // Listener and input limits (docs/limits.md).
             unknown_id_marks: leak(prefix, "unknown_id_fence_marks"),
@@ -309,9 +311,16 @@ impl Telemetry {
         counter!(self.bootstrap_enrollments, "outcome" => outcome).increment(1);
     }
 
-    /// A second enrollment with a spent one-time token (an attack or a cloned disk).
+    /// A second enrollment with a spent one-time token before the enrolled agent was handed a
+    /// Configure's blob (an attack or a cloned disk): the machine is cut off.
     pub fn bootstrap_enrollment_conflict(&self) {
         counter!(self.bootstrap_enrollment_conflicts).increment(1);
+    }
+
+    /// An enrollment with a spent one-time token after the enrolled agent was handed a
+    /// Configure's blob (something read the Droplet's user_data): refused, nothing changed.
+    pub fn bootstrap_enrollment_replay(&self) {
+        counter!(self.bootstrap_enrollment_replays).increment(1);
     }
 }
 
@@ -391,6 +400,7 @@ impl Telemetry {
         self.certificate_expiry("bootstrap", not_after);
         counter!(self.bootstrap_unauthorized).absolute(0);
         counter!(self.bootstrap_enrollment_conflicts).absolute(0);
+        counter!(self.bootstrap_enrollment_replays).absolute(0);
     }
 
     /// A zero `<prefix>_shard_identity_rejected_total` for every reason label the binding

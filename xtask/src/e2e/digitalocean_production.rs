@@ -283,12 +283,14 @@ async fn walk(
         serde_json::to_string_pretty(&body)?
     );
     let tags = body["tags"].as_array().context("no tags")?;
-    // Ownership (managed, machine, instance), the booting tag, then the offering's.
-    let extra: Vec<&Value> = tags.iter().skip(4).collect();
+    // Ownership (managed, machine, instance), the booting tag, the enrollment token tag, then
+    // the offering's.
+    let extra: Vec<&Value> = tags.iter().skip(5).collect();
     let booting = tags
         .get(3)
         .and_then(Value::as_str)
-        .is_some_and(|t| t.starts_with("bfboot:"));
+        .is_some_and(|t| t.starts_with("bfboot:"))
+        && tags.get(4) == Some(&json!("bftoken:e1"));
     ensure!(
         body["image"] == json!(seeded.snapshot)
             && body["vpc_uuid"] == json!(seeded.vpc)
@@ -297,7 +299,7 @@ async fn walk(
             && body["ssh_keys"] == json!([seeded.key_id, seeded.fingerprint])
             && booting
             && extra == [&json!("k8s-node"), &json!("pool-a")]
-            && tags.len() == 6
+            && tags.len() == 7
             && body["region"] == REGION
             && body["size"] == "s-2vcpu-4gb",
         "the Create request does not carry exactly the configured settings: {body:#}"

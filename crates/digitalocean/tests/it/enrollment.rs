@@ -1,8 +1,11 @@
 //! Agent enrollment against the real `digitalocean` binary and the real `bigfleet-agent` on
 //! loopback: the user_data token is spent by the first enrollment, the enrolled credential
 //! survives restarts of either side and a rotation of `--bootstrap-secret`, a stolen token is
-//! detected whichever side enrolls first, a re-created Droplet enrolls afresh, and the blob
-//! never reaches anyone but the enrolled agent.
+//! detected whichever side enrolls first, a re-created Droplet enrolls afresh, a replay of the
+//! spent token once the agent was handed its blob changes nothing (the Drain and the next
+//! Configure go on), the per-slot token speaks only for a Droplet created before enrollment,
+//! and the blob never reaches anyone but the enrolled agent. (A Configure resumed under a
+//! rotated secret runs its hook once: `restart.rs` and `resume.rs`.)
 
 use std::os::unix::fs::PermissionsExt as _;
 use std::path::Path;
@@ -546,4 +549,149 @@ async fn wait_leading(p: &mut Provider) {
         tokio::time::sleep(Duration::from_millis(25)).await;
     }
     panic!("the provider never led the state: {}", p.logs());
+}
+
+/// Anything on the node can read the Droplet's user_data from the metadata service, and its
+/// requests leave from the node's address, so they pass the default source check: once the
+/// enrolled agent was handed the Configure's blob, an enrollment with the spent token is a
+/// replay. It gets 401, is counted apart from conflicts, and changes nothing: the machine's
+/// Drain and its next Configure go on with the enrolled agent.
+#[tokio::test]
+async fn a_replay_of_the_spent_token_after_the_configure_stops_neither_drain_nor_configure() {
+    let site_dir = tempfile::tempdir().unwrap();
+    let state = site_dir.path().join("state");
+    let state_flag = format!("--state={}", state.display());
+    let metrics = free_port().await;
+    let metrics_flag = format!("--metrics-addr=127.0.0.1:{metrics}");
+    let mut p = Provider::start(&[
+        &state_flag,
+        &metrics_flag,
+        "--bootstrap-enrollment-source=droplet",
+        "--configure-timeout=30s",
+    ])
+    .await;
+    let id = p.speculative(1).await.remove(0);
+    p.create(&id).await;
+    p.wait_for(&id, pb::MachineState::Idle).await;
+    // The agent, and the pod that replays, send from the Droplet's own address.
+    let droplet = p.site.emulator.droplets()[0].id;
+    assert!(p.site.emulator.set_public_ipv4(droplet, "127.0.0.1"));
+    let (dir, config_json) = p.droplet_of(&id);
+    let token = user_data_token(&config_json);
+    let agent = boot(&dir, config_json.clone());
+    configure(&mut p, &id).await;
+    p.wait_for(&id, pb::MachineState::Configured).await;
+
+    let mut pod = Outsider::new(&p.site.pki.ca_pem, &config_json);
+    let stolen = digitalocean::token::new_credential().expose().to_owned();
+    assert_eq!(pod.enroll(&token, &stolen).await, 401);
+    assert_eq!(pod.poll(&stolen).await, 401);
+    let replays = "bigfleet_digitalocean_bootstrap_enrollment_replays_total";
+    let conflicts = "bigfleet_digitalocean_bootstrap_enrollment_conflicts_total";
+    assert_eq!(metric(metrics, replays).await, Some(1.0));
+    assert_eq!(metric(metrics, conflicts).await, Some(0.0));
+    drain(&mut p, &id).await;
+    p.wait_for(&id, pb::MachineState::Idle).await;
+
+    // Again while the machine is Idle: still a replay, and the next Configure goes on.
+    assert_eq!(pod.enroll(&token, &stolen).await, 401);
+    configure(&mut p, &id).await;
+    p.wait_for(&id, pb::MachineState::Configured).await;
+    assert_eq!(runs(&dir, "hook"), 2, "{}", agent.output());
+    assert_eq!(metric(metrics, replays).await, Some(2.0));
+    assert_eq!(metric(metrics, conflicts).await, Some(0.0));
+    pod.saw_no_blob();
+    assert!(
+        p.logs()
+            .contains("refused; the enrolled agent keeps the machine"),
+        "{}",
+        p.logs()
+    );
+    assert!(!p.logs().contains(&stolen) && !p.logs().contains(&token));
+    p.kill_9().await;
+    let exported = export(&state).await;
+    let recorded = &machine_in(&exported, &id)["enrollment"];
+    assert_eq!(recorded["confirmed"], true, "{recorded}");
+    assert_eq!(recorded["conflict"], false, "{recorded}");
+}
+
+/// The per-slot token (`HMAC(secret, machine id)`) never changes for a slot, so whoever read
+/// the user_data of an older Droplet of the slot holds it for every later one. It enrolls no
+/// Droplet created with a one-time token, and no command is served for one with it; the real
+/// agent then enrolls as usual and alone gets the blob. A Droplet created before enrollment
+/// (without the enrollment token tag) still enrolls with it.
+#[tokio::test]
+async fn the_per_slot_token_speaks_only_for_droplets_created_before_enrollment() {
+    let mut p = Provider::start(&["--configure-timeout=30s"]).await;
+    let ids = p.speculative(2).await;
+    for id in &ids {
+        p.create(id).await;
+    }
+    for id in &ids {
+        p.wait_for(id, pb::MachineState::Idle).await;
+    }
+    let (new, older) = (&ids[0], &ids[1]);
+
+    let (dir, config_json) = p.droplet_of(new);
+    let mut thief = Outsider::new(&p.site.pki.ca_pem, &config_json);
+    let per_slot = token(new);
+    let credential = digitalocean::token::new_credential().expose().to_owned();
+    assert_eq!(thief.enroll(&per_slot, &credential).await, 401);
+    assert_eq!(thief.poll(&per_slot).await, 401);
+    assert_eq!(thief.poll(&credential).await, 401);
+    let agent = boot(&dir, config_json);
+    assert!(
+        agent
+            .wait_for_output(
+                "enrolled; the user_data token is spent",
+                Duration::from_secs(15)
+            )
+            .await,
+        "{}",
+        agent.output()
+    );
+    configure(&mut p, new).await;
+    p.wait_for(new, pb::MachineState::Configured).await;
+    assert_eq!(std::fs::read(dir.join("hook.blob.copy")).unwrap(), BLOB);
+    thief.saw_no_blob();
+    assert!(
+        p.logs().contains("enrollment with the per-slot token of a slot whose Droplet was created with a one-time enrollment token refused"),
+        "{}",
+        p.logs()
+    );
+
+    // A Droplet an older provider created: no tag, and the per-slot token in its user_data.
+    let (older_dir, older_config) = p.droplet_of(older);
+    let tag = digitalocean::naming::machine_tag(older);
+    let droplet = p
+        .site
+        .emulator
+        .droplets()
+        .into_iter()
+        .find(|d| d.tags.contains(&tag))
+        .unwrap();
+    assert!(
+        p.site
+            .emulator
+            .remove_tag(droplet.id, digitalocean::naming::ENROLLMENT_TOKEN_TAG)
+    );
+    let mut config: serde_json::Value = serde_json::from_str(&older_config).unwrap();
+    config["token"] = token(older).into();
+    let older_agent = boot(&older_dir, config.to_string());
+    assert!(
+        older_agent
+            .wait_for_output(
+                "enrolled; the user_data token is spent",
+                Duration::from_secs(15)
+            )
+            .await,
+        "{}",
+        older_agent.output()
+    );
+    configure(&mut p, older).await;
+    p.wait_for(older, pb::MachineState::Configured).await;
+    assert_eq!(
+        std::fs::read(older_dir.join("hook.blob.copy")).unwrap(),
+        BLOB
+    );
 }

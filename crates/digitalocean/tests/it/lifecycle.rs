@@ -4,7 +4,9 @@
 
 use std::time::Duration;
 
-use digitalocean::naming::{MANAGED_TAG, cluster_tag, droplet_name, machine_tag, provider_tag};
+use digitalocean::naming::{
+    ENROLLMENT_TOKEN_TAG, MANAGED_TAG, cluster_tag, droplet_name, machine_tag, provider_tag,
+};
 use digitalocean::token::{BootstrapSecret, UserDataToken};
 use provider_core::backend::{BootstrapBlob, ConfigureOrder};
 use provider_core::cloud::Cloud;
@@ -48,6 +50,7 @@ async fn full_lifecycle_with_the_real_agent() {
         MANAGED_TAG.to_owned(),
         machine_tag(&m.id),
         provider_tag(PROVIDER),
+        ENROLLMENT_TOKEN_TAG.to_owned(),
     ];
     want.sort();
     assert_eq!(tags, want);
@@ -264,13 +267,18 @@ async fn an_agent_that_never_answers_times_out() {
             host.id
         )
     );
-    // The command was withdrawn: a late poll finds nothing.
+    // The command was withdrawn: a late poll (with the Droplet's one-time token: the per-slot
+    // token does not speak for a Droplet created with one) finds nothing.
+    let droplet = env.emulator.droplet(host.id.parse().unwrap()).unwrap();
+    let config: serde_json::Value =
+        serde_json::from_str(&agent_config_from_user_data(&droplet.user_data)).unwrap();
+    let one_time = config["token"].as_str().unwrap().to_owned();
     let client = channel_client(&env.pki.ca_pem);
     let started = tokio::time::Instant::now();
     let r = client
         .get(format!("{}/v1/command", env.channel.endpoint()))
         .query(&[("machine_id", m.id.as_str())])
-        .bearer_auth(token(&m.id))
+        .bearer_auth(&one_time)
         .send()
         .await
         .unwrap();
@@ -285,11 +293,16 @@ async fn an_agent_that_never_answers_times_out() {
 async fn an_agent_restarted_mid_command_never_runs_it_twice() {
     let env = Env::start().await;
     let m = machine(3);
-    // The agent enrolls from the machine's Droplet.
-    env.cloud
+    // The agent enrolls from the machine's Droplet, with the one-time token of its user_data.
+    let host = env
+        .cloud
         .create_host(&m, &ctx(Duration::from_secs(20)))
         .await
         .unwrap();
+    let droplet = env.emulator.droplet(host.id.parse().unwrap()).unwrap();
+    let user_data: serde_json::Value =
+        serde_json::from_str(&agent_config_from_user_data(&droplet.user_data)).unwrap();
+    let one_time = user_data["token"].as_str().unwrap().to_owned();
     let dir = env.dir.path();
     let hook = dir.join("bootstrap");
     // The first run blocks until released; every run is recorded.
@@ -305,7 +318,7 @@ async fn an_agent_restarted_mid_command_never_runs_it_twice() {
         env.channel.endpoint(),
         env.pki.ca_pem,
         m.id,
-        token(&m.id)
+        one_time
     );
     let setup = |config_json: String| AgentSetup {
         dir,

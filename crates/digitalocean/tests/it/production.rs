@@ -6,7 +6,9 @@
 use std::collections::HashMap;
 use std::time::Duration;
 
-use digitalocean::naming::{MANAGED_TAG, booting_tag, machine_tag, provider_tag};
+use digitalocean::naming::{
+    ENROLLMENT_TOKEN_TAG, MANAGED_TAG, booting_tag, machine_tag, provider_tag,
+};
 use digitalocean::profile::startup;
 use digitalocean::profile::{Defaults, OfferingFields, Wanted, offering_fields, plan};
 use provider_core::cloud::Cloud;
@@ -108,6 +110,7 @@ async fn settings_are_resolved_once_and_create_sends_exactly_them() {
             machine_tag(&m.id),
             provider_tag(PROVIDER),
             booting_tag(PROVIDER),
+            ENROLLMENT_TOKEN_TAG,
             "k8s",
             "pool-a"
         ])

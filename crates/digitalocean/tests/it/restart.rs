@@ -209,7 +209,16 @@ enum Moment {
     ReadinessPending,
 }
 
+/// A `--bootstrap-secret` the restarted provider may get instead of the site's (a rotation).
+const ROTATED_SECRET: &str = "--bootstrap-secret=a-rotated-bootstrap-secret-0123456789abcdef";
+
 async fn configure_across_a_kill_9(moment: Moment) {
+    configure_across_a_kill_9_with(moment, false).await;
+}
+
+/// The Configure cut by kill -9 at `moment` and resumed by a new process, which runs with a
+/// rotated `--bootstrap-secret` when `rotate` is set.
+async fn configure_across_a_kill_9_with(moment: Moment, rotate: bool) {
     let began = Instant::now();
     let site = Site::start().await;
     let state = site.dir.path().join("state");
@@ -274,7 +283,11 @@ async fn configure_across_a_kill_9(moment: Moment) {
         "no sealed blob waits for the interrupted Configure"
     );
 
-    p.restart(&refs(&flags)).await;
+    let mut restart_flags = refs(&flags);
+    if rotate {
+        restart_flags.push(ROTATED_SECRET);
+    }
+    p.restart(&restart_flags).await;
     let serving = killed.elapsed();
     let resumed = p.get(&id).await;
     assert!(
@@ -345,6 +358,19 @@ async fn kill_9_after_the_hook_but_before_its_ack_resumes_from_the_agents_record
 #[tokio::test]
 async fn kill_9_while_readiness_is_pending_resumes_the_configure_to_configured() {
     configure_across_a_kill_9(Moment::ReadinessPending).await;
+}
+
+/// A rotation of `--bootstrap-secret` needs a restart, and the restart resumes the Configure
+/// in flight: its hook still runs once, whether the restart came while it ran or after it
+/// finished but before its ack was taken.
+#[tokio::test]
+async fn kill_9_while_the_hook_runs_and_a_rotated_secret_runs_the_hook_once() {
+    configure_across_a_kill_9_with(Moment::HookRunning, true).await;
+}
+
+#[tokio::test]
+async fn kill_9_after_the_hook_and_a_rotated_secret_answers_from_the_agents_record() {
+    configure_across_a_kill_9_with(Moment::HookDoneUnrecorded, true).await;
 }
 
 /// A provider on `flags` with one machine's Configure cut by kill -9 while its hook runs.

@@ -99,6 +99,72 @@ fn kept(channel: &RunningChannel) -> Channel {
     channel.channel.clone()
 }
 
+/// Delivers `command` on `channel` in the background as the Configure `operation_id` whose
+/// nonce (`TransitionContext::configure_nonce`) is `nonce`, as the engine runs and resumes it.
+fn deliver_configure(
+    channel: &RunningChannel,
+    operation_id: &'static str,
+    nonce: &'static str,
+) -> tokio::task::JoinHandle<Result<(), digitalocean::channel::DeliveryError>> {
+    let channel = channel.channel.clone();
+    tokio::spawn(async move {
+        let mut ctx = ctx_of(operation_id, Duration::from_secs(30));
+        ctx.configure_nonce = Some(nonce.to_owned());
+        channel.deliver(MACHINE, configure(), &ctx).await
+    })
+}
+
+/// A Configure resumed by a process with a rotated `--bootstrap-secret` (a rotation needs a
+/// restart) while its hook runs: the command id changes with the secret, the run key does not,
+/// and the agent answers the new id from its record of the one run. A Configure that reuses
+/// the operation id with another nonce (the provider lost its state and counts from `op-1`
+/// again) is another Configure: its hook runs.
+#[tokio::test]
+async fn a_configure_resumed_under_a_rotated_secret_runs_its_hook_once_and_another_under_its_id_runs_again()
+ {
+    let pki = pki();
+    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    let first =
+        RunningChannel::start_on(listener, &pki, Duration::from_secs(2), AuthLimit::default());
+    let droplet = droplet(&first, &pki, 0, None);
+    let dir = droplet.dir.path();
+    let delivery = deliver_configure(&first, "op-2", "7ad30b0600000001");
+    assert!(eventually(Duration::from_secs(10), || runs(dir, "hook") == 1).await);
+    let state = kept(&first);
+    kill_provider(first, delivery).await;
+
+    let second = RunningChannel::start_with_secret(
+        TcpListener::bind(addr).await.unwrap(),
+        &pki,
+        Duration::from_secs(2),
+        AuthLimit::default(),
+        "a-rotated-bootstrap-secret-0123456789abcdef",
+    );
+    second.channel.adopt_enrollments(&state);
+    let resumed = deliver_configure(&second, "op-2", "7ad30b0600000001");
+    release(dir, "hook");
+    resumed.await.unwrap().unwrap();
+    assert_eq!(runs(dir, "hook"), 1, "{}", droplet.agent.output());
+    let output = droplet.agent.output();
+    let ids: std::collections::BTreeSet<&str> = output
+        .lines()
+        .filter(|l| l.contains("op-2.configure.7ad30b0600000001"))
+        .filter_map(|l| l.split("command_id=").nth(1)?.split_whitespace().next())
+        .collect();
+    assert_eq!(ids.len(), 2, "the id changed with the secret: {output}");
+    assert!(
+        output.contains("command already executed; acknowledging again"),
+        "{output}"
+    );
+
+    // The same operation id with another nonce: a Configure the agent never ran.
+    let again = deliver_configure(&second, "op-2", "f144099d00000002");
+    again.await.unwrap().unwrap();
+    assert_eq!(runs(dir, "hook"), 2, "{}", droplet.agent.output());
+    second.stop().await;
+}
+
 /// The restart comes while the hook runs; its ack reaches the resumed delivery of the new
 /// process, which ends `Ok`, and the hook ran once.
 #[tokio::test]

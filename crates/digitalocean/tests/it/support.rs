@@ -110,11 +110,22 @@ impl RunningChannel {
         hold: Duration,
         limit: AuthLimit,
     ) -> RunningChannel {
+        RunningChannel::start_with_secret(listener, pki, hold, limit, SECRET)
+    }
+
+    /// Like [`RunningChannel::start_on`], with `secret` as `--bootstrap-secret`.
+    pub fn start_with_secret(
+        listener: TcpListener,
+        pki: &Pki,
+        hold: Duration,
+        limit: AuthLimit,
+        secret: &str,
+    ) -> RunningChannel {
         let addr = listener.local_addr().unwrap();
         let tls = channel_tls(pki.cert_pem.as_bytes(), pki.key_pem.as_bytes()).unwrap();
         let channel = Channel::new(
             ChannelSettings {
-                secret: BootstrapSecret::new(SECRET).unwrap(),
+                secret: BootstrapSecret::new(secret).unwrap(),
                 tls,
                 poll_hold: hold,
                 auth_limit: limit,

@@ -126,6 +126,7 @@ pub(crate) fn slot(u: &mut Unstructured<'_>) -> Result<Slot> {
                 create_operation: word(u, &["op-1", "op-2", ""], false)?,
                 credential_digest: u.arbitrary()?,
                 conflict: u.arbitrary()?,
+                confirmed: u.arbitrary()?,
             }))
         } else {
             None

@@ -186,10 +186,23 @@ impl Rig {
         self.lines(host, "hook.count")
     }
 
+    /// The directory of the Configure `operation`'s run on `host`, once it started
+    /// (`configure-<operation>-n<nonce>`, the nonce drawn when the Configure was accepted).
     fn run_dir(&self, host: &str, operation: &str) -> PathBuf {
-        self.root(host)
-            .join(format!("{HOOK}.runs"))
-            .join(format!("configure-{operation}"))
+        let runs = self.root(host).join(format!("{HOOK}.runs"));
+        let prefix = format!("configure-{operation}-n");
+        let found: Vec<PathBuf> = std::fs::read_dir(&runs)
+            .into_iter()
+            .flatten()
+            .flatten()
+            .filter(|e| e.file_name().to_string_lossy().starts_with(&prefix))
+            .map(|e| e.path())
+            .collect();
+        assert!(found.len() <= 1, "two runs of one Configure: {found:?}");
+        found
+            .into_iter()
+            .next()
+            .unwrap_or_else(|| runs.join(&prefix))
     }
 
     /// Creates `id` and returns its server once it is IDLE.

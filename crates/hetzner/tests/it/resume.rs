@@ -27,6 +27,13 @@ fn op(operation: &str) -> TransitionContext {
     TransitionContext::with_timeout(operation, Duration::from_secs(20))
 }
 
+/// The context the engine gives the Configure `operation` whose nonce is `nonce`.
+fn nonced(operation: &str, nonce: &str) -> TransitionContext {
+    let mut ctx = op(operation);
+    ctx.configure_nonce = Some(nonce.to_owned());
+    ctx
+}
+
 async fn created(env: &Env) -> (Machine, i64) {
     let mut machine = env.machine("cx22", "nbg1", 0);
     let host = env.cloud.create_host(&machine, &ctx(30)).await.unwrap();
@@ -370,5 +377,64 @@ async fn a_failed_drains_outcome_is_taken_on_resume() {
         env.labels(server)[labels::CLUSTER],
         "c8",
         "the binding stays"
+    );
+}
+
+/// A provider whose state was lost counts operation ids from `op-1` again, and a server it
+/// adopts again still holds the finished runs of its earlier Configures under those ids, both
+/// as a release before nonces named them (`configure-op-1`) and with a nonce. A new Configure
+/// under the same operation id has a nonce of its own: its hook runs, and no earlier record
+/// answers for it; the same Configure resumed (its nonce again) takes its own record.
+#[tokio::test]
+async fn after_a_state_loss_no_earlier_run_under_the_same_operation_id_answers_a_new_configure() {
+    let mut env = Env::new(Options::default()).await;
+    let (machine, server) = created(&env).await;
+    let key = env.injected_host_key(server);
+    let sshd = env.start_sshd(key, 0);
+    let host = server.to_string();
+
+    // Before the loss: a release before nonces, then this one.
+    env.cloud
+        .configure_host(&machine, &host, &order("c1"), &op("op-1"))
+        .await
+        .unwrap();
+    assert!(record(&env, "configure-op-1").exists());
+    env.cloud
+        .configure_host(
+            &machine,
+            &host,
+            &order("c1"),
+            &nonced("op-1", "00000000000000a1"),
+        )
+        .await
+        .unwrap();
+    assert_eq!(
+        env.hook_runs(),
+        2,
+        "an earlier release's run answers no Configure with a nonce"
+    );
+    // After it: op-1 again, another Configure.
+    let after = nonced("op-1", "00000000000000b2");
+    env.cloud
+        .configure_host(&machine, &host, &order("c1"), &after)
+        .await
+        .unwrap();
+    assert_eq!(env.hook_runs(), 3, "the new Configure ran its hook");
+    assert!(record(&env, "configure-op-1-n00000000000000b2").exists());
+    // The same Configure resumed: answered from its own record.
+    env.cloud
+        .configure_host(
+            &machine,
+            &host,
+            &order("c1"),
+            &nonced("op-1", "00000000000000b2"),
+        )
+        .await
+        .unwrap();
+    assert_eq!(env.hook_runs(), 3);
+    assert_eq!(
+        deliveries(&sshd.observed.commands()),
+        3,
+        "one delivery per Configure"
     );
 }

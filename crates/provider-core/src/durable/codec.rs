@@ -258,7 +258,13 @@ pub(crate) fn encode_snapshot_end(slots: u64, fences: u64, out: &mut Vec<u8>) {
 const SEALED_TRAILER: u8 = 1;
 /// Marks the optional trailer of a slot whose host's agent enrolled (after the sealed one, if
 /// both are present). Like the sealed trailer, a slot without one encodes as before it existed.
+/// Its last byte holds flags: [`ENROLLMENT_CONFLICT`] (all a trailer held before confirmation
+/// existed, so older trailers read unchanged) and [`ENROLLMENT_CONFIRMED`].
 const ENROLLMENT_TRAILER: u8 = 2;
+/// Flag of the enrollment trailer: a second enrollment cut the machine off.
+const ENROLLMENT_CONFLICT: u8 = 1;
+/// Flag of the enrollment trailer: the enrolled agent acknowledged a Configure's blob.
+const ENROLLMENT_CONFIRMED: u8 = 2;
 
 /// Encodes one slot. The machine id comes first, so [`slot_id`] can read it alone.
 pub fn encode_slot(slot: &Slot, out: &mut Vec<u8>) {
@@ -306,7 +312,14 @@ pub fn encode_slot(slot: &Slot, out: &mut Vec<u8>) {
         put_str(out, &enrollment.create_operation);
         put_u32(out, enrollment.credential_digest.len() as u32);
         out.extend_from_slice(&enrollment.credential_digest);
-        out.push(u8::from(enrollment.conflict));
+        let mut flags = 0;
+        if enrollment.conflict {
+            flags |= ENROLLMENT_CONFLICT;
+        }
+        if enrollment.confirmed {
+            flags |= ENROLLMENT_CONFIRMED;
+        }
+        out.push(flags);
     }
 }
 
@@ -479,18 +492,16 @@ pub fn decode_slot(encoded: &[u8]) -> Result<Slot, String> {
                 let create_operation = r.string()?;
                 let len = r.u32()? as usize;
                 let credential_digest = r.bytes(len)?.to_vec();
-                let conflict = match r.u8()? {
-                    0 => false,
-                    1 => true,
-                    other => {
-                        return Err(format!("slot {id}: bad enrollment conflict flag {other}"));
-                    }
-                };
+                let flags = r.u8()?;
+                if flags & !(ENROLLMENT_CONFLICT | ENROLLMENT_CONFIRMED) != 0 {
+                    return Err(format!("slot {id}: bad enrollment flags {flags}"));
+                }
                 enrollment = Some(Arc::new(Enrollment {
                     host_id,
                     create_operation,
                     credential_digest,
-                    conflict,
+                    conflict: flags & ENROLLMENT_CONFLICT != 0,
+                    confirmed: flags & ENROLLMENT_CONFIRMED != 0,
                 }));
             }
             other => return Err(format!("slot {id}: bad trailer marker {other}")),

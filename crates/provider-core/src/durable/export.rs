@@ -43,8 +43,9 @@ struct ExportMachine<'a> {
     /// never its content.
     #[serde(skip_serializing_if = "Option::is_none")]
     sealed_configure: Option<ExportSealed>,
-    /// That the host's agent enrolled: the host and Create it is bound to and whether a
-    /// conflicting enrollment was seen, never the credential's digest.
+    /// That the host's agent enrolled: the host and Create it is bound to, whether its agent
+    /// was handed a Configure's blob (confirmed) and whether a conflicting enrollment cut the
+    /// machine off, never the credential's digest.
     #[serde(skip_serializing_if = "Option::is_none")]
     enrollment: Option<ExportEnrollment<'a>>,
 }
@@ -54,6 +55,7 @@ struct ExportEnrollment<'a> {
     host_id: &'a str,
     create_operation: &'a str,
     conflict: bool,
+    confirmed: bool,
 }
 
 #[derive(Serialize)]
@@ -127,6 +129,7 @@ pub fn render_json(snapshot: &Snapshot, source: &str) -> Result<String, String> 
                     host_id: &e.host_id,
                     create_operation: &e.create_operation,
                     conflict: e.conflict,
+                    confirmed: e.confirmed,
                 }),
             }
         })

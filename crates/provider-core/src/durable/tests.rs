@@ -289,6 +289,47 @@ fn slot_encoding_keeps_exact_float_bits() {
     }
 }
 
+/// The enrollment trailer's last byte as the release before confirmation wrote it (0, or 1
+/// for a conflict) reads as before, unconfirmed; the confirmed flag round-trips beside the
+/// conflict flag; an unknown flag is refused.
+#[test]
+fn enrollment_flags_of_the_earlier_release_read_unchanged_and_confirmation_round_trips() {
+    let mut s = rich_slot("f");
+    s.sealed = None;
+    let mut base = Vec::new();
+    codec::encode_slot(&s, &mut base);
+    // host "4711", create "op-1", a 2-byte digest, then the flags byte.
+    let trailer = |flags: u8| {
+        let mut out = base.clone();
+        out.push(2);
+        for part in [&b"4711"[..], &b"op-1"[..], &[7u8, 7][..]] {
+            out.extend_from_slice(&(part.len() as u32).to_le_bytes());
+            out.extend_from_slice(part);
+        }
+        out.push(flags);
+        out
+    };
+    for (flags, conflict, confirmed) in [
+        (0, false, false),
+        (1, true, false),
+        (2, false, true),
+        (3, true, true),
+    ] {
+        let decoded = codec::decode_slot(&trailer(flags)).expect("decode");
+        let e = decoded.enrollment.clone().expect("enrollment");
+        assert_eq!((e.conflict, e.confirmed), (conflict, confirmed), "{flags}");
+        assert_eq!(e.credential_digest, vec![7, 7]);
+        let mut again = Vec::new();
+        codec::encode_slot(&decoded, &mut again);
+        assert_eq!(again, trailer(flags), "{flags}");
+    }
+    assert!(
+        codec::decode_slot(&trailer(4))
+            .unwrap_err()
+            .contains("bad enrollment flags 4")
+    );
+}
+
 #[test]
 fn the_enrollment_trailer_round_trips_alone_and_after_the_sealed_one_and_old_slots_read_unchanged()
 {
@@ -297,6 +338,7 @@ fn the_enrollment_trailer_round_trips_alone_and_after_the_sealed_one_and_old_slo
         create_operation: "op-1".into(),
         credential_digest: vec![9; 32],
         conflict: true,
+        confirmed: false,
     });
     let plain = {
         let mut s = rich_slot("p");

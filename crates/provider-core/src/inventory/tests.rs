@@ -699,6 +699,7 @@ fn an_enrollment_is_recorded_once_conflicts_for_good_and_is_forgotten_with_its_h
         create_operation: create.into(),
         credential_digest: vec![digest],
         conflict: false,
+        confirmed: false,
     };
     let mut changes = Vec::new();
     // A token of another Create is refused; while the Create runs the host is not known yet.
@@ -747,4 +748,82 @@ fn an_enrollment_is_recorded_once_conflicts_for_good_and_is_forgotten_with_its_h
     let delete = accepted_op(admit(&mut inv, Delete, "m-0", &zero()));
     settle(&mut inv, "m-0", Delete, &delete);
     assert!(inv.get("m-0").unwrap().enrollment.is_none());
+}
+
+/// A confirmed enrollment (its agent was handed a Configure's blob) is not cut off by a replay
+/// of the spent token: the replay is refused and changes nothing, whatever state the machine
+/// is in (here Idle); an enrollment of the earlier release, never confirmed, is not cut off
+/// while its machine is Configured either.
+#[test]
+fn a_replay_after_confirmation_changes_nothing() {
+    let mut inv = seeded(2);
+    let enrollment = |digest: u8, create: &str, confirmed: bool| Enrollment {
+        host_id: "h1".into(),
+        create_operation: create.into(),
+        credential_digest: vec![digest],
+        conflict: false,
+        confirmed,
+    };
+    let op = accepted_op(admit(&mut inv, Create, "m-0", &zero()));
+    settle(&mut inv, "m-0", Create, &op);
+    assert_eq!(
+        inv.record_enrollment("m-0", enrollment(1, &op, false), &mut Vec::new()),
+        Ok(EnrollVerdict::Enrolled)
+    );
+    // Confirmation is one durable change; a second one is none.
+    let mut changes = Vec::new();
+    assert_eq!(
+        inv.record_enrollment("m-0", enrollment(1, &op, true), &mut changes),
+        Ok(EnrollVerdict::AlreadyEnrolled)
+    );
+    assert_eq!(changes.len(), 1);
+    let held = inv.get("m-0").unwrap().enrollment.clone().unwrap();
+    assert!(held.confirmed && !held.conflict);
+    let mut changes = Vec::new();
+    assert_eq!(
+        inv.record_enrollment("m-0", enrollment(1, &op, true), &mut changes),
+        Ok(EnrollVerdict::AlreadyEnrolled)
+    );
+    assert!(changes.is_empty());
+    // Another credential is a replay, however often, and changes nothing.
+    for digest in [2, 3, 2] {
+        let mut changes = Vec::new();
+        assert_eq!(
+            inv.record_enrollment("m-0", enrollment(digest, &op, false), &mut changes),
+            Ok(EnrollVerdict::Replayed)
+        );
+        assert!(changes.is_empty());
+    }
+    assert_eq!(inv.get("m-0").unwrap().enrollment, Some(held.clone()));
+    // The agent's own credential still answers as enrolled.
+    assert_eq!(
+        inv.record_enrollment("m-0", enrollment(1, &op, false), &mut Vec::new()),
+        Ok(EnrollVerdict::AlreadyEnrolled)
+    );
+
+    // An unconfirmed enrollment on a Configured machine (the earlier release never confirmed).
+    let op = accepted_op(admit(&mut inv, Create, "m-1", &zero()));
+    settle(&mut inv, "m-1", Create, &op);
+    assert_eq!(
+        inv.record_enrollment("m-1", enrollment(1, &op, false), &mut Vec::new()),
+        Ok(EnrollVerdict::Enrolled)
+    );
+    let configure = accepted_op(admit(&mut inv, Configure, "m-1", &zero()));
+    settle(&mut inv, "m-1", Configure, &configure);
+    assert_eq!(
+        inv.get("m-1").unwrap().machine.state,
+        MachineState::Configured
+    );
+    assert_eq!(
+        inv.record_enrollment("m-1", enrollment(2, &op, false), &mut Vec::new()),
+        Ok(EnrollVerdict::Replayed)
+    );
+    assert!(
+        !inv.get("m-1")
+            .unwrap()
+            .enrollment
+            .as_ref()
+            .unwrap()
+            .conflict
+    );
 }
