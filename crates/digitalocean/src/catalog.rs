@@ -54,10 +54,7 @@ pub fn pinned_price_usd(slug: &str) -> Option<f64> {
 
 /// The pinned vCPUs and memory of a size; `None` for a size not in the table.
 pub fn pinned_capacity(slug: &str) -> Option<Capacity> {
-    pinned(slug).map(|s| Capacity {
-        vcpus: s.vcpus,
-        memory_mib: s.memory_gib * 1024,
-    })
+    pinned(slug).map(|s| Capacity::compute(s.vcpus, s.memory_gib * 1024))
 }
 
 /// Every pinned size slug, in table order.
@@ -83,24 +80,15 @@ mod tests {
     fn pinned_capacities() {
         assert_eq!(
             pinned_capacity("s-4vcpu-8gb"),
-            Some(Capacity {
-                vcpus: 4,
-                memory_mib: 8192
-            })
+            Some(Capacity::compute(4, 8192))
         );
         assert_eq!(
             pinned_capacity("c-16"),
-            Some(Capacity {
-                vcpus: 16,
-                memory_mib: 32 * 1024
-            })
+            Some(Capacity::compute(16, 32 * 1024))
         );
         assert_eq!(
             pinned_capacity("s-1vcpu-1gb"),
-            Some(Capacity {
-                vcpus: 1,
-                memory_mib: 1024
-            })
+            Some(Capacity::compute(1, 1024))
         );
         assert_eq!(pinned_capacity("gpu-h100x1-80gb"), None);
         for slug in pinned_sizes() {

@@ -890,15 +890,7 @@ impl Cloud for DigitalOceanCloud {
             sizes
                 .iter()
                 .filter(|s| instance_types.contains(&s.slug) && s.vcpus > 0 && s.memory > 0)
-                .map(|s| {
-                    (
-                        s.slug.clone(),
-                        Capacity {
-                            vcpus: s.vcpus,
-                            memory_mib: s.memory,
-                        },
-                    )
-                })
+                .map(|s| (s.slug.clone(), Capacity::compute(s.vcpus, s.memory)))
                 .collect()
         });
         self.timed("Sizes", start, r)

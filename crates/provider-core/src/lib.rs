@@ -6,6 +6,7 @@ pub mod app;
 pub mod backend;
 pub mod batch;
 pub mod budget;
+pub mod catalogue;
 pub mod check;
 pub mod cli;
 pub mod cloud;

@@ -22,6 +22,8 @@ pub struct Telemetry {
     pub reconcile_survey_requests: &'static str,
     pub reconcile_early_surveys: &'static str,
     pub price_refresh: &'static str,
+    pub offering_withdrawn: &'static str,
+    pub offering_unavailable_after: &'static str,
     pub api_calls: &'static str,
     pub api_duration: &'static str,
     pub api_http: &'static str,
@@ -120,6 +122,11 @@ impl Telemetry {
             reconcile_survey_requests: leak(prefix, "reconcile_survey_requests"),
             reconcile_early_surveys: leak(prefix, "reconcile_early_surveys_total"),
             price_refresh: leak(prefix, "price_refresh_total"),
+            offering_withdrawn: leak(prefix, "offering_withdrawn"),
+            offering_unavailable_after: leak(
+                prefix,
+                "offering_unavailable_after_timestamp_seconds",
+            ),
             api_calls: leak(prefix, "api_calls_total"),
             api_duration: leak(prefix, "api_duration_seconds"),
             api_http: leak(prefix, "api_http_requests_total"),
@@ -212,6 +219,25 @@ impl Telemetry {
     /// check said the owned hosts changed.
     pub fn reconcile_early_survey(&self) {
         counter!(self.reconcile_early_surveys).increment(1);
+    }
+
+    /// Where one offering stands: withdrawn (1) or advertised (0), and the moment after which
+    /// the cloud stops selling it in its zone when a deprecation was announced (the series is
+    /// set to 0 when none is).
+    pub fn offering_standing(
+        &self,
+        instance_type: &str,
+        zone: &str,
+        withdrawn: bool,
+        unavailable_after_unix: Option<i64>,
+    ) {
+        let labels = [
+            ("instance_type", instance_type.to_owned()),
+            ("zone", zone.to_owned()),
+        ];
+        gauge!(self.offering_withdrawn, &labels).set(if withdrawn { 1.0 } else { 0.0 });
+        gauge!(self.offering_unavailable_after, &labels)
+            .set(unavailable_after_unix.map_or(0.0, |t| t as f64));
     }
 
     pub fn price_refresh_outcome(&self, outcome: &'static str) {

@@ -125,7 +125,7 @@ fn bad_configuration_fails_before_any_port_binds() {
     let offerings = dir.path().join("offerings.json");
     std::fs::write(
         &offerings,
-        r#"[{"server_type":"cx22","location":"nbg1","capacity_type":"spot","count":1}]"#,
+        r#"[{"server_type":"cx23","location":"nbg1","capacity_type":"spot","count":1}]"#,
     )
     .unwrap();
     refuses(
