@@ -385,3 +385,95 @@ single!(
     placement_group,
     PlacementGroup
 );
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A server as Hetzner's document shapes it today, with every key the document marks
+    /// deprecated removed (`datacenter`, `server_type.deprecated`, `server_type.deprecation`,
+    /// `image.deprecated`), nullable keys `null`, and enum values no version of this provider
+    /// has seen.
+    const SERVER: &str = r#"{
+      "id": 42, "name": "bigfleet-x", "status": "hibernating",
+      "created": "2026-07-01T12:00:00Z",
+      "public_net": {"ipv4": {"id": 1, "ip": "198.51.100.7", "blocked": false, "dns_ptr": "x"},
+                     "ipv6": null, "floating_ips": [], "firewalls": [{"id": 3, "status": "pending-review"}]},
+      "private_net": [{"network": 9, "ip": "10.0.0.2", "alias_ips": [], "mac_address": "m"}],
+      "server_type": {
+        "id": 114, "name": "cx23", "description": "CX23", "cores": 2, "memory": 4, "disk": 40,
+        "prices": [{"location": "nbg1",
+                    "price_hourly": {"net": "0.0060", "gross": "0.0071"},
+                    "price_monthly": {"net": "3.49", "gross": "4.15"},
+                    "included_traffic": 21990232555520,
+                    "price_per_tb_traffic": {"net": "1.00", "gross": "1.19"}}],
+        "storage_type": "quantum", "cpu_type": "shared", "category": "Cost-Optimized",
+        "architecture": "riscv",
+        "locations": [{"id": 2, "name": "nbg1", "deprecation": null, "recommended": true,
+                       "available": false}]
+      },
+      "location": {"id": 2, "name": "nbg1", "description": "Nuremberg DC Park 1", "country": "DE",
+                   "city": "Nuremberg", "latitude": 49.45, "longitude": 11.07,
+                   "network_zone": "eu-central-2"},
+      "image": {"id": 7, "type": "container", "status": "gone", "name": null, "description": "x",
+                "image_size": null, "disk_size": 5, "created": "2026-07-01T12:00:00Z",
+                "created_from": null, "bound_to": null, "os_flavor": "plan9", "os_version": null,
+                "protection": {"delete": false}, "deleted": null, "labels": {},
+                "architecture": "x86"},
+      "iso": null, "rescue_enabled": false, "locked": false, "backup_window": null,
+      "outgoing_traffic": null, "ingoing_traffic": null, "included_traffic": null,
+      "protection": {"delete": false, "rebuild": false},
+      "labels": null, "volumes": [], "load_balancers": [], "primary_disk_size": 40,
+      "placement_group": null
+    }"#;
+
+    #[test]
+    fn answers_without_deprecated_keys_with_nulls_and_new_enum_values_decode() {
+        let server: Server = serde_json::from_str(SERVER).expect("decodes");
+        assert_eq!(server.id, 42);
+        assert_eq!(server.status, server::Status::Unknown);
+        assert!(server.labels.is_empty(), "labels: null reads as none");
+        assert_eq!(server.location.name, "nbg1");
+        assert_eq!(
+            server.public_net.ipv4.map(|v4| v4.ip),
+            Some("198.51.100.7".into())
+        );
+        assert!(server.public_net.ipv6.is_none());
+        assert_eq!(server.private_net[0].network, Some(9));
+        assert_eq!(server.server_type.architecture, Architecture::Unknown);
+        assert_eq!(server.server_type.locations[0].available, Some(false));
+        assert!(server.placement_group.is_none());
+        let listing: ListServersResponse =
+            serde_json::from_str(&format!(r#"{{"servers": [{SERVER}], "meta": null}}"#))
+                .expect("decodes");
+        assert_eq!(listing.servers.len(), 1);
+        assert_eq!(listing.meta.pagination.next_page, None);
+        let image: GetImageResponse =
+            serde_json::from_str(r#"{"image": {"id": 1, "type": "container", "status": "gone"}}"#)
+                .expect("decodes");
+        let image = image.image.expect("image");
+        assert_eq!(image.r#type, image::Type::Unknown);
+        assert_eq!(image.status, image::Status::Unknown);
+    }
+
+    #[test]
+    fn the_older_shapes_decode_too() {
+        // `deprecated` and the type-level `deprecation` as older answers carried them, no
+        // per-location `available`, a `datacenter` on the server.
+        let kind: ServerType = serde_json::from_str(
+            r#"{"id": 1, "name": "cx22", "cores": 2, "memory": 4.0, "disk": 40,
+                "deprecated": true, "architecture": "x86",
+                "deprecation": {"announced": "2025-10-16T09:00:00Z",
+                                "unavailable_after": "2025-12-31T23:59:59Z"},
+                "prices": [], "locations": [{"id": 1, "name": "fsn1", "deprecation": null}]}"#,
+        )
+        .expect("decodes");
+        assert_eq!(kind.locations[0].available, None);
+        assert!(kind.deprecation.is_some());
+        let server: Server = serde_json::from_str(
+            r#"{"id": 1, "status": "running", "datacenter": {"id": 4, "name": "fsn1-dc14"}}"#,
+        )
+        .expect("decodes");
+        assert_eq!(server.status, server::Status::Running);
+    }
+}
