@@ -284,10 +284,19 @@ impl Fleet {
         m
     }
 
-    /// Labels every slot of `instance_type` carries: its architecture as the Node will have it
-    /// (`kubernetes.io/arch`, from the catalogue), then the cloud's own.
-    fn type_labels(&self, instance_type: &str) -> StringMap {
-        let mut labels = StringMap::new();
+    /// Labels every slot of `instance_type` in `zone` carries, with the values the Node it
+    /// becomes will have: its architecture (`kubernetes.io/arch`, from the catalogue, as the
+    /// kubelet sets it), its type and its region (`node.kubernetes.io/instance-type` and
+    /// `topology.kubernetes.io/region`, as both clouds' controller managers set them: the server
+    /// type or size, and the location or region), then the cloud's own.
+    fn node_labels(&self, instance_type: &str, zone: &str) -> StringMap {
+        let mut labels = StringMap::from([
+            (
+                "node.kubernetes.io/instance-type".to_owned(),
+                instance_type.to_owned(),
+            ),
+            ("topology.kubernetes.io/region".to_owned(), zone.to_owned()),
+        ]);
         if let Some(arch) = self.capacities.capacity(instance_type).and_then(|c| c.arch) {
             labels.insert("kubernetes.io/arch".to_owned(), arch.name().to_owned());
         }
@@ -318,7 +327,9 @@ impl Fleet {
             let mut shape = self.machine(String::new(), &o.instance_type, &o.zone);
             shape.resources = self.offering_resources(&o.resources, &o.instance_type);
             shape.labels = o.labels.clone();
-            shape.labels.extend(self.type_labels(&o.instance_type));
+            shape
+                .labels
+                .extend(self.node_labels(&o.instance_type, &o.zone));
             for i in 0..o.count.max(0) {
                 let mut m = shape.clone();
                 m.id = slot_id(&self.provider, &o.instance_type, &o.zone, i);

@@ -253,7 +253,15 @@ async fn prices_and_capacities_come_from_the_size_catalogue() {
         .await
         .unwrap();
     assert_eq!(caps.len(), 1);
-    assert_eq!(caps["s-4vcpu-8gb"], Capacity::compute(4, 8192));
+    assert_eq!(
+        caps["s-4vcpu-8gb"],
+        Capacity {
+            vcpus: 4,
+            memory_mib: 8192,
+            disk_gib: 160,
+            arch: Some(provider_core::cloud::Arch::Amd64),
+        }
+    );
 }
 
 #[tokio::test]
