@@ -197,3 +197,29 @@ async fn the_binary_serves_the_sizes_digitalocean_sells_and_names_the_withdrawn_
     );
     p.kill_9().await;
 }
+
+#[tokio::test]
+async fn the_default_mix_takes_the_successor_of_a_size_not_sold_in_the_region() {
+    let site = crate::binary::Site::start().await;
+    site.emulator.set_sold_out("s-2vcpu-4gb", REGION, true);
+    // No --offerings: the built-in default mix in --region.
+    let mut p = Provider::start_on(site, &["--offerings=", "--seed-count=4"]).await;
+    let listed = p
+        .client
+        .list(pb::ListFilter::default())
+        .await
+        .unwrap()
+        .into_inner()
+        .machines;
+    let mut sizes: Vec<&str> = listed.iter().map(|m| m.instance_type.as_str()).collect();
+    sizes.sort();
+    sizes.dedup();
+    // The cheapest Basic size sold in nyc3 with at least 2 vCPUs and 4 GiB.
+    assert_eq!(sizes, ["s-2vcpu-4gb-amd", "s-4vcpu-8gb"], "{listed:?}");
+    let logs = p.process.logs();
+    assert!(
+        logs.contains("replaced a size DigitalOcean no longer sells there by its successor"),
+        "{logs}"
+    );
+    p.kill_9().await;
+}

@@ -386,3 +386,61 @@ fn startup_serves_the_offerings_hetzner_sells_and_refuses_only_when_none() {
         "none of the 4 offerings can be ordered now",
     );
 }
+
+#[tokio::test]
+async fn check_names_a_deprecation_with_its_date_and_a_type_not_sold_now() {
+    let env = Env::new(Options::default()).await;
+    env.emulator.set_deprecation(
+        "cx23",
+        "nbg1",
+        Some(("2026-06-01T09:00:00Z", "2999-12-31T23:59:59Z")),
+    );
+    env.emulator.set_sold_out("cpx42", "fsn1", true);
+    let args = hetzner::real::RealArgs {
+        token: provider_core::config::Secret::new(TOKEN),
+        endpoint: env.emulator.endpoint(),
+        provider: "check".into(),
+        image: "ubuntu-24.04".into(),
+        ssh_key: String::new(),
+        ssh_user: "root".into(),
+        ssh_port: 22,
+        image_selector: String::new(),
+        networks: Vec::new(),
+        firewalls: Vec::new(),
+        public_ipv4: true,
+        public_ipv6: false,
+        ssh_address: "public".into(),
+        placement: "none".into(),
+        server_labels: Vec::new(),
+        login_ssh_keys: Vec::new(),
+        overrides: Vec::new(),
+        bootstrap_hook: "/opt/bigfleet/bootstrap".into(),
+        readiness_command: String::new(),
+        base_user_data: String::new(),
+        eur_usd: 1.08,
+    };
+    let mut report =
+        provider_core::check::Report::quiet(provider_core::check::CheckOptions::default());
+    hetzner::check::run(
+        &mut report,
+        &args,
+        &[offering("cx23", "nbg1", 1), offering("cpx42", "fsn1", 1)],
+    )
+    .await;
+    let text = report.render();
+    assert!(
+        text.contains(
+            "OK    offering cx23/nbg1 location: nbg1 (eu-central), net 0.0060000000 EUR/h; \
+             deprecated (announced 2026-06-01T09:00:00Z), unavailable after \
+             2999-12-31T23:59:59Z: choose a successor before then"
+        ),
+        "{text}"
+    );
+    assert!(
+        text.contains(
+            "FAIL  offering cpx42/fsn1 availability: offering cpx42/fsn1: server type cpx42 is \
+             temporarily unavailable in location fsn1: withdrawn"
+        ),
+        "{text}"
+    );
+}
