@@ -98,13 +98,13 @@ pub fn open_store(state: &str) -> Result<SharedStore, String> {
 /// catalogue in one read where it has one, else price by price) and fails if an offered type
 /// has no price at all.
 pub async fn warm_up(fleet: &Fleet, telemetry: Telemetry) -> Result<(), String> {
-    match crate::catalogue::refresh(fleet, WARMUP_BUDGET).await {
-        crate::catalogue::Refresh::Done => {}
-        crate::catalogue::Refresh::Failed(err) => tracing::warn!(
+    match crate::catalogue_refresh::refresh(fleet, WARMUP_BUDGET).await {
+        crate::catalogue_refresh::Refresh::Done => {}
+        crate::catalogue_refresh::Refresh::Failed(err) => tracing::warn!(
             err,
             "catalogue: reading the cloud's catalogue failed; using the pinned table until the next refresh"
         ),
-        crate::catalogue::Refresh::Unsupported => {
+        crate::catalogue_refresh::Refresh::Unsupported => {
             fetch_prices(fleet, WARMUP_BUDGET).await;
             resolve_capacities(fleet).await;
         }
@@ -202,8 +202,8 @@ pub async fn run(launch: Launch) -> Result<(), String> {
             _ => warm_up(fleet, telemetry).await?,
         }
         // Never refuse because some offerings cannot be ordered: serve the rest.
-        let withdrawn = crate::catalogue::announce(fleet, telemetry);
-        crate::catalogue::startup_verdict(fleet, &withdrawn)?;
+        let withdrawn = crate::catalogue_refresh::announce(fleet, telemetry);
+        crate::catalogue_refresh::startup_verdict(fleet, &withdrawn)?;
     }
     if !backend.has_readiness_gate() {
         tracing::warn!(
@@ -534,16 +534,16 @@ async fn refresh_prices(fleet: &Fleet, telemetry: Telemetry) -> Refreshed {
     if let Err(e) = settings.await {
         tracing::warn!(err = %e, "settings: looking up the offerings' settings again failed; keeping the ones in use");
     }
-    let refreshed = match crate::catalogue::refresh(fleet, Duration::from_secs(30)).await {
-        crate::catalogue::Refresh::Done => Refreshed::Catalogue,
-        crate::catalogue::Refresh::Failed(err) => {
+    let refreshed = match crate::catalogue_refresh::refresh(fleet, Duration::from_secs(30)).await {
+        crate::catalogue_refresh::Refresh::Done => Refreshed::Catalogue,
+        crate::catalogue_refresh::Refresh::Failed(err) => {
             tracing::warn!(
                 err,
                 "catalogue: reading the cloud's catalogue failed; keeping what is known"
             );
             Refreshed::Failed
         }
-        crate::catalogue::Refresh::Unsupported => {
+        crate::catalogue_refresh::Refresh::Unsupported => {
             if fetch_prices(fleet, Duration::from_secs(30)).await {
                 Refreshed::Prices
             } else {
@@ -551,7 +551,7 @@ async fn refresh_prices(fleet: &Fleet, telemetry: Telemetry) -> Refreshed {
             }
         }
     };
-    crate::catalogue::announce(fleet, telemetry);
+    crate::catalogue_refresh::announce(fleet, telemetry);
     telemetry.price_refresh_outcome(if refreshed == Refreshed::Failed {
         "error"
     } else {

@@ -4,19 +4,14 @@
 //! it cannot be ordered, or not available now.
 //!
 //! An offering that cannot be ordered is *withdrawn*: its Speculative slots leave the offered
-//! set ([`crate::fleet::Fleet`]), so the next reconcile pass removes them from List; machines
+//! set (the offerings-driven backend asks [`StandingBook`]), so the next reconcile pass removes them from List; machines
 //! that already hold a host keep working and can be drained and deleted. When the catalogue
 //! says the type can be ordered there again, the slots come back at the next refresh.
 
 use std::collections::HashMap;
 use std::sync::RwLock;
-use std::time::Duration;
 
 use serde::{Deserialize, Serialize};
-
-use crate::cloud::Capacity;
-use crate::fleet::Fleet;
-use crate::telemetry::Telemetry;
 
 /// A deprecation the cloud announced for an instance type in one zone.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
@@ -148,6 +143,60 @@ impl StandingBook {
     }
 }
 
+/// The CPU architecture of an instance type, named as the kubelet labels the Node
+/// (`kubernetes.io/arch`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Arch {
+    Amd64,
+    Arm64,
+}
+
+impl Arch {
+    pub fn name(self) -> &'static str {
+        match self {
+            Arch::Amd64 => "amd64",
+            Arch::Arm64 => "arm64",
+        }
+    }
+}
+
+/// Hardware capacity of an instance type.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Capacity {
+    pub vcpus: u32,
+    pub memory_mib: u64,
+    /// Local disk in GiB (0: unknown, or no local disk).
+    pub disk_gib: u64,
+    /// `None` when the catalogue does not say.
+    pub arch: Option<Arch>,
+}
+
+impl Capacity {
+    /// A capacity of `vcpus` and `memory_mib` whose disk and architecture are unknown.
+    pub fn compute(vcpus: u32, memory_mib: u64) -> Capacity {
+        Capacity {
+            vcpus,
+            memory_mib,
+            disk_gib: 0,
+            arch: None,
+        }
+    }
+
+    /// The Kubernetes resources of the whole machine: `cpu`, `memory` and, when the disk is
+    /// known, `ephemeral-storage`.
+    pub fn resources(&self) -> crate::machine::StringMap {
+        let mut resources = crate::backend::allocatable_of(self.vcpus, self.memory_mib);
+        if self.disk_gib > 0 {
+            resources.insert(
+                "ephemeral-storage".to_owned(),
+                format!("{}Gi", self.disk_gib),
+            );
+        }
+        resources
+    }
+}
+
 /// Seconds since the Unix epoch now.
 pub fn now_unix() -> i64 {
     std::time::SystemTime::now()
@@ -197,113 +246,6 @@ fn days_from_civil(year: i64, month: u32, day: u32) -> i64 {
     let doy = (153 * (if m > 2 { m - 3 } else { m + 9 }) + 2) / 5 + i64::from(day) - 1;
     let doe = yoe * 365 + yoe / 4 - yoe / 100 + doy;
     era * 146_097 + doe - 719_468
-}
-
-/// What one catalogue refresh did.
-#[derive(Debug, PartialEq)]
-pub enum Refresh {
-    /// This cloud has no catalogue read: prices and capacities are read the older way.
-    Unsupported,
-    /// The read failed; what the provider knew stays.
-    Failed(String),
-    /// Prices, capacities and standings of the offered pairs were replaced.
-    Done,
-}
-
-/// Reads the cloud's catalogue within `budget` and applies it to `fleet`.
-pub async fn refresh(fleet: &Fleet, budget: Duration) -> Refresh {
-    let pairs = fleet.price_pairs();
-    let read = crate::budget::scoped(
-        crate::budget::Class::Refresh,
-        fleet.cloud().catalogue(&pairs),
-    );
-    match tokio::time::timeout(budget, read).await {
-        Err(_) => Refresh::Failed("the catalogue read timed out".into()),
-        Ok(Err(e)) => Refresh::Failed(e.0),
-        Ok(Ok(None)) => Refresh::Unsupported,
-        Ok(Ok(Some(catalogue))) => {
-            fleet.apply_catalogue(catalogue);
-            Refresh::Done
-        }
-    }
-}
-
-/// An offering that cannot be ordered now.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub struct Withdrawn {
-    pub instance_type: String,
-    pub zone: String,
-    pub why: String,
-}
-
-/// Says where the offerings stand: a WARN per announced deprecation (with its date) and per
-/// withdrawn offering, and the gauges of both. Returns the withdrawn offerings.
-pub fn announce(fleet: &Fleet, telemetry: Telemetry) -> Vec<Withdrawn> {
-    let now = now_unix();
-    let mut withdrawn = Vec::new();
-    for (instance_type, zone) in fleet.price_pairs() {
-        let standing = fleet.standings().get(&instance_type, &zone);
-        let why = standing.withdrawn_at(now);
-        let after = standing
-            .deprecation
-            .as_ref()
-            .and_then(Deprecation::unavailable_after_unix);
-        telemetry.offering_standing(&instance_type, &zone, why.is_some(), after);
-        if let Some(d) = &standing.deprecation
-            && why.is_none()
-        {
-            tracing::warn!(
-                instance_type,
-                zone,
-                announced = d.announced,
-                unavailable_after = d.unavailable_after,
-                "catalogue: the cloud deprecated this offering's type in its zone; it is withdrawn after unavailable_after, choose a successor before then"
-            );
-        }
-        if let Some(why) = why {
-            tracing::warn!(
-                instance_type,
-                zone,
-                why,
-                "catalogue: offering withdrawn: its Speculative slots are not advertised until the cloud sells it there again; machines that hold a host keep working"
-            );
-            withdrawn.push(Withdrawn {
-                instance_type,
-                zone,
-                why,
-            });
-        }
-    }
-    withdrawn
-}
-
-/// The startup verdict on the offerings: serve the ones that can be ordered (naming the
-/// withdrawn ones), or refuse when none can.
-pub fn startup_verdict(fleet: &Fleet, withdrawn: &[Withdrawn]) -> Result<(), String> {
-    let pairs = fleet.price_pairs();
-    if !pairs.is_empty() && withdrawn.len() >= pairs.len() {
-        let list: Vec<String> = withdrawn
-            .iter()
-            .map(|w| format!("{}/{}: {}", w.instance_type, w.zone, w.why))
-            .collect();
-        return Err(format!(
-            "none of the {} offerings can be ordered now ({}); choose types the cloud sells in these zones",
-            pairs.len(),
-            list.join("; ")
-        ));
-    }
-    if !withdrawn.is_empty() {
-        let names: Vec<String> = withdrawn
-            .iter()
-            .map(|w| format!("{}/{}", w.instance_type, w.zone))
-            .collect();
-        tracing::warn!(
-            withdrawn = names.join(", "),
-            serving = pairs.len() - withdrawn.len(),
-            "catalogue: serving the offerings that can be ordered; the withdrawn ones come back when the cloud sells them again"
-        );
-    }
-    Ok(())
 }
 
 #[cfg(test)]

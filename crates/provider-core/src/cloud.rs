@@ -8,6 +8,7 @@ use std::collections::HashMap;
 use async_trait::async_trait;
 
 use crate::backend::{BackendError, ConfigureOrder, TransitionContext};
+pub use crate::catalogue::{Arch, Capacity};
 use crate::machine::Machine;
 
 /// A host owned by this provider instance, as the cloud reports it.
@@ -39,60 +40,6 @@ pub enum InventorySignal {
     /// The owned hosts may have changed out of band; `why` says what the check saw (logged
     /// when it starts a survey early).
     Changed { why: String },
-}
-
-/// The CPU architecture of an instance type, named as the kubelet labels the Node
-/// (`kubernetes.io/arch`).
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, serde::Serialize, serde::Deserialize)]
-#[serde(rename_all = "lowercase")]
-pub enum Arch {
-    Amd64,
-    Arm64,
-}
-
-impl Arch {
-    pub fn name(self) -> &'static str {
-        match self {
-            Arch::Amd64 => "amd64",
-            Arch::Arm64 => "arm64",
-        }
-    }
-}
-
-/// Hardware capacity of an instance type.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct Capacity {
-    pub vcpus: u32,
-    pub memory_mib: u64,
-    /// Local disk in GiB (0: unknown, or no local disk).
-    pub disk_gib: u64,
-    /// `None` when the catalogue does not say.
-    pub arch: Option<Arch>,
-}
-
-impl Capacity {
-    /// A capacity of `vcpus` and `memory_mib` whose disk and architecture are unknown.
-    pub fn compute(vcpus: u32, memory_mib: u64) -> Capacity {
-        Capacity {
-            vcpus,
-            memory_mib,
-            disk_gib: 0,
-            arch: None,
-        }
-    }
-
-    /// The Kubernetes resources of the whole machine: `cpu`, `memory` and, when the disk is
-    /// known, `ephemeral-storage`.
-    pub fn resources(&self) -> crate::machine::StringMap {
-        let mut resources = crate::backend::allocatable_of(self.vcpus, self.memory_mib);
-        if self.disk_gib > 0 {
-            resources.insert(
-                "ephemeral-storage".to_owned(),
-                format!("{}Gi", self.disk_gib),
-            );
-        }
-        resources
-    }
 }
 
 /// What one cloud must offer. Every method that changes the cloud is idempotent on the machine

@@ -13,6 +13,8 @@ use hcloud::apis::{Error, images_api, locations_api, networks_api, server_types_
 use hcloud::models;
 use hcloud_emulator::{Emulator, Fault};
 
+mod spec_shape;
+
 const TOKEN: &str = "emulator-it-token";
 
 fn config(emulator: &Emulator, token: &str) -> Configuration {

@@ -8,7 +8,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use fleet_proto::v1alpha1 as pb;
-use provider_core::catalogue::{self, Refresh};
+use provider_core::catalogue_refresh::{self as catalogue, Refresh};
 use provider_core::cloud::Cloud;
 use provider_core::fleet::{CapacityBook, Fleet, PriceBook};
 use provider_core::machine::MachineState;
