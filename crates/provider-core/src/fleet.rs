@@ -268,10 +268,12 @@ impl Fleet {
     }
 
     /// Offered pairs with neither a live nor a pinned price: a startup error, never a silent 0.
+    /// Withdrawn pairs are left out: they advertise nothing, and the catalogue read that makes
+    /// one orderable again prices it.
     pub fn unpriced(&self) -> Vec<(String, String)> {
         self.price_pairs()
             .into_iter()
-            .filter(|(t, z)| self.prices.price(t, z).is_none())
+            .filter(|(t, z)| self.prices.price(t, z).is_none() && self.withdrawn(t, z).is_none())
             .collect()
     }
 
@@ -666,6 +668,20 @@ mod tests {
         )]);
         assert_eq!(fleet.offered().expect("offered").len(), 8);
         assert_eq!(fleet.describe().await.expect("describe").len(), 8);
+    }
+
+    #[test]
+    fn a_withdrawn_offering_needs_no_price() {
+        let (_, fleet) = test_fleet(default_mix(2, ["a", "b"], ["z1", "z1"]));
+        let fleet = Fleet {
+            prices: Arc::new(PriceBook::new(|t, _| (t == "a").then_some(0.5))),
+            ..fleet
+        };
+        assert_eq!(fleet.unpriced(), [("b".to_owned(), "z1".to_owned())]);
+        fleet
+            .standings()
+            .extend([(("b".to_owned(), "z1".to_owned()), standing_of("unknown"))]);
+        assert!(fleet.unpriced().is_empty());
     }
 
     #[test]
