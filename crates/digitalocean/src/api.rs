@@ -205,6 +205,9 @@ pub struct Size {
     pub memory: u64,
     #[serde(default)]
     pub vcpus: u32,
+    /// Local disk in GB.
+    #[serde(default)]
+    pub disk: u64,
     #[serde(default)]
     pub price_hourly: f64,
     #[serde(default)]
@@ -580,6 +583,27 @@ impl ApiClient {
                 Ok((page.droplets, page.links.pages.next))
             })
             .await
+    }
+
+    /// How many Droplets the account has (in every region, whoever made them), from one
+    /// request: a page of one Droplet, whose `meta.total` counts them all.
+    pub async fn count_droplets(&self, deadline: Instant) -> Result<u64, ApiError> {
+        #[derive(Deserialize)]
+        struct Counted {
+            #[serde(default)]
+            meta: Option<CountMeta>,
+        }
+        #[derive(Deserialize)]
+        struct CountMeta {
+            #[serde(default)]
+            total: u64,
+        }
+        let counted: Counted = self
+            .request("GET /v2/droplets", Method::GET, "/v2/droplets")
+            .query(&[("per_page", "1")])
+            .send(deadline)
+            .await?;
+        Ok(counted.meta.map_or(0, |m| m.total))
     }
 
     /// Page `page` (from 1) of the account's actions, newest first, [`PER_PAGE`] a page.

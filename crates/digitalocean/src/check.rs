@@ -1,5 +1,6 @@
 //! The DigitalOcean half of `digitalocean check` (the subset that runs at startup of the real
-//! backend is [`crate::profile::startup`]). Only read calls: `GET /v2/account`, `/v2/regions`, `/v2/sizes`,
+//! backend is [`crate::profile::startup`]). Only read calls: `GET /v2/account`,
+//! `/v2/droplets?per_page=1` (the Droplet limit's headroom), `/v2/regions`, `/v2/sizes`,
 //! `/v2/images/{id or slug}` (and `/v2/images?private=true` for snapshot names), `/v2/vpcs/{id}`,
 //! `/v2/account/keys[/{id or fingerprint}]` and `/v2/firewalls`. No message carries the API
 //! token or the bootstrap secret.
@@ -12,11 +13,29 @@ use crate::naming::provider_tag;
 use crate::profile::{Resolver, Wanted, selectable_tags, size_verdict};
 use crate::setup::{RealFlags, agent_pin, load_channel_tls};
 
+/// The Droplet limit's headroom: the account's `droplet_limit` less the Droplets it has, against
+/// the slots this provider offers. A problem when the offered slots cannot all be created.
+fn droplet_headroom(limit: u64, used: u64, offered: u64) -> Result<String, String> {
+    let headroom = limit.saturating_sub(used);
+    let found = format!(
+        "{used} of {limit} Droplets in use, room for {headroom} more; the offerings have {offered} slots"
+    );
+    if offered > headroom {
+        Err(format!(
+            "{found}: {} of them cannot be created until the limit is raised or Droplets are deleted",
+            offered - headroom
+        ))
+    } else {
+        Ok(found)
+    }
+}
+
 /// Every API check of `check`, one line each.
 pub async fn api_checks(
     report: &mut Report,
     api: &ApiClient,
     wanted: &[Wanted],
+    offered_slots: u64,
     provider: &str,
     deadline: Instant,
 ) {
@@ -30,6 +49,14 @@ pub async fn api_checks(
                     account.uuid, account.droplet_limit
                 ),
             );
+            report.progress("the Droplet limit");
+            match api.count_droplets(deadline).await {
+                Ok(used) => report.record(
+                    "droplet limit",
+                    droplet_headroom(account.droplet_limit, used, offered_slots),
+                ),
+                Err(e) => report.problem("droplet limit", format!("count Droplets: {e}")),
+            }
         }
         Ok(account) => report.problem(
             "token",
@@ -219,6 +246,7 @@ mod tests {
             slug: slug.into(),
             memory: 4096,
             vcpus: 2,
+            disk: 80,
             price_hourly: price,
             available,
             regions: regions.iter().map(|r| (*r).to_owned()).collect(),
@@ -255,5 +283,22 @@ mod tests {
                 .unwrap_err()
                 .contains("no hourly price")
         );
+    }
+
+    #[test]
+    fn the_droplet_limit_must_leave_room_for_every_slot() {
+        assert_eq!(
+            droplet_headroom(25, 5, 16),
+            Ok("5 of 25 Droplets in use, room for 20 more; the offerings have 16 slots".into())
+        );
+        assert_eq!(
+            droplet_headroom(25, 20, 16),
+            Err(
+                "20 of 25 Droplets in use, room for 5 more; the offerings have 16 slots: 11 of \
+                 them cannot be created until the limit is raised or Droplets are deleted"
+                    .into()
+            )
+        );
+        assert!(droplet_headroom(3, 9, 1).is_err(), "over the limit already");
     }
 }

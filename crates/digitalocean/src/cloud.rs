@@ -900,19 +900,31 @@ impl Cloud for DigitalOceanCloud {
         let r = self.sizes().await.map(|sizes| {
             sizes
                 .iter()
-                .filter(|s| instance_types.contains(&s.slug) && s.vcpus > 0 && s.memory > 0)
-                .map(|s| {
-                    (
-                        s.slug.clone(),
-                        Capacity {
-                            vcpus: s.vcpus,
-                            memory_mib: s.memory,
-                        },
-                    )
-                })
+                .filter(|s| instance_types.contains(&s.slug))
+                .filter_map(|s| Some((s.slug.clone(), crate::catalog::capacity(s)?)))
                 .collect()
         });
         self.timed("Sizes", start, r)
+    }
+
+    /// Sizes (`sizes[].available`, `sizes[].regions`, prices, vCPUs, memory, disk) and regions
+    /// (`regions[].available`): two requests.
+    async fn catalogue(
+        &self,
+        pairs: &[(String, String)],
+    ) -> Result<Option<provider_core::catalogue::Catalogue>, BackendError> {
+        let start = Instant::now();
+        let r = async {
+            let sizes = self.sizes().await?;
+            let regions = self
+                .api
+                .list_regions(Instant::now() + READ_BUDGET)
+                .await
+                .map_err(|e| format!("list regions: {e}"))?;
+            Ok(crate::catalog::catalogue(&sizes, &regions, pairs))
+        }
+        .await;
+        self.timed("Catalogue", start, r).map(Some)
     }
 }
 

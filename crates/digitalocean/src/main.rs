@@ -70,7 +70,7 @@ fn load_offering_list(cli: &Cli, mode: Mode) -> Result<Vec<Offering>, String> {
         }
         offerings::merge_same_placement(offerings::default_mix(
             cli.common.seed_count,
-            ["s-2vcpu-4gb", "s-4vcpu-8gb"],
+            catalog::DEFAULT_MIX,
             [a, b],
         ))
     } else {
@@ -117,6 +117,58 @@ fn real_flags(cli: &Cli, base_user_data: Option<String>) -> digitalocean::RealFl
     }
 }
 
+/// Checks the built-in default mix against the API's catalogue before anything is resolved: a
+/// size DigitalOcean does not sell in the region now is replaced by its successor there (or
+/// kept, to be withdrawn, when none is sold), and each change is logged with why. Returns
+/// whether the mix changed. When the API does not answer, the mix stays as it is.
+async fn revise_default_mix(
+    api: &digitalocean::api::ApiClient,
+    offerings: &mut Vec<Offering>,
+) -> bool {
+    let deadline = tokio::time::Instant::now() + provider_core::fleet::WARMUP_BUDGET;
+    let read = async {
+        Ok::<_, String>((
+            api.list_sizes(deadline).await.map_err(|e| e.to_string())?,
+            api.list_regions(deadline)
+                .await
+                .map_err(|e| e.to_string())?,
+        ))
+    };
+    let (sizes, regions) = match read.await {
+        Ok(read) => read,
+        Err(err) => {
+            tracing::warn!(
+                err,
+                "default offerings: the catalogue could not be read; checking them again at warm-up"
+            );
+            return false;
+        }
+    };
+    let revisions = catalog::revise_default_mix(offerings, &sizes, &regions);
+    for (region, from, to, why) in &revisions {
+        match to {
+            Some(to) => tracing::warn!(
+                region,
+                from,
+                to,
+                why,
+                "default offerings: replaced a size DigitalOcean no longer sells there by its successor"
+            ),
+            None => tracing::warn!(
+                region,
+                size = from,
+                why,
+                "default offerings: no successor is sold there; the offering is withdrawn until DigitalOcean sells the size again"
+            ),
+        }
+    }
+    if revisions.is_empty() {
+        return false;
+    }
+    *offerings = offerings::merge_same_placement(std::mem::take(offerings));
+    true
+}
+
 fn no_extra_labels(_size: &str) -> StringMap {
     StringMap::new()
 }
@@ -124,7 +176,7 @@ fn no_extra_labels(_size: &str) -> StringMap {
 async fn launch(cli: Cli) -> Result<(), String> {
     let mode = cli::resolve_mode(&cli)?;
     let telemetry = Telemetry::new("bigfleet_digitalocean");
-    let (offerings, wanted) = load_offerings(&cli, mode)?;
+    let (mut offerings, mut wanted) = load_offerings(&cli, mode)?;
     let offering_count = offerings.len();
     let prices = Arc::new(PriceBook::new(|size, _region| {
         catalog::pinned_price_usd(size)
@@ -156,6 +208,12 @@ async fn launch(cli: Cli) -> Result<(), String> {
             let flags = real_flags(&cli, cli.common.read_base_user_data()?);
             let real = digitalocean::build_real(&flags, telemetry)?;
             real.api.budget().set_shares(cli.common.api_budget_shares());
+            if cli.common.offerings.is_empty()
+                && revise_default_mix(&real.api, &mut offerings).await
+            {
+                wanted = profile::plan(&offerings, &[], &cli.droplet_defaults(), true)
+                    .map_err(|e| format!("digitalocean: {e}"))?;
+            }
             let real = real.resolve(&wanted).await?;
             let channel = real.channel.clone();
             channel.serve_while(leading.clone());
@@ -248,7 +306,7 @@ async fn run_checks(cli: &Cli, report: &mut check::Report) -> Result<(), String>
         report.ok("--region", cli.region.clone());
     }
     report.progress("offerings");
-    let wanted = match load_offerings(cli, Mode::Real) {
+    let (wanted, slots) = match load_offerings(cli, Mode::Real) {
         Ok((offerings, wanted)) => {
             let what = if cli.common.offerings.is_empty() {
                 "the default mix".to_owned()
@@ -259,11 +317,12 @@ async fn run_checks(cli: &Cli, report: &mut check::Report) -> Result<(), String>
                 "--offerings",
                 format!("{what}: {} offerings, settings valid", offerings.len()),
             );
-            wanted
+            let slots = offerings.iter().map(|o| o.count.max(0) as u64).sum();
+            (wanted, slots)
         }
         Err(e) => {
             report.problem("--offerings", e);
-            Vec::new()
+            (Vec::new(), 0)
         }
     };
     let flags = real_flags(cli, None);
@@ -286,7 +345,7 @@ async fn run_checks(cli: &Cli, report: &mut check::Report) -> Result<(), String>
         Telemetry::new("bigfleet_digitalocean_check"),
     )?;
     let deadline = tokio::time::Instant::now() + digitalocean::setup::STARTUP_CHECK_BUDGET;
-    digitalocean::check::api_checks(report, &api, &wanted, &cli.provider, deadline).await;
+    digitalocean::check::api_checks(report, &api, &wanted, slots, &cli.provider, deadline).await;
     Ok(())
 }
 

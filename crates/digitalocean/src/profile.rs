@@ -666,13 +666,20 @@ pub async fn startup(
         .list_sizes(deadline)
         .await
         .map_err(|e| format!("digitalocean: list sizes: {e}"))?;
-    for w in wanted {
-        size_verdict(&sizes, &w.size, &w.region)
-            .map_err(|e| format!("offering {} field size {:?}: {e}", w.label, w.size))?;
-    }
+    // A size DigitalOcean does not sell in the region now is not a configuration problem: the
+    // catalogue withdraws its offering and the others are served (its settings are resolved
+    // at a later refresh, once it is sold again).
     let mut resolver = Resolver::new(api, deadline);
     let mut profiles = HashMap::new();
     for w in wanted {
+        if let Err(why) = size_verdict(&sizes, &w.size, &w.region) {
+            tracing::warn!(
+                offering = w.label,
+                why,
+                "settings: an offering DigitalOcean does not sell now; the other offerings are served"
+            );
+            continue;
+        }
         let profile = resolver.profile(w).await?;
         profiles.insert(w.size.clone(), profile);
     }

@@ -6,7 +6,10 @@
 //! Fault knobs make it misbehave on purpose: 429 storms with rate-limit headers, 5xx answers,
 //! a create whose response is lost after the Droplet exists, Droplets that take a while to
 //! become `active`, bad pagination links, small pages, listings during which a listed Droplet
-//! is deleted (later Droplets move up a page), oversized answers and out-of-band deletion.
+//! is deleted (later Droplets move up a page), oversized answers and out-of-band deletion; the
+//! catalogue's own answers: a size sold out in a region or no longer sold, a region that takes
+//! no new Droplets (Create answers 422 `unprocessable_entity`), and the account's Droplet limit
+//! (422 "… will exceed your droplet limit").
 //! The resources a Droplet refers to (account, regions, images and snapshots, VPCs, SSH keys,
 //! cloud firewalls) live in [`resources`]; every create body is recorded as sent.
 //! Loopback only.
@@ -99,7 +102,20 @@ struct Knobs {
     oversize_next: Option<usize>,
     /// The enforced rate limits, once a test sets them.
     rate_limit: Option<ratelimit::Buckets>,
+    /// Sizes sold out in a region: left out of `sizes[].regions` and `regions[].sizes`, and
+    /// a Create of one answers 422.
+    sold_out: BTreeSet<(String, String)>,
+    /// Sizes no longer sold anywhere (`sizes[].available: false`).
+    retired_sizes: BTreeSet<String>,
+    /// Regions that take no new Droplets (`regions[].available: false`).
+    closed_regions: BTreeSet<String>,
+    /// The account's Droplet limit, enforced once a test sets it (the account reports 25
+    /// until then).
+    droplet_limit: Option<u64>,
 }
+
+/// The Droplet limit `GET /v2/account` reports while no test set one.
+const DEFAULT_DROPLET_LIMIT: u64 = 25;
 
 struct EmulatorState {
     token: String,
@@ -336,6 +352,45 @@ impl Emulator {
     /// Answers the next API request with a 200 whose body is `bytes` long.
     pub fn oversize_next(&self, bytes: usize) {
         lock(&self.state).knobs.oversize_next = Some(bytes);
+    }
+
+    /// Sells out `size` in `region` (`sold_out`), or sells it there again: the region leaves
+    /// the size's `regions` (and the size the region's `sizes`), and a Create answers 422
+    /// `unprocessable_entity`.
+    pub fn set_sold_out(&self, size: &str, region: &str, sold_out: bool) {
+        let key = (size.to_owned(), region.to_owned());
+        let mut state = lock(&self.state);
+        if sold_out {
+            state.knobs.sold_out.insert(key);
+        } else {
+            state.knobs.sold_out.remove(&key);
+        }
+    }
+
+    /// Stops (or resumes) selling `size` anywhere: `sizes[].available` is false.
+    pub fn set_size_available(&self, size: &str, available: bool) {
+        let mut state = lock(&self.state);
+        if available {
+            state.knobs.retired_sizes.remove(size);
+        } else {
+            state.knobs.retired_sizes.insert(size.to_owned());
+        }
+    }
+
+    /// Closes (or reopens) `region` to new Droplets: `regions[].available` is false.
+    pub fn set_region_available(&self, region: &str, available: bool) {
+        let mut state = lock(&self.state);
+        if available {
+            state.knobs.closed_regions.remove(region);
+        } else {
+            state.knobs.closed_regions.insert(region.to_owned());
+        }
+    }
+
+    /// The account's Droplet limit, reported by `GET /v2/account` and enforced: a Create that
+    /// would exceed it answers 422 `unprocessable_entity` "… will exceed your droplet limit".
+    pub fn set_droplet_limit(&self, limit: u64) {
+        lock(&self.state).knobs.droplet_limit = Some(limit);
     }
 
     pub fn set_size_price(&self, slug: &str, price_hourly: f64) {
@@ -663,7 +718,23 @@ fn stamp(state: &mut EmulatorState, response: &mut Response) {
     }
 }
 
-fn size_json(s: &EmulatedSize) -> Value {
+/// The regions `size` is sold in now.
+fn size_regions(knobs: &Knobs, size: &str) -> Vec<&'static str> {
+    REGIONS
+        .iter()
+        .copied()
+        .filter(|r| !knobs.sold_out.contains(&(size.to_owned(), (*r).to_owned())))
+        .collect()
+}
+
+/// Whether a Droplet of `size` can be created in `region` now.
+fn orderable(knobs: &Knobs, size: &str, region: &str) -> bool {
+    !knobs.retired_sizes.contains(size)
+        && !knobs.closed_regions.contains(region)
+        && size_regions(knobs, size).contains(&region)
+}
+
+fn size_json(knobs: &Knobs, s: &EmulatedSize) -> Value {
     json!({
         "slug": s.slug,
         "memory": s.memory_mb,
@@ -672,9 +743,10 @@ fn size_json(s: &EmulatedSize) -> Value {
         "transfer": 4.0,
         "price_monthly": (s.price_hourly * 672.0 * 100.0).round() / 100.0,
         "price_hourly": s.price_hourly,
-        "regions": REGIONS,
-        "available": true,
+        "regions": size_regions(knobs, s.slug),
+        "available": !knobs.retired_sizes.contains(s.slug),
         "description": "Emulated",
+        "disk_info": [{"type": "local", "size": {"amount": s.disk_gb, "unit": "gib"}}],
     })
 }
 
@@ -722,7 +794,7 @@ fn droplet_json(state: &EmulatorState, d: &EmulatedDroplet) -> Value {
         "snapshot_ids": [],
         "image": image,
         "volume_ids": [],
-        "size": size.map(size_json).unwrap_or(Value::Null),
+        "size": size.map(|s| size_json(&state.knobs, s)).unwrap_or(Value::Null),
         "size_slug": d.size,
         "networks": {
             "v4": v4,
@@ -878,6 +950,17 @@ fn place(
         .any(|s| Some(s.slug) == body.size.as_deref())
     {
         return Err("You specified an invalid size for Droplet creation.".into());
+    }
+    if !orderable(
+        &state.knobs,
+        body.size.as_deref().unwrap_or_default(),
+        region,
+    ) {
+        return Err("Size is not available in this region.".into());
+    }
+    let limit = state.knobs.droplet_limit.unwrap_or(u64::MAX);
+    if state.droplets.len() as u64 >= limit {
+        return Err("creating this/these droplet(s) will exceed your droplet limit".into());
     }
     let found = match image {
         Value::Number(n) => n.as_u64().and_then(|id| state.image_by_id(id)),
@@ -1322,7 +1405,11 @@ async fn list_sizes(
     headers: HeaderMap,
 ) -> Response {
     let state = lock(&emu.state);
-    let items = state.sizes.iter().map(size_json).collect();
+    let items = state
+        .sizes
+        .iter()
+        .map(|s| size_json(&state.knobs, s))
+        .collect();
     Json(page_of(
         items,
         "sizes",

@@ -341,7 +341,7 @@ fn paged(
 pub(crate) async fn get_account(State(emu): State<Emulator>) -> Response {
     let state = lock(&emu.state);
     Json(json!({ "account": {
-        "droplet_limit": 25,
+        "droplet_limit": state.knobs.droplet_limit.unwrap_or(crate::DEFAULT_DROPLET_LIMIT),
         "floating_ip_limit": 3,
         "volume_limit": 100,
         "email": "operator@example.com",
@@ -362,15 +362,20 @@ pub(crate) async fn list_regions(
     headers: HeaderMap,
 ) -> Response {
     let state = lock(&emu.state);
-    let sizes: Vec<&str> = state.sizes.iter().map(|s| s.slug).collect();
     let items = REGIONS
         .iter()
         .map(|r| {
+            let sizes: Vec<&str> = state
+                .sizes
+                .iter()
+                .map(|s| s.slug)
+                .filter(|s| crate::size_regions(&state.knobs, s).contains(r))
+                .collect();
             json!({
                 "name": r.to_uppercase(),
                 "slug": r,
                 "features": ["backups", "ipv6", "metadata", "install_agent", "storage", "image_transfer"],
-                "available": true,
+                "available": !state.knobs.closed_regions.contains(*r),
                 "sizes": sizes,
             })
         })

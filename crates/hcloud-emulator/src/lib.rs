@@ -1,15 +1,20 @@
 //! A local, stateful emulator of the Hetzner Cloud API (the subset a capacity provider uses),
 //! for tests and `cargo xtask e2e`: servers with labels and label selectors, server types with
 //! per-location prices, images per architecture, locations, private networks, actions,
-//! pagination, Hetzner-style error bodies and bearer-token auth; the resources a
+//! pagination, Hetzner-style error bodies and bearer-token auth, today's catalogue with
+//! per-location availability and deprecation ([`catalogue`]); the resources a
 //! production-shaped server refers to (networks and subnets, firewalls, SSH keys, labelled
 //! snapshots, spread placement groups with their server limit, `public_net` switches) live in
-//! `resources`, and every create request body is recorded as received. Every response is built from
-//! `hcloud::models` types, so the real client parses it exactly as it parses Hetzner's.
+//! `resources`, and every create request body is recorded as received. Servers and server types
+//! are answered in the shape of Hetzner's official `cloud.spec.json` (timestamps RFC 3339,
+//! `datacenter` gone, `server_type.deprecated` a boolean); the rest is built from
+//! `hcloud::models` types.
 //!
 //! Test knobs ([`Emulator`] methods): 429 storms with `Retry-After` or `RateLimit-Reset`,
 //! injected 5xx, a Create that takes effect but whose response is lost (502) or hangs, servers
-//! that take N polls to reach `running`, out-of-band deletion, servers inserted behind the
+//! that take N polls to reach `running`, a type sold out in a location (412
+//! `resource_unavailable`), the account's server limit (403 `resource_limit_exceeded`),
+//! out-of-band deletion, servers inserted behind the
 //! provider's back, listings during which a listed server is deleted (so later servers shift to
 //! earlier pages), oversized answers, and per-server public IPv4 addresses (point them at 127.0.0.1 to reach an
 //! in-process SSH server).
@@ -35,11 +40,13 @@ use axum::routing::get;
 use hcloud::models;
 use tokio::net::TcpListener;
 
+pub mod catalogue;
 mod ratelimit;
 mod resources;
 mod selector;
 pub mod sshd;
 
+pub use catalogue::Standing;
 pub use ratelimit::{RateLimit, class_of};
 pub use resources::{GROUP_FULL, SPREAD_GROUP_LIMIT, snapshot};
 pub use sshd::{HostKeySource, Observed, Root, Sshd, SshdSetup, first_address};
@@ -101,6 +108,10 @@ struct World {
     next_id: i64,
     servers: BTreeMap<i64, StoredServer>,
     server_types: Vec<models::ServerType>,
+    /// Where each server type stands in each location.
+    standings: catalogue::Standings,
+    /// The account's server limit, when a test sets one.
+    server_limit: Option<usize>,
     images: Vec<models::Image>,
     locations: Vec<models::Location>,
     networks: Vec<models::Network>,
@@ -175,16 +186,6 @@ fn price(location: &str, net_hourly: f64) -> models::PricePerTime {
     }
 }
 
-/// The server types the emulator knows: (name, id, cores, memory GB, arch, net EUR/hour).
-const SERVER_TYPES: &[(&str, i64, i32, f64, models::Architecture, f64)] = &[
-    ("cx22", 104, 2, 4.0, models::Architecture::X86, 0.0060),
-    ("cx32", 105, 4, 8.0, models::Architecture::X86, 0.0113),
-    ("cpx11", 22, 2, 2.0, models::Architecture::X86, 0.0070),
-    ("cpx41", 25, 8, 16.0, models::Architecture::X86, 0.0440),
-    ("cax11", 45, 2, 4.0, models::Architecture::Arm, 0.0059),
-    ("ccx13", 96, 2, 8.0, models::Architecture::X86, 0.0200),
-];
-
 impl World {
     fn new(token: String) -> World {
         let locations = vec![
@@ -192,32 +193,40 @@ impl World {
             location(2, "nbg1", "Nuremberg", "DE", "eu-central"),
             location(3, "hel1", "Helsinki", "FI", "eu-central"),
         ];
-        let server_types = SERVER_TYPES
+        let server_types: Vec<models::ServerType> = catalogue::SERVER_TYPES
             .iter()
-            .map(|(name, id, cores, memory, arch, eur)| models::ServerType {
-                id: *id,
-                name: (*name).into(),
-                description: name.to_uppercase(),
-                cores: *cores,
-                memory: *memory,
-                disk: 40.0,
-                architecture: *arch,
-                // Location-specific prices: Helsinki is a little cheaper, to tell them apart.
-                prices: vec![
-                    price("fsn1", *eur),
-                    price("nbg1", *eur),
-                    price("hel1", *eur * 0.9),
-                ],
-                locations: locations
-                    .iter()
-                    .map(|l| models::ServerTypeLocation {
-                        id: l.id,
-                        name: l.name.clone(),
-                        deprecation: None,
-                    })
-                    .collect(),
-                ..Default::default()
-            })
+            .map(
+                |(name, id, cores, memory, disk, arch, cpu, category, eur)| models::ServerType {
+                    id: *id,
+                    name: (*name).into(),
+                    description: name.to_uppercase(),
+                    cores: *cores,
+                    memory: *memory,
+                    disk: *disk,
+                    architecture: *arch,
+                    cpu_type: if *cpu == "dedicated" {
+                        models::server_type::CpuType::Dedicated
+                    } else {
+                        models::server_type::CpuType::Shared
+                    },
+                    category: Some((*category).into()),
+                    // Location-specific prices: Helsinki is a little cheaper, to tell them apart.
+                    prices: vec![
+                        price("fsn1", *eur),
+                        price("nbg1", *eur),
+                        price("hel1", *eur * 0.9),
+                    ],
+                    locations: locations
+                        .iter()
+                        .map(|l| models::ServerTypeLocation {
+                            id: l.id,
+                            name: l.name.clone(),
+                            deprecation: None,
+                        })
+                        .collect(),
+                    ..Default::default()
+                },
+            )
             .collect();
         let image = |id: i64, arch: models::Architecture| models::Image {
             id,
@@ -236,6 +245,8 @@ impl World {
             token,
             next_id: 4_200_001,
             servers: BTreeMap::new(),
+            standings: catalogue::initial_standings(&server_types),
+            server_limit: None,
             server_types,
             images: {
                 let mut images = vec![
@@ -291,23 +302,29 @@ impl World {
     }
 }
 
+/// Now, RFC 3339 in UTC, as Hetzner writes `created` and `started`.
 fn now_rfc3339() -> String {
-    // A fixed-format timestamp is enough: nothing parses it.
     let secs = SystemTime::now()
         .duration_since(UNIX_EPOCH)
         .map(|d| d.as_secs())
         .unwrap_or(0);
-    format!("@{secs}")
+    catalogue::rfc3339(secs as i64)
 }
 
 fn error(status: StatusCode, code: &str, message: &str) -> Response {
-    let body = models::ErrorResponse {
-        error: Box::new(models::ErrorResponseError {
-            code: code.into(),
-            message: message.into(),
-            details: Some(Some(serde_json::json!({}))),
-        }),
-    };
+    error_with(status, code, message, serde_json::json!({}))
+}
+
+/// An error answer with these `details` (`null` where Hetzner sends none).
+fn error_with(
+    status: StatusCode,
+    code: &str,
+    message: &str,
+    details: serde_json::Value,
+) -> Response {
+    let body = serde_json::json!({
+        "error": {"code": code, "message": message, "details": details},
+    });
     (status, Json(body)).into_response()
 }
 
@@ -612,11 +629,34 @@ async fn list_servers(
     let max = w.max_per_page;
     // Only the servers of the page served are copied (a listing of many thousands is paged).
     let answer = paginate(&matching, &q, max).map(|(page, meta)| {
-        let servers: Vec<models::Server> =
-            page.iter().map(|id| w.servers[id].server.clone()).collect();
-        (servers, meta)
+        // Each type rendered once a page, not once a server.
+        let mut types: HashMap<&str, serde_json::Value> = HashMap::new();
+        for id in &page {
+            let kind = &w.servers[id].server.server_type;
+            types
+                .entry(kind.name.as_str())
+                .or_insert_with(|| catalogue::server_type_json(kind, &w.standings));
+        }
+        let servers: Vec<catalogue::ServerJson<'_>> = page
+            .iter()
+            .map(|id| {
+                let server = &w.servers[id].server;
+                catalogue::server_json(server, &types[server.server_type.name.as_str()])
+            })
+            .collect();
+        #[derive(serde::Serialize)]
+        struct Page<'a> {
+            servers: Vec<catalogue::ServerJson<'a>>,
+            meta: &'a models::Meta,
+        }
+        let body = serde_json::to_vec(&Page {
+            servers,
+            meta: &meta,
+        })
+        .ok();
+        (page, body, meta)
     });
-    if let Ok((page, meta)) = &answer
+    if let Ok((page, _, meta)) = &answer
         && w.churn_listings > 0
         && meta.pagination.page == 1
         && meta.pagination.next_page.is_some()
@@ -625,15 +665,21 @@ async fn list_servers(
         // A deletion between two page requests: every later server moves up one place, so
         // the first server of page 2 is now on page 1, which the client already has.
         w.churn_listings -= 1;
-        w.servers.remove(&first.id);
+        w.servers.remove(first);
     }
     drop(w);
     match answer {
-        Ok((servers, meta)) => Json(models::ListServersResponse {
-            servers,
-            meta: Box::new(meta),
-        })
-        .into_response(),
+        Ok((_, Some(body), _)) => (
+            StatusCode::OK,
+            [(axum::http::header::CONTENT_TYPE, "application/json")],
+            body,
+        )
+            .into_response(),
+        Ok((_, None, _)) => error(
+            StatusCode::INTERNAL_SERVER_ERROR,
+            "server_error",
+            "the listing could not be serialized",
+        ),
         Err(r) => r,
     }
 }
@@ -652,11 +698,9 @@ async fn get_server(
         record_status(&world, StatusCode::NOT_FOUND);
         return error(StatusCode::NOT_FOUND, "not_found", "server not found");
     }
-    let server = w.servers[&id].server.clone();
-    Json(models::GetServerResponse {
-        server: Some(Box::new(server)),
-    })
-    .into_response()
+    let server = &w.servers[&id].server;
+    let kind = catalogue::server_type_json(&server.server_type, &w.standings);
+    Json(serde_json::json!({"server": catalogue::server_json(server, &kind)})).into_response()
 }
 
 async fn create_server(State(world): State<Shared>, headers: HeaderMap, body: String) -> Response {
@@ -696,6 +740,16 @@ async fn create_server(State(world): State<Shared>, headers: HeaderMap, body: St
                 status,
                 "unavailable",
                 "injected failure before the server was created",
+            );
+        }
+        if w.server_limit.is_some_and(|limit| w.servers.len() >= limit) {
+            drop(w);
+            record_status(&world, StatusCode::FORBIDDEN);
+            return error_with(
+                StatusCode::FORBIDDEN,
+                "resource_limit_exceeded",
+                "server limit exceeded",
+                serde_json::json!({"limits": [{"name": "server_limit"}]}),
             );
         }
         if w.servers.values().any(|s| s.server.name == request.name) {
@@ -750,6 +804,22 @@ async fn create_server(State(world): State<Shared>, headers: HeaderMap, body: St
                 "location not found",
             );
         };
+        if !catalogue::orderable(
+            &w.server_types,
+            &w.standings,
+            &server_type.name,
+            &location.name,
+            &now_rfc3339(),
+        ) {
+            drop(w);
+            record_status(&world, StatusCode::PRECONDITION_FAILED);
+            return error_with(
+                StatusCode::PRECONDITION_FAILED,
+                "resource_unavailable",
+                "error during placement",
+                serde_json::Value::Null,
+            );
+        }
         let networks = request.networks.clone().unwrap_or_default();
         if let Some(missing) = networks
             .iter()
@@ -866,12 +936,15 @@ async fn create_server(State(world): State<Shared>, headers: HeaderMap, body: St
         );
         let action = w.action("create_server", id);
         let start = w.action("start_server", id);
-        let response = models::CreateServerResponse {
-            action: Box::new(action),
-            next_actions: vec![start],
-            root_password: Some("emulated-root-password".into()),
-            server: Box::new(server),
-        };
+        let response = serde_json::json!({
+            "server": catalogue::server_json(
+                &server,
+                &catalogue::server_type_json(&server.server_type, &w.standings),
+            ),
+            "action": action,
+            "next_actions": [start],
+            "root_password": "emulated-root-password",
+        });
         (response, w.create_faults.pop_front())
     };
     match fault {
@@ -938,10 +1011,8 @@ async fn replace_server(
         stored.server.name = name;
     }
     let server = stored.server.clone();
-    Json(models::ReplaceServerResponse {
-        server: Some(Box::new(server)),
-    })
-    .into_response()
+    let kind = catalogue::server_type_json(&server.server_type, &w.standings);
+    Json(serde_json::json!({"server": catalogue::server_json(&server, &kind)})).into_response()
 }
 
 async fn delete_server(
@@ -987,20 +1058,18 @@ async fn list_server_types(
         return r;
     }
     let w = lock(&world);
-    let types: Vec<models::ServerType> = w
+    let types: Vec<serde_json::Value> = w
         .server_types
         .iter()
         .filter(|t| q.get("name").is_none_or(|n| *n == t.name))
-        .cloned()
+        .map(|t| catalogue::server_type_json(t, &w.standings))
         .collect();
     let max = w.max_per_page;
     drop(w);
     match paginate(&types, &q, max) {
-        Ok((server_types, meta)) => Json(models::ListServerTypesResponse {
-            server_types,
-            meta: Box::new(meta),
-        })
-        .into_response(),
+        Ok((server_types, meta)) => {
+            Json(serde_json::json!({"server_types": server_types, "meta": meta})).into_response()
+        }
         Err(r) => r,
     }
 }
@@ -1413,6 +1482,44 @@ impl Emulator {
             },
         );
         id
+    }
+
+    /// Sells out `server_type` in `location` (`sold_out`), or sells it again: the catalogue says
+    /// `available: false` there and a Create answers 412 `resource_unavailable`.
+    pub fn set_sold_out(&self, server_type: &str, location: &str, sold_out: bool) {
+        let mut w = self.world();
+        let standing = w
+            .standings
+            .entry((server_type.to_owned(), location.to_owned()))
+            .or_default();
+        standing.available = !sold_out;
+    }
+
+    /// Announces (or, with `None`, withdraws) a deprecation of `server_type` in `location`:
+    /// `(announced, unavailable_after)`, RFC 3339 UTC (`2026-09-01T00:00:00Z`). After
+    /// `unavailable_after` a Create answers 412 `resource_unavailable`.
+    pub fn set_deprecation(&self, server_type: &str, location: &str, dates: Option<(&str, &str)>) {
+        let mut w = self.world();
+        let standing = w
+            .standings
+            .entry((server_type.to_owned(), location.to_owned()))
+            .or_default();
+        standing.deprecation = dates.map(|(a, u)| (a.to_owned(), u.to_owned()));
+    }
+
+    /// Where `server_type` stands in `location`.
+    pub fn standing(&self, server_type: &str, location: &str) -> Standing {
+        self.world()
+            .standings
+            .get(&(server_type.to_owned(), location.to_owned()))
+            .cloned()
+            .unwrap_or_default()
+    }
+
+    /// The account's server limit: a Create beyond it answers 403 `resource_limit_exceeded`
+    /// (`None`: no limit).
+    pub fn set_server_limit(&self, limit: Option<usize>) {
+        self.world().server_limit = limit;
     }
 
     /// Every request seen so far.

@@ -15,7 +15,7 @@
 use std::collections::HashMap;
 use std::time::Duration;
 
-use hcloud::models;
+use crate::models;
 use provider_core::budget::{ApiBudget, Limits, Settings};
 use provider_core::cloud::{BodyError, MAX_RESPONSE_BODY, read_body};
 use provider_core::config::Secret;
@@ -397,7 +397,7 @@ impl HcloudApi {
             .request("GET /servers/{id}", Method::GET, format!("/servers/{id}"))
             .send_optional(deadline)
             .await?;
-        Ok(response.and_then(|r| r.server).map(|s| *s))
+        Ok(response.and_then(|r| r.server))
     }
 
     /// Creates a server. Only a 429 is repeated; see [`Repeat::RefusedOnly`].
@@ -411,7 +411,9 @@ impl HcloudApi {
             .json(request)
             .send(deadline)
             .await?;
-        Ok(*response.server)
+        response
+            .server
+            .ok_or_else(|| ApiError::Decode("the answer to a create carries no server".into()))
     }
 
     /// Replaces the server's whole label map; the server as the write left it, when the
@@ -431,7 +433,7 @@ impl HcloudApi {
             .json(&request)
             .send(deadline)
             .await?;
-        Ok(response.server.map(|s| *s))
+        Ok(response.server)
     }
 
     /// Deletes a server; one that does not exist counts as deleted.
@@ -441,9 +443,21 @@ impl HcloudApi {
             Method::DELETE,
             format!("/servers/{id}"),
         )
-        .send_optional::<models::DeleteServerResponse>(deadline)
+        .send_optional::<serde_json::Value>(deadline)
         .await?;
         Ok(())
+    }
+
+    /// Every server type, following pagination (the whole catalogue in one request today).
+    pub async fn server_types(
+        &self,
+        deadline: Option<Instant>,
+    ) -> Result<Vec<models::ServerType>, ApiError> {
+        self.request("GET /server_types", Method::GET, "/server_types")
+            .send_paged(deadline, |r: models::ListServerTypesResponse| {
+                (r.server_types, r.meta.pagination.next_page)
+            })
+            .await
     }
 
     /// A server type by name.
@@ -473,7 +487,7 @@ impl HcloudApi {
                 path: "/images",
                 by_id: "GET /images/{id}",
                 by_name: "GET /images",
-                one: |r: models::GetImageResponse| r.image.map(|i| *i),
+                one: |r: models::GetImageResponse| r.image,
                 many: |r: models::ListImagesResponse| r.images,
                 name: |i| i.name.as_deref(),
             },
@@ -496,7 +510,7 @@ impl HcloudApi {
                 path: "/networks",
                 by_id: "GET /networks/{id}",
                 by_name: "GET /networks",
-                one: |r: models::GetNetworkResponse| r.network.map(|n| *n),
+                one: |r: models::GetNetworkResponse| r.network,
                 many: |r: models::ListNetworksResponse| r.networks,
                 name: |n| Some(&n.name),
             },
@@ -519,7 +533,7 @@ impl HcloudApi {
                 path: "/firewalls",
                 by_id: "GET /firewalls/{id}",
                 by_name: "GET /firewalls",
-                one: |r: models::GetFirewallResponse| Some(*r.firewall),
+                one: |r: models::GetFirewallResponse| r.firewall,
                 many: |r: models::ListFirewallsResponse| r.firewalls,
                 name: |f| Some(&f.name),
             },
@@ -542,7 +556,7 @@ impl HcloudApi {
                 path: "/ssh_keys",
                 by_id: "GET /ssh_keys/{id}",
                 by_name: "GET /ssh_keys",
-                one: |r: models::GetSshKeyResponse| Some(*r.ssh_key),
+                one: |r: models::GetSshKeyResponse| r.ssh_key,
                 many: |r: models::ListSshKeysResponse| r.ssh_keys,
                 name: |k| Some(&k.name),
             },
@@ -612,7 +626,9 @@ impl HcloudApi {
             .json(&request)
             .send(deadline)
             .await?;
-        Ok(*response.placement_group)
+        response.placement_group.ok_or_else(|| {
+            ApiError::Decode("the answer to a create carries no placement group".into())
+        })
     }
 
     /// Deletes a placement group; one that does not exist counts as deleted.
@@ -909,7 +925,7 @@ impl Request<'_> {
 fn architecture_name(architecture: models::Architecture) -> &'static str {
     match architecture {
         models::Architecture::Arm => "arm",
-        models::Architecture::X86 => "x86",
+        models::Architecture::X86 | models::Architecture::Unknown => "x86",
     }
 }
 

@@ -35,8 +35,8 @@ use std::future::Future;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
+use crate::models;
 use async_trait::async_trait;
-use hcloud::models;
 use provider_core::backend::{BackendError, ConfigureOrder, TransitionContext};
 use provider_core::cloud::{Capacity, Cloud, InventorySignal, OwnedHost};
 use provider_core::machine::Machine;
@@ -408,6 +408,12 @@ impl HetznerCloud {
         if !problems.0.is_empty() {
             return Err(format!("hcloud: {}", problems.0.join("; ")));
         }
+        for why in &problems.1 {
+            tracing::warn!(
+                why,
+                "settings: an offering Hetzner does not sell now; the other offerings are served"
+            );
+        }
         Ok(plans)
     }
 
@@ -495,7 +501,11 @@ impl HetznerCloud {
             let plan = crate::resolve::Resolver::new(&self.api, deadline)
                 .resolve(&spec, &mut problems)
                 .await;
-            plan.map(Arc::new).ok_or_else(|| problems.0.join("; "))
+            plan.map(Arc::new).ok_or_else(|| {
+                let mut all = problems.0;
+                all.extend(problems.1);
+                all.join("; ")
+            })
         })
         .await
         .cloned()
@@ -686,53 +696,67 @@ impl HetznerCloud {
             .await
             .map_err(|e| err(e.to_string()))?
             .ok_or_else(|| err(format!("unknown server type {server_type:?}")))?;
-        let entry = kind
-            .prices
-            .iter()
-            .find(|p| p.location == location)
-            .ok_or_else(|| err(format!("no pricing for {server_type} in {location}")))?;
-        let eur: f64 = entry.price_hourly.net.trim().parse().map_err(|e| {
-            err(format!(
-                "parse hourly price for {server_type}/{location}: {e}"
-            ))
-        })?;
-        if !eur.is_finite() || eur < 0.0 {
-            return Err(err(format!(
-                "parse hourly price for {server_type}/{location}: {eur} is not a price"
-            )));
-        }
+        let eur = crate::catalog::price_eur(&kind, location).map_err(err)?;
         Ok(eur * self.eur_usd)
+    }
+
+    /// The whole catalogue: `GET /server_types` (one page holds every type today).
+    async fn server_types(&self) -> Result<Vec<models::ServerType>, BackendError> {
+        let deadline = Instant::now() + self.timing.lookup_budget;
+        self.api
+            .server_types(Some(deadline))
+            .await
+            .map_err(|e| err(format!("list server types: {e}")))
     }
 
     async fn lookup_capacities(
         &self,
         types: &[String],
     ) -> Result<HashMap<String, Capacity>, BackendError> {
-        let deadline = Instant::now() + self.timing.lookup_budget;
-        let mut out = HashMap::new();
-        for name in types {
-            let Some(kind) = self
-                .api
-                .server_type(name, Some(deadline))
-                .await
-                .map_err(|e| err(format!("resolve server type {name}: {e}")))?
-            else {
-                continue;
-            };
-            let vcpus = u32::try_from(kind.cores).unwrap_or(0);
-            let memory_mib = (kind.memory * 1024.0).round();
-            if vcpus == 0 || !memory_mib.is_finite() || memory_mib <= 0.0 {
-                continue;
-            }
-            out.insert(
-                name.clone(),
-                Capacity {
-                    vcpus,
-                    memory_mib: memory_mib as u64,
-                },
-            );
-        }
-        Ok(out)
+        let listed = self.server_types().await?;
+        Ok(listed
+            .iter()
+            .filter(|kind| types.contains(&kind.name))
+            .filter_map(|kind| Some((kind.name.clone(), crate::catalog::capacity(kind)?)))
+            .collect())
+    }
+
+    /// Every server type's capacity, and the price and standing of each offered pair, from one
+    /// catalogue read.
+    async fn read_catalogue(
+        &self,
+        pairs: &[(String, String)],
+    ) -> Result<provider_core::catalogue::Catalogue, BackendError> {
+        use provider_core::catalogue::{Entry, Standing};
+        let listed = self.server_types().await?;
+        let capacities = listed
+            .iter()
+            .filter_map(|kind| Some((kind.name.clone(), crate::catalog::capacity(kind)?)))
+            .collect();
+        let entries = pairs
+            .iter()
+            .map(|(server_type, location)| {
+                let entry = match listed.iter().find(|k| &k.name == server_type) {
+                    None => Entry {
+                        price_usd: None,
+                        standing: Standing::unavailable(format!(
+                            "the API lists no server type {server_type}"
+                        )),
+                    },
+                    Some(kind) => Entry {
+                        price_usd: crate::catalog::price_eur(kind, location)
+                            .ok()
+                            .map(|eur| eur * self.eur_usd),
+                        standing: crate::catalog::standing(kind, location),
+                    },
+                };
+                ((server_type.clone(), location.clone()), entry)
+            })
+            .collect();
+        Ok(provider_core::catalogue::Catalogue {
+            capacities,
+            entries,
+        })
     }
 }
 
@@ -929,6 +953,15 @@ impl Cloud for HetznerCloud {
     ) -> Result<HashMap<String, Capacity>, BackendError> {
         self.timed("ServerType", self.lookup_capacities(instance_types))
             .await
+    }
+
+    async fn catalogue(
+        &self,
+        pairs: &[(String, String)],
+    ) -> Result<Option<provider_core::catalogue::Catalogue>, BackendError> {
+        self.timed("ServerTypes", self.read_catalogue(pairs))
+            .await
+            .map(Some)
     }
 }
 

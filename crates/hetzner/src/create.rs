@@ -7,7 +7,7 @@
 
 use std::collections::HashMap;
 
-use hcloud::models;
+use crate::models;
 use provider_core::backend::{BackendError, TransitionContext};
 use provider_core::cloud::OwnedHost;
 use provider_core::config::Secret;

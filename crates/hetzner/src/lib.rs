@@ -10,6 +10,7 @@ pub mod create;
 pub mod hostkey;
 pub mod labels;
 pub mod machine_reads;
+pub mod models;
 pub mod placement;
 pub mod plan_cache;
 pub mod real;

@@ -7,7 +7,7 @@ use std::collections::{BTreeSet, HashMap};
 use std::sync::Arc;
 use std::time::Duration;
 
-use hcloud::models;
+use crate::models;
 use provider_core::batch::{Batcher, ReadError};
 use tokio::time::Instant;
 

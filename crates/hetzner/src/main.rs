@@ -39,7 +39,7 @@ fn load_offerings(cli: &Cli) -> Result<Vec<Offering>, String> {
     let offerings = if cli.common.offerings.is_empty() {
         offerings::default_mix(
             cli.common.seed_count,
-            ["cx22", "cpx41"],
+            catalog::DEFAULT_MIX,
             [&cli.location_a, &cli.location_b],
         )
     } else {
@@ -52,7 +52,10 @@ fn load_offerings(cli: &Cli) -> Result<Vec<Offering>, String> {
 async fn launch(cli: Cli) -> Result<(), String> {
     let mode = cli::resolve_mode(&cli)?;
     let telemetry = Telemetry::new("bigfleet_hetzner");
-    let offerings = load_offerings(&cli)?;
+    let mut offerings = load_offerings(&cli)?;
+    if mode == Mode::Real && cli.common.offerings.is_empty() {
+        offerings = hetzner::real::revise_default_mix(&cli_to_real(&cli)?, offerings).await;
+    }
     let offering_count = offerings.len();
     let eur_usd = cli.eur_usd();
     let prices = Arc::new(PriceBook::new(move |server_type, _location| {
@@ -87,7 +90,7 @@ async fn launch(cli: Cli) -> Result<(), String> {
         offerings,
         prices,
         capacities,
-        catalog::extra_labels,
+        |_| provider_core::StringMap::new(),
     ));
     let (addr, provider, metrics_addr) = (
         cli.common.addr.clone(),

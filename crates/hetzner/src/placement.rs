@@ -14,7 +14,7 @@
 use std::collections::{HashMap, HashSet};
 use std::sync::{Arc, Mutex};
 
-use hcloud::models;
+use crate::models;
 use sha2::{Digest, Sha256};
 use tokio::time::Instant;
 
@@ -248,7 +248,7 @@ impl SpreadGroups {
         server: &models::Server,
         deadline: Instant,
     ) {
-        let Some(Some(group)) = &server.placement_group else {
+        let Some(group) = &server.placement_group else {
             return;
         };
         let key = offering_key(&server.server_type.name, &server.location.name);

@@ -12,7 +12,7 @@
 
 use std::collections::BTreeMap;
 
-use hcloud::models;
+use crate::models;
 use provider_core::saved_lookups::SavedLookups;
 use serde::{Deserialize, Serialize};
 
@@ -58,6 +58,7 @@ impl SavedPlan {
             architecture: match plan.architecture {
                 models::Architecture::Arm => "arm",
                 models::Architecture::X86 => "x86",
+                models::Architecture::Unknown => "unknown",
             }
             .to_owned(),
             image: plan.image,

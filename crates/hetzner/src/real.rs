@@ -137,6 +137,55 @@ pub fn ssh_config(args: &RealArgs) -> Result<Option<SshConfig>, String> {
     Ok(Some(config))
 }
 
+/// Checks the built-in default mix against the API's catalogue before anything is built: a
+/// type Hetzner marks deprecated or unavailable in a location is replaced by its successor
+/// there (or kept, to be withdrawn, when none is sold), and each change is logged with why.
+/// When the API does not answer, the mix stays as it is (the catalogue read at warm-up then
+/// decides what is advertised).
+pub async fn revise_default_mix(args: &RealArgs, mut offerings: Vec<Offering>) -> Vec<Offering> {
+    let api = match crate::api::HcloudApi::new(
+        &args.endpoint,
+        args.token.clone(),
+        Telemetry::new("bigfleet_hetzner"),
+        crate::api::ClientTiming::default(),
+    ) {
+        Ok(api) => api,
+        Err(_) => return offerings,
+    };
+    let deadline = tokio::time::Instant::now() + provider_core::fleet::WARMUP_BUDGET;
+    let types = match api.server_types(Some(deadline)).await {
+        Ok(types) => types,
+        Err(e) => {
+            tracing::warn!(err = %e, "default offerings: the catalogue could not be read; checking them again at warm-up");
+            return offerings;
+        }
+    };
+    let now = provider_core::catalogue::now_unix();
+    let revisions = crate::catalog::revise_default_mix(&mut offerings, &types, now);
+    for r in &revisions {
+        match &r.to {
+            Some(to) => tracing::warn!(
+                location = r.location,
+                from = r.from,
+                to,
+                why = r.why,
+                "default offerings: replaced a server type Hetzner no longer sells there by its successor"
+            ),
+            None => tracing::warn!(
+                location = r.location,
+                server_type = r.from,
+                why = r.why,
+                "default offerings: no successor is sold there; the offering is withdrawn until Hetzner sells the type again"
+            ),
+        }
+    }
+    if revisions.is_empty() {
+        offerings
+    } else {
+        provider_core::offerings::merge_same_placement(offerings)
+    }
+}
+
 /// [`build`], returning the concrete type.
 pub fn build_cloud(
     args: RealArgs,

@@ -9,7 +9,7 @@
 //! a running one is waited for, and only a run that never started is started. Connections that
 //! drop while a run goes on are opened again against the same pin; the run does not notice.
 
-use hcloud::models;
+use crate::models;
 use provider_core::backend::{BackendError, ConfigureOrder, TransitionContext};
 use provider_core::machine::Machine;
 use tokio::time::Instant;

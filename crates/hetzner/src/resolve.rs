@@ -10,7 +10,7 @@
 
 use std::collections::{BTreeMap, HashMap};
 
-use hcloud::models;
+use crate::models;
 use tokio::time::Instant;
 
 use crate::api::{ApiError, HcloudApi};
@@ -45,11 +45,18 @@ pub struct Plan {
 pub trait Sink: Send {
     fn line(&mut self, check: String, result: Result<String, String>);
     fn progress(&mut self, _what: &str) {}
+    /// An offering the cloud does not sell now (its type is unknown, not sold in its location,
+    /// past its deprecation date or temporarily unavailable there). Not a configuration
+    /// problem: the provider serves the other offerings and advertises this one again when
+    /// the catalogue says it can be ordered. Reported as a problem line by default.
+    fn withdrawn(&mut self, check: String, why: String) {
+        self.line(check, Err(why));
+    }
 }
 
-/// Collects the problems only (startup).
+/// Collects the problems only (startup), and apart from them why offerings are withdrawn.
 #[derive(Default)]
-pub struct Problems(pub Vec<String>);
+pub struct Problems(pub Vec<String>, pub Vec<String>);
 
 impl Sink for Problems {
     fn line(&mut self, _check: String, result: Result<String, String>) {
@@ -57,12 +64,18 @@ impl Sink for Problems {
             self.0.push(problem);
         }
     }
+
+    /// Startup serves the other offerings: the catalogue withdraws this one.
+    fn withdrawn(&mut self, _check: String, why: String) {
+        self.1.push(why);
+    }
 }
 
 fn arch_name(arch: models::Architecture) -> &'static str {
     match arch {
         models::Architecture::Arm => "arm",
         models::Architecture::X86 => "x86",
+        models::Architecture::Unknown => "an unknown architecture",
     }
 }
 
@@ -177,22 +190,24 @@ impl<'a> Resolver<'a> {
                 sink.line(
                     format!("offering {key} server_type"),
                     Ok(format!(
-                        "{} ({}, {} vCPU, {} GB)",
+                        "{} ({}, {} vCPU, {} GB, {} GB disk)",
                         kind.name,
                         arch_name(kind.architecture),
                         kind.cores,
-                        kind.memory
+                        kind.memory,
+                        kind.disk
                     )),
                 );
                 Some(kind)
             }
             Ok(None) => {
-                sink.line(
+                sink.withdrawn(
                     format!("offering {key} server_type"),
-                    Err(format!(
-                        "offering {key} server_type {:?} does not exist",
+                    format!(
+                        "offering {key} server_type {:?} does not exist (the API lists no such \
+                         server type): withdrawn",
                         spec.server_type
-                    )),
+                    ),
                 );
                 None
             }
@@ -216,7 +231,13 @@ impl<'a> Resolver<'a> {
             )),
             (Err(e), _) => Err(format!("offering {key} location {:?}: {e}", spec.location)),
             (Ok(Some(_)), None) => Ok("exists".to_owned()),
-            (Ok(Some(l)), Some(kind)) => availability(kind, l, &key),
+            (Ok(Some(l)), Some(kind)) => {
+                let (found, withdrawn) = availability(kind, l, &key);
+                if let Some(why) = withdrawn {
+                    sink.withdrawn(format!("offering {key} availability"), why);
+                }
+                Ok(found)
+            }
         };
         ok &= location_line.is_ok() && kind.is_some();
         sink.line(format!("offering {key} location"), location_line);
@@ -412,6 +433,7 @@ impl<'a> Resolver<'a> {
                 models::image::Type::System => "system image",
                 models::image::Type::App => "app image",
                 models::image::Type::Backup => "backup",
+                models::image::Type::Unknown => "image",
             };
             return Ok((
                 newest.id,
@@ -452,43 +474,39 @@ impl<'a> Resolver<'a> {
     }
 }
 
-/// Whether the server type has a price in the location and can be ordered there.
+/// Where the server type stands in the location: what was found, and why it cannot be
+/// ordered there now (`None` when it can).
 fn availability(
     kind: &models::ServerType,
     location: &models::Location,
     key: &str,
-) -> Result<String, String> {
-    let price = kind
+) -> (String, Option<String>) {
+    let net = kind
         .prices
         .iter()
         .find(|p| p.location == location.name)
-        .ok_or_else(|| {
-            format!(
-                "offering {key}: server type {} has no price in location {}",
-                kind.name, location.name
-            )
-        })?;
-    let net = price.price_hourly.net.trim().to_owned();
-    if !kind.locations.is_empty() {
-        match kind.locations.iter().find(|l| l.name == location.name) {
-            None => {
-                return Err(format!(
-                    "offering {key}: server type {} cannot be ordered in location {}",
-                    kind.name, location.name
-                ));
-            }
-            Some(l) => {
-                if let Some(d) = &l.deprecation {
-                    return Ok(format!(
-                        "{} ({}), net {net} EUR/h; deprecated, unavailable after {}",
-                        location.name, location.network_zone, d.unavailable_after
-                    ));
-                }
-            }
-        }
+        .map(|p| format!("net {} EUR/h", p.price_hourly.net.trim()))
+        .unwrap_or_else(|| "no price".to_owned());
+    let place = format!("{} ({}), {net}", location.name, location.network_zone);
+    let standing = crate::catalog::standing(kind, &location.name);
+    let now = provider_core::catalogue::now_unix();
+    if let Some(why) = standing.withdrawn_at(now) {
+        return (
+            format!("{place}; withdrawn: {why}"),
+            Some(format!(
+                "offering {key}: {why}: withdrawn (the provider serves the other offerings and \
+                 advertises this one again when Hetzner sells it there)"
+            )),
+        );
     }
-    Ok(format!(
-        "{} ({}), net {net} EUR/h, orderable",
-        location.name, location.network_zone
-    ))
+    match &standing.deprecation {
+        Some(d) => (
+            format!(
+                "{place}; deprecated (announced {}), unavailable after {}: choose a successor before then",
+                d.announced, d.unavailable_after
+            ),
+            None,
+        ),
+        None => (format!("{place}, orderable"), None),
+    }
 }

@@ -94,10 +94,33 @@ pub fn open_store(state: &str) -> Result<SharedStore, String> {
         .map(|s| Arc::new(s) as SharedStore)
 }
 
-/// Warms prices and capacities from the cloud (best effort, bounded) and fails if an offered
-/// type has no price at all.
+/// Warms prices, capacities and standings from the cloud (best effort, bounded: the cloud's
+/// catalogue in one read where it has one, else price by price) and fails if an offered type
+/// has no price at all.
 pub async fn warm_up(fleet: &Fleet, telemetry: Telemetry) -> Result<(), String> {
-    fetch_prices(fleet, WARMUP_BUDGET).await;
+    match crate::catalogue_refresh::refresh(fleet, WARMUP_BUDGET).await {
+        crate::catalogue_refresh::Refresh::Done => {}
+        crate::catalogue_refresh::Refresh::Failed(err) => tracing::warn!(
+            err,
+            "catalogue: reading the cloud's catalogue failed; using the pinned table until the next refresh"
+        ),
+        crate::catalogue_refresh::Refresh::Unsupported => {
+            fetch_prices(fleet, WARMUP_BUDGET).await;
+            resolve_capacities(fleet).await;
+        }
+    }
+    let _ = telemetry;
+    let unpriced = fleet.unpriced();
+    if let Some((t, z)) = unpriced.first() {
+        return Err(format!(
+            "no live or pinned price for instance type {t:?} in {z:?}: the cloud did not price it and it is not in the pinned table; fix the offering or check the API token and endpoint"
+        ));
+    }
+    Ok(())
+}
+
+/// Resolves the capacities of the offered types from the cloud (best effort, bounded).
+async fn resolve_capacities(fleet: &Fleet) {
     let types = fleet.instance_types();
     match tokio::time::timeout(
         WARMUP_BUDGET,
@@ -113,14 +136,6 @@ pub async fn warm_up(fleet: &Fleet, telemetry: Telemetry) -> Result<(), String> 
         Ok(Err(err)) => tracing::warn!(err = %err, "capacity resolve failed; using pinned table"),
         Err(_) => tracing::warn!("capacity resolve timed out; using pinned table"),
     }
-    let _ = telemetry;
-    let unpriced = fleet.unpriced();
-    if let Some((t, z)) = unpriced.first() {
-        return Err(format!(
-            "no live or pinned price for instance type {t:?} in {z:?}: the cloud did not price it and it is not in the pinned table; fix the offering or check the API token and endpoint"
-        ));
-    }
-    Ok(())
 }
 
 /// Waits for SIGTERM or SIGINT. The handlers are installed when this is called (at the top of
@@ -186,6 +201,9 @@ pub async fn run(launch: Launch) -> Result<(), String> {
             }
             _ => warm_up(fleet, telemetry).await?,
         }
+        // Never refuse because some offerings cannot be ordered: serve the rest.
+        let withdrawn = crate::catalogue_refresh::announce(fleet, telemetry);
+        crate::catalogue_refresh::startup_verdict(fleet, &withdrawn)?;
     }
     if !backend.has_readiness_gate() {
         tracing::warn!(
@@ -446,7 +464,11 @@ fn spawn_loops(
             // Serving on saved prices: refresh them now, and again every minute until it works.
             if prices.refresh_now {
                 loop {
-                    if refresh_prices(&fleet, telemetry).await {
+                    let refreshed = refresh_prices(&fleet, telemetry).await;
+                    if refreshed == Refreshed::Catalogue {
+                        break;
+                    }
+                    if refreshed == Refreshed::Prices {
                         let _ = tokio::time::timeout(
                             Duration::from_secs(30),
                             crate::budget::scoped(
@@ -474,7 +496,7 @@ fn spawn_loops(
             let mut tick = tokio::time::interval_at(tokio::time::Instant::now() + every, every);
             loop {
                 tokio::select! { _ = tick.tick() => {}, _ = stop.cancelled() => return }
-                if refresh_prices(&fleet, telemetry).await
+                if refresh_prices(&fleet, telemetry).await != Refreshed::Failed
                     && let Some(cache) = &prices.cache
                 {
                     cache.save(&fleet);
@@ -491,9 +513,19 @@ struct Prices {
     refresh_now: bool,
 }
 
-/// One refresh of every offered price, counted for the `PriceRefreshFailing` alert; true when
-/// every price was fetched.
-async fn refresh_prices(fleet: &Fleet, telemetry: Telemetry) -> bool {
+/// How one refresh of the offerings went.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Refreshed {
+    /// The cloud's catalogue was read: prices, capacities and standings are fresh.
+    Catalogue,
+    /// Every price was read one by one (a cloud without a catalogue read).
+    Prices,
+    Failed,
+}
+
+/// One refresh of every offered price (and, from the cloud's catalogue, capacity and
+/// standing), counted for the `PriceRefreshFailing` alert.
+async fn refresh_prices(fleet: &Fleet, telemetry: Telemetry) -> Refreshed {
     // The startup look-ups first, so that prices are read for what Creates will send.
     let settings = crate::budget::scoped(
         crate::budget::Class::Refresh,
@@ -502,9 +534,30 @@ async fn refresh_prices(fleet: &Fleet, telemetry: Telemetry) -> bool {
     if let Err(e) = settings.await {
         tracing::warn!(err = %e, "settings: looking up the offerings' settings again failed; keeping the ones in use");
     }
-    let fetched = fetch_prices(fleet, Duration::from_secs(30)).await;
-    telemetry.price_refresh_outcome(if fetched { "success" } else { "error" });
-    fetched
+    let refreshed = match crate::catalogue_refresh::refresh(fleet, Duration::from_secs(30)).await {
+        crate::catalogue_refresh::Refresh::Done => Refreshed::Catalogue,
+        crate::catalogue_refresh::Refresh::Failed(err) => {
+            tracing::warn!(
+                err,
+                "catalogue: reading the cloud's catalogue failed; keeping what is known"
+            );
+            Refreshed::Failed
+        }
+        crate::catalogue_refresh::Refresh::Unsupported => {
+            if fetch_prices(fleet, Duration::from_secs(30)).await {
+                Refreshed::Prices
+            } else {
+                Refreshed::Failed
+            }
+        }
+    };
+    crate::catalogue_refresh::announce(fleet, telemetry);
+    telemetry.price_refresh_outcome(if refreshed == Refreshed::Failed {
+        "error"
+    } else {
+        "success"
+    });
+    refreshed
 }
 
 /// Fetches every offered price within `budget`, logging each failure (the fallback stays);

@@ -26,6 +26,7 @@ pub struct CheckOptions {
 
 /// When `args` (program name first) select the check run, returns its options and the
 /// arguments to parse as serving flags: the program name and everything but `check` and `--json`.
+/// `check --help` (or `-h`) is not a check run: clap prints the subcommand's own help.
 pub fn split_args(
     args: impl IntoIterator<Item = OsString>,
 ) -> Option<(CheckOptions, Vec<OsString>)> {
@@ -33,6 +34,9 @@ pub fn split_args(
     let program = args.next()?;
     let mut rest: Vec<OsString> = args.collect();
     if rest.first().is_none_or(|first| first != SUBCOMMAND) {
+        return None;
+    }
+    if rest.iter().any(|a| a == "--help" || a == "-h") {
         return None;
     }
     rest.remove(0);
@@ -300,6 +304,12 @@ mod tests {
         assert_eq!(split_args(os(&["hetzner", "--addr", ":9000"])), None);
         assert_eq!(split_args(os(&["hetzner", "--provider", "check"])), None);
         assert_eq!(split_args(os(&["hetzner"])), None);
+        assert_eq!(
+            split_args(os(&["hetzner", "check", "--help"])),
+            None,
+            "clap prints the subcommand's help"
+        );
+        assert_eq!(split_args(os(&["hetzner", "check", "--json", "-h"])), None);
         let (options, rest) =
             split_args(os(&["hetzner", "check", "--offerings", "o.json", "--json"])).unwrap();
         assert!(options.json);

@@ -1,5 +1,5 @@
-//! Subcommands every provider binary offers besides serving: `state export`, `state import`
-//! and `admin failed list|release`.
+//! Subcommands every provider binary offers besides serving: `check`, `state export`,
+//! `state import` and `admin failed list|release`.
 
 use std::path::PathBuf;
 
@@ -10,6 +10,25 @@ use crate::admin::{self, AdminRequest};
 /// Subcommands that do not start a server.
 #[derive(Subcommand, Debug, Clone)]
 pub enum Command {
+    /// Check a configuration without serving (read-only cloud API calls).
+    ///
+    /// Takes exactly the serving flags and prints one line per check with OK or the problem:
+    /// TLS material, the token, each offering's type and zone (deprecated or not sold there
+    /// now), image, networks and the like, and the account's limits where the cloud has them.
+    /// Exit status 0 only when every check passed.
+    #[command(after_help = "The serving flags are those of the binary itself (see its --help).")]
+    Check {
+        /// Print one JSON document (`ok`, `problems`, `checks[]`) instead of lines.
+        #[arg(long)]
+        json: bool,
+        /// The serving flags, exactly as the provider is started with them.
+        #[arg(
+            value_name = "SERVING FLAGS",
+            trailing_var_arg = true,
+            allow_hyphen_values = true
+        )]
+        flags: Vec<String>,
+    },
     /// Inspect the durable state without starting a server.
     State {
         #[command(subcommand)]
@@ -75,6 +94,12 @@ pub enum FailedAction {
 /// Runs a subcommand and returns what to print on stdout.
 pub async fn run(command: Command) -> Result<String, String> {
     match command {
+        // `check` as the first argument is run by the binary before this parse
+        // ([`crate::check::split_args`]); only its `--help` is clap's.
+        Command::Check { .. } => Err(format!(
+            "`{}` must be the first argument: <binary> check [--json] [SERVING FLAGS]...",
+            crate::check::SUBCOMMAND
+        )),
         Command::State {
             action: StateAction::Export { state, etcd },
         } if crate::etcd::is_etcd(&state) => crate::etcd::export_json(&state, &etcd).await,

@@ -8,6 +8,7 @@ use std::collections::HashMap;
 use async_trait::async_trait;
 
 use crate::backend::{BackendError, ConfigureOrder, TransitionContext};
+pub use crate::catalogue::{Arch, Capacity};
 use crate::machine::Machine;
 
 /// A host owned by this provider instance, as the cloud reports it.
@@ -39,13 +40,6 @@ pub enum InventorySignal {
     /// The owned hosts may have changed out of band; `why` says what the check saw (logged
     /// when it starts a survey early).
     Changed { why: String },
-}
-
-/// Hardware capacity of an instance type.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct Capacity {
-    pub vcpus: u32,
-    pub memory_mib: u64,
 }
 
 /// What one cloud must offer. Every method that changes the cloud is idempotent on the machine
@@ -160,6 +154,17 @@ pub trait Cloud: Send + Sync + 'static {
         &self,
         instance_types: &[String],
     ) -> Result<HashMap<String, Capacity>, BackendError>;
+
+    /// The cloud's catalogue for the offered `(type, zone)` pairs, read in as few requests as
+    /// the API allows: resources, prices and where each pair stands (available, deprecated).
+    /// `None` when this cloud has no such read; prices and capacities then come from
+    /// [`Cloud::price_usd`] and [`Cloud::capacities`] and every offering counts as available.
+    async fn catalogue(
+        &self,
+        _pairs: &[(String, String)],
+    ) -> Result<Option<crate::catalogue::Catalogue>, BackendError> {
+        Ok(None)
+    }
 }
 
 /// The largest cloud API response body read (a page of 50 servers is a few hundred KiB): a

@@ -1,7 +1,8 @@
 //! The offerings-driven [`Backend`] shared by both clouds: slot ids, the Speculative slots of
 //! each offering, the merge of owned hosts into them, prices from the [`PriceBook`] (never a
-//! network call on the RPC path) and allocatable from the [`CapacityBook`]. The cloud itself
-//! is behind the [`Cloud`] seam.
+//! network call on the RPC path), allocatable from the [`CapacityBook`] and, from the
+//! [`StandingBook`], which offerings are withdrawn (their Speculative slots are not offered
+//! while the cloud does not sell them). The cloud itself is behind the [`Cloud`] seam.
 
 use std::collections::{HashMap, HashSet};
 use std::sync::{Arc, RwLock};
@@ -9,7 +10,8 @@ use std::time::Duration;
 
 use async_trait::async_trait;
 
-use crate::backend::{Backend, BackendError, ConfigureOrder, TransitionContext, allocatable_of};
+use crate::backend::{Backend, BackendError, ConfigureOrder, TransitionContext};
+use crate::catalogue::{Catalogue, StandingBook, now_unix};
 use crate::cloud::{Capacity, Cloud, OwnedHost};
 use crate::inventory::{Effect, Sighting, Survey};
 use crate::machine::{CapacityType, HostRef, Machine, MachineState, StringMap};
@@ -120,9 +122,11 @@ impl CapacityBook {
             .or_else(|| (self.pinned)(instance_type))
     }
 
+    /// `cpu`, `memory` and (when the disk is known) `ephemeral-storage` of the type; empty for
+    /// a type neither the catalogue nor the pinned table knows.
     pub fn allocatable(&self, instance_type: &str) -> StringMap {
         self.capacity(instance_type)
-            .map(|c| allocatable_of(c.vcpus, c.memory_mib))
+            .map(|c| c.resources())
             .unwrap_or_default()
     }
 
@@ -163,6 +167,7 @@ pub struct Fleet {
     offerings: Vec<Offering>,
     prices: Arc<PriceBook>,
     capacities: Arc<CapacityBook>,
+    standings: StandingBook,
     extra_labels: fn(&str) -> StringMap,
 }
 
@@ -189,8 +194,45 @@ impl Fleet {
             offerings,
             prices,
             capacities,
+            standings: StandingBook::default(),
             extra_labels,
         }
+    }
+
+    /// Where each offering stands in the cloud's catalogue.
+    pub fn standings(&self) -> &StandingBook {
+        &self.standings
+    }
+
+    /// Takes a catalogue read: its prices and capacities become the live ones and its standings
+    /// decide which offerings are withdrawn.
+    pub fn apply_catalogue(&self, catalogue: Catalogue) {
+        self.capacities.restore(catalogue.capacities);
+        let mut prices = Vec::new();
+        let mut standings = Vec::new();
+        for (pair, entry) in catalogue.entries {
+            if let Some(price) = entry.price_usd.filter(|p| p.is_finite() && *p >= 0.0) {
+                prices.push((pair.clone(), price));
+            }
+            standings.push((pair, entry.standing));
+        }
+        self.prices.restore(prices);
+        self.standings.extend(standings);
+    }
+
+    /// Why the offering of `instance_type` in `zone` is withdrawn now, or `None`.
+    pub fn withdrawn(&self, instance_type: &str, zone: &str) -> Option<String> {
+        self.standings.withdrawn(instance_type, zone, now_unix())
+    }
+
+    /// The offerings whose slots are offered now (not withdrawn).
+    fn advertised(&self) -> impl Iterator<Item = &Offering> + Clone {
+        let now = now_unix();
+        self.offerings.iter().filter(move |o| {
+            self.standings
+                .withdrawn(&o.instance_type, &o.zone, now)
+                .is_none()
+        })
     }
 
     pub fn cloud(&self) -> &Arc<dyn Cloud> {
@@ -226,10 +268,12 @@ impl Fleet {
     }
 
     /// Offered pairs with neither a live nor a pinned price: a startup error, never a silent 0.
+    /// Withdrawn pairs are left out: they advertise nothing, and the catalogue read that makes
+    /// one orderable again prices it.
     pub fn unpriced(&self) -> Vec<(String, String)> {
         self.price_pairs()
             .into_iter()
-            .filter(|(t, z)| self.prices.price(t, z).is_none())
+            .filter(|(t, z)| self.prices.price(t, z).is_none() && self.withdrawn(t, z).is_none())
             .collect()
     }
 
@@ -242,15 +286,52 @@ impl Fleet {
         m
     }
 
+    /// Labels every slot of `instance_type` in `zone` carries, with the values the Node it
+    /// becomes will have: its architecture (`kubernetes.io/arch`, from the catalogue, as the
+    /// kubelet sets it), its type and its region (`node.kubernetes.io/instance-type` and
+    /// `topology.kubernetes.io/region`, as both clouds' controller managers set them: the server
+    /// type or size, and the location or region), then the cloud's own.
+    fn node_labels(&self, instance_type: &str, zone: &str) -> StringMap {
+        let mut labels = StringMap::from([
+            (
+                "node.kubernetes.io/instance-type".to_owned(),
+                instance_type.to_owned(),
+            ),
+            ("topology.kubernetes.io/region".to_owned(), zone.to_owned()),
+        ]);
+        if let Some(arch) = self.capacities.capacity(instance_type).and_then(|c| c.arch) {
+            labels.insert("kubernetes.io/arch".to_owned(), arch.name().to_owned());
+        }
+        labels.extend((self.extra_labels)(instance_type));
+        labels
+    }
+
+    /// The per-replica resources of an offering: its own when it names some, else the whole
+    /// machine as the catalogue describes it.
+    fn offering_resources(&self, resources: &StringMap, instance_type: &str) -> StringMap {
+        if resources.is_empty() {
+            self.capacities.allocatable(instance_type)
+        } else {
+            resources.clone()
+        }
+    }
+
     fn slots(&self) -> Vec<Machine> {
-        let total = self.offerings.iter().map(|o| o.count.max(0) as usize).sum();
+        self.slots_of(self.advertised())
+    }
+
+    /// The Speculative slots of `offerings`.
+    fn slots_of<'a>(&self, offerings: impl Iterator<Item = &'a Offering> + Clone) -> Vec<Machine> {
+        let total = offerings.clone().map(|o| o.count.max(0) as usize).sum();
         let mut out = Vec::with_capacity(total);
-        for o in &self.offerings {
+        for o in offerings {
             // One shape per offering, shared by all of its slots.
             let mut shape = self.machine(String::new(), &o.instance_type, &o.zone);
-            shape.resources = o.resources.clone();
+            shape.resources = self.offering_resources(&o.resources, &o.instance_type);
             shape.labels = o.labels.clone();
-            shape.labels.extend((self.extra_labels)(&o.instance_type));
+            shape
+                .labels
+                .extend(self.node_labels(&o.instance_type, &o.zone));
             for i in 0..o.count.max(0) {
                 let mut m = shape.clone();
                 m.id = slot_id(&self.provider, &o.instance_type, &o.zone, i);
@@ -278,7 +359,7 @@ impl Fleet {
             .clone()
             .find(|o| o.zone == zone)
             .or_else(|| same_type.clone().next())
-            .map(|o| o.resources.clone())
+            .map(|o| self.offering_resources(&o.resources, instance_type))
             .unwrap_or_default()
     }
 
@@ -308,7 +389,9 @@ impl Fleet {
                 by_machine.insert(h.machine_id.as_str(), h);
             }
         }
-        let mut out = self.slots();
+        // Every offering's slots, so that a host in a slot of a withdrawn offering keeps its
+        // offering's shape; the withdrawn offerings' slots without a host are then left out.
+        let mut out = self.slots_of(self.offerings.iter());
         let mut matched = HashSet::new();
         for m in &mut out {
             if let Some(host) = by_machine.get(m.id.as_str()) {
@@ -316,6 +399,23 @@ impl Fleet {
                 m.host = Some(self.host_ref(host));
                 matched.insert(m.id.clone());
             }
+        }
+        let now = now_unix();
+        let withdrawn: HashSet<(&str, &str)> = self
+            .offerings
+            .iter()
+            .filter(|o| {
+                self.standings
+                    .withdrawn(&o.instance_type, &o.zone, now)
+                    .is_some()
+            })
+            .map(|o| (o.instance_type.as_str(), o.zone.as_str()))
+            .collect();
+        if !withdrawn.is_empty() {
+            out.retain(|m| {
+                m.host.is_some()
+                    || !withdrawn.contains(&(m.instance_type.as_str(), m.zone.as_str()))
+            });
         }
         let mut extra: Vec<&OwnedHost> = by_machine
             .values()
@@ -387,9 +487,9 @@ impl Backend for Fleet {
     }
 
     fn offered_ids(&self) -> Option<HashSet<String>> {
-        let total = self.offerings.iter().map(|o| o.count.max(0) as usize).sum();
+        let total = self.advertised().map(|o| o.count.max(0) as usize).sum();
         let mut ids = HashSet::with_capacity(total);
-        for o in &self.offerings {
+        for o in self.advertised() {
             for i in 0..o.count.max(0) {
                 ids.insert(slot_id(&self.provider, &o.instance_type, &o.zone, i));
             }
@@ -402,6 +502,12 @@ impl Backend for Fleet {
         machine: &Machine,
         ctx: &TransitionContext,
     ) -> Result<Effect, BackendError> {
+        if let Some(why) = self.withdrawn(&machine.instance_type, &machine.zone) {
+            return Err(BackendError(format!(
+                "offering {}/{} is withdrawn ({why}): the cloud does not sell it there now",
+                machine.instance_type, machine.zone
+            )));
+        }
         let ctx = ctx.with_host_provider(&self.provider);
         let host = self.cloud.create_host(machine, &ctx).await?;
         if host.id.is_empty() {
@@ -506,5 +612,149 @@ mod tests {
         assert_eq!(ids.len(), offered.len());
         assert!(offered.iter().all(|m| ids.contains(&m.id)));
         assert!(offered.len() > 700, "{} slots", offered.len());
+    }
+
+    fn standing_of(why: &str) -> crate::catalogue::Standing {
+        crate::catalogue::Standing::unavailable(why)
+    }
+
+    #[tokio::test]
+    async fn a_withdrawn_offering_leaves_the_offered_set_and_comes_back() {
+        let (_, fleet) = test_fleet(default_mix(8, ["a", "b"], ["z1", "z2"]));
+        let ctx = TransitionContext::with_timeout("op", Duration::from_secs(5));
+        let all = fleet.offered().expect("offered");
+        assert_eq!(all.len(), 8);
+        // One host in a slot of a/z1 before it is withdrawn.
+        let hosted = all
+            .iter()
+            .find(|m| m.instance_type == "a" && m.zone == "z1")
+            .expect("a/z1 slot")
+            .clone();
+        fleet.create(&hosted, &ctx).await.expect("create");
+        fleet
+            .standings()
+            .extend([(("a".to_owned(), "z1".to_owned()), standing_of("sold out"))]);
+        let offered = fleet.offered().expect("offered");
+        assert_eq!(offered.len(), 6, "a/z1's two slots are withdrawn");
+        assert!(
+            offered
+                .iter()
+                .all(|m| (m.instance_type.as_str(), m.zone.as_str()) != ("a", "z1"))
+        );
+        let ids = fleet.offered_ids().expect("ids");
+        assert_eq!(ids.len(), 6);
+        // The hosted slot is still described, Idle, with its offering's shape.
+        let described = fleet.describe().await.expect("describe");
+        assert_eq!(described.len(), 7);
+        let kept = described
+            .iter()
+            .find(|m| m.id == hosted.id)
+            .expect("the hosted slot stays");
+        assert_eq!(kept.state, MachineState::Idle);
+        assert_eq!(kept.resources, hosted.resources);
+        // A Create of a withdrawn slot is refused without calling the cloud.
+        let other = all
+            .iter()
+            .find(|m| m.instance_type == "a" && m.zone == "z1" && m.id != hosted.id)
+            .expect("second a/z1 slot");
+        let refused = fleet.create(other, &ctx).await.expect_err("withdrawn");
+        assert!(
+            refused.0.contains("a/z1 is withdrawn (sold out)"),
+            "{refused}"
+        );
+        // Available again: the slots come back.
+        fleet.standings().extend([(
+            ("a".to_owned(), "z1".to_owned()),
+            crate::catalogue::Standing::available(),
+        )]);
+        assert_eq!(fleet.offered().expect("offered").len(), 8);
+        assert_eq!(fleet.describe().await.expect("describe").len(), 8);
+    }
+
+    #[test]
+    fn a_withdrawn_offering_needs_no_price() {
+        let (_, fleet) = test_fleet(default_mix(2, ["a", "b"], ["z1", "z1"]));
+        let fleet = Fleet {
+            prices: Arc::new(PriceBook::new(|t, _| (t == "a").then_some(0.5))),
+            ..fleet
+        };
+        assert_eq!(fleet.unpriced(), [("b".to_owned(), "z1".to_owned())]);
+        fleet
+            .standings()
+            .extend([(("b".to_owned(), "z1".to_owned()), standing_of("unknown"))]);
+        assert!(fleet.unpriced().is_empty());
+    }
+
+    #[test]
+    fn an_offering_past_its_deprecation_date_is_withdrawn() {
+        let (_, fleet) = test_fleet(default_mix(4, ["a", "b"], ["z1", "z1"]));
+        let deprecated = |after: &str| crate::catalogue::Standing {
+            deprecation: Some(crate::catalogue::Deprecation {
+                announced: "2025-01-01T00:00:00Z".into(),
+                unavailable_after: after.into(),
+            }),
+            ..crate::catalogue::Standing::available()
+        };
+        fleet.standings().extend([
+            (
+                ("a".to_owned(), "z1".to_owned()),
+                deprecated("2025-12-31T23:59:59Z"),
+            ),
+            (
+                ("b".to_owned(), "z1".to_owned()),
+                deprecated("2999-01-01T00:00:00Z"),
+            ),
+        ]);
+        let offered = fleet.offered().expect("offered");
+        assert!(!offered.is_empty());
+        assert!(
+            offered.iter().all(|m| m.instance_type == "b"),
+            "{offered:?}"
+        );
+        assert!(fleet.withdrawn("a", "z1").is_some());
+        assert_eq!(fleet.withdrawn("b", "z1"), None);
+    }
+
+    #[test]
+    fn an_offering_without_resources_takes_the_machine_from_the_catalogue() {
+        let mut offerings = default_mix(2, ["a", "b"], ["z1", "z1"]);
+        offerings[1].resources.clear();
+        let (_, fleet) = test_fleet(offerings);
+        fleet.capacities().restore([
+            (
+                "a".to_owned(),
+                Capacity {
+                    vcpus: 2,
+                    memory_mib: 4096,
+                    disk_gib: 40,
+                    arch: Some(crate::cloud::Arch::Arm64),
+                },
+            ),
+            (
+                "b".to_owned(),
+                Capacity {
+                    vcpus: 8,
+                    memory_mib: 16384,
+                    disk_gib: 160,
+                    arch: Some(crate::cloud::Arch::Amd64),
+                },
+            ),
+        ]);
+        let offered = fleet.offered().expect("offered");
+        let a = offered.iter().find(|m| m.instance_type == "a").expect("a");
+        let b = offered.iter().find(|m| m.instance_type == "b").expect("b");
+        assert_eq!(a.resources["cpu"], "1", "the offering's own resources stay");
+        assert_eq!(a.labels["kubernetes.io/arch"], "arm64");
+        assert_eq!(a.allocatable["ephemeral-storage"], "40Gi");
+        assert_eq!(
+            b.resources,
+            StringMap::from([
+                ("cpu".to_owned(), "8".to_owned()),
+                ("memory".to_owned(), "16Gi".to_owned()),
+                ("ephemeral-storage".to_owned(), "160Gi".to_owned()),
+            ])
+        );
+        assert_eq!(b.allocatable, b.resources);
+        assert_eq!(b.labels["kubernetes.io/arch"], "amd64");
     }
 }

@@ -6,6 +6,8 @@ pub mod app;
 pub mod backend;
 pub mod batch;
 pub mod budget;
+pub mod catalogue;
+pub mod catalogue_refresh;
 pub mod check;
 pub mod cli;
 pub mod cloud;

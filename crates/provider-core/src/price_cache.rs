@@ -8,7 +8,8 @@ use std::path::{Path, PathBuf};
 
 use serde::{Deserialize, Serialize};
 
-use crate::cloud::Capacity;
+use crate::catalogue::Standing;
+use crate::cloud::{Arch, Capacity};
 use crate::fleet::Fleet;
 
 /// The file's name inside the state directory (not a state file: the store ignores it).
@@ -20,6 +21,17 @@ struct Saved {
     saved_unix: u64,
     prices: Vec<SavedPrice>,
     capacities: Vec<SavedCapacity>,
+    /// Where each offered pair stood in the cloud's catalogue (absent in older files).
+    #[serde(default)]
+    standings: Vec<SavedStanding>,
+}
+
+#[derive(Debug, PartialEq, Serialize, Deserialize)]
+struct SavedStanding {
+    instance_type: String,
+    zone: String,
+    #[serde(flatten)]
+    standing: Standing,
 }
 
 #[derive(Debug, PartialEq, Serialize, Deserialize)]
@@ -34,6 +46,10 @@ struct SavedCapacity {
     instance_type: String,
     vcpus: u32,
     memory_mib: u64,
+    #[serde(default)]
+    disk_gib: u64,
+    #[serde(default)]
+    arch: Option<Arch>,
 }
 
 /// Writes `bytes` to `path` atomically, for the files kept beside a local state: a temporary
@@ -96,9 +112,17 @@ impl PriceCache {
                     Capacity {
                         vcpus: c.vcpus,
                         memory_mib: c.memory_mib,
+                        disk_gib: c.disk_gib,
+                        arch: c.arch,
                     },
                 )
             }));
+        fleet.standings().extend(
+            saved
+                .standings
+                .into_iter()
+                .map(|s| ((s.instance_type, s.zone), s.standing)),
+        );
         fleet.unpriced().is_empty()
     }
 
@@ -127,6 +151,18 @@ impl PriceCache {
                     instance_type,
                     vcpus: c.vcpus,
                     memory_mib: c.memory_mib,
+                    disk_gib: c.disk_gib,
+                    arch: c.arch,
+                })
+                .collect(),
+            standings: fleet
+                .standings()
+                .all()
+                .into_iter()
+                .map(|((instance_type, zone), standing)| SavedStanding {
+                    instance_type,
+                    zone,
+                    standing,
                 })
                 .collect(),
         };
@@ -172,6 +208,8 @@ mod tests {
                 Some(Capacity {
                     vcpus: 4,
                     memory_mib: 8192,
+                    disk_gib: 160,
+                    arch: Some(Arch::Amd64),
                 })
             },
         }));

@@ -23,6 +23,8 @@ pub struct Telemetry {
     pub reconcile_early_surveys: &'static str,
     pub reconcile_hosts_deleted: &'static str,
     pub price_refresh: &'static str,
+    pub offering_withdrawn: &'static str,
+    pub offering_unavailable_after: &'static str,
     pub api_calls: &'static str,
     pub api_duration: &'static str,
     pub api_http: &'static str,
@@ -123,6 +125,11 @@ impl Telemetry {
             reconcile_hosts_deleted: leak(prefix, "reconcile_hosts_deleted_total"),
             reconcile_early_surveys: leak(prefix, "reconcile_early_surveys_total"),
             price_refresh: leak(prefix, "price_refresh_total"),
+            offering_withdrawn: leak(prefix, "offering_withdrawn"),
+            offering_unavailable_after: leak(
+                prefix,
+                "offering_unavailable_after_timestamp_seconds",
+            ),
             api_calls: leak(prefix, "api_calls_total"),
             api_duration: leak(prefix, "api_duration_seconds"),
             api_http: leak(prefix, "api_http_requests_total"),
@@ -222,6 +229,25 @@ impl Telemetry {
     /// host of a `failed` machine, once `--orphan-grace` passed.
     pub fn reconcile_host_deleted(&self, reason: &'static str) {
         counter!(self.reconcile_hosts_deleted, "reason" => reason).increment(1);
+    }
+
+    /// Where one offering stands: withdrawn (1) or advertised (0), and the moment after which
+    /// the cloud stops selling it in its zone when a deprecation was announced (the series is
+    /// set to 0 when none is).
+    pub fn offering_standing(
+        &self,
+        instance_type: &str,
+        zone: &str,
+        withdrawn: bool,
+        unavailable_after_unix: Option<i64>,
+    ) {
+        let labels = [
+            ("instance_type", instance_type.to_owned()),
+            ("zone", zone.to_owned()),
+        ];
+        gauge!(self.offering_withdrawn, &labels).set(if withdrawn { 1.0 } else { 0.0 });
+        gauge!(self.offering_unavailable_after, &labels)
+            .set(unavailable_after_unix.map_or(0.0, |t| t as f64));
     }
 
     pub fn price_refresh_outcome(&self, outcome: &'static str) {

@@ -1038,6 +1038,6 @@ mod tests {
         );
         assert_eq!(Cloud::Hetzner.survey_gap(), Duration::from_millis(400));
         assert_eq!(Cloud::DigitalOcean.survey_gap(), Duration::from_secs(4));
-        assert_eq!(slot(Cloud::Hetzner, 3), "hetzner/OnDemand/cx22/nbg1/003");
+        assert_eq!(slot(Cloud::Hetzner, 3), "hetzner/OnDemand/cx23/nbg1/003");
     }
 }

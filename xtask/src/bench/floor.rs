@@ -239,7 +239,7 @@ mod tests {
     fn answers_are_the_machine_and_a_list_of_copies() {
         let machine = pb::Machine {
             id: "m-1".into(),
-            instance_type: "cx22".into(),
+            instance_type: "cx23".into(),
             ..pb::Machine::default()
         };
         let bytes = Bytes::from(prost::Message::encode_to_vec(&machine));

@@ -445,7 +445,7 @@ pub(crate) async fn hetzner_dashboard(root: &Path) -> Result<()> {
         let offerings = dir.join("offerings.json");
         std::fs::write(
             &offerings,
-            r#"[{"server_type": "cx22", "location": "nbg1", "count": 1}]"#,
+            r#"[{"server_type": "cx23", "location": "nbg1", "count": 1}]"#,
         )?;
         let grpc_pki = wire::pki_dir(root);
         let pem = |name: &str| grpc_pki.join(name).display().to_string();

@@ -2,15 +2,15 @@
 //! Hetzner Cloud API emulator run in this process (so the run can read what the emulator
 //! received):
 //!
-//! - offering `cx22/nbg1`: image by label selector, a network joined in a chosen subnet plus a
+//! - offering `cx23/nbg1`: image by label selector, a network joined in a chosen subnet plus a
 //!   second network, two firewalls, no public IPv4, SSH over the private address, spread
 //!   placement (the emulator's groups hold 2 servers), operator labels and login SSH keys;
-//!   offering `cx32/fsn1`: IPv6 only, SSH over IPv6;
+//!   offering `cx33/fsn1`: IPv6 only, SSH over IPv6;
 //! - each Create request carries exactly those settings (the first body is printed);
 //! - three Creates fill one spread group and roll over into a second; Configure reaches the
-//!   newest `cx22` server at its private address (the emulator's sshd on 127.0.0.1) and the
-//!   `cx32` server at its IPv6 address (the emulator's sshd on `[::1]`);
-//! - deleting the `cx22` machines deletes both owned groups;
+//!   newest `cx23` server at its private address (the emulator's sshd on 127.0.0.1) and the
+//!   `cx33` server at its IPv6 address (the emulator's sshd on `[::1]`);
+//! - deleting the `cx23` machines deletes both owned groups;
 //! - `hetzner check` passes the configuration (exit 0, only reads) and names each broken
 //!   setting of a broken one (exit 1).
 
@@ -31,13 +31,13 @@ use super::wire::{self, Caller, ClientSecurity, Shard};
 const TOKEN: &str = "e2e-hcloud-production-token";
 const CLUSTER: &str = "e2e-production";
 const OFFERINGS: &str = r#"[
-  {"server_type": "cx22", "location": "nbg1", "count": 3,
+  {"server_type": "cx23", "location": "nbg1", "count": 3,
    "image_selector": "k8s-version=1.31,role=node",
    "networks": ["bigfleet-mgmt=10.0.1.0/24", "bigfleet-storage"],
    "firewalls": ["bigfleet-nodes", "bigfleet-ssh"],
    "public_ipv4": false, "ssh_address": "private", "placement": "spread",
    "server_labels": {"pool": "workers"}, "login_ssh_keys": ["ops-alice", "ops-bob"]},
-  {"server_type": "cx32", "location": "fsn1", "count": 1,
+  {"server_type": "cx33", "location": "fsn1", "count": 1,
    "public_ipv4": false, "public_ipv6": true, "ssh_address": "ipv6"}
 ]"#;
 
@@ -178,13 +178,13 @@ async fn exercise(root: &Path, dir: &Path, emulator: &Emulator, flags: &[String]
         ensure!(slots.len() == 4, "want 4 offered slots, got {slots:#?}");
         let workers: Vec<String> = slots
             .iter()
-            .filter(|m| m.instance_type == "cx22")
+            .filter(|m| m.instance_type == "cx23")
             .map(|m| m.id.clone())
             .collect();
         let v6_only = slots
             .iter()
-            .find(|m| m.instance_type == "cx32")
-            .context("the cx32 slot")?
+            .find(|m| m.instance_type == "cx33")
+            .context("the cx33 slot")?
             .id
             .clone();
         let mut hosts = Vec::new();
@@ -241,7 +241,7 @@ async fn exercise(root: &Path, dir: &Path, emulator: &Emulator, flags: &[String]
             emulator.placement_groups()
         );
 
-        // Configure over the private address: the newest cx22 server answers on 127.0.0.1.
+        // Configure over the private address: the newest cx23 server answers on 127.0.0.1.
         let newest = workers.last().context("a worker")?.clone();
         let host = hosts.last().context("a host")?.clone();
         install_hook(dir, &host)?;
@@ -260,7 +260,7 @@ async fn exercise(root: &Path, dir: &Path, emulator: &Emulator, flags: &[String]
             .await
             .context("Create the IPv6-only server")?;
         let v6_host = host_of(&idle);
-        let body = emulator.create_bodies().pop().context("the cx32 body")?;
+        let body = emulator.create_bodies().pop().context("the cx33 body")?;
         ensure!(
             body["public_net"] == json!({"enable_ipv4": false, "enable_ipv6": true})
                 && body.get("networks").is_none()
@@ -360,10 +360,10 @@ async fn check_command(
     let doc = r#"[
       {"server_type": "cax11", "location": "fsn1", "count": 1,
        "image_selector": "k8s-version=1.31,role=node"},
-      {"server_type": "cx22", "location": "nbg1", "count": 1,
+      {"server_type": "cx23", "location": "nbg1", "count": 1,
        "networks": ["no-such-network", "bigfleet-mgmt=10.9.0.0/24"],
        "firewalls": ["no-such-firewall"], "login_ssh_keys": ["no-such-key"]},
-      {"server_type": "cx32", "location": "fsn1", "count": 1, "public_ipv4": false}
+      {"server_type": "cx33", "location": "fsn1", "count": 1, "public_ipv4": false}
     ]"#;
     let (code, out) = run(
         vec![format!("--offerings={}", broken.display())],
@@ -378,9 +378,9 @@ async fn check_command(
         "FAIL  offering cax11/fsn1 image: offering cax11/fsn1 field \"image_selector\" \"k8s-version=1.31,role=node\": no available image or snapshot matches it for architecture arm",
         "network \"no-such-network\" does not exist",
         "network \"bigfleet-mgmt\" has no subnet 10.9.0.0/24",
-        "FAIL  offering cx22/nbg1 firewalls: offering cx22/nbg1 field \"firewalls\": firewall \"no-such-firewall\" does not exist",
-        "FAIL  offering cx22/nbg1 login_ssh_keys: offering cx22/nbg1 field \"login_ssh_keys\": SSH key \"no-such-key\" does not exist",
-        "FAIL  offering cx32/fsn1 ssh_address: offering cx32/fsn1 --ssh-address \"public\" needs a public IPv4, but offering cx32/fsn1 field \"public_ipv4\" is false",
+        "FAIL  offering cx23/nbg1 firewalls: offering cx23/nbg1 field \"firewalls\": firewall \"no-such-firewall\" does not exist",
+        "FAIL  offering cx23/nbg1 login_ssh_keys: offering cx23/nbg1 field \"login_ssh_keys\": SSH key \"no-such-key\" does not exist",
+        "FAIL  offering cx33/fsn1 ssh_address: offering cx33/fsn1 --ssh-address \"public\" needs a public IPv4, but offering cx33/fsn1 field \"public_ipv4\" is false",
     ] {
         ensure!(
             out.contains(want),

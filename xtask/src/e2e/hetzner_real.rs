@@ -37,7 +37,7 @@ use super::wire::{self, Caller, ClientSecurity, Shard, state_of};
 
 const TOKEN: &str = "e2e-hcloud-token";
 const OFFERINGS: &str = r#"[
-  {"server_type": "cx22", "location": "nbg1", "count": 2},
+  {"server_type": "cx23", "location": "nbg1", "count": 2},
   {"server_type": "cax11", "location": "fsn1", "count": 1}
 ]"#;
 
@@ -256,8 +256,8 @@ async fn exercise(dir: &Path, spec: &Spec) -> Result<()> {
             );
             ensure!(m.price_per_hour > 0.0, "{} has no price", m.id);
         }
-        let cx22: Vec<&pb::Machine> = first.iter().filter(|m| m.instance_type == "cx22").collect();
-        let (kept, dropped) = (cx22[0].id.clone(), cx22[1].id.clone());
+        let cx23: Vec<&pb::Machine> = first.iter().filter(|m| m.instance_type == "cx23").collect();
+        let (kept, dropped) = (cx23[0].id.clone(), cx23[1].id.clone());
 
         caller.create(&kept).await?;
         let idle = caller

@@ -97,7 +97,7 @@ impl Emulated {
 
     pub(crate) fn machine_id(&self, index: i64) -> String {
         let (instance_type, zone) = match self {
-            Emulated::Hetzner(_) => ("cx22", "nbg1"),
+            Emulated::Hetzner(_) => ("cx23", "nbg1"),
             Emulated::DigitalOcean { .. } => ("s-1vcpu-2gb", DO_REGION),
         };
         format!(
@@ -123,7 +123,7 @@ impl Emulated {
                 (
                     "hetzner",
                     format!(
-                        r#"[{{"server_type": "cx22", "location": "nbg1", "count": {machines}}}]"#
+                        r#"[{{"server_type": "cx23", "location": "nbg1", "count": {machines}}}]"#
                     ),
                 )
             }

@@ -599,3 +599,31 @@ async fn a_malformed_bootstrap_ca_fails_startup_naming_the_flag() {
         "{text}"
     );
 }
+
+#[test]
+fn check_is_listed_in_the_help_and_has_its_own() {
+    let help = |args: &[&str]| {
+        let output = std::process::Command::new(env!("CARGO_BIN_EXE_digitalocean"))
+            .args(args)
+            .output()
+            .unwrap();
+        assert_eq!(output.status.code(), Some(0), "{args:?}");
+        String::from_utf8_lossy(&output.stdout).into_owned()
+    };
+    let top = help(&["--help"]);
+    assert!(
+        top.lines()
+            .any(|l| l.trim_start().starts_with("check ") && l.contains("Check a configuration")),
+        "{top}"
+    );
+    let check = help(&["check", "--help"]);
+    assert!(
+        check.contains("Usage: digitalocean check [OPTIONS] [SERVING FLAGS]..."),
+        "{check}"
+    );
+    assert!(check.contains("the account's limits"), "{check}");
+    assert!(
+        !check.contains("--do-api-url"),
+        "not the top-level help:\n{check}"
+    );
+}

@@ -257,7 +257,9 @@ async fn prices_and_capacities_come_from_the_size_catalogue() {
         caps["s-4vcpu-8gb"],
         Capacity {
             vcpus: 4,
-            memory_mib: 8192
+            memory_mib: 8192,
+            disk_gib: 160,
+            arch: Some(provider_core::cloud::Arch::Amd64),
         }
     );
 }

@@ -7,6 +7,7 @@
 
 mod binary;
 mod budget;
+mod catalogue;
 mod channel;
 mod cloud;
 mod enrollment;

@@ -281,17 +281,16 @@ async fn resolution_errors_name_offering_field_and_value() {
             "{e}"
         );
     }
-    let e = startup(
+    // A size the API does not sell is no settings problem: its offering is withdrawn by the
+    // catalogue (startup refuses only when no offering can be ordered) and has no settings.
+    let profiles = startup(
         &api,
         &plan(&[offering("s-99vcpu")], &[], &defaults(), true).unwrap(),
         soon(),
     )
     .await
-    .unwrap_err();
-    assert_eq!(
-        e,
-        "offering s-99vcpu/nyc3 field size \"s-99vcpu\": size \"s-99vcpu\" does not exist"
-    );
+    .unwrap();
+    assert!(profiles.is_empty());
 }
 
 /// Runs `digitalocean check --json` with `args`; returns the exit status, the JSON report and
@@ -368,9 +367,41 @@ async fn check_reports_each_broken_setting_and_never_a_secret() {
             format!("--bootstrap-ca={ca}"),
         ]
     };
+    env.emulator
+        .insert_droplet("someone-else", "ams3", "s-1vcpu-1gb", &[]);
     let (ok, doc, all) = run_check(&args(&good, "https://127.0.0.1:9443"), API_TOKEN).await;
     assert!(ok, "{all}");
     assert_eq!(doc["problems"], 0);
+    let limit = doc["checks"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|c| c["check"] == "droplet limit")
+        .unwrap();
+    assert_eq!(
+        limit["found"],
+        "1 of 25 Droplets in use, room for 24 more; the offerings have 2 slots"
+    );
+    // A sold-out size is named, and a limit with no room for the slots is a problem.
+    env.emulator.set_sold_out("s-1vcpu-2gb", REGION, true);
+    env.emulator.set_droplet_limit(2);
+    let (ok, doc, _) = run_check(&args(&good, "https://127.0.0.1:9443"), API_TOKEN).await;
+    assert!(!ok);
+    let found = problems(&doc);
+    assert!(
+        found.iter().any(|(check, problem)| check == "droplet limit"
+            && problem.contains("room for 1 more; the offerings have 2 slots: 1 of them")),
+        "{found:?}"
+    );
+    assert!(
+        found
+            .iter()
+            .any(|(check, problem)| check == "offering s-1vcpu-2gb/nyc3 size"
+                && problem.contains("is not available in region nyc3")),
+        "{found:?}"
+    );
+    env.emulator.set_sold_out("s-1vcpu-2gb", REGION, false);
+    env.emulator.set_droplet_limit(25);
     let firewall = doc["checks"]
         .as_array()
         .unwrap()

@@ -8,6 +8,8 @@ use serde_json::{Value, json};
 use tokio::net::TcpListener;
 use tokio_util::sync::CancellationToken;
 
+mod spec_shape;
+
 const TOKEN: &str = "emu-token";
 
 async fn start() -> (Emulator, String, tokio_util::sync::DropGuard) {

@@ -13,6 +13,8 @@ use hcloud::apis::{Error, images_api, locations_api, networks_api, server_types_
 use hcloud::models;
 use hcloud_emulator::{Emulator, Fault};
 
+mod spec_shape;
+
 const TOKEN: &str = "emulator-it-token";
 
 fn config(emulator: &Emulator, token: &str) -> Configuration {
@@ -55,13 +57,13 @@ async fn servers_round_trip_through_the_generated_client() {
     let c = config(&emulator, TOKEN);
     let created = servers_api::create_server(
         &c,
-        create_request("web-1", "cx22", &[("role", "web"), ("env", "prod")]),
+        create_request("web-1", "cx23", &[("role", "web"), ("env", "prod")]),
     )
     .await
     .unwrap();
     assert_eq!(created.server.name, "web-1");
     assert_eq!(created.server.status, models::server::Status::Initializing);
-    assert_eq!(created.server.server_type.name, "cx22");
+    assert_eq!(created.server.server_type.name, "cx23");
     assert_eq!(created.server.location.name, "nbg1");
     assert!(created.server.public_net.ipv4.is_some());
     servers_api::create_server(
@@ -72,7 +74,7 @@ async fn servers_round_trip_through_the_generated_client() {
     .unwrap();
     servers_api::create_server(
         &c,
-        create_request("web-2", "cx22", &[("role", "web"), ("env", "dev")]),
+        create_request("web-2", "cx23", &[("role", "web"), ("env", "dev")]),
     )
     .await
     .unwrap();
@@ -159,7 +161,7 @@ async fn pagination_metadata_matches_the_api() {
     emulator.set_max_per_page(2);
     let c = config(&emulator, TOKEN);
     for i in 0..5 {
-        servers_api::create_server(&c, create_request(&format!("s-{i}"), "cx22", &[]))
+        servers_api::create_server(&c, create_request(&format!("s-{i}"), "cx23", &[]))
             .await
             .unwrap();
     }
@@ -202,9 +204,9 @@ async fn catalogue_endpoints_parse() {
     let cax = &types.server_types[0];
     assert_eq!(cax.architecture, models::Architecture::Arm);
     let nbg = cax.prices.iter().find(|p| p.location == "nbg1").unwrap();
-    assert_eq!(nbg.price_hourly.net.parse::<f64>().unwrap(), 0.0059);
+    assert_eq!(nbg.price_hourly.net.parse::<f64>().unwrap(), 0.0065);
     assert!(
-        nbg.price_hourly.gross.parse::<f64>().unwrap() > 0.0059,
+        nbg.price_hourly.gross.parse::<f64>().unwrap() > 0.0065,
         "gross includes VAT"
     );
 
@@ -256,20 +258,20 @@ async fn errors_come_in_hetzners_format() {
     };
 
     let wrong = config(&emulator, "not-the-token");
-    let e = servers_api::create_server(&wrong, create_request("x", "cx22", &[]))
+    let e = servers_api::create_server(&wrong, create_request("x", "cx23", &[]))
         .await
         .unwrap_err();
     assert_eq!(entity(e), (401, "unauthorized".into()));
 
-    servers_api::create_server(&c, create_request("dup", "cx22", &[]))
+    servers_api::create_server(&c, create_request("dup", "cx23", &[]))
         .await
         .unwrap();
-    let e = servers_api::create_server(&c, create_request("dup", "cx22", &[]))
+    let e = servers_api::create_server(&c, create_request("dup", "cx23", &[]))
         .await
         .unwrap_err();
     assert_eq!(entity(e), (409, "uniqueness_error".into()));
 
-    let e = servers_api::create_server(&c, create_request("bad-label", "cx22", &[("k", "-bad-")]))
+    let e = servers_api::create_server(&c, create_request("bad-label", "cx23", &[("k", "-bad-")]))
         .await
         .unwrap_err();
     assert_eq!(entity(e), (422, "invalid_input".into()));
@@ -283,7 +285,7 @@ async fn errors_come_in_hetzners_format() {
         retry_after: Some(3),
         reset_in: None,
     }]);
-    let e = servers_api::create_server(&c, create_request("later", "cx22", &[]))
+    let e = servers_api::create_server(&c, create_request("later", "cx23", &[]))
         .await
         .unwrap_err();
     assert_eq!(entity(e), (429, "rate_limit_exceeded".into()));
@@ -355,7 +357,7 @@ async fn production_resources_round_trip_through_the_generated_client() {
     .await
     .unwrap()
     .placement_group;
-    let mut request = create_request("pg-1", "cx22", &[]);
+    let mut request = create_request("pg-1", "cx23", &[]);
     request.create_server_request.placement_group = Some(group.id);
     request.create_server_request.firewalls = Some(vec![models::CreateServerRequestFirewalls {
         firewall: 7001,
@@ -398,7 +400,7 @@ async fn production_resources_round_trip_through_the_generated_client() {
         group.id
     );
     assert_eq!(emulator.create_bodies()[0]["ssh_keys"][1], "5002");
-    let mut second = create_request("pg-2", "cx22", &[]);
+    let mut second = create_request("pg-2", "cx23", &[]);
     second.create_server_request.placement_group = Some(group.id);
     match servers_api::create_server(&c, second).await {
         Err(Error::ResponseError(r)) => {

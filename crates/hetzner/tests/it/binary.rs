@@ -125,7 +125,7 @@ fn bad_configuration_fails_before_any_port_binds() {
     let offerings = dir.path().join("offerings.json");
     std::fs::write(
         &offerings,
-        r#"[{"server_type":"cx22","location":"nbg1","capacity_type":"spot","count":1}]"#,
+        r#"[{"server_type":"cx23","location":"nbg1","capacity_type":"spot","count":1}]"#,
     )
     .unwrap();
     refuses(
@@ -227,5 +227,34 @@ fn text_logs_to_a_pipe_carry_no_colour_codes_even_without_no_color() {
     assert!(
         !stderr.contains('\u{1b}'),
         "escape sequences in a pod's log: {stderr:?}"
+    );
+}
+
+#[test]
+fn check_is_listed_in_the_help_and_has_its_own() {
+    let help = |args: &[&str]| {
+        let output = Command::new(binary()).args(args).output().unwrap();
+        assert_eq!(output.status.code(), Some(0), "{args:?}");
+        String::from_utf8_lossy(&output.stdout).into_owned()
+    };
+    let top = help(&["--help"]);
+    assert!(
+        top.lines()
+            .any(|l| l.trim_start().starts_with("check ") && l.contains("Check a configuration")),
+        "{top}"
+    );
+    let check = help(&["check", "--help"]);
+    assert!(
+        check.contains("Usage: hetzner check [OPTIONS] [SERVING FLAGS]..."),
+        "{check}"
+    );
+    assert!(check.contains("--json"), "{check}");
+    assert!(
+        check.contains("deprecated or not sold there now"),
+        "{check}"
+    );
+    assert!(
+        !check.contains("--hcloud-endpoint"),
+        "not the top-level help:\n{check}"
     );
 }

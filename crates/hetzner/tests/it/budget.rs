@@ -39,7 +39,7 @@ async fn burst(env: &Env) -> Duration {
     let tasks: Vec<_> = (0..CREATES)
         .map(|i| {
             let cloud = env.cloud.clone();
-            let machine = env.machine("cx22", "nbg1", i);
+            let machine = env.machine("cx23", "nbg1", i);
             tokio::spawn(async move { cloud.create_host(&machine, &ctx(120)).await })
         })
         .collect();

@@ -21,7 +21,7 @@ fn owned_labels(machine_id: &str, provider: &str) -> HashMap<String, String> {
 async fn a_lost_create_response_is_resolved_by_lookup_not_a_second_server() {
     let env = Env::new(Options::default()).await;
     env.emulator.inject_create([CreateFault::LoseResponse]);
-    let machine = env.machine("cx22", "nbg1", 0);
+    let machine = env.machine("cx23", "nbg1", 0);
     let host = env.cloud.create_host(&machine, &ctx(30)).await.unwrap();
     assert_eq!(env.emulator.servers().len(), 1);
     assert_eq!(host.id, env.emulator.servers()[0].id.to_string());
@@ -46,7 +46,7 @@ async fn a_create_that_times_out_makes_no_second_server() {
     .await;
     env.emulator
         .inject_create([CreateFault::Hang(Duration::from_secs(3))]);
-    let machine = env.machine("cx22", "nbg1", 1);
+    let machine = env.machine("cx23", "nbg1", 1);
     let host = env.cloud.create_host(&machine, &ctx(30)).await.unwrap();
     let servers = env.emulator.servers();
     assert_eq!(servers.len(), 1);
@@ -60,11 +60,11 @@ async fn a_create_that_times_out_makes_no_second_server() {
 #[tokio::test]
 async fn a_name_taken_by_someone_else_is_never_adopted() {
     let env = Env::new(Options::default()).await;
-    let machine = env.machine("cx22", "nbg1", 0);
+    let machine = env.machine("cx23", "nbg1", 0);
     // Same name, but the labels belong to another provider instance.
     let foreign = env.emulator.insert_server(
         &labels::server_name(&machine.id),
-        "cx22",
+        "cx23",
         "nbg1",
         owned_labels(&machine.id, "someone-else"),
         "127.0.0.1",
@@ -117,7 +117,7 @@ async fn rate_limit_storms_are_waited_out_and_counted() {
             reset_in: None,
         },
     ]);
-    let price = env.cloud.price_usd("cx22", "nbg1").await.unwrap();
+    let price = env.cloud.price_usd("cx23", "nbg1").await.unwrap();
     assert!(price > 0.0);
     assert_eq!(env.emulator.count_status(429), 4);
     assert_eq!(env.emulator.count_status(503), 1);
@@ -152,7 +152,7 @@ async fn a_storm_longer_than_the_budget_fails_instead_of_hanging() {
     let env = Env::new(Options::default()).await;
     env.emulator
         .inject((0..20).map(|_| Fault::ServerError(502)));
-    let err = env.cloud.price_usd("cx22", "nbg1").await.unwrap_err();
+    let err = env.cloud.price_usd("cx23", "nbg1").await.unwrap_err();
     assert!(err.0.contains("HTTP 502"), "{}", err.0);
     assert_eq!(
         env.emulator.count_status(502),
@@ -169,7 +169,7 @@ async fn inventory_follows_pagination_and_keeps_to_its_own_servers() {
     for i in 0..5 {
         let host = env
             .cloud
-            .create_host(&env.machine("cx22", "nbg1", i), &ctx(30))
+            .create_host(&env.machine("cx23", "nbg1", i), &ctx(30))
             .await
             .unwrap();
         ours.push(host.id);
@@ -178,20 +178,20 @@ async fn inventory_follows_pagination_and_keeps_to_its_own_servers() {
     // unmanaged server.
     env.emulator.insert_server(
         "other",
-        "cx22",
+        "cx23",
         "nbg1",
-        owned_labels("x/OnDemand/cx22/nbg1/000", "other"),
+        owned_labels("x/OnDemand/cx23/nbg1/000", "other"),
         "10.0.0.1",
     );
     env.emulator.insert_server(
         "far",
-        "cx22",
+        "cx23",
         "hel1",
-        owned_labels(&format!("{PROVIDER}/OnDemand/cx22/hel1/000"), PROVIDER),
+        owned_labels(&format!("{PROVIDER}/OnDemand/cx23/hel1/000"), PROVIDER),
         "10.0.0.2",
     );
     env.emulator
-        .insert_server("plain", "cx22", "nbg1", HashMap::new(), "10.0.0.3");
+        .insert_server("plain", "cx23", "nbg1", HashMap::new(), "10.0.0.3");
     // A failed page is retried, never skipped.
     env.emulator.inject([Fault::ServerError(503)]);
     let mut listed: Vec<String> = env
@@ -226,12 +226,12 @@ async fn servers_deleted_out_of_band_or_being_deleted_leave_the_inventory() {
     let env = Env::new(Options::default()).await;
     let a = env
         .cloud
-        .create_host(&env.machine("cx22", "nbg1", 0), &ctx(30))
+        .create_host(&env.machine("cx23", "nbg1", 0), &ctx(30))
         .await
         .unwrap();
     let b = env
         .cloud
-        .create_host(&env.machine("cx22", "nbg1", 1), &ctx(30))
+        .create_host(&env.machine("cx23", "nbg1", 1), &ctx(30))
         .await
         .unwrap();
     assert_eq!(env.cloud.list_hosts().await.unwrap().len(), 2);
@@ -283,7 +283,7 @@ async fn the_token_never_shows_in_errors_or_debug_output() {
     );
     assert!(!err.0.contains("wrong-token-value-123"));
     let err = cloud
-        .create_host(&env.machine("cx22", "nbg1", 0), &ctx(5))
+        .create_host(&env.machine("cx23", "nbg1", 0), &ctx(5))
         .await
         .unwrap_err();
     assert!(!err.0.contains("wrong-token-value-123"), "{}", err.0);
@@ -303,25 +303,25 @@ async fn servers_of_the_reference_provider_are_adopted_and_claimed() {
         l.extend(labels::machine_id_labels(machine_id));
         l
     };
-    let mine_id = format!("{PROVIDER}/OnDemand/cx22/nbg1/004");
+    let mine_id = format!("{PROVIDER}/OnDemand/cx23/nbg1/004");
     let mut mine_labels = reference(&mine_id);
     mine_labels.insert(labels::CLUSTER.into(), "prod".into());
     let mine =
         env.emulator
-            .insert_server("bigfleet-n5yc2mi", "cx22", "nbg1", mine_labels, "127.0.0.1");
+            .insert_server("bigfleet-n5yc2mi", "cx23", "nbg1", mine_labels, "127.0.0.1");
     // Another instance's slot, and one of ours in a location this process does not serve.
     env.emulator.insert_server(
         "a",
-        "cx22",
+        "cx23",
         "nbg1",
-        reference("other/OnDemand/cx22/nbg1/000"),
+        reference("other/OnDemand/cx23/nbg1/000"),
         "10.0.0.1",
     );
     env.emulator.insert_server(
         "b",
-        "cx22",
+        "cx23",
         "hel1",
-        reference(&format!("{PROVIDER}/OnDemand/cx22/hel1/000")),
+        reference(&format!("{PROVIDER}/OnDemand/cx23/hel1/000")),
         "10.0.0.2",
     );
 
@@ -333,7 +333,7 @@ async fn servers_of_the_reference_provider_are_adopted_and_claimed() {
 
     // A Create for that machine adopts it (and stamps our provider label) instead of making
     // a second server.
-    let mut machine = env.machine("cx22", "nbg1", 4);
+    let mut machine = env.machine("cx23", "nbg1", 4);
     assert_eq!(machine.id, mine_id);
     let host = env.cloud.create_host(&machine, &ctx(10)).await.unwrap();
     assert_eq!(host.id, mine.to_string());
@@ -358,7 +358,7 @@ async fn a_create_refused_without_effect_is_retried_into_exactly_one_server() {
     let env = Env::new(Options::default()).await;
     env.emulator
         .inject_create([CreateFault::Refuse(503), CreateFault::Refuse(500)]);
-    let machine = env.machine("cx22", "nbg1", 2);
+    let machine = env.machine("cx23", "nbg1", 2);
     let host = env.cloud.create_host(&machine, &ctx(30)).await.unwrap();
     assert_eq!(
         env.emulator.count("POST", "/servers"),
@@ -380,7 +380,7 @@ async fn a_create_refused_without_effect_is_retried_into_exactly_one_server() {
 #[tokio::test]
 async fn a_create_waits_for_the_machines_previous_server_to_finish_deleting() {
     let env = Env::new(Options::default()).await;
-    let machine = env.machine("cx22", "nbg1", 3);
+    let machine = env.machine("cx23", "nbg1", 3);
     let first = env.cloud.create_host(&machine, &ctx(30)).await.unwrap();
     env.emulator.set_deleting_reads(3);
     env.cloud.delete_host(&first.id, &ctx(10)).await.unwrap();
@@ -402,7 +402,7 @@ async fn a_create_waits_for_the_machines_previous_server_to_finish_deleting() {
 async fn a_rate_limit_storm_while_polling_a_new_server_does_not_fail_the_create() {
     let env = Env::new(Options::default()).await;
     env.emulator.set_polls_to_running(2);
-    let machine = env.machine("cx22", "nbg1", 0);
+    let machine = env.machine("cx23", "nbg1", 0);
     let cloud = env.cloud.clone();
     let create = tokio::spawn(async move { cloud.create_host(&machine, &ctx(30)).await });
     // Once the server exists, every next request is refused for a while: far more than the

@@ -33,10 +33,10 @@ fn fleet(env: &Env) -> Fleet {
     Fleet::new(
         env.cloud.clone(),
         PROVIDER,
-        vec![offering("cx22", "nbg1", 2), offering("cax11", "fsn1", 1)],
+        vec![offering("cx23", "nbg1", 2), offering("cax11", "fsn1", 1)],
         prices,
         capacities,
-        catalog::extra_labels,
+        |_| provider_core::StringMap::new(),
     )
 }
 
@@ -51,7 +51,7 @@ async fn create_configure_drain_delete_end_to_end() {
     assert!(slots.iter().all(|m| m.state == MachineState::Speculative));
     let mut machine = slots
         .iter()
-        .find(|m| m.instance_type == "cx22")
+        .find(|m| m.instance_type == "cx23")
         .unwrap()
         .clone();
 
@@ -160,38 +160,42 @@ async fn arm_offerings_get_the_arm_image_and_prices_are_net_per_location() {
     assert_eq!(host.public_ipv4.as_deref(), Some("127.0.0.1"));
     assert!(host.running);
 
-    let cx22 = env.cloud.price_usd("cx22", "nbg1").await.unwrap();
+    let cx23 = env.cloud.price_usd("cx23", "nbg1").await.unwrap();
     assert!(
-        (cx22 - 0.0060 * 1.25).abs() < 1e-9,
-        "net EUR x rate, got {cx22}"
+        (cx23 - 0.0060 * 1.25).abs() < 1e-9,
+        "net EUR x rate, got {cx23}"
     );
-    let hel = env.cloud.price_usd("cx22", "hel1").await.unwrap();
+    let hel = env.cloud.price_usd("cx23", "hel1").await.unwrap();
     assert!(
         (hel - 0.0060 * 0.9 * 1.25).abs() < 1e-9,
         "per-location price, got {hel}"
     );
-    let err = env.cloud.price_usd("cx22", "ash").await.unwrap_err();
-    assert_eq!(err.0, "no pricing for cx22 in ash");
+    let err = env.cloud.price_usd("cx23", "ash").await.unwrap_err();
+    assert_eq!(err.0, "no pricing for cx23 in ash");
     let err = env.cloud.price_usd("cx99", "nbg1").await.unwrap_err();
     assert_eq!(err.0, "unknown server type \"cx99\"");
 
     let caps = env
         .cloud
-        .capacities(&["cx22".into(), "cpx41".into(), "nope".into()])
+        .capacities(&["cx23".into(), "cpx42".into(), "nope".into()])
         .await
         .unwrap();
     assert_eq!(
-        caps["cx22"],
+        caps["cx23"],
         Capacity {
             vcpus: 2,
-            memory_mib: 4096
+            memory_mib: 4096,
+            disk_gib: 40,
+            arch: Some(provider_core::cloud::Arch::Amd64),
         }
     );
     assert_eq!(
-        caps["cpx41"],
+        caps["cpx42"],
         Capacity {
             vcpus: 8,
-            memory_mib: 16384
+            memory_mib: 16384,
+            disk_gib: 320,
+            arch: Some(provider_core::cloud::Arch::Amd64),
         }
     );
     assert!(!caps.contains_key("nope"));
@@ -207,16 +211,17 @@ async fn create_errors_name_what_is_wrong() {
         .unwrap_err();
     assert_eq!(
         err.0,
-        "create server cx99: offering cx99/nbg1 server_type \"cx99\" does not exist"
+        "create server cx99: offering cx99/nbg1 server_type \"cx99\" does not exist (the API \
+         lists no such server type): withdrawn"
     );
     let err = env
         .cloud
-        .create_host(&env.machine("cx22", "hel1", 0), &ctx(10))
+        .create_host(&env.machine("cx23", "hel1", 0), &ctx(10))
         .await
         .unwrap_err();
     assert!(
         err.0.starts_with(
-            "create server cx22: location \"hel1\" is not one of this provider's locations"
+            "create server cx23: location \"hel1\" is not one of this provider's locations"
         ),
         "{}",
         err.0
@@ -233,7 +238,7 @@ async fn operator_user_data_is_merged_as_multipart() {
     .await;
     let host = env
         .cloud
-        .create_host(&env.machine("cx22", "nbg1", 0), &ctx(10))
+        .create_host(&env.machine("cx23", "nbg1", 0), &ctx(10))
         .await
         .unwrap();
     let user_data = env.emulator.user_data(host.id.parse().unwrap()).unwrap();
@@ -267,7 +272,7 @@ async fn engine(
         offerings,
         prices,
         capacities,
-        catalog::extra_labels,
+        |_| provider_core::StringMap::new(),
     );
     let mut options = provider_core::EngineOptions::new(env.telemetry);
     options.timeouts.create = create_timeout;
@@ -309,18 +314,18 @@ async fn a_server_skipped_by_a_shifting_paged_listing_is_not_declared_vanished()
     env.emulator.set_polls_to_running(0);
     for i in 0..6 {
         env.cloud
-            .create_host(&env.machine("cx22", "nbg1", i), &ctx(30))
+            .create_host(&env.machine("cx23", "nbg1", i), &ctx(30))
             .await
             .unwrap();
     }
     let engine = engine(
         &env,
-        vec![offering("cx22", "nbg1", 6)],
+        vec![offering("cx23", "nbg1", 6)],
         std::time::Duration::from_secs(30),
         std::time::Duration::from_secs(600),
     )
     .await;
-    let ids: Vec<String> = (0..6).map(|i| env.machine("cx22", "nbg1", i).id).collect();
+    let ids: Vec<String> = (0..6).map(|i| env.machine("cx23", "nbg1", i).id).collect();
     for id in &ids {
         assert_eq!(engine.get(id).unwrap().state, MachineState::Idle);
     }
@@ -361,12 +366,12 @@ async fn a_server_left_by_a_failed_create_is_recorded_and_released() {
     env.emulator.set_polls_to_running(1_000_000);
     let engine = engine(
         &env,
-        vec![offering("cx22", "nbg1", 1)],
+        vec![offering("cx23", "nbg1", 1)],
         std::time::Duration::from_secs(1),
         std::time::Duration::from_secs(600),
     )
     .await;
-    let id = env.machine("cx22", "nbg1", 0).id;
+    let id = env.machine("cx23", "nbg1", 0).id;
     engine.create(&id, zero_token()).await.unwrap();
     let failed = settled(&engine, &id).await;
     assert_eq!(failed.state, MachineState::Failed, "{failed:?}");
@@ -401,11 +406,11 @@ async fn a_server_left_by_a_failed_create_is_recorded_and_released() {
 async fn an_orphaned_server_is_deleted_after_the_grace_period() {
     let env = Env::new(Options::default()).await;
     env.emulator.set_polls_to_running(0);
-    let machine = env.machine("cx22", "nbg1", 0);
+    let machine = env.machine("cx23", "nbg1", 0);
     let own = env.cloud.create_host(&machine, &ctx(30)).await.unwrap();
     let engine = engine(
         &env,
-        vec![offering("cx22", "nbg1", 1)],
+        vec![offering("cx23", "nbg1", 1)],
         std::time::Duration::from_secs(30),
         std::time::Duration::from_millis(50),
     )
@@ -415,7 +420,7 @@ async fn an_orphaned_server_is_deleted_after_the_grace_period() {
     server_labels.extend(labels::text_labels(labels::PROVIDER, PROVIDER));
     let stray = env
         .emulator
-        .insert_server("stray", "cx22", "nbg1", server_labels, "192.0.2.9");
+        .insert_server("stray", "cx23", "nbg1", server_labels, "192.0.2.9");
     let first = engine.reconcile().await.unwrap();
     assert_eq!((first.orphans, first.orphans_deleted), (1, 0), "{first:?}");
     tokio::time::sleep(std::time::Duration::from_millis(60)).await;
@@ -449,12 +454,12 @@ async fn releasing_a_failed_create_deletes_the_server_it_left_before_reconcile_s
         )]);
     let engine = engine(
         &env,
-        vec![offering("cx22", "nbg1", 1)],
+        vec![offering("cx23", "nbg1", 1)],
         std::time::Duration::from_secs(1),
         std::time::Duration::from_secs(600),
     )
     .await;
-    let id = env.machine("cx22", "nbg1", 0).id;
+    let id = env.machine("cx23", "nbg1", 0).id;
     engine.create(&id, zero_token()).await.unwrap();
     let failed = settled(&engine, &id).await;
     assert_eq!(failed.state, MachineState::Failed, "{failed:?}");

@@ -1,9 +1,9 @@
 //! The client's look-ups by numeric id or else by name, against the emulator's fixtures: what
 //! each finds and exactly which requests it sends.
 
-use hcloud::models::Architecture;
 use hcloud_emulator::Emulator;
 use hetzner::api::{ClientTiming, HcloudApi};
+use hetzner::models::Architecture;
 use provider_core::config::Secret;
 use provider_core::telemetry::Telemetry;
 use tokio::time::{Duration, Instant};

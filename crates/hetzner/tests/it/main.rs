@@ -6,6 +6,7 @@
 
 mod binary;
 mod budget;
+mod catalogue;
 mod etcd_state;
 mod faults;
 mod harness;

@@ -84,7 +84,7 @@ async fn a_server_deleted_out_of_band_is_noticed_by_the_next_check_not_the_paced
     env.emulator.set_polls_to_running(0);
     for i in 0..SERVERS {
         env.cloud
-            .create_host(&env.machine("cx22", "nbg1", i), &ctx(30))
+            .create_host(&env.machine("cx23", "nbg1", i), &ctx(30))
             .await
             .unwrap();
     }
@@ -92,7 +92,7 @@ async fn a_server_deleted_out_of_band_is_noticed_by_the_next_check_not_the_paced
     // so at the 7.5 a second the checks leave, surveys are paced to about 4 s.
     env.emulator.set_max_per_page(1);
     let offering = Offering {
-        instance_type: "cx22".into(),
+        instance_type: "cx23".into(),
         zone: "nbg1".into(),
         capacity_type: "on_demand".into(),
         count: SERVERS + 1,
@@ -107,7 +107,7 @@ async fn a_server_deleted_out_of_band_is_noticed_by_the_next_check_not_the_paced
             catalog::pinned_price_eur(t).map(|eur| eur * 1.25)
         })),
         Arc::new(CapacityBook::new(catalog::pinned_capacity)),
-        catalog::extra_labels,
+        |_| provider_core::StringMap::new(),
     );
     let engine = provider_core::Engine::start(
         Arc::new(fleet),
@@ -117,7 +117,7 @@ async fn a_server_deleted_out_of_band_is_noticed_by_the_next_check_not_the_paced
     .await
     .unwrap();
     let ids: Vec<String> = (0..=SERVERS)
-        .map(|i| env.machine("cx22", "nbg1", i).id)
+        .map(|i| env.machine("cx23", "nbg1", i).id)
         .collect();
     for id in &ids[..SERVERS as usize] {
         assert_eq!(engine.get(id).unwrap().state, MachineState::Idle, "{id}");

@@ -51,7 +51,7 @@ async fn reconcile_surveys_are_paced_to_their_share_of_the_budget() {
     let offerings = dir.join("offerings.json");
     std::fs::write(
         &offerings,
-        r#"[{"server_type":"cx22","location":"nbg1","count":2}]"#,
+        r#"[{"server_type":"cx23","location":"nbg1","count":2}]"#,
     )
     .unwrap();
     let mut spec = process_spec(vec![

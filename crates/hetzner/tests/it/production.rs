@@ -49,7 +49,7 @@ fn offering_spec(server_type: &str, location: &str, spec: ServerSpec) -> Offerin
 #[tokio::test]
 async fn the_create_request_carries_exactly_the_configured_settings() {
     let env = Env::new(Options {
-        offerings: vec![offering_spec("cx22", "nbg1", production_spec())],
+        offerings: vec![offering_spec("cx23", "nbg1", production_spec())],
         ..Options::default()
     })
     .await;
@@ -57,7 +57,7 @@ async fn the_create_request_carries_exactly_the_configured_settings() {
     let resolving = env.emulator.seen().len();
     let host = env
         .cloud
-        .create_host(&env.machine("cx22", "nbg1", 0), &ctx(20))
+        .create_host(&env.machine("cx23", "nbg1", 0), &ctx(20))
         .await
         .unwrap();
     let bodies = env.emulator.create_bodies();
@@ -80,7 +80,7 @@ async fn the_create_request_carries_exactly_the_configured_settings() {
     );
     assert_eq!(body["ssh_keys"], json!(["5001", "5002"]));
     assert_eq!(body["location"], "nbg1");
-    assert_eq!(body["server_type"], "cx22");
+    assert_eq!(body["server_type"], "cx23");
     let labels = body["labels"].as_object().unwrap();
     assert_eq!(labels["team"], "core");
     assert_eq!(labels["bigfleet-managed"], "true");
@@ -101,7 +101,7 @@ async fn the_create_request_carries_exactly_the_configured_settings() {
     assert!(server.public_net.ipv6.is_some());
     // A second create resolves nothing again.
     env.cloud
-        .create_host(&env.machine("cx22", "nbg1", 1), &ctx(20))
+        .create_host(&env.machine("cx23", "nbg1", 1), &ctx(20))
         .await
         .unwrap();
     let lookups: Vec<String> = env.emulator.seen()[resolving..]
@@ -127,7 +127,7 @@ async fn the_create_request_carries_exactly_the_configured_settings() {
 async fn spread_groups_roll_over_at_the_limit_and_empty_owned_ones_are_deleted() {
     let env = Env::new(Options {
         offerings: vec![offering_spec(
-            "cx22",
+            "cx23",
             "nbg1",
             ServerSpec {
                 image: "ubuntu-24.04".into(),
@@ -147,7 +147,7 @@ async fn spread_groups_roll_over_at_the_limit_and_empty_owned_ones_are_deleted()
     for i in 0..3 {
         let host = env
             .cloud
-            .create_host(&env.machine("cx22", "nbg1", i), &ctx(20))
+            .create_host(&env.machine("cx23", "nbg1", i), &ctx(20))
             .await
             .unwrap();
         hosts.push(host.id);
@@ -181,7 +181,7 @@ async fn spread_groups_roll_over_at_the_limit_and_empty_owned_ones_are_deleted()
 async fn ipv6_only_servers_are_configured_over_ipv6() {
     let mut env = Env::new(Options {
         offerings: vec![offering_spec(
-            "cx22",
+            "cx23",
             "nbg1",
             ServerSpec {
                 image: "ubuntu-24.04".into(),
@@ -194,7 +194,7 @@ async fn ipv6_only_servers_are_configured_over_ipv6() {
     })
     .await;
     env.emulator.set_new_server_ipv6_net("::/64");
-    let mut machine = env.machine("cx22", "nbg1", 0);
+    let mut machine = env.machine("cx23", "nbg1", 0);
     let host = env.cloud.create_host(&machine, &ctx(20)).await.unwrap();
     machine.host = Some(HostRef {
         provider: PROVIDER.into(),
@@ -296,7 +296,7 @@ async fn check_passes_a_working_configuration_and_names_each_broken_setting() {
     let mut good = check_args(env.emulator.endpoint(), TOKEN);
     good.ssh_key = key.display().to_string();
     let mut report = Report::quiet(CheckOptions::default());
-    hetzner::check::run(&mut report, &good, &[offering("cx22", "nbg1")]).await;
+    hetzner::check::run(&mut report, &good, &[offering("cx23", "nbg1")]).await;
     assert!(report.passed(), "{}", report.render());
     assert_eq!(env.emulator.count("POST", "/servers"), 0);
     assert!(
@@ -306,11 +306,11 @@ async fn check_passes_a_working_configuration_and_names_each_broken_setting() {
 
     let overrides = hetzner::settings::parse_overrides(
         r#"[{"server_type":"cax11","location":"fsn1","image_selector":"role=node,k8s-version=1.31"},
-            {"server_type":"cx22","location":"nbg1","networks":["nope","bigfleet-mgmt=10.9.0.0/24"],
+            {"server_type":"cx23","location":"nbg1","networks":["nope","bigfleet-mgmt=10.9.0.0/24"],
              "firewalls":["bigfleet-nodes","no-such-fw"],"login_ssh_keys":["ops-carol"]},
             {"server_type":"cx99","location":"nbg1"},
-            {"server_type":"cx32","location":"ams9"},
-            {"server_type":"cpx11","location":"fsn1","ssh_address":"public"}]"#,
+            {"server_type":"cx33","location":"ams9"},
+            {"server_type":"cpx12","location":"fsn1","ssh_address":"public"}]"#,
     )
     .unwrap();
     let broken = RealArgs {
@@ -319,10 +319,10 @@ async fn check_passes_a_working_configuration_and_names_each_broken_setting() {
     };
     let offerings = [
         offering("cax11", "fsn1"),
-        offering("cx22", "nbg1"),
+        offering("cx23", "nbg1"),
         offering("cx99", "nbg1"),
-        offering("cx32", "ams9"),
-        offering("cpx11", "fsn1"),
+        offering("cx33", "ams9"),
+        offering("cpx12", "fsn1"),
     ];
     let mut report = Report::quiet(CheckOptions::default());
     hetzner::check::run(&mut report, &broken, &offerings).await;
@@ -336,7 +336,7 @@ async fn check_passes_a_working_configuration_and_names_each_broken_setting() {
             .unwrap_or_else(|| panic!("no problem {check:?} in:\n{text}"))
     };
     assert!(find("offering cax11/fsn1 image").contains("field \"image_selector\" \"role=node,k8s-version=1.31\": no available image or snapshot matches it for architecture arm"));
-    let networks = find("offering cx22/nbg1 networks");
+    let networks = find("offering cx23/nbg1 networks");
     assert!(
         networks.contains("network \"nope\" does not exist"),
         "{networks}"
@@ -346,21 +346,21 @@ async fn check_passes_a_working_configuration_and_names_each_broken_setting() {
         "{networks}"
     );
     assert!(
-        find("offering cx22/nbg1 firewalls").contains("firewall \"no-such-fw\" does not exist")
+        find("offering cx23/nbg1 firewalls").contains("firewall \"no-such-fw\" does not exist")
     );
     assert!(
-        find("offering cx22/nbg1 login_ssh_keys").contains("SSH key \"ops-carol\" does not exist")
+        find("offering cx23/nbg1 login_ssh_keys").contains("SSH key \"ops-carol\" does not exist")
     );
     assert!(find("offering cx99/nbg1 server_type").contains("\"cx99\" does not exist"));
-    assert!(find("offering cx32/ams9 location").contains("\"ams9\" does not exist"));
-    assert!(find("offering cpx11/fsn1 ssh_address").contains("needs a public IPv4"));
-    env.emulator.withdraw_server_type("cx22", "nbg1");
+    assert!(find("offering cx33/ams9 location").contains("\"ams9\" does not exist"));
+    assert!(find("offering cpx12/fsn1 ssh_address").contains("needs a public IPv4"));
+    env.emulator.withdraw_server_type("cx23", "nbg1");
     let mut report = Report::quiet(CheckOptions::default());
-    hetzner::check::run(&mut report, &good, &[offering("cx22", "nbg1")]).await;
+    hetzner::check::run(&mut report, &good, &[offering("cx23", "nbg1")]).await;
     assert!(
         report.problems()[0]
             .1
-            .contains("cannot be ordered in location nbg1"),
+            .contains("server type cx23 is not sold in location nbg1: withdrawn"),
         "{}",
         report.render()
     );
@@ -369,7 +369,7 @@ async fn check_passes_a_working_configuration_and_names_each_broken_setting() {
     hetzner::check::run(
         &mut report,
         &check_args(env.emulator.endpoint(), "wrong-secret-token-77"),
-        &[offering("cx22", "nbg1")],
+        &[offering("cx23", "nbg1")],
     )
     .await;
     let text = report.render();

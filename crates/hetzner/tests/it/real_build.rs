@@ -36,7 +36,7 @@ fn args() -> RealArgs {
 
 fn offerings() -> Vec<Offering> {
     vec![Offering {
-        instance_type: "cx22".into(),
+        instance_type: "cx23".into(),
         zone: "nbg1".into(),
         capacity_type: String::new(),
         count: 1,
@@ -140,7 +140,7 @@ fn private_ssh_needs_a_network() {
     });
     assert_eq!(
         err,
-        "offering cx22/nbg1 --ssh-address \"private\" needs a private network, but offering cx22/nbg1 --network is empty"
+        "offering cx23/nbg1 --ssh-address \"private\" needs a private network, but offering cx23/nbg1 --network is empty"
     );
     let err = error(RealArgs {
         ssh_address: "bastion".into(),
@@ -226,7 +226,7 @@ fn production_settings_are_validated_with_flag_and_value() {
                 ssh_address: "ipv6".into(),
                 ..args()
             },
-            "offering cx22/nbg1 --ssh-address \"ipv6\" needs a public IPv6, but offering cx22/nbg1 --public-ipv6 is false",
+            "offering cx23/nbg1 --ssh-address \"ipv6\" needs a public IPv6, but offering cx23/nbg1 --public-ipv6 is false",
         ),
     ];
     for (args, want) in cases {
@@ -239,7 +239,7 @@ fn production_settings_are_validated_with_flag_and_value() {
 #[test]
 fn an_offering_field_is_named_in_its_error() {
     let overrides = hetzner::settings::parse_overrides(
-        r#"[{"server_type":"cx22","location":"nbg1","public_ipv4":false}]"#,
+        r#"[{"server_type":"cx23","location":"nbg1","public_ipv4":false}]"#,
     )
     .unwrap();
     let err = error(RealArgs {
@@ -248,6 +248,6 @@ fn an_offering_field_is_named_in_its_error() {
     });
     assert_eq!(
         err,
-        "offering cx22/nbg1 --ssh-address \"public\" needs a public IPv4, but offering cx22/nbg1 field \"public_ipv4\" is false (use \"private\" with a network or \"ipv6\")"
+        "offering cx23/nbg1 --ssh-address \"public\" needs a public IPv4, but offering cx23/nbg1 field \"public_ipv4\" is false (use \"private\" with a network or \"ipv6\")"
     );
 }

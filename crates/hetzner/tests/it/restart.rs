@@ -57,7 +57,7 @@ fn new_state_key() -> String {
 }
 
 impl Rig {
-    /// `slots` offered cx22 slots; the state in a directory of the test's own unless `etcd`.
+    /// `slots` offered cx23 slots; the state in a directory of the test's own unless `etcd`.
     async fn new(slots: usize, etcd: Option<String>) -> Rig {
         let env = Env::new(Options::default()).await;
         let ssh_port = env.ssh_port();
@@ -72,7 +72,7 @@ impl Rig {
         let offerings = dir.join("offerings.json");
         std::fs::write(
             &offerings,
-            format!(r#"[{{"server_type":"cx22","location":"nbg1","count":{slots}}}]"#),
+            format!(r#"[{{"server_type":"cx23","location":"nbg1","count":{slots}}}]"#),
         )
         .unwrap();
         let (state, state_dir) = match etcd {
@@ -628,7 +628,7 @@ async fn a_restart_in_a_rate_limit_storm_serves_from_the_saved_plans() {
     let saved: serde_json::Value =
         serde_json::from_slice(&std::fs::read(&plans).expect("plans.json after a first start"))
             .unwrap();
-    assert_eq!(saved["plans"][0]["key"], "cx22/nbg1", "{saved}");
+    assert_eq!(saved["plans"][0]["key"], "cx23/nbg1", "{saved}");
     assert!(saved["plans"][0]["image"].as_i64().is_some(), "{saved}");
     assert!(
         !String::from_utf8_lossy(&std::fs::read(&plans).unwrap()).contains(TOKEN),

@@ -35,7 +35,7 @@ fn nonced(operation: &str, nonce: &str) -> TransitionContext {
 }
 
 async fn created(env: &Env) -> (Machine, i64) {
-    let mut machine = env.machine("cx22", "nbg1", 0);
+    let mut machine = env.machine("cx23", "nbg1", 0);
     let host = env.cloud.create_host(&machine, &ctx(30)).await.unwrap();
     machine.host = Some(HostRef {
         provider: PROVIDER.into(),

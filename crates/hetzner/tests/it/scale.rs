@@ -52,13 +52,13 @@ async fn env(prefix: &'static str, scale: f64) -> Env {
 /// Servers of the first `owned` slots, as an earlier run of this instance left them.
 fn insert_owned(env: &Env, owned: i64) {
     for i in 0..owned {
-        let machine = env.machine("cx22", "nbg1", i);
+        let machine = env.machine("cx23", "nbg1", i);
         let mut server_labels = HashMap::from([(labels::MANAGED.to_owned(), "true".to_owned())]);
         server_labels.extend(labels::machine_id_labels(&machine.id));
         server_labels.extend(labels::text_labels(labels::PROVIDER, PROVIDER));
         env.emulator.insert_server(
             &labels::server_name(&machine.id),
-            "cx22",
+            "cx23",
             "nbg1",
             server_labels,
             "192.0.2.10",
@@ -72,7 +72,7 @@ async fn engine(env: &Env, count: i64) -> Arc<provider_core::Engine> {
     }));
     let capacities = Arc::new(CapacityBook::new(catalog::pinned_capacity));
     let offering = Offering {
-        instance_type: "cx22".into(),
+        instance_type: "cx23".into(),
         zone: "nbg1".into(),
         capacity_type: "on_demand".into(),
         count,
@@ -85,7 +85,7 @@ async fn engine(env: &Env, count: i64) -> Arc<provider_core::Engine> {
         vec![offering],
         prices,
         capacities,
-        catalog::extra_labels,
+        |_| provider_core::StringMap::new(),
     );
     let mut options = provider_core::EngineOptions::new(env.telemetry);
     options.timeouts.create = Duration::from_secs(120);
@@ -121,7 +121,7 @@ async fn two_hundred_creates_beside_a_thousand_owned_servers_take_only_their_bud
     let engine = engine(&env, 1_200).await;
     let owned = (0..1_000)
         .filter(|i| {
-            let id = env.machine("cx22", "nbg1", *i).id;
+            let id = env.machine("cx23", "nbg1", *i).id;
             engine.get(&id).is_ok_and(|m| m.state == MachineState::Idle)
         })
         .count();
@@ -138,7 +138,7 @@ async fn two_hundred_creates_beside_a_thousand_owned_servers_take_only_their_bud
         }))
     };
     let ids: Vec<String> = (1_000..1_200)
-        .map(|i| env.machine("cx22", "nbg1", i).id)
+        .map(|i| env.machine("cx23", "nbg1", i).id)
         .collect();
     for id in &ids {
         engine.create(id, zero_token()).await.unwrap();

@@ -22,7 +22,7 @@ fn order(cluster: &str) -> ConfigureOrder {
 
 /// Creates a server for slot `index` and returns the machine (with its host) and server id.
 async fn created(env: &Env, index: i64) -> (Machine, i64) {
-    let mut machine = env.machine("cx22", "nbg1", index);
+    let mut machine = env.machine("cx23", "nbg1", index);
     let host = env.cloud.create_host(&machine, &ctx(30)).await.unwrap();
     machine.host = Some(HostRef {
         provider: PROVIDER.into(),
@@ -76,13 +76,13 @@ async fn a_host_presenting_another_key_never_receives_the_blob() {
 #[tokio::test]
 async fn an_adopted_server_without_a_pin_is_pinned_on_first_use() {
     let mut env = Env::new(Options::default()).await;
-    let machine_id = provider_core::fleet::slot_id(PROVIDER, "cx22", "nbg1", 7);
+    let machine_id = provider_core::fleet::slot_id(PROVIDER, "cx23", "nbg1", 7);
     let mut l: HashMap<String, String> = HashMap::from([(labels::MANAGED.into(), "true".into())]);
     l.extend(labels::machine_id_labels(&machine_id));
     l.extend(labels::text_labels(labels::PROVIDER, PROVIDER));
     let server =
         env.emulator
-            .insert_server("made-by-an-older-version", "cx22", "nbg1", l, "127.0.0.1");
+            .insert_server("made-by-an-older-version", "cx23", "nbg1", l, "127.0.0.1");
     let hosts = env.cloud.list_hosts().await.unwrap();
     assert_eq!(hosts.len(), 1);
     assert_eq!(hosts[0].machine_id, machine_id);
@@ -90,7 +90,7 @@ async fn an_adopted_server_without_a_pin_is_pinned_on_first_use() {
     let host_key = new_key();
     let expected = hostkey::fingerprint(host_key.public_key());
     let _sshd = env.start_sshd(host_key, 0);
-    let mut machine = env.machine("cx22", "nbg1", 7);
+    let mut machine = env.machine("cx23", "nbg1", 7);
     machine.host = Some(HostRef {
         provider: PROVIDER.into(),
         id: server.to_string(),
@@ -396,12 +396,12 @@ async fn an_unknown_network_fails_create_before_any_server_exists() {
     .await;
     let err = env
         .cloud
-        .create_host(&env.machine("cx22", "nbg1", 0), &ctx(10))
+        .create_host(&env.machine("cx23", "nbg1", 0), &ctx(10))
         .await
         .unwrap_err();
     assert_eq!(
         err.0,
-        "create server cx22: offering cx22/nbg1 --network: network \"nope\" does not exist"
+        "create server cx23: offering cx23/nbg1 --network: network \"nope\" does not exist"
     );
     assert!(env.emulator.servers().is_empty());
 }
@@ -435,7 +435,7 @@ async fn a_login_the_server_refuses_fails_after_a_few_tries() {
 async fn another_machines_server_is_never_configured() {
     let mut env = Env::new(Options::default()).await;
     let (_, server) = created(&env, 0).await;
-    let mut other = env.machine("cx22", "nbg1", 1);
+    let mut other = env.machine("cx23", "nbg1", 1);
     other.host = Some(HostRef {
         provider: PROVIDER.into(),
         id: server.to_string(),

@@ -195,7 +195,7 @@ fn cloud(env: &Env, endpoint: String, ssh_port: u16) -> HetznerCloud {
 /// A server of machine slot 0 made by `cloud` whose pin label was then removed (as if it had
 /// been made before pinning existed).
 async fn unpinned_server(env: &Env, cloud: &HetznerCloud) -> (Machine, i64) {
-    let mut machine = env.machine("cx22", "nbg1", 0);
+    let mut machine = env.machine("cx23", "nbg1", 0);
     let host = cloud.create_host(&machine, &ctx(30)).await.unwrap();
     machine.host = Some(HostRef {
         provider: PROVIDER.into(),

@@ -16,7 +16,7 @@ use crate::e2e::hetzner_real::{backend_args, client_key, install_hook, ssh_args}
 const TOKEN: &str = "bench-hcloud-token";
 /// The provider instance (`--provider`'s default), which owned servers are labelled with.
 pub(super) const PROVIDER: &str = "hetzner";
-pub(super) const SERVER_TYPE: &str = "cx22";
+pub(super) const SERVER_TYPE: &str = "cx23";
 pub(super) const LOCATION: &str = "nbg1";
 
 /// The emulator of one run, and its sshd when the run configures hosts, served on a runtime
@@ -143,7 +143,7 @@ mod tests {
     #[test]
     fn owned_servers_carry_the_providers_labels() {
         let id = super::super::slot_id(PROVIDER, SERVER_TYPE, LOCATION, 9999);
-        assert_eq!(id, "hetzner/OnDemand/cx22/nbg1/9999");
+        assert_eq!(id, "hetzner/OnDemand/cx23/nbg1/9999");
         let labels = owned_labels(&id);
         let value = &labels["bigfleet-machine-id"];
         // One label: 31 bytes are 50 base32 characters.
