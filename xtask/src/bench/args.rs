@@ -10,7 +10,7 @@ use anyhow::{Context, Result, bail, ensure};
 pub(crate) const USAGE: &str = "\
 usage: cargo xtask bench (--spawn 'CMD ...' | --target HOST:PORT) [options]
        cargo xtask bench --scenario cloud-budget [--cloud NAME[,NAME]] [--hosts N,N,...]
-                         [--json] [--json-out PATH]
+                         [--runs KIND[,KIND]] [--providers DIR] [--json] [--json-out PATH]
 
 A load generator for any bigfleet.v1alpha1.CapacityProvider endpoint on loopback; and, with
 --scenario cloud-budget, a count of the cloud API requests the providers' real backends send.
@@ -52,6 +52,11 @@ Scenarios and sizes:
   --cloud NAME[,NAME]     with cloud-budget: hetzner, digitalocean (default both)
   --hosts N,N,...         with cloud-budget: owned hosts of the steady-state runs
                           (default 100,1000,10000)
+  --runs KIND[,KIND]      with cloud-budget: walk, burst, steady, crowded, storm (50 Creates
+                          with and without a 10 s 429 storm: their latency, p50 and p99);
+                          default all
+  --providers DIR         with cloud-budget: take the `hetzner` and `digitalocean` binaries
+                          from DIR instead of building them (a release to compare with)
   --repeats N             runs per figure, reported as median and min-max (default 3)
   --seeds N,N,...         inventories for list, list-filtered, lifecycle, durable, etcd and startup
                           (default 1000,10000,100000)
@@ -198,12 +203,33 @@ pub(crate) struct CloudBudget {
     pub clouds: Vec<Cloud>,
     /// Owned hosts of the steady-state runs, in order.
     pub hosts: Vec<usize>,
+    /// The kinds of run (`walk`, `burst`, `steady`, `crowded`, `storm`); empty: all.
+    pub runs: Vec<String>,
+    /// Where the provider binaries are, instead of building them.
+    pub providers: Option<PathBuf>,
     pub json: bool,
     pub json_out: Option<PathBuf>,
 }
 
+/// The kinds of run `--runs` names.
+pub(crate) const CLOUD_BUDGET_RUNS: [&str; 5] = ["walk", "burst", "steady", "crowded", "storm"];
+
+impl CloudBudget {
+    /// Whether runs of `kind` are part of this report.
+    pub(crate) fn runs(&self, kind: &str) -> bool {
+        self.runs.is_empty() || self.runs.iter().any(|r| r == kind)
+    }
+}
+
 /// The flags `--scenario cloud-budget` takes besides `--scenario`.
-const CLOUD_BUDGET_FLAGS: [&str; 4] = ["--cloud", "--hosts", "--json", "--json-out"];
+const CLOUD_BUDGET_FLAGS: [&str; 6] = [
+    "--cloud",
+    "--hosts",
+    "--runs",
+    "--providers",
+    "--json",
+    "--json-out",
+];
 
 /// The default owned-host counts of the cloud-budget steady state.
 const CLOUD_BUDGET_HOSTS: [usize; 3] = [100, 1000, 10_000];
@@ -271,6 +297,8 @@ pub(crate) fn parse(args: &[String]) -> Result<Parsed> {
     let mut cloud_budget = false;
     let mut clouds = None;
     let mut hosts = None;
+    let mut runs = Vec::new();
+    let mut providers = None;
     // Every flag given, for the ones `cloud-budget` does not take.
     let mut given: Vec<String> = Vec::new();
 
@@ -370,6 +398,17 @@ pub(crate) fn parse(args: &[String]) -> Result<Parsed> {
                     .collect::<Result<Vec<_>>>()?;
                 hosts = Some(list);
             }
+            "--runs" => {
+                for part in value()?.split(',').map(str::trim) {
+                    ensure!(
+                        CLOUD_BUDGET_RUNS.contains(&part),
+                        "--runs: unknown kind {part:?} ({})",
+                        CLOUD_BUDGET_RUNS.join(", ")
+                    );
+                    runs.push(part.to_owned());
+                }
+            }
+            "--providers" => providers = Some(PathBuf::from(value()?)),
             _ => bail!("unknown argument {arg:?}\n\n{USAGE}"),
         }
     }
@@ -392,11 +431,13 @@ pub(crate) fn parse(args: &[String]) -> Result<Parsed> {
         return Ok(Parsed::CloudBudget(CloudBudget {
             clouds: clouds.unwrap_or_else(|| Cloud::ALL.to_vec()),
             hosts: hosts.unwrap_or_else(|| CLOUD_BUDGET_HOSTS.to_vec()),
+            runs,
+            providers,
             json,
             json_out,
         }));
     }
-    if let Some(flag) = ["--cloud", "--hosts"]
+    if let Some(flag) = ["--cloud", "--hosts", "--runs", "--providers"]
         .into_iter()
         .find(|flag| given.iter().any(|g| g == flag))
     {
@@ -699,6 +740,8 @@ mod tests {
             CloudBudget {
                 clouds: vec![Cloud::Hetzner, Cloud::DigitalOcean],
                 hosts: vec![100, 1000, 10_000],
+                runs: Vec::new(),
+                providers: None,
                 json: false,
                 json_out: None,
             }
@@ -711,6 +754,8 @@ mod tests {
             CloudBudget {
                 clouds: vec![Cloud::Hetzner, Cloud::DigitalOcean],
                 hosts: vec![1000, 50],
+                runs: Vec::new(),
+                providers: None,
                 json: true,
                 json_out: Some(PathBuf::from("r.json")),
             }

@@ -40,7 +40,7 @@ use fleet_proto::v1alpha1 as pb;
 use tokio::task::JoinSet;
 use tokio::time::Instant;
 
-use self::report::{Bucket, Burst, Counts, Crowd, Operation, Report, Steady, total};
+use self::report::{Bucket, Burst, Counts, Crowd, Operation, Report, Steady, Storm, total};
 use self::surveys::Snapshot;
 use super::args::{Cloud, CloudBudget};
 use super::procfs::Machine;
@@ -64,6 +64,8 @@ const BURST_DEADLINE: Duration = Duration::from_secs(600);
 const QUIET: Duration = Duration::from_secs(3);
 /// How long requests may go on before the count is declared never to settle.
 const QUIET_BOUND: Duration = Duration::from_secs(90);
+/// How long the 429 storm of a storm run lasts.
+const STORM: Duration = Duration::from_secs(10);
 /// Survey cycles in a steady-state window (after the first survey, whose wait was the floor).
 const CYCLES: usize = 3;
 
@@ -326,6 +328,27 @@ impl Lab {
         match self {
             Lab::Hetzner(lab) => lab.spend(Spent::All),
             Lab::DigitalOcean(lab) => lab.spend(Spent::All),
+        }
+    }
+
+    /// Every request answered 429 (`Retry-After: 1`, nothing left of the bucket) for
+    /// `lasting`: another user of the token spent it all.
+    fn storm(&self, lasting: Duration) {
+        match self {
+            Lab::Hetzner(lab) => lab.emulator.inject_for(
+                lasting,
+                hcloud_emulator::Fault::RateLimited {
+                    retry_after: Some(1),
+                    reset_in: Some(1),
+                },
+            ),
+            Lab::DigitalOcean(lab) => lab.emulator.fail_for(
+                lasting,
+                do_emulator::Fault {
+                    status: 429,
+                    retry_after: Some(1),
+                },
+            ),
         }
     }
 
@@ -699,6 +722,80 @@ async fn burst_on(rig: &mut Rig, bucket: Bucket) -> Result<Burst> {
     })
 }
 
+/// `CREATES` Creates from a full bucket, with a [`STORM`] of 429s starting with the first one
+/// when `stormy`: how long each took from its acknowledgement to IDLE.
+async fn storm(
+    root: &Path,
+    binaries: &Binaries,
+    dir: &Path,
+    cloud: Cloud,
+    stormy: bool,
+) -> Result<Storm> {
+    let setup = Setup {
+        cloud,
+        slots: CREATES,
+        owned: 0,
+        scale: 1.0,
+        boot: cloud.boot(),
+        configures: false,
+        spent: Spent::Nothing,
+        flags: transition_flags(),
+    };
+    let mut rig = Rig::start(root, binaries, dir, setup).await?;
+    let outcome = storm_on(&mut rig, stormy).await;
+    rig.finish(outcome).await
+}
+
+async fn storm_on(rig: &mut Rig, stormy: bool) -> Result<Storm> {
+    let ids: Vec<String> = (0..CREATES).map(|i| slot(rig.cloud, i)).collect();
+    let before = rig.quiet().await?;
+    if stormy {
+        rig.lab.storm(STORM);
+    }
+    let mut acked = HashMap::new();
+    for id in &ids {
+        rig.caller
+            .create(id)
+            .await
+            .with_context(|| format!("Create {id}"))?;
+        acked.insert(id.clone(), Instant::now());
+    }
+    let deadline = Instant::now() + BURST_DEADLINE;
+    let mut took: HashMap<String, Duration> = HashMap::new();
+    while took.len() < ids.len() {
+        for m in rig.caller.list_all().await.context("List")? {
+            match state_of(&m) {
+                pb::MachineState::Failed => bail!("{} went FAILED: {}", m.id, m.last_error),
+                pb::MachineState::Idle if !took.contains_key(&m.id) => {
+                    if let Some(at) = acked.get(&m.id) {
+                        took.insert(m.id.clone(), at.elapsed());
+                    }
+                }
+                _ => {}
+            }
+        }
+        ensure!(
+            Instant::now() < deadline,
+            "{} of {CREATES} Creates IDLE by the deadline",
+            took.len()
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let after = rig.quiet().await?;
+    let mut latencies: Vec<Duration> = took.into_values().collect();
+    latencies.sort();
+    let at = |q: f64| latencies[((latencies.len() - 1) as f64 * q).round() as usize];
+    Ok(Storm {
+        cloud: rig.cloud,
+        storm: stormy.then_some(STORM),
+        creates: CREATES,
+        p50: at(0.5),
+        p99: at(0.99),
+        max: at(1.0),
+        requests: report::since(&after, &before),
+    })
+}
+
 /// `hosts` owned hosts and nothing to do but reconcile, time-scaled, over [`CYCLES`] survey
 /// cycles after the first survey.
 async fn steady(
@@ -786,6 +883,7 @@ enum Figures {
     Burst(Burst),
     Steady(Steady),
     Crowd(Crowd),
+    Storm(Storm),
 }
 
 /// Every run at once; the report has what completed and names what failed.
@@ -815,26 +913,40 @@ async fn measure_all(root: PathBuf, binaries: Binaries, options: CloudBudget) ->
                         .await
                         .map(Figures::Crowd)
                 }
+                Job::Storm(cloud, stormy) => storm(&root, &binaries, &dir, cloud, stormy)
+                    .await
+                    .map(Figures::Storm),
             };
             (name, started.elapsed(), result)
         });
     };
     for &cloud in &options.clouds {
-        spawn(format!("{}-walk", cloud.name()), Job::Walk(cloud));
-        for bucket in Bucket::ALL {
+        if options.runs("storm") {
+            for stormy in [false, true] {
+                let name = if stormy { "storm" } else { "calm" };
+                spawn(
+                    format!("{}-storm-{name}", cloud.name()),
+                    Job::Storm(cloud, stormy),
+                );
+            }
+        }
+        if options.runs("walk") {
+            spawn(format!("{}-walk", cloud.name()), Job::Walk(cloud));
+        }
+        for bucket in Bucket::ALL.into_iter().filter(|_| options.runs("burst")) {
             let label = bucket.name().replace(' ', "-");
             spawn(
                 format!("{}-burst-{label}", cloud.name()),
                 Job::Burst(cloud, bucket),
             );
         }
-        for &hosts in &options.hosts {
+        for &hosts in options.hosts.iter().filter(|_| options.runs("steady")) {
             spawn(
                 format!("{}-steady-{hosts}", cloud.name()),
                 Job::Steady(cloud, hosts),
             );
         }
-        for shared in [false, true] {
+        for shared in [false, true].into_iter().filter(|_| options.runs("crowded")) {
             let beside = if shared { "shared" } else { "alone" };
             spawn(
                 format!("{}-crowded-{beside}", cloud.name()),
@@ -864,6 +976,7 @@ async fn measure_all(root: PathBuf, binaries: Binaries, options: CloudBudget) ->
                     Figures::Burst(b) => report.bursts.push(b),
                     Figures::Steady(s) => report.steady.push(s),
                     Figures::Crowd(c) => report.crowds.push(c),
+                    Figures::Storm(s) => report.storms.push(s),
                 }
             }
             Err(e) => {
@@ -878,6 +991,7 @@ async fn measure_all(root: PathBuf, binaries: Binaries, options: CloudBudget) ->
     report.bursts.sort_by_key(|b| (b.cloud, b.bucket));
     report.steady.sort_by_key(|s| (s.cloud, s.hosts));
     report.crowds.sort_by_key(|c| (c.cloud, c.other.is_some()));
+    report.storms.sort_by_key(|s| (s.cloud, s.storm));
     report.conditions = conditions(&options.clouds);
     Ok(report)
 }
@@ -889,6 +1003,8 @@ enum Job {
     Steady(Cloud, usize),
     /// Whether another user shares the token.
     Crowded(Cloud, bool),
+    /// Whether a 429 storm meets the Creates.
+    Storm(Cloud, bool),
 }
 
 fn summary(figures: &Figures) -> String {
@@ -916,6 +1032,12 @@ fn summary(figures: &Figures) -> String {
             report::refused(&c.requests),
             c.wall,
             c.budget
+        ),
+        Figures::Storm(s) => format!(
+            "Create latency p50 {:.1?}, p99 {:.1?}, {} requests",
+            s.p50,
+            s.p99,
+            total(&s.requests)
         ),
     }
 }
@@ -951,7 +1073,14 @@ fn conditions(clouds: &[Cloud]) -> Vec<String> {
 /// Runs the scenario and prints its report.
 pub(super) fn run(options: &CloudBudget) -> Result<()> {
     let root = crate::repo::root();
-    let binaries = build(&root)?;
+    let binaries = match &options.providers {
+        Some(dir) => Binaries {
+            hetzner: dir.join("hetzner"),
+            digitalocean: dir.join("digitalocean"),
+            agent: dir.join("bigfleet-agent"),
+        },
+        None => build(&root)?,
+    };
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(4)
         .enable_all()

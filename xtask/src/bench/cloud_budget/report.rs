@@ -211,6 +211,20 @@ impl Crowd {
     }
 }
 
+/// Creates from a full bucket, with or without a storm of 429s as they start.
+#[derive(Clone, Debug, PartialEq)]
+pub(crate) struct Storm {
+    pub cloud: Cloud,
+    /// How long the storm lasted; `None` for the calm run.
+    pub storm: Option<Duration>,
+    pub creates: usize,
+    /// From each Create's acknowledgement to its machine IDLE.
+    pub p50: Duration,
+    pub p99: Duration,
+    pub max: Duration,
+    pub requests: Counts,
+}
+
 /// Everything one run measured, and what failed.
 #[derive(Clone, Debug, Default, PartialEq)]
 pub(crate) struct Report {
@@ -218,6 +232,7 @@ pub(crate) struct Report {
     pub bursts: Vec<Burst>,
     pub steady: Vec<Steady>,
     pub crowds: Vec<Crowd>,
+    pub storms: Vec<Storm>,
     /// How each kind of run was set up, one line each.
     pub conditions: Vec<String>,
     pub failures: Vec<String>,
@@ -330,6 +345,26 @@ pub(crate) fn tables(report: &Report) -> String {
         }
         out.push('\n');
     }
+    if !report.storms.is_empty() {
+        out.push_str("Create latency (acknowledged to IDLE) with and without a 429 storm:\n\n");
+        out.push_str("| cloud | storm | Creates | p50 | p99 | max | requests | 429 |\n");
+        out.push_str("|---|---|---:|---:|---:|---:|---:|---:|\n");
+        for s in &report.storms {
+            let _ = writeln!(
+                out,
+                "| {} | {} | {} | {} | {} | {} | {} | {} |",
+                s.cloud.name(),
+                s.storm.map_or_else(|| "none".to_owned(), human),
+                s.creates,
+                human(s.p50),
+                human(s.p99),
+                human(s.max),
+                total(&s.requests),
+                refused(&s.requests)
+            );
+        }
+        out.push('\n');
+    }
     for line in &report.conditions {
         let _ = writeln!(out, "- {line}");
     }
@@ -354,6 +389,16 @@ pub(crate) fn to_json(report: &Report, machine: &Machine, took: Duration) -> Val
             "refused": refused(&op.requests),
             "by_class": classes_json(&op.requests),
             "seconds": op.took.as_secs_f64(),
+        })).collect::<Vec<_>>(),
+        "storms": report.storms.iter().map(|s| json!({
+            "cloud": s.cloud.name(),
+            "storm_seconds": s.storm.map(|d| d.as_secs_f64()),
+            "creates": s.creates,
+            "p50_seconds": s.p50.as_secs_f64(),
+            "p99_seconds": s.p99.as_secs_f64(),
+            "max_seconds": s.max.as_secs_f64(),
+            "requests": total(&s.requests),
+            "refused": refused(&s.requests),
         })).collect::<Vec<_>>(),
         "bursts": report.bursts.iter().map(|b| json!({
             "cloud": b.cloud.name(),
@@ -439,6 +484,15 @@ mod tests {
                 wall: Duration::from_secs(63),
                 budget: Duration::from_secs(60),
             }],
+            storms: vec![Storm {
+                cloud: Cloud::Hetzner,
+                storm: Some(Duration::from_secs(10)),
+                creates: 50,
+                p50: Duration::from_secs(14),
+                p99: Duration::from_secs(16),
+                max: Duration::from_secs(17),
+                requests: counts(&[("create", 60, 10)]),
+            }],
             conditions: vec!["walks at real time".into()],
             failures: vec!["digitalocean steady 10000: boom".into()],
         }
@@ -515,6 +569,12 @@ mod tests {
         assert_eq!(json["scenario"], "cloud-budget");
         assert_eq!(json["transitions"][0]["requests"], 6);
         assert_eq!(json["bursts"][0]["refused"], 12);
+        assert_eq!(json["storms"][0]["p99_seconds"], 16.0);
+        assert_eq!(json["storms"][0]["refused"], 10);
+        assert!(
+            text.contains("| hetzner | 10.0 s | 50 | 14.0 s | 16.0 s | 17.0 s | 60 | 10 |"),
+            "{text}"
+        );
         assert_eq!(json["bursts"][0]["by_class"]["listing"]["refused"], 12);
         assert_eq!(json["steady"][0]["requests_per_hour"], 411.42857142857144);
         assert_eq!(json["steady"][0]["checks_per_hour"], 51.42857142857143);
