@@ -946,7 +946,10 @@ async fn measure_all(root: PathBuf, binaries: Binaries, options: CloudBudget) ->
                 Job::Steady(cloud, hosts),
             );
         }
-        for shared in [false, true].into_iter().filter(|_| options.runs("crowded")) {
+        for shared in [false, true]
+            .into_iter()
+            .filter(|_| options.runs("crowded"))
+        {
             let beside = if shared { "shared" } else { "alone" };
             spawn(
                 format!("{}-crowded-{beside}", cloud.name()),
