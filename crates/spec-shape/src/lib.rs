@@ -1,72 +1,24 @@
-//! Checks a JSON answer against the shape an API's official document gives an object: every
-//! key the document requires is present, each value has the document's type (`null` only where
-//! the document allows it), enum values are among the document's, timestamps are RFC 3339, and
-//! keys the document no longer has are absent. Dev-only: the emulators' tests hold their answers
-//! to Hetzner's `cloud.spec.json` and DigitalOcean's `digitalocean/openapi` documents with it;
-//! each shape is written down beside its test with the schema it comes from.
+//! Checks JSON answers against an API's official OpenAPI document. Dev-only: the emulators'
+//! tests hold every answer of every operation the providers' clients call to excerpts of
+//! Hetzner's `cloud.spec.json` and DigitalOcean's `digitalocean/openapi` documents, vendored
+//! under `official/` with their source (see `official/README.md`), by [`Document`]'s validator.
+
+pub mod openapi;
 
 use serde_json::Value;
 
-/// The type of a value, as the document states it.
-#[derive(Clone, Copy, Debug)]
-pub enum Kind {
-    /// `type: integer`.
-    Int,
-    /// `type: number`.
-    Num,
-    /// `type: string`.
-    Str,
-    /// `type: boolean`.
-    Bool,
-    /// `type: object`.
-    Obj,
-    /// `type: array`.
-    Arr,
-    /// `type: string, format: date-time` (RFC 3339).
-    Time,
-    /// `type: string` with `enum`.
-    OneOf(&'static [&'static str]),
+pub use openapi::Document;
+
+/// The excerpt of Hetzner's Cloud API document (`official/hetzner-cloud.excerpt.json`).
+pub fn hetzner_cloud() -> Document {
+    Document::from_json(include_str!("../official/hetzner-cloud.excerpt.json"))
+        .expect("the vendored Hetzner excerpt is JSON")
 }
 
-/// One key of an object's shape.
-#[derive(Clone, Copy, Debug)]
-pub struct Field {
-    pub name: &'static str,
-    pub kind: Kind,
-    /// Whether the document allows `null` (`type: [T, "null"]` or `nullable: true`).
-    pub nullable: bool,
-    /// Whether the document lists it under `required`.
-    pub required: bool,
-}
-
-/// A required key that is never `null`.
-pub const fn req(name: &'static str, kind: Kind) -> Field {
-    Field {
-        name,
-        kind,
-        nullable: false,
-        required: true,
-    }
-}
-
-/// A required key that may be `null`.
-pub const fn req_null(name: &'static str, kind: Kind) -> Field {
-    Field {
-        name,
-        kind,
-        nullable: true,
-        required: true,
-    }
-}
-
-/// An optional key (checked only when present).
-pub const fn opt(name: &'static str, kind: Kind) -> Field {
-    Field {
-        name,
-        kind,
-        nullable: false,
-        required: false,
-    }
+/// The excerpt of DigitalOcean's API document (`official/digitalocean.excerpt.json`).
+pub fn digitalocean() -> Document {
+    Document::from_json(include_str!("../official/digitalocean.excerpt.json"))
+        .expect("the vendored DigitalOcean excerpt is JSON")
 }
 
 /// Whether `text` is an RFC 3339 date-time: `YYYY-MM-DDTHH:MM:SS`, an optional fraction, then
@@ -108,42 +60,6 @@ pub fn is_rfc3339(text: &str) -> bool {
     }
 }
 
-fn kind_ok(value: &Value, kind: Kind) -> bool {
-    match kind {
-        Kind::Int => value.is_i64() || value.is_u64(),
-        Kind::Num => value.is_number(),
-        Kind::Str => value.is_string(),
-        Kind::Bool => value.is_boolean(),
-        Kind::Obj => value.is_object(),
-        Kind::Arr => value.is_array(),
-        Kind::Time => value.as_str().is_some_and(is_rfc3339),
-        Kind::OneOf(values) => value.as_str().is_some_and(|v| values.contains(&v)),
-    }
-}
-
-/// Every way `value` (found at `at`, e.g. `GET /servers servers[0]`) breaks `shape`.
-pub fn check(value: &Value, shape: &[Field], at: &str) -> Vec<String> {
-    let Some(object) = value.as_object() else {
-        return vec![format!("{at}: not an object: {value}")];
-    };
-    let mut problems = Vec::new();
-    for field in shape {
-        match object.get(field.name) {
-            None if field.required => {
-                problems.push(format!("{at}.{}: required, missing", field.name))
-            }
-            None => {}
-            Some(Value::Null) if field.nullable => {}
-            Some(Value::Null) => problems.push(format!("{at}.{}: null, not allowed", field.name)),
-            Some(v) if !kind_ok(v, field.kind) => {
-                problems.push(format!("{at}.{}: {v} is not {:?}", field.name, field.kind))
-            }
-            Some(_) => {}
-        }
-    }
-    problems
-}
-
 /// A problem when `value` carries `key`, which the document no longer has.
 pub fn absent(value: &Value, key: &str, at: &str) -> Vec<String> {
     value
@@ -170,30 +86,67 @@ mod tests {
     }
 
     #[test]
-    fn shapes() {
-        const SHAPE: &[Field] = &[
-            req("id", Kind::Int),
-            req("deprecated", Kind::Bool),
-            req_null("deprecation", Kind::Obj),
-            req("status", Kind::OneOf(&["running", "off"])),
-            opt("category", Kind::Str),
-        ];
-        let good = json!({"id": 1, "deprecated": false, "deprecation": null, "status": "off"});
-        assert!(check(&good, SHAPE, "x").is_empty());
-        let bad = json!({"id": "1", "deprecated": null, "status": "paused", "category": 3});
+    fn keys_the_document_dropped() {
         assert_eq!(
-            check(&bad, SHAPE, "x"),
-            vec![
-                "x.id: \"1\" is not Int",
-                "x.deprecated: null, not allowed",
-                "x.deprecation: required, missing",
-                "x.status: \"paused\" is not OneOf([\"running\", \"off\"])",
-                "x.category: 3 is not Str",
-            ]
+            absent(&json!({"datacenter": {}}), "datacenter", "s"),
+            vec!["s.datacenter: the document has no such key"]
         );
-        assert_eq!(
-            absent(&json!({"datacenter": {}}), "datacenter", "s").len(),
-            1
+        assert!(absent(&json!({}), "datacenter", "s").is_empty());
+    }
+
+    #[test]
+    fn the_vendored_excerpts_catch_what_they_should() {
+        let hetzner = hetzner_cloud();
+        let problems = hetzner.check_answer(
+            "GET",
+            "/servers/{id}",
+            200,
+            &json!({"server": {"id": "42", "status": "paused"}}),
+            "h",
         );
+        for expected in [
+            "h.server.name: required, missing",
+            "h.server.id: \"42\" is not of type integer",
+        ] {
+            assert!(problems.iter().any(|p| p == expected), "{problems:#?}");
+        }
+        assert!(
+            problems
+                .iter()
+                .any(|p| p.starts_with("h.server.status: \"paused\" is not one of"))
+        );
+        let error =
+            json!({"error": {"code": "resource_unavailable", "message": "m", "details": null}});
+        assert!(
+            hetzner
+                .check_answer("POST", "/servers", 412, &error, "h")
+                .is_empty()
+        );
+        let problems = hetzner.check_answer("POST", "/servers", 412, &json!({"id": "x"}), "h");
+        assert_eq!(problems, vec!["h.error: required, missing"]);
+
+        let digitalocean = digitalocean();
+        let error = json!({"id": "unprocessable_entity", "message": "m"});
+        assert!(
+            digitalocean
+                .check_answer("POST", "/v2/droplets", 422, &error, "d")
+                .is_empty()
+        );
+        let problems =
+            digitalocean.check_answer("POST", "/v2/droplets", 422, &json!({"id": 1}), "d");
+        assert_eq!(problems.len(), 2, "{problems:#?}");
+        assert!(
+            !digitalocean
+                .check_answer("GET", "/v2/account", 200, &json!({"account": {}}), "d")
+                .is_empty()
+        );
+    }
+
+    #[test]
+    fn the_vendored_excerpts_read() {
+        for doc in [hetzner_cloud(), digitalocean()] {
+            assert!(!doc.operations().is_empty());
+            assert!(doc.root()["info"]["x-source"]["commit"].is_string());
+        }
     }
 }
