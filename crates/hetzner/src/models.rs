@@ -476,4 +476,104 @@ mod tests {
         .expect("decodes");
         assert_eq!(server.status, server::Status::Running);
     }
+
+    /// The emulator's answers (which its spec test holds to Hetzner's document) with every
+    /// property the document marks `deprecated: true` removed decode, with the same values.
+    #[tokio::test]
+    async fn spec_shaped_answers_without_what_the_document_deprecates_decode() {
+        const TOKEN: &str = "models-test";
+        let doc = spec_shape::hetzner_cloud();
+        let emulator = hcloud_emulator::Emulator::start(TOKEN)
+            .await
+            .expect("emulator");
+        emulator.set_deprecation(
+            "cx23",
+            "fsn1",
+            Some(("2026-06-01T09:00:00Z", "2026-12-31T23:59:59Z")),
+        );
+        let http = reqwest::Client::builder()
+            .no_proxy()
+            .build()
+            .expect("client");
+        let url = |path: &str| format!("{}{path}", emulator.endpoint());
+        let created: serde_json::Value = http
+            .post(url("/servers"))
+            .bearer_auth(TOKEN)
+            .json(&serde_json::json!({"name": "m-1", "server_type": "cx23",
+                                      "image": "ubuntu-24.04", "location": "nbg1"}))
+            .send()
+            .await
+            .expect("create")
+            .json()
+            .await
+            .expect("json");
+        let id = created["server"]["id"].as_i64().expect("id");
+        let one = format!("/servers/{id}");
+        let mut removed = 0;
+        for (template, path) in [
+            ("/server_types", "/server_types"),
+            ("/locations", "/locations"),
+            ("/servers", "/servers"),
+            ("/servers/{id}", one.as_str()),
+            ("/images", "/images"),
+            ("/networks", "/networks"),
+            ("/firewalls", "/firewalls"),
+            ("/ssh_keys", "/ssh_keys"),
+            ("/placement_groups", "/placement_groups"),
+        ] {
+            let answer: serde_json::Value = http
+                .get(url(path))
+                .bearer_auth(TOKEN)
+                .send()
+                .await
+                .expect("get")
+                .json()
+                .await
+                .expect("json");
+            let schema = doc
+                .response_schema("GET", template, 200)
+                .expect("in the excerpt")
+                .expect("a body");
+            let problems = doc.validate(schema, &answer, path);
+            assert!(problems.is_empty(), "{problems:#?}");
+            let stripped = doc.without_deprecated(schema, &answer);
+            removed += usize::from(stripped != answer);
+            let text = stripped.to_string();
+            let decoded = match template {
+                "/server_types" => {
+                    serde_json::from_str::<ListServerTypesResponse>(&text).map(|r| {
+                        (
+                            r.server_types.len(),
+                            r.server_types[0].deprecation.is_none(),
+                        )
+                    })
+                }
+                "/locations" => serde_json::from_str::<ListLocationsResponse>(&text)
+                    .map(|r| (r.locations.len(), true)),
+                "/servers" => serde_json::from_str::<ListServersResponse>(&text)
+                    .map(|r| (r.servers.len(), r.servers[0].id == id)),
+                "/servers/{id}" => serde_json::from_str::<GetServerResponse>(&text)
+                    .map(|r| (1, r.server.is_some_and(|s| s.server_type.name == "cx23"))),
+                "/images" => serde_json::from_str::<ListImagesResponse>(&text)
+                    .map(|r| (r.images.len(), true)),
+                "/networks" => serde_json::from_str::<ListNetworksResponse>(&text)
+                    .map(|r| (r.networks.len(), true)),
+                "/firewalls" => serde_json::from_str::<ListFirewallsResponse>(&text)
+                    .map(|r| (r.firewalls.len(), true)),
+                "/ssh_keys" => serde_json::from_str::<ListSshKeysResponse>(&text)
+                    .map(|r| (r.ssh_keys.len(), true)),
+                _ => serde_json::from_str::<ListPlacementGroupsResponse>(&text)
+                    .map(|r| (r.placement_groups.len(), true)),
+            };
+            let (count, right) = decoded.unwrap_or_else(|e| panic!("{path}: {e}"));
+            let listed = answer
+                .as_object()
+                .and_then(|o| o.values().find_map(serde_json::Value::as_array))
+                .map_or(1, Vec::len);
+            assert_eq!(count, listed, "{path}");
+            assert!(right, "{path}: {text}");
+        }
+        // The type-level `deprecation` of server types (and of a server's type) went.
+        assert!(removed >= 3, "only {removed} answers had deprecated keys");
+    }
 }
