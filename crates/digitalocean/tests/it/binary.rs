@@ -123,34 +123,7 @@ impl Site {
             cmd.arg("--metrics-addr=");
         }
         let mut child = cmd.spawn().unwrap();
-        let output = Arc::new(Mutex::new(Vec::new()));
-        let mut readers = Vec::new();
-        for stream in [
-            child
-                .stdout
-                .take()
-                .map(|s| Box::new(s) as Box<dyn tokio::io::AsyncRead + Unpin + Send>),
-            child
-                .stderr
-                .take()
-                .map(|s| Box::new(s) as Box<dyn tokio::io::AsyncRead + Unpin + Send>),
-        ]
-        .into_iter()
-        .flatten()
-        {
-            let output = output.clone();
-            readers.push(tokio::spawn(async move {
-                use tokio::io::AsyncReadExt as _;
-                let mut stream = stream;
-                let mut buf = [0u8; 4096];
-                while let Ok(n) = stream.read(&mut buf).await {
-                    if n == 0 {
-                        break;
-                    }
-                    output.lock().unwrap().extend_from_slice(&buf[..n]);
-                }
-            }));
-        }
+        let (output, readers) = testkit::logs::collect_output(&mut child);
         Spawned {
             child,
             output,
@@ -602,24 +575,9 @@ async fn a_malformed_bootstrap_ca_fails_startup_naming_the_flag() {
 
 #[test]
 fn check_is_listed_in_the_help_and_has_its_own() {
-    let help = |args: &[&str]| {
-        let output = std::process::Command::new(env!("CARGO_BIN_EXE_digitalocean"))
-            .args(args)
-            .output()
-            .unwrap();
-        assert_eq!(output.status.code(), Some(0), "{args:?}");
-        String::from_utf8_lossy(&output.stdout).into_owned()
-    };
-    let top = help(&["--help"]);
-    assert!(
-        top.lines()
-            .any(|l| l.trim_start().starts_with("check ") && l.contains("Check a configuration")),
-        "{top}"
-    );
-    let check = help(&["check", "--help"]);
-    assert!(
-        check.contains("Usage: digitalocean check [OPTIONS] [SERVING FLAGS]..."),
-        "{check}"
+    let check = testkit::cli::check_help(
+        std::path::Path::new(env!("CARGO_BIN_EXE_digitalocean")),
+        "digitalocean",
     );
     assert!(check.contains("the account's limits"), "{check}");
     assert!(
