@@ -26,3 +26,19 @@ pub fn check_help(binary: &Path, name: &str) -> String {
     );
     check
 }
+
+/// `binary state export --state STATE`, which must succeed: its standard output.
+pub async fn state_export(binary: &Path, state: &Path) -> Vec<u8> {
+    let out = tokio::process::Command::new(binary)
+        .args(["state", "export", "--state"])
+        .arg(state)
+        .output()
+        .await
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "state export: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    out.stdout
+}

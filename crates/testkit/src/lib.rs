@@ -12,8 +12,10 @@
 //! - [`classes`]: the emulators' request counts by class, and how they grew.
 //! - [`wait`]: bounded polling of a condition (what it counts is the test's, the deadline
 //!   only turns a hang into a failure).
+//! - [`listing`]: what a provider lists, through the test client.
 //! - [`logs`]: a `tracing` capture of the current thread's log lines, and a child process's
 //!   output collected as it comes.
+//! - [`out_of_band`]: the cloud-neutral steps of the out-of-band check scenario.
 //! - [`metrics`]: one series of this process's Prometheus rendering.
 //! - [`time`]: scaled time: a cloud's seconds at a test's time scale.
 //! - [`relay`]: a loopback TCP relay that counts, cuts and retargets connections.
@@ -35,8 +37,10 @@ pub mod provider_process;
 pub mod classes;
 pub mod cli;
 pub mod engine;
+pub mod listing;
 pub mod logs;
 pub mod metrics;
+pub mod out_of_band;
 pub mod relay;
 pub mod script;
 pub mod time;

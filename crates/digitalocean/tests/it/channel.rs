@@ -951,60 +951,6 @@ async fn connections_are_capped_per_address_and_in_all() {
     assert!(reopened.is_some());
 }
 
-/// A stand-in for the channel: TLS with `config`, answering every HTTP/1.1 request with
-/// `response`. Counts failed handshakes and requests served.
-struct FakeServer {
-    addr: std::net::SocketAddr,
-    failed_handshakes: std::sync::Arc<std::sync::atomic::AtomicUsize>,
-    requests: std::sync::Arc<std::sync::atomic::AtomicUsize>,
-}
-
-async fn fake_server(config: rustls::ServerConfig, response: Vec<u8>) -> FakeServer {
-    use std::sync::atomic::Ordering;
-    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let addr = listener.local_addr().unwrap();
-    let failed_handshakes = std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(0));
-    let requests = std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(0));
-    let acceptor = tokio_rustls::TlsAcceptor::from(std::sync::Arc::new(config));
-    let response = std::sync::Arc::new(response);
-    let (failed, served) = (failed_handshakes.clone(), requests.clone());
-    tokio::spawn(async move {
-        loop {
-            let Ok((tcp, _)) = listener.accept().await else {
-                return;
-            };
-            let (acceptor, response, failed, served) = (
-                acceptor.clone(),
-                response.clone(),
-                failed.clone(),
-                served.clone(),
-            );
-            tokio::spawn(async move {
-                let Ok(mut tls) = acceptor.accept(tcp).await else {
-                    failed.fetch_add(1, Ordering::SeqCst);
-                    return;
-                };
-                let mut seen = Vec::new();
-                let mut buf = [0u8; 4096];
-                while !seen.windows(4).any(|w| w == b"\r\n\r\n") {
-                    match tls.read(&mut buf).await {
-                        Ok(0) | Err(_) => return,
-                        Ok(n) => seen.extend_from_slice(&buf[..n]),
-                    }
-                }
-                served.fetch_add(1, Ordering::SeqCst);
-                let _ = tls.write_all(&response).await;
-                let _ = tls.shutdown().await;
-            });
-        }
-    });
-    FakeServer {
-        addr,
-        failed_handshakes,
-        requests,
-    }
-}
-
 fn server_config(
     pki: &Pki,
     versions: &[&'static rustls::SupportedProtocolVersion],

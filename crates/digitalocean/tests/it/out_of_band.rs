@@ -8,14 +8,13 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use digitalocean::cloud::DigitalOceanCloud;
-use provider_core::MachineState;
 use provider_core::budget::{Limits, Settings};
 use provider_core::cloud::{Cloud, InventorySignal};
 use provider_core::fleet::{CapacityBook, PriceBook};
 use provider_core::telemetry::Telemetry;
-use testkit::engine::{offering, over_fleet, spawn_reconcile_loop, zero_token};
-use testkit::wait::until;
-use testkit::{classes, metrics};
+use testkit::classes;
+use testkit::engine::{offering, over_fleet, spawn_reconcile_loop};
+use testkit::out_of_band::Scenario;
 use tokio::time::Instant;
 
 use crate::support::{Env, LogCapture, PROVIDER, REGION, api_client, cloud_settings, ctx, machine};
@@ -23,11 +22,6 @@ use crate::support::{Env, LogCapture, PROVIDER, REGION, api_client, cloud_settin
 const DROPLETS: u32 = 30;
 const FLOOR: Duration = Duration::from_millis(400);
 const PREFIX: &str = "bigfleet_digitalocean_it_oob";
-
-/// Out-of-band checks made, as the cloud counts its calls.
-fn checks() -> f64 {
-    metrics::api_calls(PREFIX, "ListActions")
-}
 
 #[tokio::test]
 async fn a_droplet_destroyed_out_of_band_is_noticed_by_the_next_check_not_the_paced_survey() {
@@ -64,62 +58,27 @@ async fn a_droplet_destroyed_out_of_band_is_noticed_by_the_next_check_not_the_pa
     )
     .await;
     let ids: Vec<String> = (0..=DROPLETS).map(|i| machine(i).id).collect();
-    for id in &ids[..DROPLETS as usize] {
-        assert_eq!(engine.get(id).unwrap().state, MachineState::Idle, "{id}");
-    }
+    let scenario = Scenario {
+        engine: &engine,
+        prefix: PREFIX,
+        floor: FLOOR,
+        check_op: "ListActions",
+    };
+    scenario.assert_idle(&ids[..DROPLETS as usize]);
     let (stop, _reconcile) = spawn_reconcile_loop(&engine, cloud.clone(), FLOOR, telemetry);
-    until("the first survey", Duration::from_secs(10), || {
-        metrics::surveys(PREFIX) >= 1.0
-    })
-    .await;
-    let period = metrics::metric(&format!("{PREFIX}_reconcile_period_seconds"));
-    eprintln!(
-        "a survey cost {} requests; the next one waits {period:.1} s",
-        metrics::metric(&format!("{PREFIX}_reconcile_survey_requests"))
-    );
-    assert!(
-        period >= 3.5,
-        "surveys are paced well above the floor: {period} s"
-    );
+    let period = scenario.first_survey_period().await;
 
     // Nothing happens: one request a check, and no survey.
-    let (listings, listed, checked) = (
-        classes::count(&env.emulator.requests_by_class(), "listing"),
-        classes::count(&env.emulator.requests_by_class(), "actions"),
-        checks(),
-    );
-    tokio::time::sleep(FLOOR * 4).await;
-    let made = checks() - checked;
-    assert!(made >= 2.0, "{made} checks in four floors");
-    assert_eq!(
-        (classes::count(&env.emulator.requests_by_class(), "actions") - listed) as f64,
-        made,
-        "one request per check"
-    );
-    assert_eq!(
-        classes::count(&env.emulator.requests_by_class(), "listing"),
-        listings,
-        "no survey"
-    );
-    assert_eq!(metrics::early_surveys(PREFIX), 0.0);
+    let requests = |class: &str| classes::count(&env.emulator.requests_by_class(), class);
+    scenario.nothing_happens(requests, "actions").await;
 
     // The provider's own Delete and Create are destroy and create actions of its own: no early
     // survey.
-    engine.delete(&ids[0], zero_token()).await.unwrap();
-    engine
-        .create(&ids[DROPLETS as usize], zero_token())
-        .await
-        .unwrap();
-    until("the own Delete and Create", Duration::from_secs(10), || {
-        engine.get(&ids[0]).unwrap().state == MachineState::Speculative
-            && engine.get(&ids[DROPLETS as usize]).unwrap().state == MachineState::Idle
-    })
-    .await;
-    let checked = checks();
-    until("two more checks", Duration::from_secs(10), || {
-        checks() >= checked + 2.0
-    })
-    .await;
+    scenario
+        .own_delete_and_create(&ids[0], &ids[DROPLETS as usize])
+        .await;
+    let checked = scenario.checks();
+    scenario.two_more_checks_start_no_survey(checked).await;
     assert!(
         env.emulator
             .actions()
@@ -127,45 +86,28 @@ async fn a_droplet_destroyed_out_of_band_is_noticed_by_the_next_check_not_the_pa
             .any(|a| a["type"] == "destroy"),
         "the own Delete was recorded as a destroy action"
     );
-    assert_eq!(
-        metrics::early_surveys(PREFIX),
-        0.0,
-        "own changes are not out-of-band ones"
-    );
 
     // Right after a survey (the next paced one is seconds away), a Droplet is destroyed in the
     // console: the next check notices it and the survey that follows proves it gone.
-    let done = metrics::surveys(PREFIX);
-    until("a survey", Duration::from_secs(20), || {
-        metrics::surveys(PREFIX) > done
-    })
-    .await;
+    scenario.next_survey().await;
     let victim = engine.get(&ids[1]).unwrap();
     let droplet: u64 = victim.host.as_ref().unwrap().id.parse().unwrap();
     let deleted = Instant::now();
     assert!(env.emulator.delete_out_of_band(droplet));
-    until(
-        "the machine of the destroyed Droplet",
-        Duration::from_secs(5),
-        || engine.get(&ids[1]).unwrap().state == MachineState::Speculative,
-    )
-    .await;
-    let noticed = deleted.elapsed();
-    eprintln!("noticed {noticed:?} after the destroy (paced period {period:.1} s)");
-    assert_eq!(metrics::early_surveys(PREFIX), 1.0);
-    assert!(
-        noticed < FLOOR * 4 && noticed.as_secs_f64() < period / 2.0,
-        "noticed after {noticed:?}, a paced period is {period} s"
-    );
+    scenario
+        .noticed(
+            "the machine of the destroyed Droplet",
+            &ids[1],
+            deleted,
+            period,
+        )
+        .await;
     assert!(
         logs.text().contains(&format!(
             "DigitalOcean recorded the destroy of Droplet(s) [{droplet}]"
         )),
         "the early survey says why"
     );
-    for id in &ids[2..] {
-        assert_eq!(engine.get(id).unwrap().state, MachineState::Idle, "{id}");
-    }
     stop.cancel();
 }
 

@@ -28,6 +28,8 @@ pub const API_TOKEN: &str = "dop_v1_test_api_token_0123456789";
 pub const SECRET: &str = "bootstrap-secret-for-tests-7f3a";
 pub const REGION: &str = "nyc3";
 pub const PROVIDER: &str = "do-test";
+/// The `digitalocean` binary cargo built for these tests.
+pub const BINARY: &str = env!("CARGO_BIN_EXE_digitalocean");
 
 /// A CA and a server certificate for 127.0.0.1 / localhost signed by it.
 pub struct Pki {
@@ -477,3 +479,58 @@ pub fn token(machine_id: &str) -> String {
 /// connection goes to the current target and stays on it (as kube-proxy keeps an established
 /// connection on its pod) until either side closes it.
 pub use testkit::relay::Relay as Forwarder;
+
+/// A stand-in for the channel: TLS with `config`, answering every HTTP/1.1 request with
+/// `response`. Counts failed handshakes and requests served.
+pub struct FakeServer {
+    pub addr: std::net::SocketAddr,
+    pub failed_handshakes: std::sync::Arc<std::sync::atomic::AtomicUsize>,
+    pub requests: std::sync::Arc<std::sync::atomic::AtomicUsize>,
+}
+
+pub async fn fake_server(config: rustls::ServerConfig, response: Vec<u8>) -> FakeServer {
+    use std::sync::atomic::Ordering;
+    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    let failed_handshakes = std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let requests = std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let acceptor = tokio_rustls::TlsAcceptor::from(std::sync::Arc::new(config));
+    let response = std::sync::Arc::new(response);
+    let (failed, served) = (failed_handshakes.clone(), requests.clone());
+    tokio::spawn(async move {
+        loop {
+            let Ok((tcp, _)) = listener.accept().await else {
+                return;
+            };
+            let (acceptor, response, failed, served) = (
+                acceptor.clone(),
+                response.clone(),
+                failed.clone(),
+                served.clone(),
+            );
+            tokio::spawn(async move {
+                use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
+                let Ok(mut tls) = acceptor.accept(tcp).await else {
+                    failed.fetch_add(1, Ordering::SeqCst);
+                    return;
+                };
+                let mut seen = Vec::new();
+                let mut buf = [0u8; 4096];
+                while !seen.windows(4).any(|w| w == b"\r\n\r\n") {
+                    match tls.read(&mut buf).await {
+                        Ok(0) | Err(_) => return,
+                        Ok(n) => seen.extend_from_slice(&buf[..n]),
+                    }
+                }
+                served.fetch_add(1, Ordering::SeqCst);
+                let _ = tls.write_all(&response).await;
+                let _ = tls.shutdown().await;
+            });
+        }
+    });
+    FakeServer {
+        addr,
+        failed_handshakes,
+        requests,
+    }
+}

@@ -433,6 +433,20 @@ impl Env {
         self.emulator.server(server).expect("server exists").labels
     }
 
+    /// The client's SSH key as `<dir>/id_ed25519` (mode 600) and `<dir>/offerings.json` with
+    /// `offerings`, the two files a provider process is started with.
+    pub fn process_files(&self, offerings: &str) -> (PathBuf, PathBuf) {
+        use std::os::unix::fs::PermissionsExt as _;
+        let dir = self.dir.path();
+        let ssh_key = dir.join("id_ed25519");
+        let pem = self.client_key.to_openssh(LineEnding::LF).unwrap();
+        std::fs::write(&ssh_key, pem.as_bytes()).unwrap();
+        std::fs::set_permissions(&ssh_key, std::fs::Permissions::from_mode(0o600)).unwrap();
+        let offerings_file = dir.join("offerings.json");
+        std::fs::write(&offerings_file, offerings).unwrap();
+        (ssh_key, offerings_file)
+    }
+
     /// Asserts the token appears nowhere in the captured log.
     pub fn assert_token_not_logged(&self) {
         let text = self.logs.text();

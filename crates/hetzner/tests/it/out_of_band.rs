@@ -7,13 +7,13 @@
 use std::time::Duration;
 
 use hetzner::catalog;
+use provider_core::StringMap;
 use provider_core::cloud::Cloud;
 use provider_core::fleet::{CapacityBook, PriceBook};
 use provider_core::offerings::Offering;
-use provider_core::{MachineState, StringMap};
-use testkit::engine::{offering, over_fleet, spawn_reconcile_loop, zero_token};
-use testkit::wait::until;
-use testkit::{classes, metrics};
+use testkit::classes;
+use testkit::engine::{offering, over_fleet, spawn_reconcile_loop};
+use testkit::out_of_band::Scenario;
 use tokio::time::Instant;
 
 use crate::harness::{Env, Options, ctx};
@@ -21,11 +21,6 @@ use crate::harness::{Env, Options, ctx};
 const SERVERS: i64 = 30;
 const FLOOR: Duration = Duration::from_millis(400);
 const PREFIX: &str = "bigfleet_hetzner_it_oob";
-
-/// Out-of-band checks made, as the cloud client counts its calls.
-fn checks() -> f64 {
-    metrics::api_calls(PREFIX, "CountManaged")
-}
 
 #[tokio::test]
 async fn a_server_deleted_out_of_band_is_noticed_by_the_next_check_not_the_paced_survey() {
@@ -65,99 +60,48 @@ async fn a_server_deleted_out_of_band_is_noticed_by_the_next_check_not_the_paced
     let ids: Vec<String> = (0..=SERVERS)
         .map(|i| env.machine("cx23", "nbg1", i).id)
         .collect();
-    for id in &ids[..SERVERS as usize] {
-        assert_eq!(engine.get(id).unwrap().state, MachineState::Idle, "{id}");
-    }
+    let scenario = Scenario {
+        engine: &engine,
+        prefix: PREFIX,
+        floor: FLOOR,
+        check_op: "CountManaged",
+    };
+    scenario.assert_idle(&ids[..SERVERS as usize]);
     let (stop, _reconcile) = spawn_reconcile_loop(&engine, env.cloud.clone(), FLOOR, env.telemetry);
-    until("the first survey", Duration::from_secs(10), || {
-        metrics::surveys(PREFIX) >= 1.0
-    })
-    .await;
-    let period = metrics::metric(&format!("{PREFIX}_reconcile_period_seconds"));
-    eprintln!(
-        "a survey cost {} requests; the next one waits {period:.1} s",
-        metrics::metric(&format!("{PREFIX}_reconcile_survey_requests"))
-    );
-    assert!(
-        period >= 3.5,
-        "surveys are paced well above the floor: {period} s"
-    );
+    let period = scenario.first_survey_period().await;
 
     // Nothing happens: one request a check, and no survey.
-    let (listings, counts, checked) = (
-        classes::count(&env.emulator.requests_by_class(), "listing"),
-        classes::count(&env.emulator.requests_by_class(), "count"),
-        checks(),
-    );
-    tokio::time::sleep(FLOOR * 4).await;
-    let made = checks() - checked;
-    assert!(made >= 2.0, "{made} checks in four floors");
-    assert_eq!(
-        (classes::count(&env.emulator.requests_by_class(), "count") - counts) as f64,
-        made,
-        "one request per check"
-    );
-    assert_eq!(
-        classes::count(&env.emulator.requests_by_class(), "listing"),
-        listings,
-        "no survey"
-    );
-    assert_eq!(metrics::early_surveys(PREFIX), 0.0);
+    let requests = |class: &str| classes::count(&env.emulator.requests_by_class(), class);
+    scenario.nothing_happens(requests, "count").await;
 
     // The provider's own Delete and Create move what the check expects: no early survey.
-    let checked = checks();
-    engine.delete(&ids[0], zero_token()).await.unwrap();
-    engine
-        .create(&ids[SERVERS as usize], zero_token())
-        .await
-        .unwrap();
-    until("the own Delete and Create", Duration::from_secs(10), || {
-        engine.get(&ids[0]).unwrap().state == MachineState::Speculative
-            && engine.get(&ids[SERVERS as usize]).unwrap().state == MachineState::Idle
-    })
-    .await;
-    until("two more checks", Duration::from_secs(10), || {
-        checks() >= checked + 2.0
-    })
-    .await;
-    assert_eq!(
-        metrics::early_surveys(PREFIX),
-        0.0,
-        "own changes are not out-of-band ones"
-    );
+    let checked = scenario.checks();
+    scenario
+        .own_delete_and_create(&ids[0], &ids[SERVERS as usize])
+        .await;
+    scenario.two_more_checks_start_no_survey(checked).await;
 
     // Right after a survey (the next paced one is seconds away), a server is deleted in the
     // console: the next check notices it and the survey that follows proves it gone.
-    let done = metrics::surveys(PREFIX);
-    until("a survey", Duration::from_secs(20), || {
-        metrics::surveys(PREFIX) > done
-    })
-    .await;
+    scenario.next_survey().await;
     let victim = engine.get(&ids[1]).unwrap();
     let server: i64 = victim.host.as_ref().unwrap().id.parse().unwrap();
     let deleted = Instant::now();
     assert!(env.emulator.delete_out_of_band(server));
-    until(
-        "the machine of the deleted server",
-        Duration::from_secs(5),
-        || engine.get(&ids[1]).unwrap().state == MachineState::Speculative,
-    )
-    .await;
-    let noticed = deleted.elapsed();
-    eprintln!("noticed {noticed:?} after the deletion (paced period {period:.1} s)");
-    assert_eq!(metrics::early_surveys(PREFIX), 1.0);
-    assert!(
-        noticed < FLOOR * 4 && noticed.as_secs_f64() < period / 2.0,
-        "noticed after {noticed:?}, a paced period is {period} s"
-    );
+    scenario
+        .noticed(
+            "the machine of the deleted server",
+            &ids[1],
+            deleted,
+            period,
+        )
+        .await;
     assert!(
         env.logs
             .text()
             .contains("reconcile: the cloud's out-of-band check saw the owned hosts change"),
         "the early survey says why"
     );
-    for id in &ids[2..] {
-        assert_eq!(engine.get(id).unwrap().state, MachineState::Idle, "{id}");
-    }
+    scenario.assert_idle(&ids[2..]);
     stop.cancel();
 }
