@@ -104,3 +104,24 @@ pub async fn until_all_idle(engine: &Engine, ids: &[String], deadline: Instant) 
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
 }
+
+/// The provider's own reconcile loop over `engine` and `cloud` at `floor` for at least `hour`,
+/// and on until `enough` holds (40 hours at most): a slower machine only stretches the hour
+/// the requests are counted over, so a verdict on them does not depend on its speed.
+pub async fn reconcile_for(
+    engine: &Arc<Engine>,
+    cloud: Arc<dyn Cloud>,
+    floor: Duration,
+    telemetry: Telemetry,
+    hour: Duration,
+    enough: impl Fn() -> bool,
+) {
+    let (stop, reconcile) = spawn_reconcile_loop(engine, cloud, floor, telemetry);
+    tokio::time::sleep(hour).await;
+    let bound = Instant::now() + hour * 40;
+    while !enough() && Instant::now() < bound {
+        tokio::time::sleep(floor).await;
+    }
+    stop.cancel();
+    reconcile.await.unwrap();
+}

@@ -11,8 +11,8 @@ use digitalocean::naming::machine_tag;
 use do_emulator::Emulator;
 use fleet_proto::v1alpha1 as pb;
 use pb::capacity_provider_client::CapacityProviderClient;
+use testkit::digitalocean::RunningEmulator;
 use tokio::net::TcpListener;
-use tokio_util::sync::CancellationToken;
 use tonic::transport::Channel;
 
 use crate::support::*;
@@ -35,7 +35,7 @@ pub(crate) async fn free_port() -> u16 {
 /// front of the pod).
 pub(crate) struct Site {
     pub emulator: Emulator,
-    _emulator_stop: tokio_util::sync::DropGuard,
+    _serving: RunningEmulator,
     pub pki: Pki,
     pub dir: tempfile::TempDir,
     bootstrap: Forwarder,
@@ -44,11 +44,8 @@ pub(crate) struct Site {
 
 impl Site {
     pub async fn start() -> Site {
-        let emulator = Emulator::new(API_TOKEN);
-        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
-        let api_url = format!("http://{}", listener.local_addr().unwrap());
-        let stop = CancellationToken::new();
-        tokio::spawn(emulator.clone().serve(listener, stop.clone()));
+        let serving = RunningEmulator::start(API_TOKEN).await;
+        let (emulator, api_url) = (serving.emulator.clone(), serving.url.clone());
         let dir = tempfile::tempdir().unwrap();
         let pki = pki();
         let file = |name: &str, body: &str| {
@@ -85,7 +82,7 @@ impl Site {
         ];
         Site {
             emulator,
-            _emulator_stop: stop.drop_guard(),
+            _serving: serving,
             pki,
             dir,
             bootstrap,

@@ -996,15 +996,7 @@ async fn the_agent_refuses_a_tls_1_2_server() {
     use std::sync::atomic::Ordering;
     let pki = pki();
     let command = br#"{"id":"1","type":"configure","cluster_id":"c","blob":"aGk="}"#;
-    let response = [
-        format!(
-            "HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n",
-            command.len()
-        )
-        .into_bytes(),
-        command.to_vec(),
-    ]
-    .concat();
+    let response = json_response(command);
     let server = fake_server(server_config(&pki, &[&rustls::version::TLS12]), response).await;
     let dir = tempfile::tempdir().unwrap();
     let agent = spawn_agent(dir.path(), server.addr, &pki.ca_pem, "m-tls12");
@@ -1034,15 +1026,7 @@ async fn the_agent_refuses_an_oversized_command_body() {
     let blob = "A".repeat(pad - pad % 4);
     let command = format!(r#"{{"id":"big","type":"configure","cluster_id":"c","blob":"{blob}"}}"#);
     assert!(command.len() > digitalocean::agent::MAX_COMMAND_BYTES);
-    let with_length = [
-        format!(
-            "HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n",
-            command.len()
-        )
-        .into_bytes(),
-        command.clone().into_bytes(),
-    ]
-    .concat();
+    let with_length = json_response(command.as_bytes());
     let mut chunked = b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nTransfer-Encoding: chunked\r\nConnection: close\r\n\r\n".to_vec();
     for part in command.as_bytes().chunks(64 * 1024) {
         chunked.extend_from_slice(format!("{:x}\r\n", part.len()).as_bytes());

@@ -299,15 +299,7 @@ async fn server_signing_with(
         )))));
     config.alpn_protocols = vec![b"http/1.1".to_vec()];
     let command = br#"{"id":"1","type":"configure","cluster_id":"c","blob":"am9pbi1ibG9i"}"#;
-    let response = [
-        format!(
-            "HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n",
-            command.len()
-        )
-        .into_bytes(),
-        command.to_vec(),
-    ]
-    .concat();
+    let response = json_response(command);
     let server = fake_server(config, response).await;
     (server.addr, server.requests)
 }

@@ -17,7 +17,7 @@ use provider_core::fleet::{CapacityBook, PriceBook, slot_id};
 use provider_core::machine::MachineState;
 use testkit::classes::grown as grown_between;
 use testkit::digitalocean::{RunningEmulator, time_scaled};
-use testkit::engine::{offering, over_fleet, spawn_reconcile_loop, until_all_idle, zero_token};
+use testkit::engine::{offering, over_fleet, reconcile_for, until_all_idle, zero_token};
 use tokio::time::Instant;
 
 use crate::support::{API_TOKEN, PROVIDER, REGION, RunningChannel, api_client, pki, telemetry};
@@ -163,19 +163,19 @@ async fn an_hour_at_ten_thousand_owned_droplets_stays_within_the_reconcile_share
     let at_start = site.emulator.requests_by_class();
     let started = Instant::now();
     // The provider's own reconcile loop: surveys paced to their share, and the out-of-band
-    // check (the account's actions) every floor between them.
-    let (stop, reconcile) = spawn_reconcile_loop(&engine, site.cloud.clone(), floor, telemetry());
-    // At least the scaled hour, and until a whole survey and a check between surveys were
-    // sent, however long this machine takes for them: a slower machine only stretches the
-    // hour the requests are counted over, so the verdict does not depend on its speed.
-    tokio::time::sleep(hour).await;
+    // check (the account's actions) every floor between them, for at least the
+    // scaled hour and until a whole survey and a check between surveys were sent, however long
+    // this machine takes for them.
     let grown = |class| grown_between(&at_start, &site.emulator.requests_by_class(), class);
-    let bound = Instant::now() + hour * 40;
-    while (grown("listing") < 50 || grown("actions") < 1) && Instant::now() < bound {
-        tokio::time::sleep(floor).await;
-    }
-    stop.cancel();
-    reconcile.await.unwrap();
+    reconcile_for(
+        &engine,
+        site.cloud.clone(),
+        floor,
+        telemetry(),
+        hour,
+        || grown("listing") >= 50 && grown("actions") >= 1,
+    )
+    .await;
     let (after, refused) = sent(&site);
     let classes = site.emulator.requests_by_class();
     let per_hour = (after - before) as f64 * hour.as_secs_f64() / started.elapsed().as_secs_f64();

@@ -91,6 +91,23 @@ pub fn machine(index: u32) -> Machine {
     m
 }
 
+/// Creates `m`'s Droplet through `cloud` (20 s at most) and records it as `m`'s host.
+pub async fn create_bound(
+    cloud: &DigitalOceanCloud,
+    m: &mut Machine,
+) -> provider_core::cloud::OwnedHost {
+    use provider_core::cloud::Cloud as _;
+    let host = cloud
+        .create_host(m, &ctx(Duration::from_secs(20)))
+        .await
+        .unwrap();
+    m.host = Some(provider_core::machine::HostRef {
+        provider: PROVIDER.into(),
+        id: host.id.clone(),
+    });
+    host
+}
+
 /// A running bootstrap channel on 127.0.0.1.
 pub struct RunningChannel {
     pub channel: Channel,
@@ -479,6 +496,19 @@ pub fn token(machine_id: &str) -> String {
 /// connection goes to the current target and stays on it (as kube-proxy keeps an established
 /// connection on its pod) until either side closes it.
 pub use testkit::relay::Relay as Forwarder;
+
+/// An HTTP/1.1 200 answer carrying the JSON `body`, closing the connection.
+pub fn json_response(body: &[u8]) -> Vec<u8> {
+    [
+        format!(
+            "HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n",
+            body.len()
+        )
+        .into_bytes(),
+        body.to_vec(),
+    ]
+    .concat()
+}
 
 /// A stand-in for the channel: TLS with `config`, answering every HTTP/1.1 request with
 /// `response`. Counts failed handshakes and requests served.

@@ -15,7 +15,7 @@ use provider_core::budget::{self, Class};
 use provider_core::fleet::{CapacityBook, PriceBook};
 use provider_core::machine::MachineState;
 use testkit::classes::grown as grown_between;
-use testkit::engine::{offering, over_fleet, spawn_reconcile_loop, until_all_idle, zero_token};
+use testkit::engine::{offering, over_fleet, reconcile_for, until_all_idle, zero_token};
 use tokio::time::Instant;
 
 use crate::harness::{Env, Options, PROVIDER};
@@ -146,19 +146,19 @@ async fn an_hour_at_ten_thousand_owned_servers_stays_within_the_reconcile_share(
     let at_start = env.emulator.requests_by_class();
     let started = Instant::now();
     // The provider's own reconcile loop: surveys paced to their share, and the out-of-band
-    // check every floor between them.
-    let (stop, reconcile) = spawn_reconcile_loop(&engine, env.cloud.clone(), floor, env.telemetry);
-    // At least the scaled hour, and until a whole survey and a check between surveys were
-    // sent, however long this machine takes for them: a slower machine only stretches the
-    // hour the requests are counted over, so the verdict does not depend on its speed.
-    tokio::time::sleep(hour).await;
+    // check every floor between them, for at least the
+    // scaled hour and until a whole survey and a check between surveys were sent, however long
+    // this machine takes for them.
     let grown = |class| grown_between(&at_start, &env.emulator.requests_by_class(), class);
-    let bound = Instant::now() + hour * 40;
-    while (grown("listing") < 200 || grown("count") < 1) && Instant::now() < bound {
-        tokio::time::sleep(floor).await;
-    }
-    stop.cancel();
-    reconcile.await.unwrap();
+    reconcile_for(
+        &engine,
+        env.cloud.clone(),
+        floor,
+        env.telemetry,
+        hour,
+        || grown("listing") >= 200 && grown("count") >= 1,
+    )
+    .await;
     let elapsed = started.elapsed();
     let sent = total(&env) - before;
     let classes = env.emulator.requests_by_class();
