@@ -3,8 +3,8 @@
 //! waits for `grpc.health.v1` SERVING by bounded polling, stops it with SIGTERM, and keeps its
 //! log for failure reports. The child is killed if it is dropped while still running.
 //!
-//! Shared by `cargo xtask e2e` and the faultprovider integration tests (included there by
-//! `#[path]`).
+//! Shared by `cargo xtask e2e` and, through the dev-only `testkit` crate (which includes this
+//! file by `#[path]`), the integration tests that run provider binaries.
 
 #![allow(dead_code)]
 

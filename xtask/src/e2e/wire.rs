@@ -2,8 +2,9 @@
 //! against the committed test PKI (`testdata/pki`, `cargo xtask certs`), a shard that stamps
 //! fresh fence tokens, and bounded polling of Get until a machine settles.
 //!
-//! Shared by `cargo xtask e2e` and the integration tests of provider-core and faultprovider,
-//! which include this file by `#[path]`, so the three tiers speak to providers the same way.
+//! Shared by `cargo xtask e2e` and, through the dev-only `testkit` crate (which includes this
+//! file by `#[path]`), every crate's integration tests, so the tiers speak to providers the
+//! same way.
 //! It depends only on tonic (tls-ring), tonic-health, fleet-proto, tokio and anyhow.
 
 #![allow(dead_code)]

@@ -11,8 +11,8 @@ use digitalocean::naming::machine_tag;
 use do_emulator::Emulator;
 use fleet_proto::v1alpha1 as pb;
 use pb::capacity_provider_client::CapacityProviderClient;
+use testkit::digitalocean::RunningEmulator;
 use tokio::net::TcpListener;
-use tokio_util::sync::CancellationToken;
 use tonic::transport::Channel;
 
 use crate::support::*;
@@ -35,7 +35,7 @@ pub(crate) async fn free_port() -> u16 {
 /// front of the pod).
 pub(crate) struct Site {
     pub emulator: Emulator,
-    _emulator_stop: tokio_util::sync::DropGuard,
+    _serving: RunningEmulator,
     pub pki: Pki,
     pub dir: tempfile::TempDir,
     bootstrap: Forwarder,
@@ -44,11 +44,8 @@ pub(crate) struct Site {
 
 impl Site {
     pub async fn start() -> Site {
-        let emulator = Emulator::new(API_TOKEN);
-        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
-        let api_url = format!("http://{}", listener.local_addr().unwrap());
-        let stop = CancellationToken::new();
-        tokio::spawn(emulator.clone().serve(listener, stop.clone()));
+        let serving = RunningEmulator::start(API_TOKEN).await;
+        let (emulator, api_url) = (serving.emulator.clone(), serving.url.clone());
         let dir = tempfile::tempdir().unwrap();
         let pki = pki();
         let file = |name: &str, body: &str| {
@@ -85,7 +82,7 @@ impl Site {
         ];
         Site {
             emulator,
-            _emulator_stop: stop.drop_guard(),
+            _serving: serving,
             pki,
             dir,
             bootstrap,
@@ -123,34 +120,7 @@ impl Site {
             cmd.arg("--metrics-addr=");
         }
         let mut child = cmd.spawn().unwrap();
-        let output = Arc::new(Mutex::new(Vec::new()));
-        let mut readers = Vec::new();
-        for stream in [
-            child
-                .stdout
-                .take()
-                .map(|s| Box::new(s) as Box<dyn tokio::io::AsyncRead + Unpin + Send>),
-            child
-                .stderr
-                .take()
-                .map(|s| Box::new(s) as Box<dyn tokio::io::AsyncRead + Unpin + Send>),
-        ]
-        .into_iter()
-        .flatten()
-        {
-            let output = output.clone();
-            readers.push(tokio::spawn(async move {
-                use tokio::io::AsyncReadExt as _;
-                let mut stream = stream;
-                let mut buf = [0u8; 4096];
-                while let Ok(n) = stream.read(&mut buf).await {
-                    if n == 0 {
-                        break;
-                    }
-                    output.lock().unwrap().extend_from_slice(&buf[..n]);
-                }
-            }));
-        }
+        let (output, readers) = testkit::logs::collect_output(&mut child);
         Spawned {
             child,
             output,
@@ -602,24 +572,9 @@ async fn a_malformed_bootstrap_ca_fails_startup_naming_the_flag() {
 
 #[test]
 fn check_is_listed_in_the_help_and_has_its_own() {
-    let help = |args: &[&str]| {
-        let output = std::process::Command::new(env!("CARGO_BIN_EXE_digitalocean"))
-            .args(args)
-            .output()
-            .unwrap();
-        assert_eq!(output.status.code(), Some(0), "{args:?}");
-        String::from_utf8_lossy(&output.stdout).into_owned()
-    };
-    let top = help(&["--help"]);
-    assert!(
-        top.lines()
-            .any(|l| l.trim_start().starts_with("check ") && l.contains("Check a configuration")),
-        "{top}"
-    );
-    let check = help(&["check", "--help"]);
-    assert!(
-        check.contains("Usage: digitalocean check [OPTIONS] [SERVING FLAGS]..."),
-        "{check}"
+    let check = testkit::cli::check_help(
+        std::path::Path::new(env!("CARGO_BIN_EXE_digitalocean")),
+        "digitalocean",
     );
     assert!(check.contains("the account's limits"), "{check}");
     assert!(

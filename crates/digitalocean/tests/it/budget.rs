@@ -10,9 +10,8 @@ use std::time::Duration;
 use digitalocean::api::{ApiClient, CreateDroplet, ImageRef};
 use do_emulator::{Emulator, RateLimit};
 use provider_core::budget::{Limits, Settings};
-use tokio::net::TcpListener;
+use testkit::digitalocean::RunningEmulator;
 use tokio::time::Instant;
-use tokio_util::sync::CancellationToken;
 
 use crate::support::{API_TOKEN, REGION, api_client};
 
@@ -20,17 +19,15 @@ use crate::support::{API_TOKEN, REGION, api_client};
 const SCALE: f64 = 60.0;
 const CREATES: u64 = 50;
 
-async fn start(left: u32) -> (Emulator, ApiClient, CancellationToken) {
+async fn start(left: u32) -> (Emulator, ApiClient, RunningEmulator) {
     let emulator = Emulator::new(API_TOKEN);
     emulator.set_rate_limit(RateLimit::DIGITALOCEAN.time_scaled(SCALE));
     emulator.set_hourly_remaining(left);
-    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let url = format!("http://{}", listener.local_addr().unwrap());
-    let stop = CancellationToken::new();
-    tokio::spawn(emulator.clone().serve(listener, stop.clone()));
+    let serving = RunningEmulator::serve(emulator.clone()).await;
     let budget = Settings::new(Limits::DIGITALOCEAN.time_scaled(SCALE))
         .budget("bigfleet_digitalocean_it_budget");
-    (emulator, api_client(&url).with_budget(budget), stop)
+    let api = api_client(&serving.url).with_budget(budget);
+    (emulator, api, serving)
 }
 
 /// Creates `CREATES` Droplets at once, then polls each once and lists them by tag; every call
@@ -90,7 +87,7 @@ async fn a_burst_from_a_nearly_spent_token_meets_no_429() {
         classes["create"].0, CREATES as usize,
         "one POST per Droplet"
     );
-    stop.cancel();
+    stop.stop();
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -122,7 +119,7 @@ async fn another_user_spending_half_the_budget_fails_no_request() {
         classes["create"].0, CREATES as usize,
         "one POST per Droplet"
     );
-    stop.cancel();
+    stop.stop();
 }
 
 /// Issue 21 §2: 50 Creates through the cloud, of Droplets that boot in 30 s (time-scaled like
@@ -187,5 +184,5 @@ async fn a_burst_of_creates_shares_its_boot_polls() {
             .all(|d| !d.tags.iter().any(|t| t.starts_with("bfboot:"))),
         "every Droplet seen active lost its booting tag"
     );
-    stop.cancel();
+    stop.stop();
 }

@@ -951,60 +951,6 @@ async fn connections_are_capped_per_address_and_in_all() {
     assert!(reopened.is_some());
 }
 
-/// A stand-in for the channel: TLS with `config`, answering every HTTP/1.1 request with
-/// `response`. Counts failed handshakes and requests served.
-struct FakeServer {
-    addr: std::net::SocketAddr,
-    failed_handshakes: std::sync::Arc<std::sync::atomic::AtomicUsize>,
-    requests: std::sync::Arc<std::sync::atomic::AtomicUsize>,
-}
-
-async fn fake_server(config: rustls::ServerConfig, response: Vec<u8>) -> FakeServer {
-    use std::sync::atomic::Ordering;
-    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let addr = listener.local_addr().unwrap();
-    let failed_handshakes = std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(0));
-    let requests = std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(0));
-    let acceptor = tokio_rustls::TlsAcceptor::from(std::sync::Arc::new(config));
-    let response = std::sync::Arc::new(response);
-    let (failed, served) = (failed_handshakes.clone(), requests.clone());
-    tokio::spawn(async move {
-        loop {
-            let Ok((tcp, _)) = listener.accept().await else {
-                return;
-            };
-            let (acceptor, response, failed, served) = (
-                acceptor.clone(),
-                response.clone(),
-                failed.clone(),
-                served.clone(),
-            );
-            tokio::spawn(async move {
-                let Ok(mut tls) = acceptor.accept(tcp).await else {
-                    failed.fetch_add(1, Ordering::SeqCst);
-                    return;
-                };
-                let mut seen = Vec::new();
-                let mut buf = [0u8; 4096];
-                while !seen.windows(4).any(|w| w == b"\r\n\r\n") {
-                    match tls.read(&mut buf).await {
-                        Ok(0) | Err(_) => return,
-                        Ok(n) => seen.extend_from_slice(&buf[..n]),
-                    }
-                }
-                served.fetch_add(1, Ordering::SeqCst);
-                let _ = tls.write_all(&response).await;
-                let _ = tls.shutdown().await;
-            });
-        }
-    });
-    FakeServer {
-        addr,
-        failed_handshakes,
-        requests,
-    }
-}
-
 fn server_config(
     pki: &Pki,
     versions: &[&'static rustls::SupportedProtocolVersion],
@@ -1050,15 +996,7 @@ async fn the_agent_refuses_a_tls_1_2_server() {
     use std::sync::atomic::Ordering;
     let pki = pki();
     let command = br#"{"id":"1","type":"configure","cluster_id":"c","blob":"aGk="}"#;
-    let response = [
-        format!(
-            "HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n",
-            command.len()
-        )
-        .into_bytes(),
-        command.to_vec(),
-    ]
-    .concat();
+    let response = json_response(command);
     let server = fake_server(server_config(&pki, &[&rustls::version::TLS12]), response).await;
     let dir = tempfile::tempdir().unwrap();
     let agent = spawn_agent(dir.path(), server.addr, &pki.ca_pem, "m-tls12");
@@ -1088,15 +1026,7 @@ async fn the_agent_refuses_an_oversized_command_body() {
     let blob = "A".repeat(pad - pad % 4);
     let command = format!(r#"{{"id":"big","type":"configure","cluster_id":"c","blob":"{blob}"}}"#);
     assert!(command.len() > digitalocean::agent::MAX_COMMAND_BYTES);
-    let with_length = [
-        format!(
-            "HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n",
-            command.len()
-        )
-        .into_bytes(),
-        command.clone().into_bytes(),
-    ]
-    .concat();
+    let with_length = json_response(command.as_bytes());
     let mut chunked = b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nTransfer-Encoding: chunked\r\nConnection: close\r\n\r\n".to_vec();
     for part in command.as_bytes().chunks(64 * 1024) {
         chunked.extend_from_slice(format!("{:x}\r\n", part.len()).as_bytes());

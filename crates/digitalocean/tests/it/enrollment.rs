@@ -90,18 +90,7 @@ fn user_data_token(config_json: &str) -> String {
 }
 
 async fn export(state: &Path) -> serde_json::Value {
-    let out = tokio::process::Command::new(env!("CARGO_BIN_EXE_digitalocean"))
-        .args(["state", "export", "--state"])
-        .arg(state)
-        .output()
-        .await
-        .unwrap();
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    serde_json::from_slice(&out.stdout).unwrap()
+    serde_json::from_slice(&testkit::cli::state_export(Path::new(BINARY), state).await).unwrap()
 }
 
 fn machine_in<'a>(export: &'a serde_json::Value, id: &str) -> &'a serde_json::Value {

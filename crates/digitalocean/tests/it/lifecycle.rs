@@ -194,15 +194,7 @@ fn base64_standard(bytes: &[u8]) -> String {
 async fn a_failing_hook_fails_configure_with_the_agents_error() {
     let env = Env::start().await;
     let mut m = machine(1);
-    let host = env
-        .cloud
-        .create_host(&m, &ctx(Duration::from_secs(20)))
-        .await
-        .unwrap();
-    m.host = Some(HostRef {
-        provider: PROVIDER.into(),
-        id: host.id.clone(),
-    });
+    let host = create_bound(&env.cloud, &mut m).await;
     let d = env.emulator.droplet(host.id.parse().unwrap()).unwrap();
     let dir = env.dir.path();
     let _agent = AgentProcess::spawn(AgentSetup {
@@ -239,15 +231,7 @@ async fn a_failing_hook_fails_configure_with_the_agents_error() {
 async fn an_agent_that_never_answers_times_out() {
     let env = Env::start().await;
     let mut m = machine(2);
-    let host = env
-        .cloud
-        .create_host(&m, &ctx(Duration::from_secs(20)))
-        .await
-        .unwrap();
-    m.host = Some(HostRef {
-        provider: PROVIDER.into(),
-        id: host.id.clone(),
-    });
+    let host = create_bound(&env.cloud, &mut m).await;
     let order = ConfigureOrder {
         cluster_id: "c1".into(),
         blob: BootstrapBlob(b"x".to_vec()),

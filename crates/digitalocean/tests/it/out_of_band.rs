@@ -10,64 +10,18 @@ use std::time::Duration;
 use digitalocean::cloud::DigitalOceanCloud;
 use provider_core::budget::{Limits, Settings};
 use provider_core::cloud::{Cloud, InventorySignal};
-use provider_core::reconcile_loop::ReconcileLoop;
+use provider_core::fleet::{CapacityBook, PriceBook};
 use provider_core::telemetry::Telemetry;
-use provider_core::{MachineState, StringMap};
+use testkit::classes;
+use testkit::engine::{offering, over_fleet, spawn_reconcile_loop};
+use testkit::out_of_band::Scenario;
 use tokio::time::Instant;
-use tokio_util::sync::CancellationToken;
 
 use crate::support::{Env, LogCapture, PROVIDER, REGION, api_client, cloud_settings, ctx, machine};
 
 const DROPLETS: u32 = 30;
 const FLOOR: Duration = Duration::from_millis(400);
 const PREFIX: &str = "bigfleet_digitalocean_it_oob";
-
-/// The value of the series `name` in this process's metrics.
-fn metric(name: &str) -> f64 {
-    let body = provider_core::telemetry::recorder().render();
-    body.lines()
-        .find_map(|l| l.strip_prefix(name)?.strip_prefix(' '))
-        .and_then(|v| v.trim().parse().ok())
-        .unwrap_or(0.0)
-}
-
-fn early_surveys() -> f64 {
-    metric(&format!("{PREFIX}_reconcile_early_surveys_total"))
-}
-
-fn surveys() -> f64 {
-    metric(&format!("{PREFIX}_reconcile_total{{outcome=\"success\"}}"))
-}
-
-/// Out-of-band checks made, as the cloud counts its calls.
-fn checks() -> f64 {
-    metric(&format!(
-        "{PREFIX}_api_calls_total{{op=\"ListActions\",outcome=\"success\"}}"
-    ))
-}
-
-fn requests(env: &Env, class: &str) -> usize {
-    env.emulator
-        .requests_by_class()
-        .get(class)
-        .map_or(0, |(n, _)| *n)
-}
-
-async fn until(what: &str, within: Duration, done: impl Fn() -> bool) {
-    let deadline = Instant::now() + within;
-    while !done() {
-        assert!(Instant::now() < deadline, "{what} within {within:?}");
-        tokio::time::sleep(Duration::from_millis(10)).await;
-    }
-}
-
-fn zero_token() -> provider_core::FenceToken {
-    provider_core::FenceToken {
-        shard_id: String::new(),
-        epoch: 0,
-        sequence: 0,
-    }
-}
 
 #[tokio::test]
 async fn a_droplet_destroyed_out_of_band_is_noticed_by_the_next_check_not_the_paced_survey() {
@@ -94,93 +48,37 @@ async fn a_droplet_destroyed_out_of_band_is_noticed_by_the_next_check_not_the_pa
     // Pages of one Droplet: a survey costs 30 requests, so at the 7.5 a second the checks
     // leave, surveys are paced to about 4 s.
     env.emulator.set_max_per_page(1);
-    let offering = provider_core::offerings::Offering {
-        instance_type: "s-2vcpu-4gb".into(),
-        zone: REGION.into(),
-        capacity_type: "on_demand".into(),
-        count: i64::from(DROPLETS) + 1,
-        resources: StringMap::new(),
-        labels: StringMap::new(),
-    };
-    let fleet = provider_core::fleet::Fleet::new(
+    let engine = over_fleet(
         cloud.clone(),
         PROVIDER,
-        vec![offering],
-        Arc::new(provider_core::fleet::PriceBook::new(|t, _| {
-            digitalocean::catalog::pinned_price_usd(t)
-        })),
-        Arc::new(provider_core::fleet::CapacityBook::new(
-            digitalocean::catalog::pinned_capacity,
-        )),
-        |_| StringMap::new(),
-    );
-    let engine = provider_core::Engine::start(
-        Arc::new(fleet),
-        Arc::new(provider_core::store::MemoryStore),
+        offering("s-2vcpu-4gb", REGION, i64::from(DROPLETS) + 1),
+        PriceBook::new(|t, _| digitalocean::catalog::pinned_price_usd(t)),
+        CapacityBook::new(digitalocean::catalog::pinned_capacity),
         provider_core::EngineOptions::new(telemetry),
     )
-    .await
-    .unwrap();
-    let ids: Vec<String> = (0..=DROPLETS).map(|i| machine(i).id).collect();
-    for id in &ids[..DROPLETS as usize] {
-        assert_eq!(engine.get(id).unwrap().state, MachineState::Idle, "{id}");
-    }
-    let stop = CancellationToken::new();
-    let reconcile = ReconcileLoop {
-        replica: provider_core::replica::Replica::single(engine.clone()),
-        cloud: Some(cloud.clone()),
-        floor: FLOOR,
-        telemetry,
-    };
-    tokio::spawn(reconcile.run(stop.clone()));
-    until("the first survey", Duration::from_secs(10), || {
-        surveys() >= 1.0
-    })
     .await;
-    let period = metric(&format!("{PREFIX}_reconcile_period_seconds"));
-    eprintln!(
-        "a survey cost {} requests; the next one waits {period:.1} s",
-        metric(&format!("{PREFIX}_reconcile_survey_requests"))
-    );
-    assert!(
-        period >= 3.5,
-        "surveys are paced well above the floor: {period} s"
-    );
+    let ids: Vec<String> = (0..=DROPLETS).map(|i| machine(i).id).collect();
+    let scenario = Scenario {
+        engine: &engine,
+        prefix: PREFIX,
+        floor: FLOOR,
+        check_op: "ListActions",
+    };
+    scenario.assert_idle(&ids[..DROPLETS as usize]);
+    let (stop, _reconcile) = spawn_reconcile_loop(&engine, cloud.clone(), FLOOR, telemetry);
+    let period = scenario.first_survey_period().await;
 
     // Nothing happens: one request a check, and no survey.
-    let (listings, listed, checked) = (
-        requests(&env, "listing"),
-        requests(&env, "actions"),
-        checks(),
-    );
-    tokio::time::sleep(FLOOR * 4).await;
-    let made = checks() - checked;
-    assert!(made >= 2.0, "{made} checks in four floors");
-    assert_eq!(
-        (requests(&env, "actions") - listed) as f64,
-        made,
-        "one request per check"
-    );
-    assert_eq!(requests(&env, "listing"), listings, "no survey");
-    assert_eq!(early_surveys(), 0.0);
+    let requests = |class: &str| classes::count(&env.emulator.requests_by_class(), class);
+    scenario.nothing_happens(requests, "actions").await;
 
     // The provider's own Delete and Create are destroy and create actions of its own: no early
     // survey.
-    engine.delete(&ids[0], zero_token()).await.unwrap();
-    engine
-        .create(&ids[DROPLETS as usize], zero_token())
-        .await
-        .unwrap();
-    until("the own Delete and Create", Duration::from_secs(10), || {
-        engine.get(&ids[0]).unwrap().state == MachineState::Speculative
-            && engine.get(&ids[DROPLETS as usize]).unwrap().state == MachineState::Idle
-    })
-    .await;
-    let checked = checks();
-    until("two more checks", Duration::from_secs(10), || {
-        checks() >= checked + 2.0
-    })
-    .await;
+    scenario
+        .own_delete_and_create(&ids[0], &ids[DROPLETS as usize])
+        .await;
+    let checked = scenario.checks();
+    scenario.two_more_checks_start_no_survey(checked).await;
     assert!(
         env.emulator
             .actions()
@@ -188,38 +86,28 @@ async fn a_droplet_destroyed_out_of_band_is_noticed_by_the_next_check_not_the_pa
             .any(|a| a["type"] == "destroy"),
         "the own Delete was recorded as a destroy action"
     );
-    assert_eq!(early_surveys(), 0.0, "own changes are not out-of-band ones");
 
     // Right after a survey (the next paced one is seconds away), a Droplet is destroyed in the
     // console: the next check notices it and the survey that follows proves it gone.
-    let done = surveys();
-    until("a survey", Duration::from_secs(20), || surveys() > done).await;
+    scenario.next_survey().await;
     let victim = engine.get(&ids[1]).unwrap();
     let droplet: u64 = victim.host.as_ref().unwrap().id.parse().unwrap();
     let deleted = Instant::now();
     assert!(env.emulator.delete_out_of_band(droplet));
-    until(
-        "the machine of the destroyed Droplet",
-        Duration::from_secs(5),
-        || engine.get(&ids[1]).unwrap().state == MachineState::Speculative,
-    )
-    .await;
-    let noticed = deleted.elapsed();
-    eprintln!("noticed {noticed:?} after the destroy (paced period {period:.1} s)");
-    assert_eq!(early_surveys(), 1.0);
-    assert!(
-        noticed < FLOOR * 4 && noticed.as_secs_f64() < period / 2.0,
-        "noticed after {noticed:?}, a paced period is {period} s"
-    );
+    scenario
+        .noticed(
+            "the machine of the destroyed Droplet",
+            &ids[1],
+            deleted,
+            period,
+        )
+        .await;
     assert!(
         logs.text().contains(&format!(
             "DigitalOcean recorded the destroy of Droplet(s) [{droplet}]"
         )),
         "the early survey says why"
     );
-    for id in &ids[2..] {
-        assert_eq!(engine.get(id).unwrap().state, MachineState::Idle, "{id}");
-    }
     stop.cancel();
 }
 
@@ -241,7 +129,7 @@ async fn the_check_reads_the_actions_since_the_last_one() {
         hosts.push(host.id);
     }
     let check = || async { env.cloud.inventory_changed().await.unwrap() };
-    let actions = || requests(&env, "actions");
+    let actions = || classes::count(&env.emulator.requests_by_class(), "actions");
     assert_eq!(check().await, InventorySignal::Unchanged, "no listing yet");
     env.cloud.list_hosts().await.unwrap();
     assert_eq!(check().await, InventorySignal::Unchanged);

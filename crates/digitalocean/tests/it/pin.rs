@@ -272,8 +272,6 @@ async fn server_signing_with(
 ) {
     use rustls_pki_types::pem::PemObject as _;
     use std::sync::Arc;
-    use std::sync::atomic::{AtomicUsize, Ordering};
-    use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
 
     #[derive(Debug)]
     struct Fixed(Arc<rustls::sign::CertifiedKey>);
@@ -300,43 +298,10 @@ async fn server_signing_with(
             chain, signing,
         )))));
     config.alpn_protocols = vec![b"http/1.1".to_vec()];
-    let acceptor = tokio_rustls::TlsAcceptor::from(Arc::new(config));
-    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let addr = listener.local_addr().unwrap();
-    let requests = Arc::new(AtomicUsize::new(0));
-    let served = requests.clone();
     let command = br#"{"id":"1","type":"configure","cluster_id":"c","blob":"am9pbi1ibG9i"}"#;
-    let response = [
-        format!(
-            "HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n",
-            command.len()
-        )
-        .into_bytes(),
-        command.to_vec(),
-    ]
-    .concat();
-    tokio::spawn(async move {
-        while let Ok((tcp, _)) = listener.accept().await {
-            let (acceptor, served, response) = (acceptor.clone(), served.clone(), response.clone());
-            tokio::spawn(async move {
-                let Ok(mut tls) = acceptor.accept(tcp).await else {
-                    return;
-                };
-                let mut seen = Vec::new();
-                let mut buf = [0u8; 4096];
-                while !seen.windows(4).any(|w| w == b"\r\n\r\n") {
-                    match tls.read(&mut buf).await {
-                        Ok(0) | Err(_) => return,
-                        Ok(n) => seen.extend_from_slice(&buf[..n]),
-                    }
-                }
-                served.fetch_add(1, Ordering::SeqCst);
-                let _ = tls.write_all(&response).await;
-                let _ = tls.shutdown().await;
-            });
-        }
-    });
-    (addr, requests)
+    let response = json_response(command);
+    let server = fake_server(config, response).await;
+    (server.addr, server.requests)
 }
 
 /// The end-entity pin is not a bearer check of public bytes: a server that presents the

@@ -13,8 +13,7 @@ use do_emulator::{Emulator, Fault};
 use provider_core::cloud::Cloud;
 use provider_core::offerings::Offering;
 use serde_json::{Value, json};
-use tokio::net::TcpListener;
-use tokio_util::sync::{CancellationToken, DropGuard};
+use testkit::digitalocean::RunningEmulator;
 
 use crate::binary::{Provider, Site};
 use crate::support::*;
@@ -23,13 +22,9 @@ const SIZE: &str = "s-2vcpu-4gb";
 const SNAPSHOT: &str = "k8s-node";
 
 /// An emulator serving on 127.0.0.1, its URL, and what stops it.
-async fn serve_emulator() -> (Emulator, String, DropGuard) {
-    let emulator = Emulator::new(API_TOKEN);
-    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let url = format!("http://{}", listener.local_addr().unwrap());
-    let stop = CancellationToken::new();
-    tokio::spawn(emulator.clone().serve(listener, stop.clone()));
-    (emulator, url, stop.drop_guard())
+async fn serve_emulator() -> (Emulator, String, RunningEmulator) {
+    let serving = RunningEmulator::start(API_TOKEN).await;
+    (serving.emulator.clone(), serving.url.clone(), serving)
 }
 
 /// An account with the snapshot and the login key the offering names.
@@ -69,7 +64,7 @@ struct Rig {
     api_url: String,
     dir: tempfile::TempDir,
     pki: Pki,
-    _stop: DropGuard,
+    _stop: RunningEmulator,
 }
 
 impl Rig {

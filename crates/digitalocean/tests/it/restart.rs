@@ -80,22 +80,12 @@ fn assert_blob_not_in_clear(state: &Path) {
 
 /// `digitalocean state export --state DIR`, parsed.
 async fn export(state: &Path) -> serde_json::Value {
-    let out = tokio::process::Command::new(env!("CARGO_BIN_EXE_digitalocean"))
-        .args(["state", "export", "--state"])
-        .arg(state)
-        .output()
-        .await
-        .unwrap();
+    let stdout = testkit::cli::state_export(Path::new(BINARY), state).await;
     assert!(
-        out.status.success(),
-        "state export: {}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    assert!(
-        !contains(&out.stdout, BLOB_SECRET),
+        !contains(&stdout, BLOB_SECRET),
         "state export shows the blob"
     );
-    serde_json::from_slice(&out.stdout).unwrap()
+    serde_json::from_slice(&stdout).unwrap()
 }
 
 /// Whether the export shows a sealed Configure waiting for machine `id`.

@@ -490,14 +490,9 @@ async fn an_agent_that_cannot_record_a_command_does_not_run_it() {
 async fn a_configure_resumed_through_the_backend_by_a_new_process_binds_the_machine_once() {
     use provider_core::backend::{BootstrapBlob, ConfigureOrder};
     use provider_core::cloud::Cloud;
-    use provider_core::machine::HostRef;
 
-    let emulator = do_emulator::Emulator::new(API_TOKEN);
-    let api_listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let api_url = format!("http://{}", api_listener.local_addr().unwrap());
-    let emulator_stop = tokio_util::sync::CancellationToken::new();
-    tokio::spawn(emulator.clone().serve(api_listener, emulator_stop.clone()));
-    let _stop_emulator = emulator_stop.drop_guard();
+    let serving = testkit::digitalocean::RunningEmulator::start(API_TOKEN).await;
+    let (emulator, api_url) = (serving.emulator.clone(), serving.url.clone());
     let pki = pki();
     let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
     let addr = listener.local_addr().unwrap();
@@ -505,14 +500,7 @@ async fn a_configure_resumed_through_the_backend_by_a_new_process_binds_the_mach
         RunningChannel::start_on(listener, &pki, Duration::from_secs(2), AuthLimit::default());
     let cloud = cloud_for(&api_url, &first, &pki, None, PROVIDER);
     let mut m = machine(5);
-    let host = cloud
-        .create_host(&m, &ctx(Duration::from_secs(20)))
-        .await
-        .unwrap();
-    m.host = Some(HostRef {
-        provider: PROVIDER.into(),
-        id: host.id.clone(),
-    });
+    let host = create_bound(&cloud, &mut m).await;
     let d = emulator.droplet(host.id.parse().unwrap()).unwrap();
     let dir = tempfile::tempdir().unwrap();
     let hook = dir.path().join("bootstrap");

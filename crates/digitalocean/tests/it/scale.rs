@@ -13,14 +13,12 @@ use digitalocean::cloud::DigitalOceanCloud;
 use digitalocean::naming::{MANAGED_TAG, droplet_name, machine_tag, provider_tag};
 use do_emulator::{Emulator, RateLimit};
 use provider_core::budget::{self, Class, Limits, Settings};
-use provider_core::fleet::{CapacityBook, Fleet, PriceBook, slot_id};
+use provider_core::fleet::{CapacityBook, PriceBook, slot_id};
 use provider_core::machine::MachineState;
-use provider_core::offerings::Offering;
-use provider_core::reconcile_loop::ReconcileLoop;
-use provider_core::replica::Replica;
-use tokio::net::TcpListener;
+use testkit::classes::grown as grown_between;
+use testkit::digitalocean::{RunningEmulator, time_scaled};
+use testkit::engine::{offering, over_fleet, reconcile_for, until_all_idle, zero_token};
 use tokio::time::Instant;
-use tokio_util::sync::CancellationToken;
 
 use crate::support::{API_TOKEN, PROVIDER, REGION, RunningChannel, api_client, pki, telemetry};
 
@@ -30,30 +28,20 @@ struct Site {
     emulator: Emulator,
     cloud: Arc<DigitalOceanCloud>,
     _channel: RunningChannel,
-    stop: CancellationToken,
-}
-
-impl Drop for Site {
-    fn drop(&mut self) {
-        self.stop.cancel();
-    }
+    _serving: RunningEmulator,
 }
 
 async fn site(scale: f64, prefix: &str) -> Site {
     let emulator = Emulator::new(API_TOKEN);
-    emulator.set_rate_limit(RateLimit::DIGITALOCEAN.time_scaled(scale));
-    emulator.set_boot_time(Some(Duration::from_secs_f64(30.0 / scale)));
-    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let url = format!("http://{}", listener.local_addr().unwrap());
-    let stop = CancellationToken::new();
-    tokio::spawn(emulator.clone().serve(listener, stop.clone()));
+    time_scaled(&emulator, scale, 30.0);
+    let serving = RunningEmulator::serve(emulator.clone()).await;
     let budget = Settings::new(Limits::DIGITALOCEAN.time_scaled(scale)).budget(prefix);
     let pki = pki();
     let channel = RunningChannel::start(&pki, Duration::from_secs(2), Default::default()).await;
     let mut settings = crate::support::cloud_settings(&channel, &pki, None, PROVIDER);
     settings.active_poll = Duration::from_secs_f64(5.0 / scale);
     let cloud = Arc::new(DigitalOceanCloud::new(
-        api_client(&url).with_budget(budget),
+        api_client(&serving.url).with_budget(budget),
         channel.channel.clone(),
         settings,
         telemetry(),
@@ -62,7 +50,7 @@ async fn site(scale: f64, prefix: &str) -> Site {
         emulator,
         cloud,
         _channel: channel,
-        stop,
+        _serving: serving,
     }
 }
 
@@ -86,43 +74,17 @@ fn insert_owned(site: &Site, owned: i64) {
 }
 
 async fn engine(site: &Site, count: i64) -> Arc<provider_core::Engine> {
-    let prices = Arc::new(PriceBook::new(|t, _| {
-        digitalocean::catalog::pinned_price_usd(t)
-    }));
-    let capacities = Arc::new(CapacityBook::new(digitalocean::catalog::pinned_capacity));
-    let offering = Offering {
-        instance_type: SIZE.into(),
-        zone: REGION.into(),
-        capacity_type: "on_demand".into(),
-        count,
-        resources: provider_core::StringMap::new(),
-        labels: provider_core::StringMap::new(),
-    };
-    let fleet = Fleet::new(
-        site.cloud.clone(),
-        PROVIDER,
-        vec![offering],
-        prices,
-        capacities,
-        |_| provider_core::StringMap::new(),
-    );
     let mut options = provider_core::EngineOptions::new(telemetry());
     options.timeouts.create = Duration::from_secs(120);
-    provider_core::Engine::start(
-        Arc::new(fleet),
-        Arc::new(provider_core::store::MemoryStore),
+    over_fleet(
+        site.cloud.clone(),
+        PROVIDER,
+        offering(SIZE, REGION, count),
+        PriceBook::new(|t, _| digitalocean::catalog::pinned_price_usd(t)),
+        CapacityBook::new(digitalocean::catalog::pinned_capacity),
         options,
     )
     .await
-    .unwrap()
-}
-
-fn zero_token() -> provider_core::FenceToken {
-    provider_core::FenceToken {
-        shard_id: String::new(),
-        epoch: 0,
-        sequence: 0,
-    }
 }
 
 fn sent(site: &Site) -> (usize, usize) {
@@ -163,23 +125,7 @@ async fn two_hundred_creates_beside_a_thousand_owned_droplets_take_only_their_bu
     for id in &ids {
         engine.create(id, zero_token()).await.unwrap();
     }
-    let deadline = started + Duration::from_secs(90);
-    while !ids
-        .iter()
-        .all(|id| engine.get(id).is_ok_and(|m| m.state == MachineState::Idle))
-    {
-        let failed: Vec<&String> = ids
-            .iter()
-            .filter(|id| {
-                engine
-                    .get(id)
-                    .is_ok_and(|m| m.state == MachineState::Failed)
-            })
-            .collect();
-        assert!(failed.is_empty(), "failed Creates: {failed:?}");
-        assert!(Instant::now() < deadline, "the burst did not finish");
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
+    until_all_idle(&engine, &ids, started + Duration::from_secs(90)).await;
     let took = started.elapsed();
     survey.await.unwrap().unwrap();
     let (after, refused) = sent(&site);
@@ -217,31 +163,19 @@ async fn an_hour_at_ten_thousand_owned_droplets_stays_within_the_reconcile_share
     let at_start = site.emulator.requests_by_class();
     let started = Instant::now();
     // The provider's own reconcile loop: surveys paced to their share, and the out-of-band
-    // check (the account's actions) every floor between them.
-    let stop = CancellationToken::new();
-    let reconcile = tokio::spawn(
-        ReconcileLoop {
-            replica: Replica::single(engine.clone()),
-            cloud: Some(site.cloud.clone()),
-            floor,
-            telemetry: telemetry(),
-        }
-        .run(stop.clone()),
-    );
-    // At least the scaled hour, and until a whole survey and a check between surveys were
-    // sent, however long this machine takes for them: a slower machine only stretches the
-    // hour the requests are counted over, so the verdict does not depend on its speed.
-    tokio::time::sleep(hour).await;
-    let grown = |class| {
-        let now = site.emulator.requests_by_class();
-        now.get(class).map_or(0, |(n, _)| *n) - at_start.get(class).map_or(0, |(n, _)| *n)
-    };
-    let bound = Instant::now() + hour * 40;
-    while (grown("listing") < 50 || grown("actions") < 1) && Instant::now() < bound {
-        tokio::time::sleep(floor).await;
-    }
-    stop.cancel();
-    reconcile.await.unwrap();
+    // check (the account's actions) every floor between them, for at least the
+    // scaled hour and until a whole survey and a check between surveys were sent, however long
+    // this machine takes for them.
+    let grown = |class| grown_between(&at_start, &site.emulator.requests_by_class(), class);
+    reconcile_for(
+        &engine,
+        site.cloud.clone(),
+        floor,
+        telemetry(),
+        hour,
+        || grown("listing") >= 50 && grown("actions") >= 1,
+    )
+    .await;
     let (after, refused) = sent(&site);
     let classes = site.emulator.requests_by_class();
     let per_hour = (after - before) as f64 * hour.as_secs_f64() / started.elapsed().as_secs_f64();
@@ -255,9 +189,7 @@ async fn an_hour_at_ten_thousand_owned_droplets_stays_within_the_reconcile_share
     );
     assert_eq!(refused, 0, "{classes:?}");
     // The survey's pages (a survey is 50 pages of 200) and the checks between surveys.
-    let grew = |class| {
-        classes.get(class).map_or(0, |(n, _)| *n) - at_start.get(class).map_or(0, |(n, _)| *n)
-    };
+    let grew = |class| grown_between(&at_start, &classes, class);
     assert!(grew("listing") >= 50, "{classes:?}");
     assert!(grew("actions") >= 1, "{classes:?}");
     // A survey is 50 pages; the hour's surveys fit the share, with at most one survey's worth

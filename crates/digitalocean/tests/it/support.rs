@@ -1,9 +1,7 @@
 //! Shared test scaffolding: test PKI, the emulator + channel + cloud environment, the agent
 //! process, and log capture.
 
-use std::io::Write as _;
 use std::net::SocketAddr;
-use std::os::unix::fs::PermissionsExt as _;
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
@@ -22,6 +20,7 @@ use provider_core::telemetry::Telemetry;
 use rcgen::{
     BasicConstraints, CertificateParams, CertifiedIssuer, ExtendedKeyUsagePurpose, IsCa, KeyPair,
 };
+use testkit::digitalocean::RunningEmulator;
 use tokio::net::TcpListener;
 use tokio_util::sync::CancellationToken;
 
@@ -29,6 +28,8 @@ pub const API_TOKEN: &str = "dop_v1_test_api_token_0123456789";
 pub const SECRET: &str = "bootstrap-secret-for-tests-7f3a";
 pub const REGION: &str = "nyc3";
 pub const PROVIDER: &str = "do-test";
+/// The `digitalocean` binary cargo built for these tests.
+pub const BINARY: &str = env!("CARGO_BIN_EXE_digitalocean");
 
 /// A CA and a server certificate for 127.0.0.1 / localhost signed by it.
 pub struct Pki {
@@ -90,6 +91,23 @@ pub fn machine(index: u32) -> Machine {
     m
 }
 
+/// Creates `m`'s Droplet through `cloud` (20 s at most) and records it as `m`'s host.
+pub async fn create_bound(
+    cloud: &DigitalOceanCloud,
+    m: &mut Machine,
+) -> provider_core::cloud::OwnedHost {
+    use provider_core::cloud::Cloud as _;
+    let host = cloud
+        .create_host(m, &ctx(Duration::from_secs(20)))
+        .await
+        .unwrap();
+    m.host = Some(provider_core::machine::HostRef {
+        provider: PROVIDER.into(),
+        id: host.id.clone(),
+    });
+    host
+}
+
 /// A running bootstrap channel on 127.0.0.1.
 pub struct RunningChannel {
     pub channel: Channel,
@@ -121,30 +139,7 @@ impl RunningChannel {
         limit: AuthLimit,
         secret: &str,
     ) -> RunningChannel {
-        let addr = listener.local_addr().unwrap();
-        let tls = channel_tls(pki.cert_pem.as_bytes(), pki.key_pem.as_bytes()).unwrap();
-        let channel = Channel::new(
-            ChannelSettings {
-                secret: BootstrapSecret::new(secret).unwrap(),
-                tls,
-                poll_hold: hold,
-                auth_limit: limit,
-            },
-            telemetry(),
-        );
-        // Loopback agents are not at the emulated Droplets' addresses.
-        channel.set_enrollment_source(EnrollmentSource::Any);
-        let stop = CancellationToken::new();
-        let serving = channel.clone();
-        let signal = stop.clone();
-        let task =
-            tokio::spawn(async move { serving.serve(listener, signal.cancelled_owned()).await });
-        RunningChannel {
-            channel,
-            addr,
-            stop,
-            task,
-        }
+        RunningChannel::serve(listener, pki, hold, limit, secret, ChannelLimits::default())
     }
 
     /// Like [`RunningChannel::start`], with the given listener limits.
@@ -155,11 +150,22 @@ impl RunningChannel {
         limits: ChannelLimits,
     ) -> RunningChannel {
         let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        RunningChannel::serve(listener, pki, hold, limit, SECRET, limits)
+    }
+
+    fn serve(
+        listener: TcpListener,
+        pki: &Pki,
+        hold: Duration,
+        limit: AuthLimit,
+        secret: &str,
+        limits: ChannelLimits,
+    ) -> RunningChannel {
         let addr = listener.local_addr().unwrap();
         let tls = channel_tls(pki.cert_pem.as_bytes(), pki.key_pem.as_bytes()).unwrap();
         let channel = Channel::with_limits(
             ChannelSettings {
-                secret: BootstrapSecret::new(SECRET).unwrap(),
+                secret: BootstrapSecret::new(secret).unwrap(),
                 tls,
                 poll_hold: hold,
                 auth_limit: limit,
@@ -201,13 +207,7 @@ pub struct Env {
     pub channel: RunningChannel,
     pub cloud: Arc<DigitalOceanCloud>,
     pub dir: tempfile::TempDir,
-    emulator_stop: CancellationToken,
-}
-
-impl Drop for Env {
-    fn drop(&mut self) {
-        self.emulator_stop.cancel();
-    }
+    _serving: RunningEmulator,
 }
 
 pub struct EnvOptions {
@@ -232,11 +232,8 @@ impl Env {
     }
 
     pub async fn start_with(options: EnvOptions) -> Env {
-        let emulator = Emulator::new(API_TOKEN);
-        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
-        let api_url = format!("http://{}", listener.local_addr().unwrap());
-        let emulator_stop = CancellationToken::new();
-        tokio::spawn(emulator.clone().serve(listener, emulator_stop.clone()));
+        let serving = RunningEmulator::start(API_TOKEN).await;
+        let (emulator, api_url) = (serving.emulator.clone(), serving.url.clone());
         let pki = pki();
         let channel = RunningChannel::start(&pki, options.hold, options.limit).await;
         let cloud = Arc::new(cloud_for(
@@ -253,7 +250,7 @@ impl Env {
             channel,
             cloud,
             dir: tempfile::tempdir().unwrap(),
-            emulator_stop,
+            _serving: serving,
         }
     }
 }
@@ -325,13 +322,7 @@ pub fn agent_config_from_user_data(user_data: &str) -> String {
     json
 }
 
-pub fn write_executable(path: &Path, body: &str) {
-    let mut f = std::fs::File::create(path).unwrap();
-    f.write_all(body.as_bytes()).unwrap();
-    f.sync_all().unwrap();
-    drop(f);
-    std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o755)).unwrap();
-}
+pub use testkit::script::write_executable;
 
 /// A hook that records its arguments, the blob, the blob's mode and how often it ran, then
 /// exits with `exit_code`.
@@ -387,58 +378,7 @@ pub struct AgentSetup<'a> {
 
 impl AgentProcess {
     pub fn spawn(setup: AgentSetup<'_>) -> AgentProcess {
-        let config = setup.dir.join("config.json");
-        std::fs::write(&config, &setup.config_json).unwrap();
-        let mut cmd = tokio::process::Command::new(env!("CARGO_BIN_EXE_bigfleet-agent"));
-        cmd.arg("--config")
-            .arg(&config)
-            .arg("--hook")
-            .arg(&setup.hook)
-            .arg("--drain-command")
-            .arg(&setup.drain_command)
-            .arg("--state")
-            .arg(setup.dir.join("state/executed.json"))
-            .arg("--max-backoff")
-            .arg("200ms")
-            .env("RUST_LOG", "debug")
-            // Whatever the caller's environment, colour must be off because stderr is a pipe.
-            .env_remove("NO_COLOR")
-            .stdin(std::process::Stdio::null())
-            .stdout(std::process::Stdio::piped())
-            .stderr(std::process::Stdio::piped())
-            .kill_on_drop(true);
-        if let Some(ready) = setup.readiness_command {
-            cmd.arg("--readiness-command").arg(ready);
-        }
-        let mut child = cmd.spawn().unwrap();
-        let output = Arc::new(Mutex::new(Vec::new()));
-        for stream in [
-            child
-                .stderr
-                .take()
-                .map(|s| Box::new(s) as Box<dyn tokio::io::AsyncRead + Unpin + Send>),
-            child
-                .stdout
-                .take()
-                .map(|s| Box::new(s) as Box<dyn tokio::io::AsyncRead + Unpin + Send>),
-        ]
-        .into_iter()
-        .flatten()
-        {
-            let output = output.clone();
-            tokio::spawn(async move {
-                use tokio::io::AsyncReadExt as _;
-                let mut stream = stream;
-                let mut buf = [0u8; 4096];
-                while let Ok(n) = stream.read(&mut buf).await {
-                    if n == 0 {
-                        break;
-                    }
-                    output.lock().unwrap().extend_from_slice(&buf[..n]);
-                }
-            });
-        }
-        AgentProcess { child, output }
+        AgentProcess::spawn_with_args(setup, &[])
     }
 
     /// Like [`AgentProcess::spawn`], with further command-line arguments for the agent.
@@ -468,33 +408,7 @@ impl AgentProcess {
             cmd.arg("--readiness-command").arg(ready);
         }
         let mut child = cmd.spawn().unwrap();
-        let output = Arc::new(Mutex::new(Vec::new()));
-        for stream in [
-            child
-                .stderr
-                .take()
-                .map(|s| Box::new(s) as Box<dyn tokio::io::AsyncRead + Unpin + Send>),
-            child
-                .stdout
-                .take()
-                .map(|s| Box::new(s) as Box<dyn tokio::io::AsyncRead + Unpin + Send>),
-        ]
-        .into_iter()
-        .flatten()
-        {
-            let output = output.clone();
-            tokio::spawn(async move {
-                use tokio::io::AsyncReadExt as _;
-                let mut stream = stream;
-                let mut buf = [0u8; 4096];
-                while let Ok(n) = stream.read(&mut buf).await {
-                    if n == 0 {
-                        break;
-                    }
-                    output.lock().unwrap().extend_from_slice(&buf[..n]);
-                }
-            });
-        }
+        let (output, _readers) = testkit::logs::collect_output(&mut child);
         AgentProcess { child, output }
     }
 
@@ -521,52 +435,10 @@ impl AgentProcess {
 }
 
 /// Waits until `f` holds (bounded); for state that other processes change.
-pub async fn eventually(within: Duration, mut f: impl FnMut() -> bool) -> bool {
-    let until = tokio::time::Instant::now() + within;
-    while tokio::time::Instant::now() < until {
-        if f() {
-            return true;
-        }
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
-    f()
-}
+pub use testkit::wait::eventually;
 
 /// Captures the provider's logs of the current thread.
-#[derive(Clone, Default)]
-pub struct LogCapture(Arc<Mutex<Vec<u8>>>);
-
-impl LogCapture {
-    pub fn install(&self) -> tracing::subscriber::DefaultGuard {
-        let subscriber = tracing_subscriber::fmt()
-            .with_max_level(tracing::Level::TRACE)
-            .with_writer(self.clone())
-            .with_ansi(false)
-            .finish();
-        tracing::subscriber::set_default(subscriber)
-    }
-
-    pub fn text(&self) -> String {
-        String::from_utf8_lossy(&self.0.lock().unwrap()).into_owned()
-    }
-}
-
-impl std::io::Write for LogCapture {
-    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
-        self.0.lock().unwrap().extend_from_slice(buf);
-        Ok(buf.len())
-    }
-    fn flush(&mut self) -> std::io::Result<()> {
-        Ok(())
-    }
-}
-
-impl<'a> tracing_subscriber::fmt::MakeWriter<'a> for LogCapture {
-    type Writer = LogCapture;
-    fn make_writer(&'a self) -> LogCapture {
-        self.clone()
-    }
-}
+pub use testkit::logs::LogCapture;
 
 /// An HTTPS client that trusts `ca_pem` only, TLS 1.3.
 pub fn channel_client(ca_pem: &str) -> reqwest::Client {
@@ -623,39 +495,72 @@ pub fn token(machine_id: &str) -> String {
 /// A loopback TCP forwarder standing in for a Kubernetes Service in front of replicas: each new
 /// connection goes to the current target and stays on it (as kube-proxy keeps an established
 /// connection on its pod) until either side closes it.
-pub struct Forwarder {
-    pub addr: SocketAddr,
-    target: Arc<Mutex<SocketAddr>>,
-    task: tokio::task::JoinHandle<()>,
+pub use testkit::relay::Relay as Forwarder;
+
+/// An HTTP/1.1 200 answer carrying the JSON `body`, closing the connection.
+pub fn json_response(body: &[u8]) -> Vec<u8> {
+    [
+        format!(
+            "HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n",
+            body.len()
+        )
+        .into_bytes(),
+        body.to_vec(),
+    ]
+    .concat()
 }
 
-impl Forwarder {
-    pub async fn start(target: SocketAddr) -> Forwarder {
-        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
-        let addr = listener.local_addr().unwrap();
-        let target = Arc::new(Mutex::new(target));
-        let current = target.clone();
-        let task = tokio::spawn(async move {
-            while let Ok((mut inbound, _)) = listener.accept().await {
-                let to = *current.lock().unwrap();
-                tokio::spawn(async move {
-                    if let Ok(mut outbound) = tokio::net::TcpStream::connect(to).await {
-                        let _ = tokio::io::copy_bidirectional(&mut inbound, &mut outbound).await;
+/// A stand-in for the channel: TLS with `config`, answering every HTTP/1.1 request with
+/// `response`. Counts failed handshakes and requests served.
+pub struct FakeServer {
+    pub addr: std::net::SocketAddr,
+    pub failed_handshakes: std::sync::Arc<std::sync::atomic::AtomicUsize>,
+    pub requests: std::sync::Arc<std::sync::atomic::AtomicUsize>,
+}
+
+pub async fn fake_server(config: rustls::ServerConfig, response: Vec<u8>) -> FakeServer {
+    use std::sync::atomic::Ordering;
+    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    let failed_handshakes = std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let requests = std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let acceptor = tokio_rustls::TlsAcceptor::from(std::sync::Arc::new(config));
+    let response = std::sync::Arc::new(response);
+    let (failed, served) = (failed_handshakes.clone(), requests.clone());
+    tokio::spawn(async move {
+        loop {
+            let Ok((tcp, _)) = listener.accept().await else {
+                return;
+            };
+            let (acceptor, response, failed, served) = (
+                acceptor.clone(),
+                response.clone(),
+                failed.clone(),
+                served.clone(),
+            );
+            tokio::spawn(async move {
+                use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
+                let Ok(mut tls) = acceptor.accept(tcp).await else {
+                    failed.fetch_add(1, Ordering::SeqCst);
+                    return;
+                };
+                let mut seen = Vec::new();
+                let mut buf = [0u8; 4096];
+                while !seen.windows(4).any(|w| w == b"\r\n\r\n") {
+                    match tls.read(&mut buf).await {
+                        Ok(0) | Err(_) => return,
+                        Ok(n) => seen.extend_from_slice(&buf[..n]),
                     }
-                });
-            }
-        });
-        Forwarder { addr, target, task }
-    }
-
-    /// Where new connections go from now on.
-    pub fn retarget(&self, to: SocketAddr) {
-        *self.target.lock().unwrap() = to;
-    }
-}
-
-impl Drop for Forwarder {
-    fn drop(&mut self) {
-        self.task.abort();
+                }
+                served.fetch_add(1, Ordering::SeqCst);
+                let _ = tls.write_all(&response).await;
+                let _ = tls.shutdown().await;
+            });
+        }
+    });
+    FakeServer {
+        addr,
+        failed_handshakes,
+        requests,
     }
 }

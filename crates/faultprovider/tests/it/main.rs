@@ -4,11 +4,7 @@
 // Helpers outside `#[test]` functions may unwrap too: a panic is the failure report.
 #![allow(clippy::unwrap_used)]
 
-#[path = "../../../../xtask/src/e2e/wire.rs"]
-mod wire;
-
-#[path = "../../../../xtask/src/e2e/provider_process.rs"]
-mod provider_process;
+use testkit::{provider_process, wire};
 
 mod ha;
 mod shutdown;

@@ -232,22 +232,7 @@ fn text_logs_to_a_pipe_carry_no_colour_codes_even_without_no_color() {
 
 #[test]
 fn check_is_listed_in_the_help_and_has_its_own() {
-    let help = |args: &[&str]| {
-        let output = Command::new(binary()).args(args).output().unwrap();
-        assert_eq!(output.status.code(), Some(0), "{args:?}");
-        String::from_utf8_lossy(&output.stdout).into_owned()
-    };
-    let top = help(&["--help"]);
-    assert!(
-        top.lines()
-            .any(|l| l.trim_start().starts_with("check ") && l.contains("Check a configuration")),
-        "{top}"
-    );
-    let check = help(&["check", "--help"]);
-    assert!(
-        check.contains("Usage: hetzner check [OPTIONS] [SERVING FLAGS]..."),
-        "{check}"
-    );
+    let check = testkit::cli::check_help(&binary(), "hetzner");
     assert!(check.contains("--json"), "{check}");
     assert!(
         check.contains("deprecated or not sold there now"),

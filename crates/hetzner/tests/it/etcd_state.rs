@@ -40,13 +40,7 @@ async fn acknowledged_mutations_and_op_ids_survive_kill_9_of_a_provider_on_etcd(
         first.default_channel().await.unwrap(),
         wire::Shard::new("shard-e2e", 1),
     );
-    let ids: Vec<String> = caller
-        .list_all()
-        .await
-        .unwrap()
-        .into_iter()
-        .map(|m| m.id)
-        .collect();
+    let ids = testkit::listing::ids(&mut caller).await;
     assert_eq!(ids.len(), 4);
     let mut acked = Vec::new();
     for id in &ids[..3] {

@@ -2,10 +2,8 @@
 //! `HetznerCloud` pointed at both, a bootstrap hook that records what it was given, and a
 //! captured log.
 
-use std::io::Write;
-use std::os::unix::fs::PermissionsExt;
-use std::path::{Path, PathBuf};
-use std::sync::{Arc, Mutex};
+use std::path::PathBuf;
+use std::sync::Arc;
 use std::time::Duration;
 
 use hcloud_emulator::{Emulator, HostKeySource, Root, Sshd, SshdSetup};
@@ -78,33 +76,10 @@ pub async fn until(what: &str, condition: impl Fn() -> bool) {
 }
 
 /// Log lines captured from `tracing`.
-#[derive(Clone, Default)]
-pub struct Logs(Arc<Mutex<Vec<u8>>>);
-
-impl Logs {
-    pub fn text(&self) -> String {
-        String::from_utf8_lossy(&self.0.lock().unwrap()).into_owned()
-    }
-}
-
-impl Write for Logs {
-    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
-        self.0.lock().unwrap().extend_from_slice(buf);
-        Ok(buf.len())
-    }
-
-    fn flush(&mut self) -> std::io::Result<()> {
-        Ok(())
-    }
-}
-
-impl<'a> tracing_subscriber::fmt::MakeWriter<'a> for Logs {
-    type Writer = Logs;
-
-    fn make_writer(&'a self) -> Logs {
-        self.clone()
-    }
-}
+pub use testkit::logs::LogCapture as Logs;
+/// A TCP relay in front of an SSH server: counts connections and can cut every open one, as a
+/// network blip or a restarted NAT would.
+pub use testkit::relay::Relay;
 
 /// What varies between tests.
 pub struct Options {
@@ -148,57 +123,6 @@ impl Default for Options {
             api_time_scale: 1000.0,
             running_poll: None,
         }
-    }
-}
-
-/// A TCP relay in front of an SSH server: counts connections and can cut every open one, as a
-/// network blip or a restarted NAT would.
-pub struct Relay {
-    connections: Arc<std::sync::atomic::AtomicUsize>,
-    open: Arc<Mutex<Vec<tokio::task::AbortHandle>>>,
-    task: tokio::task::JoinHandle<()>,
-}
-
-impl Relay {
-    fn start(listener: TcpListener, target: std::net::SocketAddr) -> Relay {
-        let connections = Arc::new(std::sync::atomic::AtomicUsize::new(0));
-        let open = Arc::new(Mutex::new(Vec::new()));
-        let (count, handles) = (connections.clone(), open.clone());
-        let task = tokio::spawn(async move {
-            while let Ok((mut inbound, _)) = listener.accept().await {
-                count.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
-                let forward = tokio::spawn(async move {
-                    if let Ok(mut outbound) = tokio::net::TcpStream::connect(target).await {
-                        let _ = tokio::io::copy_bidirectional(&mut inbound, &mut outbound).await;
-                    }
-                });
-                handles.lock().unwrap().push(forward.abort_handle());
-            }
-        });
-        Relay {
-            connections,
-            open,
-            task,
-        }
-    }
-
-    /// Connections accepted so far.
-    pub fn connections(&self) -> usize {
-        self.connections.load(std::sync::atomic::Ordering::SeqCst)
-    }
-
-    /// Drops every open connection.
-    pub fn cut(&self) {
-        for connection in self.open.lock().unwrap().drain(..) {
-            connection.abort();
-        }
-    }
-}
-
-impl Drop for Relay {
-    fn drop(&mut self) {
-        self.cut();
-        self.task.abort();
     }
 }
 
@@ -260,21 +184,12 @@ pub fn new_key() -> PrivateKey {
     PrivateKey::random(&mut rand::rng(), Algorithm::Ed25519).unwrap()
 }
 
-fn executable(path: &Path, body: &str) {
-    std::fs::create_dir_all(path.parent().unwrap()).unwrap();
-    std::fs::write(path, body).unwrap();
-    std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o755)).unwrap();
-}
+use testkit::script::write_executable as executable;
 
 impl Env {
     pub async fn new(options: Options) -> Env {
         let logs = Logs::default();
-        let subscriber = tracing_subscriber::fmt()
-            .with_writer(logs.clone())
-            .with_max_level(tracing::Level::TRACE)
-            .with_ansi(false)
-            .finish();
-        let guard = tracing::subscriber::set_default(subscriber);
+        let guard = logs.install();
         let emulator = Emulator::start(TOKEN).await.unwrap();
         emulator.set_new_server_ipv4("127.0.0.1");
         let ssh_listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
@@ -426,7 +341,7 @@ impl Env {
             },
         )
         .unwrap();
-        let relay = Relay::start(listener, sshd.addr());
+        let relay = Relay::on(listener, sshd.addr());
         (sshd, relay)
     }
 
@@ -516,6 +431,20 @@ impl Env {
 
     pub fn labels(&self, server: i64) -> std::collections::HashMap<String, String> {
         self.emulator.server(server).expect("server exists").labels
+    }
+
+    /// The client's SSH key as `<dir>/id_ed25519` (mode 600) and `<dir>/offerings.json` with
+    /// `offerings`, the two files a provider process is started with.
+    pub fn process_files(&self, offerings: &str) -> (PathBuf, PathBuf) {
+        use std::os::unix::fs::PermissionsExt as _;
+        let dir = self.dir.path();
+        let ssh_key = dir.join("id_ed25519");
+        let pem = self.client_key.to_openssh(LineEnding::LF).unwrap();
+        std::fs::write(&ssh_key, pem.as_bytes()).unwrap();
+        std::fs::set_permissions(&ssh_key, std::fs::Permissions::from_mode(0o600)).unwrap();
+        let offerings_file = dir.join("offerings.json");
+        std::fs::write(&offerings_file, offerings).unwrap();
+        (ssh_key, offerings_file)
     }
 
     /// Asserts the token appears nowhere in the captured log.

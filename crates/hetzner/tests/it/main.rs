@@ -4,6 +4,8 @@
 // Helpers here are test code too: a panic is the failure report we want.
 #![allow(clippy::unwrap_used)]
 
+use testkit::{provider_process, wire};
+
 mod binary;
 mod budget;
 mod catalogue;
@@ -22,9 +24,3 @@ mod scale;
 mod secrets;
 mod ssh_delivery;
 mod tofu;
-
-#[path = "../../../../xtask/src/e2e/wire.rs"]
-mod wire;
-
-#[path = "../../../../xtask/src/e2e/provider_process.rs"]
-mod provider_process;

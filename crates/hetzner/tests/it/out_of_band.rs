@@ -4,70 +4,23 @@
 //! Deletes, and a server deleted behind the provider's back (as in the console) noticed by the
 //! next check, not by the paced survey.
 
-use std::sync::Arc;
 use std::time::Duration;
 
 use hetzner::catalog;
+use provider_core::StringMap;
 use provider_core::cloud::Cloud;
-use provider_core::fleet::{CapacityBook, Fleet, PriceBook};
+use provider_core::fleet::{CapacityBook, PriceBook};
 use provider_core::offerings::Offering;
-use provider_core::reconcile_loop::ReconcileLoop;
-use provider_core::{MachineState, StringMap};
+use testkit::classes;
+use testkit::engine::{offering, over_fleet, spawn_reconcile_loop};
+use testkit::out_of_band::Scenario;
 use tokio::time::Instant;
-use tokio_util::sync::CancellationToken;
 
 use crate::harness::{Env, Options, ctx};
 
 const SERVERS: i64 = 30;
 const FLOOR: Duration = Duration::from_millis(400);
 const PREFIX: &str = "bigfleet_hetzner_it_oob";
-
-/// The value of the unlabelled series `name` in this process's metrics.
-fn metric(name: &str) -> f64 {
-    let body = provider_core::telemetry::recorder().render();
-    body.lines()
-        .find_map(|l| l.strip_prefix(name)?.strip_prefix(' '))
-        .and_then(|v| v.trim().parse().ok())
-        .unwrap_or(0.0)
-}
-
-fn early_surveys() -> f64 {
-    metric(&format!("{PREFIX}_reconcile_early_surveys_total"))
-}
-
-fn surveys() -> f64 {
-    metric(&format!("{PREFIX}_reconcile_total{{outcome=\"success\"}}"))
-}
-
-/// Out-of-band checks made, as the cloud client counts its calls.
-fn checks() -> f64 {
-    metric(&format!(
-        "{PREFIX}_api_calls_total{{op=\"CountManaged\",outcome=\"success\"}}"
-    ))
-}
-
-fn class(env: &Env, class: &str) -> usize {
-    env.emulator
-        .requests_by_class()
-        .get(class)
-        .map_or(0, |(n, _)| *n)
-}
-
-async fn until(what: &str, within: Duration, done: impl Fn() -> bool) {
-    let deadline = Instant::now() + within;
-    while !done() {
-        assert!(Instant::now() < deadline, "{what} within {within:?}");
-        tokio::time::sleep(Duration::from_millis(10)).await;
-    }
-}
-
-fn zero_token() -> provider_core::FenceToken {
-    provider_core::FenceToken {
-        shard_id: String::new(),
-        epoch: 0,
-        sequence: 0,
-    }
-}
 
 #[tokio::test]
 async fn a_server_deleted_out_of_band_is_noticed_by_the_next_check_not_the_paced_survey() {
@@ -92,118 +45,63 @@ async fn a_server_deleted_out_of_band_is_noticed_by_the_next_check_not_the_paced
     // so at the 7.5 a second the checks leave, surveys are paced to about 4 s.
     env.emulator.set_max_per_page(1);
     let offering = Offering {
-        instance_type: "cx23".into(),
-        zone: "nbg1".into(),
-        capacity_type: "on_demand".into(),
-        count: SERVERS + 1,
         resources: StringMap::from([("cpu".into(), "1".into()), ("memory".into(), "2Gi".into())]),
-        labels: StringMap::new(),
+        ..offering("cx23", "nbg1", SERVERS + 1)
     };
-    let fleet = Fleet::new(
+    let engine = over_fleet(
         env.cloud.clone(),
         crate::harness::PROVIDER,
-        vec![offering],
-        Arc::new(PriceBook::new(|t, _| {
-            catalog::pinned_price_eur(t).map(|eur| eur * 1.25)
-        })),
-        Arc::new(CapacityBook::new(catalog::pinned_capacity)),
-        |_| provider_core::StringMap::new(),
-    );
-    let engine = provider_core::Engine::start(
-        Arc::new(fleet),
-        Arc::new(provider_core::store::MemoryStore),
+        offering,
+        PriceBook::new(|t, _| catalog::pinned_price_eur(t).map(|eur| eur * 1.25)),
+        CapacityBook::new(catalog::pinned_capacity),
         provider_core::EngineOptions::new(env.telemetry),
     )
-    .await
-    .unwrap();
+    .await;
     let ids: Vec<String> = (0..=SERVERS)
         .map(|i| env.machine("cx23", "nbg1", i).id)
         .collect();
-    for id in &ids[..SERVERS as usize] {
-        assert_eq!(engine.get(id).unwrap().state, MachineState::Idle, "{id}");
-    }
-    let stop = CancellationToken::new();
-    let reconcile = ReconcileLoop {
-        replica: provider_core::replica::Replica::single(engine.clone()),
-        cloud: Some(env.cloud.clone()),
+    let scenario = Scenario {
+        engine: &engine,
+        prefix: PREFIX,
         floor: FLOOR,
-        telemetry: env.telemetry,
+        check_op: "CountManaged",
     };
-    tokio::spawn(reconcile.run(stop.clone()));
-    until("the first survey", Duration::from_secs(10), || {
-        surveys() >= 1.0
-    })
-    .await;
-    let period = metric(&format!("{PREFIX}_reconcile_period_seconds"));
-    eprintln!(
-        "a survey cost {} requests; the next one waits {period:.1} s",
-        metric(&format!("{PREFIX}_reconcile_survey_requests"))
-    );
-    assert!(
-        period >= 3.5,
-        "surveys are paced well above the floor: {period} s"
-    );
+    scenario.assert_idle(&ids[..SERVERS as usize]);
+    let (stop, _reconcile) = spawn_reconcile_loop(&engine, env.cloud.clone(), FLOOR, env.telemetry);
+    let period = scenario.first_survey_period().await;
 
     // Nothing happens: one request a check, and no survey.
-    let (listings, counts, checked) = (class(&env, "listing"), class(&env, "count"), checks());
-    tokio::time::sleep(FLOOR * 4).await;
-    let made = checks() - checked;
-    assert!(made >= 2.0, "{made} checks in four floors");
-    assert_eq!(
-        (class(&env, "count") - counts) as f64,
-        made,
-        "one request per check"
-    );
-    assert_eq!(class(&env, "listing"), listings, "no survey");
-    assert_eq!(early_surveys(), 0.0);
+    let requests = |class: &str| classes::count(&env.emulator.requests_by_class(), class);
+    scenario.nothing_happens(requests, "count").await;
 
     // The provider's own Delete and Create move what the check expects: no early survey.
-    let checked = checks();
-    engine.delete(&ids[0], zero_token()).await.unwrap();
-    engine
-        .create(&ids[SERVERS as usize], zero_token())
-        .await
-        .unwrap();
-    until("the own Delete and Create", Duration::from_secs(10), || {
-        engine.get(&ids[0]).unwrap().state == MachineState::Speculative
-            && engine.get(&ids[SERVERS as usize]).unwrap().state == MachineState::Idle
-    })
-    .await;
-    until("two more checks", Duration::from_secs(10), || {
-        checks() >= checked + 2.0
-    })
-    .await;
-    assert_eq!(early_surveys(), 0.0, "own changes are not out-of-band ones");
+    let checked = scenario.checks();
+    scenario
+        .own_delete_and_create(&ids[0], &ids[SERVERS as usize])
+        .await;
+    scenario.two_more_checks_start_no_survey(checked).await;
 
     // Right after a survey (the next paced one is seconds away), a server is deleted in the
     // console: the next check notices it and the survey that follows proves it gone.
-    let done = surveys();
-    until("a survey", Duration::from_secs(20), || surveys() > done).await;
+    scenario.next_survey().await;
     let victim = engine.get(&ids[1]).unwrap();
     let server: i64 = victim.host.as_ref().unwrap().id.parse().unwrap();
     let deleted = Instant::now();
     assert!(env.emulator.delete_out_of_band(server));
-    until(
-        "the machine of the deleted server",
-        Duration::from_secs(5),
-        || engine.get(&ids[1]).unwrap().state == MachineState::Speculative,
-    )
-    .await;
-    let noticed = deleted.elapsed();
-    eprintln!("noticed {noticed:?} after the deletion (paced period {period:.1} s)");
-    assert_eq!(early_surveys(), 1.0);
-    assert!(
-        noticed < FLOOR * 4 && noticed.as_secs_f64() < period / 2.0,
-        "noticed after {noticed:?}, a paced period is {period} s"
-    );
+    scenario
+        .noticed(
+            "the machine of the deleted server",
+            &ids[1],
+            deleted,
+            period,
+        )
+        .await;
     assert!(
         env.logs
             .text()
             .contains("reconcile: the cloud's out-of-band check saw the owned hosts change"),
         "the early survey says why"
     );
-    for id in &ids[2..] {
-        assert_eq!(engine.get(id).unwrap().state, MachineState::Idle, "{id}");
-    }
+    scenario.assert_idle(&ids[2..]);
     stop.cancel();
 }

@@ -3,7 +3,6 @@
 //! background work) a survey costs ten seconds of that share, so a one-second
 //! `--reconcile-interval` becomes a floor the surveys stay above.
 
-use std::os::unix::fs::PermissionsExt;
 use std::time::Duration;
 
 use hcloud_emulator::RateLimit;
@@ -41,19 +40,8 @@ async fn reconcile_surveys_are_paced_to_their_share_of_the_budget() {
     .await;
     env.emulator.set_rate_limit(RateLimit::HETZNER);
     let dir = env.dir.path();
-    let ssh_key = dir.join("id_ed25519");
-    let pem = env
-        .client_key
-        .to_openssh(russh::keys::ssh_key::LineEnding::LF)
-        .unwrap();
-    std::fs::write(&ssh_key, pem.as_bytes()).unwrap();
-    std::fs::set_permissions(&ssh_key, std::fs::Permissions::from_mode(0o600)).unwrap();
-    let offerings = dir.join("offerings.json");
-    std::fs::write(
-        &offerings,
-        r#"[{"server_type":"cx23","location":"nbg1","count":2}]"#,
-    )
-    .unwrap();
+    let (ssh_key, offerings) =
+        env.process_files(r#"[{"server_type":"cx23","location":"nbg1","count":2}]"#);
     let mut spec = process_spec(vec![
         "--hetzner-backend=hetzner".to_owned(),
         format!("--token={TOKEN}"),

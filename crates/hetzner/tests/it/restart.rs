@@ -62,19 +62,9 @@ impl Rig {
         let env = Env::new(Options::default()).await;
         let ssh_port = env.ssh_port();
         let dir = env.dir.path().to_owned();
-        let ssh_key = dir.join("id_ed25519");
-        let pem = env
-            .client_key
-            .to_openssh(russh::keys::ssh_key::LineEnding::LF)
-            .unwrap();
-        std::fs::write(&ssh_key, pem.as_bytes()).unwrap();
-        std::fs::set_permissions(&ssh_key, std::fs::Permissions::from_mode(0o600)).unwrap();
-        let offerings = dir.join("offerings.json");
-        std::fs::write(
-            &offerings,
-            format!(r#"[{{"server_type":"cx23","location":"nbg1","count":{slots}}}]"#),
-        )
-        .unwrap();
+        let (ssh_key, offerings) = env.process_files(&format!(
+            r#"[{{"server_type":"cx23","location":"nbg1","count":{slots}}}]"#
+        ));
         let (state, state_dir) = match etcd {
             Some(state) => (state, None),
             None => {
@@ -398,13 +388,7 @@ async fn a_configure_killed_at_each_moment_resumes_and_runs_the_hook_once() {
         provider.default_channel().await.unwrap(),
         Shard::new("shard-restart", 1),
     );
-    let ids: Vec<String> = caller
-        .list_all()
-        .await
-        .unwrap()
-        .into_iter()
-        .map(|m| m.id)
-        .collect();
+    let ids = testkit::listing::ids(&mut caller).await;
     assert_eq!(ids.len(), 5);
     let mut blobs = Vec::new();
 

@@ -12,13 +12,11 @@ use std::time::Duration;
 use hcloud_emulator::RateLimit;
 use hetzner::{catalog, labels};
 use provider_core::budget::{self, Class};
-use provider_core::fleet::{CapacityBook, Fleet, PriceBook};
+use provider_core::fleet::{CapacityBook, PriceBook};
 use provider_core::machine::MachineState;
-use provider_core::offerings::Offering;
-use provider_core::reconcile_loop::ReconcileLoop;
-use provider_core::replica::Replica;
+use testkit::classes::grown as grown_between;
+use testkit::engine::{offering, over_fleet, reconcile_for, until_all_idle, zero_token};
 use tokio::time::Instant;
-use tokio_util::sync::CancellationToken;
 
 use crate::harness::{Env, Options, PROVIDER};
 
@@ -28,7 +26,7 @@ const SCALE: f64 = 100.0;
 const STEADY_SCALE: f64 = 400.0;
 
 fn scaled(seconds: f64) -> Duration {
-    Duration::from_secs_f64(seconds / SCALE)
+    testkit::time::scaled(seconds, SCALE)
 }
 
 async fn env(prefix: &'static str, scale: f64) -> Env {
@@ -42,10 +40,7 @@ async fn env(prefix: &'static str, scale: f64) -> Env {
         ..Options::default()
     })
     .await;
-    env.emulator
-        .set_rate_limit(RateLimit::HETZNER.time_scaled(scale));
-    env.emulator
-        .set_boot_time(Some(Duration::from_secs_f64(12.0 / scale)));
+    testkit::hcloud::time_scaled(&env.emulator, scale, 12.0);
     env
 }
 
@@ -67,43 +62,17 @@ fn insert_owned(env: &Env, owned: i64) {
 }
 
 async fn engine(env: &Env, count: i64) -> Arc<provider_core::Engine> {
-    let prices = Arc::new(PriceBook::new(|t, _| {
-        catalog::pinned_price_eur(t).map(|eur| eur * 1.25)
-    }));
-    let capacities = Arc::new(CapacityBook::new(catalog::pinned_capacity));
-    let offering = Offering {
-        instance_type: "cx23".into(),
-        zone: "nbg1".into(),
-        capacity_type: "on_demand".into(),
-        count,
-        resources: provider_core::StringMap::new(),
-        labels: provider_core::StringMap::new(),
-    };
-    let fleet = Fleet::new(
-        env.cloud.clone(),
-        PROVIDER,
-        vec![offering],
-        prices,
-        capacities,
-        |_| provider_core::StringMap::new(),
-    );
     let mut options = provider_core::EngineOptions::new(env.telemetry);
     options.timeouts.create = Duration::from_secs(120);
-    provider_core::Engine::start(
-        Arc::new(fleet),
-        Arc::new(provider_core::store::MemoryStore),
+    over_fleet(
+        env.cloud.clone(),
+        PROVIDER,
+        offering("cx23", "nbg1", count),
+        PriceBook::new(|t, _| catalog::pinned_price_eur(t).map(|eur| eur * 1.25)),
+        CapacityBook::new(catalog::pinned_capacity),
         options,
     )
     .await
-    .unwrap()
-}
-
-fn zero_token() -> provider_core::FenceToken {
-    provider_core::FenceToken {
-        shard_id: String::new(),
-        epoch: 0,
-        sequence: 0,
-    }
 }
 
 fn total(env: &Env) -> usize {
@@ -143,23 +112,7 @@ async fn two_hundred_creates_beside_a_thousand_owned_servers_take_only_their_bud
     for id in &ids {
         engine.create(id, zero_token()).await.unwrap();
     }
-    let deadline = started + Duration::from_secs(60);
-    while !ids
-        .iter()
-        .all(|id| engine.get(id).is_ok_and(|m| m.state == MachineState::Idle))
-    {
-        let failed: Vec<&String> = ids
-            .iter()
-            .filter(|id| {
-                engine
-                    .get(id)
-                    .is_ok_and(|m| m.state == MachineState::Failed)
-            })
-            .collect();
-        assert!(failed.is_empty(), "failed Creates: {failed:?}");
-        assert!(Instant::now() < deadline, "the burst did not finish");
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
+    until_all_idle(&engine, &ids, started + Duration::from_secs(60)).await;
     let took = started.elapsed();
     survey.await.unwrap().unwrap();
     let sent = total(&env) - before;
@@ -193,31 +146,19 @@ async fn an_hour_at_ten_thousand_owned_servers_stays_within_the_reconcile_share(
     let at_start = env.emulator.requests_by_class();
     let started = Instant::now();
     // The provider's own reconcile loop: surveys paced to their share, and the out-of-band
-    // check every floor between them.
-    let stop = CancellationToken::new();
-    let reconcile = tokio::spawn(
-        ReconcileLoop {
-            replica: Replica::single(engine.clone()),
-            cloud: Some(env.cloud.clone()),
-            floor,
-            telemetry: env.telemetry,
-        }
-        .run(stop.clone()),
-    );
-    // At least the scaled hour, and until a whole survey and a check between surveys were
-    // sent, however long this machine takes for them: a slower machine only stretches the
-    // hour the requests are counted over, so the verdict does not depend on its speed.
-    tokio::time::sleep(hour).await;
-    let grown = |class| {
-        let now = env.emulator.requests_by_class();
-        now.get(class).map_or(0, |(n, _)| *n) - at_start.get(class).map_or(0, |(n, _)| *n)
-    };
-    let bound = Instant::now() + hour * 40;
-    while (grown("listing") < 200 || grown("count") < 1) && Instant::now() < bound {
-        tokio::time::sleep(floor).await;
-    }
-    stop.cancel();
-    reconcile.await.unwrap();
+    // check every floor between them, for at least the
+    // scaled hour and until a whole survey and a check between surveys were sent, however long
+    // this machine takes for them.
+    let grown = |class| grown_between(&at_start, &env.emulator.requests_by_class(), class);
+    reconcile_for(
+        &engine,
+        env.cloud.clone(),
+        floor,
+        env.telemetry,
+        hour,
+        || grown("listing") >= 200 && grown("count") >= 1,
+    )
+    .await;
     let elapsed = started.elapsed();
     let sent = total(&env) - before;
     let classes = env.emulator.requests_by_class();
@@ -230,9 +171,7 @@ async fn an_hour_at_ten_thousand_owned_servers_stays_within_the_reconcile_share(
     );
     assert_eq!(env.emulator.count_status(429), 0, "{classes:?}");
     // The survey's pages (a survey is 200 pages of 50) and the checks between surveys.
-    let grew = |class| {
-        classes.get(class).map_or(0, |(n, _)| *n) - at_start.get(class).map_or(0, |(n, _)| *n)
-    };
+    let grew = |class| grown_between(&at_start, &classes, class);
     assert!(grew("listing") >= 200, "{classes:?}");
     assert!(grew("count") >= 1, "{classes:?}");
     // The hour's surveys and checks fit the share, with at most one survey's worth over it

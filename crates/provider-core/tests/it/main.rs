@@ -4,8 +4,7 @@
 // Helpers outside `#[test]` functions may unwrap too: a panic is the failure report.
 #![allow(clippy::unwrap_used)]
 
-#[path = "../../../../xtask/src/e2e/wire.rs"]
-mod wire;
+use testkit::wire;
 
 mod errors;
 mod fencing;

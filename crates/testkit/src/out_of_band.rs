@@ -1,0 +1,127 @@
+//! The steps of the out-of-band check scenario both clouds run (the engine and the provider's
+//! reconcile loop over the real client and the emulator, a host deleted behind the provider's
+//! back): what is cloud-neutral about it, with the same assertions for both.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use provider_core::{Engine, MachineState};
+use tokio::time::Instant;
+
+use crate::engine::zero_token;
+use crate::metrics;
+use crate::wait::until;
+
+/// One cloud's run of the scenario.
+pub struct Scenario<'a> {
+    pub engine: &'a Arc<Engine>,
+    /// The telemetry prefix the cloud client and the reconcile loop count under.
+    pub prefix: &'a str,
+    /// The reconcile loop's floor.
+    pub floor: Duration,
+    /// The cloud client's name for its out-of-band check call.
+    pub check_op: &'a str,
+}
+
+impl Scenario<'_> {
+    /// Out-of-band checks made, as the cloud client counts its calls.
+    pub fn checks(&self) -> f64 {
+        metrics::api_calls(self.prefix, self.check_op)
+    }
+
+    /// Every one of `ids` is Idle.
+    pub fn assert_idle(&self, ids: &[String]) {
+        for id in ids {
+            assert_eq!(
+                self.engine.get(id).unwrap().state,
+                MachineState::Idle,
+                "{id}"
+            );
+        }
+    }
+
+    /// Waits for the first survey; its paced period, which must be well above the floor.
+    pub async fn first_survey_period(&self) -> f64 {
+        until("the first survey", Duration::from_secs(10), || {
+            metrics::surveys(self.prefix) >= 1.0
+        })
+        .await;
+        let period = metrics::metric(&format!("{}_reconcile_period_seconds", self.prefix));
+        eprintln!(
+            "a survey cost {} requests; the next one waits {period:.1} s",
+            metrics::metric(&format!("{}_reconcile_survey_requests", self.prefix))
+        );
+        assert!(
+            period >= 3.5,
+            "surveys are paced well above the floor: {period} s"
+        );
+        period
+    }
+
+    /// Four floors in which nothing happens: one request of `check_class` a check (at least
+    /// two), no listing, no early survey. `requests` reads the emulator's count of a class.
+    pub async fn nothing_happens(&self, requests: impl Fn(&str) -> usize, check_class: &str) {
+        let (listings, checks_sent, checked) =
+            (requests("listing"), requests(check_class), self.checks());
+        tokio::time::sleep(self.floor * 4).await;
+        let made = self.checks() - checked;
+        assert!(made >= 2.0, "{made} checks in four floors");
+        assert_eq!(
+            (requests(check_class) - checks_sent) as f64,
+            made,
+            "one request per check"
+        );
+        assert_eq!(requests("listing"), listings, "no survey");
+        assert_eq!(metrics::early_surveys(self.prefix), 0.0);
+    }
+
+    /// The provider's own Delete of `deleted` and Create of `created`, until they settle.
+    pub async fn own_delete_and_create(&self, deleted: &str, created: &str) {
+        self.engine.delete(deleted, zero_token()).await.unwrap();
+        self.engine.create(created, zero_token()).await.unwrap();
+        until("the own Delete and Create", Duration::from_secs(10), || {
+            self.engine.get(deleted).unwrap().state == MachineState::Speculative
+                && self.engine.get(created).unwrap().state == MachineState::Idle
+        })
+        .await;
+    }
+
+    /// Waits for two checks after `checked` of them; no early survey came of them.
+    pub async fn two_more_checks_start_no_survey(&self, checked: f64) {
+        until("two more checks", Duration::from_secs(10), || {
+            self.checks() >= checked + 2.0
+        })
+        .await;
+        assert_eq!(
+            metrics::early_surveys(self.prefix),
+            0.0,
+            "own changes are not out-of-band ones"
+        );
+    }
+
+    /// Waits for the next survey to finish.
+    pub async fn next_survey(&self) {
+        let done = metrics::surveys(self.prefix);
+        until("a survey", Duration::from_secs(20), || {
+            metrics::surveys(self.prefix) > done
+        })
+        .await;
+    }
+
+    /// Waits until the machine `id`, whose host was deleted out of band at `deleted`, is
+    /// Speculative again; it must be noticed by one early survey within four floors and half a
+    /// paced `period`.
+    pub async fn noticed(&self, what: &str, id: &str, deleted: Instant, period: f64) {
+        until(what, Duration::from_secs(5), || {
+            self.engine.get(id).unwrap().state == MachineState::Speculative
+        })
+        .await;
+        let noticed = deleted.elapsed();
+        eprintln!("noticed {noticed:?} after the deletion (paced period {period:.1} s)");
+        assert_eq!(metrics::early_surveys(self.prefix), 1.0);
+        assert!(
+            noticed < self.floor * 4 && noticed.as_secs_f64() < period / 2.0,
+            "noticed after {noticed:?}, a paced period is {period} s"
+        );
+    }
+}
