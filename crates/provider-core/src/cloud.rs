@@ -129,9 +129,7 @@ pub trait Cloud: Send + Sync + 'static {
     /// How many hosts the whole account holds (whoever made them) and, where the API reports
     /// it, its limit, read in as few requests as the API allows; `None` when this cloud has no
     /// such read. Caps the Speculative slots advertised ([`crate::headroom`]).
-    async fn account_hosts(
-        &self,
-    ) -> Result<Option<crate::headroom::AccountHosts>, BackendError> {
+    async fn account_hosts(&self) -> Result<Option<crate::headroom::AccountHosts>, BackendError> {
         Ok(None)
     }
 

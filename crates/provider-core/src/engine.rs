@@ -1280,7 +1280,13 @@ impl Engine {
                 Err(message) if refused => {
                     engine.finish_returned(&machine_id, &operation_id, message).await;
                 }
-                outcome => engine.finish(&machine_id, kind, &operation_id, outcome).await,
+                outcome => {
+                    engine.finish(&machine_id, kind, &operation_id, outcome).await;
+                    // A slot a Delete gave back counts against the account's headroom.
+                    if kind == OperationKind::Delete && engine.backend.speculative_cap().is_some() {
+                        let _ = engine.fit_offers().await;
+                    }
+                }
             }
             if let Some(handle) = pending {
                 // The backend ignored the cancellation: let its result arrive and be discarded
@@ -1385,9 +1391,8 @@ impl Engine {
     /// [`Inventory::return_created`]), and the slots are fitted to what is offered now, so a
     /// withdrawn offering's slot leaves List at once.
     async fn finish_returned(&self, machine_id: &str, operation_id: &str, message: String) {
-        let (applied, commit) = self.apply(|inv, changes| {
-            inv.return_created(machine_id, operation_id, message, changes)
-        });
+        let (applied, commit) = self
+            .apply(|inv, changes| inv.return_created(machine_id, operation_id, message, changes));
         if !applied {
             tracing::debug!(machine_id, operation_id, "discarded stale completion");
         }
@@ -1559,3 +1564,6 @@ mod host_record_tests;
 
 #[cfg(test)]
 mod acknowledged_tests;
+
+#[cfg(test)]
+mod stockout_tests;

@@ -12,15 +12,17 @@ use std::time::Duration;
 
 use async_trait::async_trait;
 
-use crate::backend::{Backend, BackendError, ConfigureOrder, Refusal, RefusalKind, TransitionContext};
+use crate::backend::{
+    Backend, BackendError, ConfigureOrder, Refusal, RefusalKind, TransitionContext,
+};
 use crate::catalogue::{Catalogue, StandingBook, now_unix};
 use crate::cloud::{Capacity, Cloud, OwnedHost};
 use crate::headroom::{AccountHosts, Headroom};
-use crate::stockout::{Admission, StockoutBackoff, Withdrawals};
-use crate::telemetry::Telemetry;
 use crate::inventory::{Effect, Sighting, Survey};
 use crate::machine::{CapacityType, HostRef, Machine, MachineState, StringMap};
 use crate::offerings::Offering;
+use crate::stockout::{Admission, StockoutBackoff, Withdrawals};
+use crate::telemetry::Telemetry;
 
 /// The slot id of offering slot `index`: `<provider>/OnDemand/<type>/<zone>/<NNN>`.
 pub fn slot_id(provider: &str, instance_type: &str, zone: &str, index: i64) -> String {

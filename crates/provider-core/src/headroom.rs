@@ -251,7 +251,10 @@ mod tests {
         h.refused(None, false, now, 0.0);
         assert_eq!(h.cap(now), Some(0));
         assert_eq!(h.limit(), Some((10, LimitSource::Api)));
-        assert!(matches!(h.admit(now + 60 * MIN), Admission::Withdrawn { .. }));
+        assert!(matches!(
+            h.admit(now + 60 * MIN),
+            Admission::Withdrawn { .. }
+        ));
         h.read(AccountHosts {
             limit: Some(10),
             hosts: 7,

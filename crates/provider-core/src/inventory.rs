@@ -771,7 +771,10 @@ impl Inventory {
         let Some(cap) = cap else {
             return 0;
         };
-        let mut spare: Vec<String> = self.spare_speculative().map(|s| s.machine.id.clone()).collect();
+        let mut spare: Vec<String> = self
+            .spare_speculative()
+            .map(|s| s.machine.id.clone())
+            .collect();
         if spare.len() <= cap {
             return 0;
         }
