@@ -65,11 +65,7 @@ impl TransitionContext {
 
     /// The refusal noted by [`TransitionContext::refuse`], if any.
     pub fn refusal(&self) -> Option<Refusal> {
-        self.refusal
-            .0
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .clone()
+        *self.refusal.0.lock().unwrap_or_else(|e| e.into_inner())
     }
 
     /// Makes the host id `id` (a server id, a Droplet id) part of the machine's durable
