@@ -362,7 +362,12 @@ impl DigitalOceanCloud {
             let after = match error.verdict() {
                 Verdict::Retry { after } => after,
                 Verdict::Fatal if matches!(error, ApiError::Decode { .. }) => None,
-                Verdict::Fatal => return Err(format!("create droplet {size}: {error}")),
+                Verdict::Fatal => {
+                    if let Some(refusal) = refusal_of(&error) {
+                        ctx.refuse(refusal);
+                    }
+                    return Err(format!("create droplet {size}: {error}"));
+                }
             };
             let wait = backoff.delay(attempt, after);
             if attempt >= backoff.max_attempts || Instant::now() + wait >= ctx.deadline {
@@ -723,6 +728,36 @@ impl DigitalOceanCloud {
     }
 }
 
+/// What a refused create call means for the slot (docs/digitalocean/troubleshooting.md,
+/// "Create refusals"): DigitalOcean answers 422 `unprocessable_entity` for every refusal and
+/// tells them apart only by the message. A size or region not available now is a stockout; the
+/// Droplet limit is the account's limit; anything else (an invalid image, VPC, key or name) is
+/// the settings' fault and fails the machine with the message.
+pub(crate) fn refusal_of(error: &ApiError) -> Option<provider_core::backend::Refusal> {
+    use provider_core::backend::Refusal;
+    let ApiError::Status {
+        status: 422,
+        message,
+        ..
+    } = error
+    else {
+        return None;
+    };
+    let message = message.to_ascii_lowercase();
+    if message.contains("droplet limit") {
+        return Some(Refusal::account_limit("droplet_limit", None));
+    }
+    let unavailable = [
+        "not available",
+        "unavailable",
+        "sold out",
+        "out of capacity",
+    ];
+    let about_placement = message.contains("size") || message.contains("region");
+    (about_placement && unavailable.iter().any(|w| message.contains(w)))
+        .then(|| Refusal::stockout("size_unavailable"))
+}
+
 #[async_trait]
 impl Cloud for DigitalOceanCloud {
     fn api_budget(&self) -> Option<provider_core::budget::ApiBudget> {
@@ -905,6 +940,33 @@ impl Cloud for DigitalOceanCloud {
                 .collect()
         });
         self.timed("Sizes", start, r)
+    }
+
+    /// The account's `droplet_limit` and every Droplet it holds (whoever made them): two
+    /// requests.
+    async fn account_hosts(
+        &self,
+    ) -> Result<Option<provider_core::headroom::AccountHosts>, BackendError> {
+        let start = Instant::now();
+        let r = async {
+            let deadline = Instant::now() + READ_BUDGET;
+            let account = self
+                .api
+                .get_account(deadline)
+                .await
+                .map_err(|e| format!("read the account: {e}"))?;
+            let hosts = self
+                .api
+                .count_droplets(deadline)
+                .await
+                .map_err(|e| format!("count the account's droplets: {e}"))?;
+            Ok(Some(provider_core::headroom::AccountHosts {
+                limit: (account.droplet_limit > 0).then_some(account.droplet_limit),
+                hosts,
+            }))
+        }
+        .await;
+        self.timed("Account", start, r)
     }
 
     /// Sizes (`sizes[].available`, `sizes[].regions`, prices, vCPUs, memory, disk) and regions

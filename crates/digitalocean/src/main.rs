@@ -241,14 +241,18 @@ async fn launch(cli: Cli) -> Result<(), String> {
             real.cloud
         }
     };
-    let fleet = Arc::new(Fleet::new(
-        cloud,
-        cli.provider.clone(),
-        offerings,
-        prices,
-        capacities,
-        no_extra_labels,
-    ));
+    let fleet = Arc::new(
+        Fleet::new(
+            cloud,
+            cli.provider.clone(),
+            offerings,
+            prices,
+            capacities,
+            no_extra_labels,
+        )
+        .with_stockout_backoff(cli.common.stockout_backoff())
+        .with_telemetry(telemetry),
+    );
     let (addr, provider, region, metrics_addr) = (
         cli.common.addr.clone(),
         cli.provider.clone(),

@@ -224,6 +224,8 @@ fn common(cli: &Cli) -> CommonArgs {
         image: String::new(),
         base_user_data: String::new(),
         price_refresh: Duration::ZERO,
+        stockout_backoff: Duration::from_secs(300),
+        stockout_backoff_max: Duration::from_secs(1800),
         reconcile_interval: Duration::ZERO,
         orphan_grace: Duration::ZERO,
         create_timeout: cli.transition_timeout,

@@ -356,10 +356,15 @@ impl HcloudApi {
     ) -> Result<u64, ApiError> {
         let response: models::ListServersResponse = self
             .request("GET /servers", Method::GET, "/servers")
-            .query([
-                ("label_selector", selector.to_owned()),
-                ("per_page", "1".to_owned()),
-            ])
+            .query(
+                [
+                    ("label_selector", selector.to_owned()),
+                    ("per_page", "1".to_owned()),
+                ]
+                .into_iter()
+                // An empty selector counts every server of the project.
+                .filter(|(k, v)| *k != "label_selector" || !v.is_empty()),
+            )
             .send(deadline)
             .await?;
         let pagination = &response.meta.pagination;

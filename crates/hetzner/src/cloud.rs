@@ -963,6 +963,24 @@ impl Cloud for HetznerCloud {
             .await
             .map(Some)
     }
+
+    /// Every server of the project, in one request; Hetzner has no limits API, so the limit
+    /// is learned from a refusal.
+    async fn account_hosts(
+        &self,
+    ) -> Result<Option<provider_core::headroom::AccountHosts>, BackendError> {
+        let count = async {
+            self.api
+                .count_servers("", Some(Instant::now() + Duration::from_secs(30)))
+                .await
+                .map_err(|e| err(format!("count the project's servers: {e}")))
+        };
+        let hosts = self.timed("CountServers", count).await?;
+        Ok(Some(provider_core::headroom::AccountHosts {
+            limit: None,
+            hosts,
+        }))
+    }
 }
 
 #[cfg(test)]

@@ -8,7 +8,7 @@
 use std::collections::HashMap;
 
 use crate::models;
-use provider_core::backend::{BackendError, TransitionContext};
+use provider_core::backend::{BackendError, Refusal, TransitionContext};
 use provider_core::cloud::OwnedHost;
 use provider_core::config::Secret;
 use provider_core::machine::Machine;
@@ -83,7 +83,33 @@ async fn existing_plan(
         .map_err(err)
 }
 
+/// The codes of a create call's refusal that mean the type cannot be placed in the location
+/// now (docs/hetzner/troubleshooting.md, "Create refusals"): the offering is withdrawn for a
+/// backoff and the slot returned.
+pub const STOCKOUT_CODES: [&str; 2] = ["resource_unavailable", "placement_error"];
+
+/// The code of a create call's refusal for the project's limit.
+pub const LIMIT_CODE: &str = "resource_limit_exceeded";
+
 impl HetznerCloud {
+    /// What a refused create call (an answer, never a lost one) means for the slot: a stockout,
+    /// the project's limit (counted: the servers the project holds now), or `None`, a failure
+    /// of the machine's own.
+    async fn refusal_of(&self, e: &ApiError, deadline: Instant) -> Option<Refusal> {
+        let code = e.code()?;
+        if let Some(code) = STOCKOUT_CODES.into_iter().find(|c| *c == code) {
+            return Some(Refusal::stockout(code));
+        }
+        if code != LIMIT_CODE {
+            return None;
+        }
+        let held = self.api.count_servers("", Some(deadline)).await;
+        if let Err(ce) = &held {
+            tracing::warn!(err = %ce, "counting the project's servers after a limit refusal failed; taking the servers known as the limit");
+        }
+        Some(Refusal::account_limit(LIMIT_CODE, held.ok()))
+    }
+
     /// One create call: straight, or into a spread group of the offering.
     async fn create_server(
         &self,
@@ -375,7 +401,12 @@ impl HetznerCloud {
                         _ = ctx.cancel.cancelled() => return Err(err(format!("create server {server_type}: {e}"))),
                     }
                 }
-                Err(e) => return Err(err(format!("create server {server_type}: {e}"))),
+                Err(e) => {
+                    if let Some(refusal) = self.refusal_of(&e, deadline).await {
+                        ctx.refuse(refusal);
+                    }
+                    return Err(err(format!("create server {server_type}: {e}")));
+                }
             }
         };
         tracing::info!(machine = %machine.id, server = created.id, name = %name, "server created");

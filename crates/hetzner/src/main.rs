@@ -84,14 +84,18 @@ async fn launch(cli: Cli) -> Result<(), String> {
         }
         Mode::Real => real_cloud(&cli, &offerings, telemetry).await?,
     };
-    let fleet = Arc::new(Fleet::new(
-        cloud,
-        cli.provider.clone(),
-        offerings,
-        prices,
-        capacities,
-        |_| provider_core::StringMap::new(),
-    ));
+    let fleet = Arc::new(
+        Fleet::new(
+            cloud,
+            cli.provider.clone(),
+            offerings,
+            prices,
+            capacities,
+            |_| provider_core::StringMap::new(),
+        )
+        .with_stockout_backoff(cli.common.stockout_backoff())
+        .with_telemetry(telemetry),
+    );
     let (addr, provider, metrics_addr) = (
         cli.common.addr.clone(),
         cli.provider.clone(),

@@ -31,6 +31,9 @@ pub struct TransitionContext {
     /// process ever resumes, a random value drawn when it starts. 16 lower-case hex digits,
     /// nothing secret. `None` for other transitions and outside the engine.
     pub configure_nonce: Option<String>,
+    /// Where a Create notes that the cloud refused it before making anything (see
+    /// [`TransitionContext::refuse`]).
+    pub refusal: RefusalNote,
 }
 
 impl TransitionContext {
@@ -47,7 +50,22 @@ impl TransitionContext {
             cancel: CancellationToken::new(),
             host_log: HostLog::default(),
             configure_nonce: None,
+            refusal: RefusalNote::default(),
         }
+    }
+
+    /// Notes that the cloud refused this Create for a reason that is not the machine's (a
+    /// stockout, the account's limit) and provably made nothing. The Create then returns an
+    /// error as usual; the engine, seeing the note and no recorded host, returns the slot to
+    /// Speculative with the error as its `last_error` instead of failing it. Only for an
+    /// answer that proves nothing was created: a lost or ambiguous answer is never a refusal.
+    pub fn refuse(&self, refusal: Refusal) {
+        *self.refusal.0.lock().unwrap_or_else(|e| e.into_inner()) = Some(refusal);
+    }
+
+    /// The refusal noted by [`TransitionContext::refuse`], if any.
+    pub fn refusal(&self) -> Option<Refusal> {
+        *self.refusal.0.lock().unwrap_or_else(|e| e.into_inner())
     }
 
     /// Makes the host id `id` (a server id, a Droplet id) part of the machine's durable
@@ -77,6 +95,61 @@ impl TransitionContext {
         ctx
     }
 }
+
+/// Why a cloud refused a Create without making anything.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum RefusalKind {
+    /// The type cannot be placed in the zone now (sold out, no capacity, not offered there):
+    /// the offering is withdrawn for a backoff.
+    Stockout,
+    /// The account holds as many hosts as its limit allows: what is advertised is capped to
+    /// the headroom.
+    AccountLimit,
+}
+
+impl RefusalKind {
+    /// The name used in metrics and `last_error`.
+    pub fn name(self) -> &'static str {
+        match self {
+            RefusalKind::Stockout => "stockout",
+            RefusalKind::AccountLimit => "account_limit",
+        }
+    }
+}
+
+/// A refusal of a Create (see [`TransitionContext::refuse`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Refusal {
+    pub kind: RefusalKind,
+    /// The cloud's error code (`resource_unavailable`, `resource_limit_exceeded`,
+    /// `unprocessable_entity`, or ours, `withdrawn`): a bounded set, used as a metric label.
+    pub code: &'static str,
+    /// For [`RefusalKind::AccountLimit`]: how many hosts the account held when it was refused,
+    /// when the cloud could tell (the limit is then that number).
+    pub account_hosts: Option<u64>,
+}
+
+impl Refusal {
+    pub fn stockout(code: &'static str) -> Refusal {
+        Refusal {
+            kind: RefusalKind::Stockout,
+            code,
+            account_hosts: None,
+        }
+    }
+
+    pub fn account_limit(code: &'static str, account_hosts: Option<u64>) -> Refusal {
+        Refusal {
+            kind: RefusalKind::AccountLimit,
+            code,
+            account_hosts,
+        }
+    }
+}
+
+/// The cell a Create's refusal is noted in, shared by every clone of its context.
+#[derive(Clone, Debug, Default)]
+pub struct RefusalNote(std::sync::Arc<std::sync::Mutex<Option<Refusal>>>);
 
 /// How long after a Create's deadline its look-up for a host a cut-short create call may have
 /// made still runs (see [`after_deadline`]).
@@ -219,7 +292,29 @@ pub trait Backend: Send + Sync + 'static {
             .map(|offered| offered.into_iter().map(|m| m.id).collect())
     }
 
+    /// The most Speculative slots to list now (the account's headroom); `None`: no cap beyond
+    /// [`Backend::offered`]. The engine keeps the Speculative slots without a host at or below
+    /// it.
+    fn speculative_cap(&self) -> Option<usize> {
+        None
+    }
+
+    /// Ticks whenever [`Backend::offered`] or [`Backend::speculative_cap`] may have changed
+    /// other than by the clock (a stockout, a probe's end): the engine then fits its slots at
+    /// once. `None` when they never change between reconcile passes.
+    fn offer_changes(&self) -> Option<tokio::sync::watch::Receiver<u64>> {
+        None
+    }
+
+    /// When the clock next changes what is offered (a stockout's backoff ends).
+    fn next_offer_change(&self) -> Option<Instant> {
+        None
+    }
+
     /// Speculative -> Idle: create (or find) the host. Must be idempotent on the machine id.
+    /// A Create the substrate refused without making anything, for a reason that is not the
+    /// machine's, notes it with [`TransitionContext::refuse`]: the slot then goes back to
+    /// Speculative instead of FAILED.
     async fn create(
         &self,
         machine: &Machine,

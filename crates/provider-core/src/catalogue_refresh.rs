@@ -33,7 +33,25 @@ pub async fn refresh(fleet: &Fleet, budget: Duration) -> Refresh {
         Ok(Ok(None)) => Refresh::Unsupported,
         Ok(Ok(Some(catalogue))) => {
             fleet.apply_catalogue(catalogue);
+            read_account(fleet, budget).await;
             Refresh::Done
+        }
+    }
+}
+
+/// Reads the account's hosts and limit into the fleet's headroom; a failure keeps what is
+/// known.
+async fn read_account(fleet: &Fleet, budget: Duration) {
+    match fleet.read_account(budget).await {
+        Ok(Some(account)) => tracing::debug!(
+            hosts = account.hosts,
+            limit = account.limit,
+            headroom = fleet.headroom().headroom(),
+            "account: hosts and limit read"
+        ),
+        Ok(None) => {}
+        Err(e) => {
+            tracing::warn!(err = %e, "account: reading the account's hosts failed; keeping the headroom known")
         }
     }
 }
@@ -53,7 +71,9 @@ pub fn announce(fleet: &Fleet, telemetry: Telemetry) -> Vec<Withdrawn> {
     let mut withdrawn = Vec::new();
     for (instance_type, zone) in fleet.price_pairs() {
         let standing = fleet.standings().get(&instance_type, &zone);
-        let why = standing.withdrawn_at(now);
+        let why = standing
+            .withdrawn_at(now)
+            .or_else(|| fleet.withdrawal(&instance_type, &zone));
         let after = standing
             .deprecation
             .as_ref()

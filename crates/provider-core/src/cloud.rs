@@ -126,6 +126,13 @@ pub trait Cloud: Send + Sync + 'static {
     async fn delete_host(&self, host_id: &str, ctx: &TransitionContext)
     -> Result<(), BackendError>;
 
+    /// How many hosts the whole account holds (whoever made them) and, where the API reports
+    /// it, its limit, read in as few requests as the API allows; `None` when this cloud has no
+    /// such read. Caps the Speculative slots advertised ([`crate::headroom`]).
+    async fn account_hosts(&self) -> Result<Option<crate::headroom::AccountHosts>, BackendError> {
+        Ok(None)
+    }
+
     /// The live on-demand price of an instance type in a zone, in USD per hour.
     async fn price_usd(&self, instance_type: &str, zone: &str) -> Result<f64, BackendError>;
 

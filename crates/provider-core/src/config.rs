@@ -137,6 +137,18 @@ pub struct CommonArgs {
     #[arg(long = "price-refresh", default_value = "30m", value_parser = duration::flag, value_name = "DURATION")]
     pub price_refresh: Duration,
 
+    /// How long an offering stays withdrawn after the cloud refused a Create of it for a
+    /// stockout (HTTP 412 `resource_unavailable`, a size not available in the region) before
+    /// one Create probes it; doubled on each stockout in a row, up to --stockout-backoff-max,
+    /// less up to 20% jitter. Also the first wait before probing a learned account limit.
+    #[arg(long = "stockout-backoff", default_value = "5m", value_parser = duration::flag, value_name = "DURATION")]
+    pub stockout_backoff: Duration,
+
+    /// The longest --stockout-backoff grows to: a sold-out offering costs at most about one
+    /// probe Create per this period.
+    #[arg(long = "stockout-backoff-max", default_value = "30m", value_parser = duration::flag, value_name = "DURATION")]
+    pub stockout_backoff_max: Duration,
+
     /// Reconcile period floor: a survey runs less often when its cost at the fleet's size
     /// would spend more than --api-reconcile-share allows, and a cheap check for hosts deleted
     /// out of band then runs every floor in between; 0 disables it.
@@ -333,7 +345,16 @@ impl CommonArgs {
             return Err("--grpc-max-concurrent-streams must be at least 1".into());
         }
         self.api_budget_shares().validate()?;
+        self.stockout_backoff().validate()?;
         crate::etcd::validate_with_state(&self.state, &self.etcd)
+    }
+
+    /// `--stockout-backoff` and `--stockout-backoff-max`.
+    pub fn stockout_backoff(&self) -> crate::stockout::StockoutBackoff {
+        crate::stockout::StockoutBackoff {
+            first: self.stockout_backoff,
+            max: self.stockout_backoff_max,
+        }
     }
 
     /// `--api-budget-share` and `--api-reconcile-share`.

@@ -225,6 +225,8 @@ pub struct Engine {
     abandon: CancellationToken,
     /// How far the state is durable: no answer shows more.
     durability: Durability,
+    /// Stops the task that fits the Speculative slots to what the backend offers.
+    offer_watch: CancellationToken,
 }
 
 impl std::fmt::Debug for Engine {
@@ -394,7 +396,9 @@ impl Engine {
             store_failed: AtomicBool::new(false),
             next_capped_start: AtomicUsize::new(rand::random::<u32>() as usize),
             abandon: CancellationToken::new(),
+            offer_watch: CancellationToken::new(),
         });
+        engine.spawn_offer_watch();
         for Interrupted {
             machine_id,
             kind,
@@ -944,8 +948,23 @@ impl Engine {
         } else {
             self.options.orphan_grace
         };
+        let cap = self.backend.speculative_cap();
         let (outcome, commit) = self.apply(|inv, changes| {
-            inv.reconcile(survey, offered.as_ref(), since, now, grace, changes)
+            if let Some(cap) = cap {
+                // New Speculative slots only up to the cap: none is added to be removed again.
+                let mut room = cap.saturating_sub(inv.spare_speculative().count());
+                survey.machines.retain(|m| {
+                    if m.host.is_some() || inv.get(&m.id).is_some() {
+                        return true;
+                    }
+                    let fits = room > 0;
+                    room = room.saturating_sub(1);
+                    fits
+                });
+            }
+            let mut outcome = inv.reconcile(survey, offered.as_ref(), since, now, grace, changes);
+            outcome.report.removed += inv.trim_speculative(cap, changes);
+            outcome
         });
         self.commit(commit).await?;
         let mut report = outcome.report;
@@ -1205,6 +1224,7 @@ impl Engine {
             cancel: self.abandon.child_token(),
             host_log,
             configure_nonce,
+            refusal: Default::default(),
         };
         let machine_id = machine.id.clone();
         self.tasks.spawn(async move {
@@ -1239,16 +1259,35 @@ impl Engine {
                 return;
             }
             let timed_out = pending.is_some() || (outcome.is_err() && Instant::now() >= ctx.deadline);
+            // A Create the substrate refused without making anything gives its slot back.
+            let refused = kind == OperationKind::Create && !timed_out && outcome.is_err() && ctx.refusal().is_some();
             let ok = outcome.is_ok();
-            if let Err(message) = &outcome {
-                tracing::warn!(machine_id, kind = kind.name(), operation_id, error = %message, "providerkit: transition failed");
+            match &outcome {
+                Err(message) if refused => {
+                    tracing::warn!(machine_id, kind = kind.name(), operation_id, error = %message, "create refused by the cloud without a host; the machine is Speculative again");
+                }
+                Err(message) => {
+                    tracing::warn!(machine_id, kind = kind.name(), operation_id, error = %message, "providerkit: transition failed");
+                }
+                Ok(_) => {}
             }
             engine.options.telemetry.transition(
                 kind.name(),
-                if ok { "success" } else if timed_out { "timeout" } else { "error" },
+                if ok { "success" } else if refused { "returned" } else if timed_out { "timeout" } else { "error" },
                 started.elapsed(),
             );
-            engine.finish(&machine_id, kind, &operation_id, outcome).await;
+            match outcome {
+                Err(message) if refused => {
+                    engine.finish_returned(&machine_id, &operation_id, message).await;
+                }
+                outcome => {
+                    engine.finish(&machine_id, kind, &operation_id, outcome).await;
+                    // A slot a Delete gave back counts against the account's headroom.
+                    if kind == OperationKind::Delete && engine.backend.speculative_cap().is_some() {
+                        let _ = engine.fit_offers().await;
+                    }
+                }
+            }
             if let Some(handle) = pending {
                 // The backend ignored the cancellation: let its result arrive and be discarded
                 // by the stale check (what it created, it has recorded on the way).
@@ -1348,11 +1387,86 @@ impl Engine {
         let _ = self.commit(commit).await;
     }
 
+    /// A Create refused without a host: the slot goes back to Speculative (see
+    /// [`Inventory::return_created`]), and the slots are fitted to what is offered now, so a
+    /// withdrawn offering's slot leaves List at once.
+    async fn finish_returned(&self, machine_id: &str, operation_id: &str, message: String) {
+        let (applied, commit) = self
+            .apply(|inv, changes| inv.return_created(machine_id, operation_id, message, changes));
+        if !applied {
+            tracing::debug!(machine_id, operation_id, "discarded stale completion");
+        }
+        if self.commit(commit).await.is_ok() {
+            let _ = self.fit_offers().await;
+        }
+    }
+
+    /// Fits the Speculative slots without a host to what the backend offers now and to its cap
+    /// (see [`Inventory::fit_offered`]): a withdrawn offering's slots leave List, those of one
+    /// sold again come back, and no more are listed than the account's headroom. No I/O but
+    /// the commit. Returns how many slots were removed and added.
+    pub async fn fit_offers(&self) -> Result<(usize, usize), CoreError> {
+        if self.store_failed.load(Ordering::SeqCst) || !self.is_accepting() {
+            return Ok((0, 0));
+        }
+        let Some(offered) = self.backend.offered() else {
+            return Ok((0, 0));
+        };
+        let cap = self.backend.speculative_cap();
+        let (fitted, commit) = self.apply(|inv, changes| inv.fit_offered(offered, cap, changes));
+        self.commit(commit).await?;
+        if fitted != (0, 0) {
+            tracing::info!(
+                removed = fitted.0,
+                added = fitted.1,
+                cap = cap.map_or(-1, |c| c as i64),
+                "offered slots fitted to the offerings sold now and to the account's headroom"
+            );
+        }
+        Ok(fitted)
+    }
+
+    /// Follows what the backend offers: fits the slots now, whenever the backend says its offer
+    /// changed, and when a backoff it reported ends; stops at shutdown or step-down.
+    fn spawn_offer_watch(self: &Arc<Self>) {
+        let Some(mut changes) = self.backend.offer_changes() else {
+            return;
+        };
+        let engine = Arc::downgrade(self);
+        let stop = self.offer_watch.clone();
+        tokio::spawn(async move {
+            loop {
+                let next = {
+                    let Some(engine) = engine.upgrade() else {
+                        return;
+                    };
+                    changes.mark_unchanged();
+                    if let Err(e) = engine.fit_offers().await {
+                        tracing::warn!(err = %e, "fitting the offered slots failed");
+                    }
+                    engine.backend.next_offer_change()
+                };
+                let review = async {
+                    match next {
+                        Some(at) => tokio::time::sleep_until(at).await,
+                        None => std::future::pending().await,
+                    }
+                };
+                tokio::select! {
+                    _ = stop.cancelled() => return,
+                    changed = changes.changed() => if changed.is_err() { return },
+                    _ = review => {}
+                }
+            }
+        });
+    }
+
     /// Graceful shutdown: refuse new mutations, wait up to `grace` for in-flight transitions,
     /// then stop waiting (unfinished ones stay transitional and are resumed on the next start)
     /// and flush the store.
     pub async fn shutdown(&self, grace: Duration) -> usize {
         self.accepting.store(false, Ordering::SeqCst);
+        self.offer_watch.cancel();
         self.tasks.close();
         let unfinished = if tokio::time::timeout(grace, self.tasks.wait())
             .await
@@ -1376,6 +1490,7 @@ impl Engine {
     /// resumes them under their operation ids). Reads keep answering from memory.
     pub fn step_down(&self) {
         self.store_failed.store(true, Ordering::SeqCst);
+        self.offer_watch.cancel();
         self.durability.stop();
         self.tasks.close();
         self.abandon.cancel();
@@ -1449,3 +1564,6 @@ mod host_record_tests;
 
 #[cfg(test)]
 mod acknowledged_tests;
+
+#[cfg(test)]
+mod stockout_tests;

@@ -38,6 +38,12 @@ struct State {
     hosts: BTreeMap<String, OwnedHost>,
     /// The host of each machine that has one (a Create finds it without a scan).
     by_machine: HashMap<String, String>,
+    /// (type, zone) pairs a Create is refused for, as a sold-out cloud refuses it.
+    sold_out: std::collections::HashSet<(String, String)>,
+    /// The most hosts the account may hold.
+    host_limit: Option<usize>,
+    /// Create calls that reached the cloud.
+    creates: u64,
 }
 
 impl State {
@@ -65,6 +71,9 @@ impl FakeCloud {
                 next: 0,
                 hosts: BTreeMap::new(),
                 by_machine: HashMap::new(),
+                sold_out: Default::default(),
+                host_limit: None,
+                creates: 0,
             }),
         }
     }
@@ -81,6 +90,29 @@ impl FakeCloud {
             _ = tokio::time::sleep(self.profile.latency) => Ok(()),
             _ = ctx.cancel.cancelled() => Err(BackendError::new("cancelled")),
         }
+    }
+
+    /// Sells `instance_type` out in `zone` (or sells it again): a Create there is refused,
+    /// noted as a stockout, and makes nothing.
+    pub fn set_sold_out(&self, instance_type: &str, zone: &str, sold_out: bool) {
+        let key = (instance_type.to_owned(), zone.to_owned());
+        let mut state = self.state();
+        if sold_out {
+            state.sold_out.insert(key);
+        } else {
+            state.sold_out.remove(&key);
+        }
+    }
+
+    /// The most hosts the account may hold (`None`: no limit): a Create beyond it is refused,
+    /// noted as the account's limit, and makes nothing.
+    pub fn set_host_limit(&self, limit: Option<usize>) {
+        self.state().host_limit = limit;
+    }
+
+    /// How many Create calls reached the cloud (refused ones included).
+    pub fn create_calls(&self) -> u64 {
+        self.state().creates
     }
 
     /// Removes a host behind the provider's back (tests of out-of-band deletion).
@@ -147,6 +179,27 @@ impl Cloud for FakeCloud {
         {
             return Ok(existing.clone());
         }
+        state.creates += 1;
+        if state
+            .sold_out
+            .contains(&(machine.instance_type.clone(), machine.zone.clone()))
+        {
+            ctx.refuse(crate::backend::Refusal::stockout("sold_out"));
+            return Err(BackendError(format!(
+                "{}: {} {} is sold out in {}",
+                self.profile.name, self.profile.host_noun, machine.instance_type, machine.zone
+            )));
+        }
+        if let Some(limit) = state.host_limit.filter(|l| state.hosts.len() >= *l) {
+            ctx.refuse(crate::backend::Refusal::account_limit(
+                "limit_exceeded",
+                Some(state.hosts.len() as u64),
+            ));
+            return Err(BackendError(format!(
+                "{}: the account's {} limit ({limit}) is reached",
+                self.profile.name, self.profile.host_noun
+            )));
+        }
         state.next += 1;
         let n = state.next;
         let host = OwnedHost {
@@ -209,6 +262,14 @@ impl Cloud for FakeCloud {
         })?;
         host.cluster = None;
         Ok(())
+    }
+
+    async fn account_hosts(&self) -> Result<Option<crate::headroom::AccountHosts>, BackendError> {
+        let state = self.state();
+        Ok(state.host_limit.map(|limit| crate::headroom::AccountHosts {
+            limit: Some(limit as u64),
+            hosts: state.hosts.len() as u64,
+        }))
     }
 
     async fn delete_host(

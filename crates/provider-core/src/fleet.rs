@@ -2,7 +2,9 @@
 //! each offering, the merge of owned hosts into them, prices from the [`PriceBook`] (never a
 //! network call on the RPC path), allocatable from the [`CapacityBook`] and, from the
 //! [`StandingBook`], which offerings are withdrawn (their Speculative slots are not offered
-//! while the cloud does not sell them). The cloud itself is behind the [`Cloud`] seam.
+//! while the cloud does not sell them, or after a stockout, see [`crate::stockout`]) and, from
+//! the [`Headroom`], how many Speculative slots the account can still hold. The cloud itself is
+//! behind the [`Cloud`] seam.
 
 use std::collections::{HashMap, HashSet};
 use std::sync::{Arc, RwLock};
@@ -10,12 +12,17 @@ use std::time::Duration;
 
 use async_trait::async_trait;
 
-use crate::backend::{Backend, BackendError, ConfigureOrder, TransitionContext};
+use crate::backend::{
+    Backend, BackendError, ConfigureOrder, Refusal, RefusalKind, TransitionContext,
+};
 use crate::catalogue::{Catalogue, StandingBook, now_unix};
 use crate::cloud::{Capacity, Cloud, OwnedHost};
+use crate::headroom::{AccountHosts, Headroom};
 use crate::inventory::{Effect, Sighting, Survey};
 use crate::machine::{CapacityType, HostRef, Machine, MachineState, StringMap};
 use crate::offerings::Offering;
+use crate::stockout::{Admission, StockoutBackoff, Withdrawals};
+use crate::telemetry::Telemetry;
 
 /// The slot id of offering slot `index`: `<provider>/OnDemand/<type>/<zone>/<NNN>`.
 pub fn slot_id(provider: &str, instance_type: &str, zone: &str, index: i64) -> String {
@@ -169,6 +176,12 @@ pub struct Fleet {
     capacities: Arc<CapacityBook>,
     standings: StandingBook,
     extra_labels: fn(&str) -> StringMap,
+    withdrawals: Withdrawals,
+    headroom: Headroom,
+    telemetry: Option<Telemetry>,
+    /// Bumped whenever what is offered may have changed other than by the clock (a stockout, a
+    /// probe's end, the headroom): the engine then fits its Speculative slots at once.
+    offers: tokio::sync::watch::Sender<u64>,
 }
 
 impl std::fmt::Debug for Fleet {
@@ -196,7 +209,81 @@ impl Fleet {
             capacities,
             standings: StandingBook::default(),
             extra_labels,
+            withdrawals: Withdrawals::new(StockoutBackoff::default()),
+            headroom: Headroom::new(StockoutBackoff::default()),
+            telemetry: None,
+            offers: tokio::sync::watch::Sender::new(0),
         }
+    }
+
+    /// This fleet with `backoff` for offerings withdrawn after a stockout and for the probes of
+    /// a learned account limit.
+    pub fn with_stockout_backoff(mut self, backoff: StockoutBackoff) -> Fleet {
+        self.withdrawals = Withdrawals::new(backoff);
+        self.headroom = Headroom::new(backoff);
+        self
+    }
+
+    /// This fleet, recording refusals, withdrawals and headroom under `telemetry`.
+    pub fn with_telemetry(mut self, telemetry: Telemetry) -> Fleet {
+        self.telemetry = Some(telemetry);
+        self
+    }
+
+    /// The offerings withdrawn after a stockout.
+    pub fn stockouts(&self) -> &Withdrawals {
+        &self.withdrawals
+    }
+
+    /// The account's headroom.
+    pub fn headroom(&self) -> &Headroom {
+        &self.headroom
+    }
+
+    fn offers_changed(&self) {
+        self.offers.send_modify(|n| *n = n.wrapping_add(1));
+        if let Some(t) = self.telemetry {
+            t.account_headroom(self.headroom.headroom());
+        }
+    }
+
+    /// Reads how many hosts the account holds (and its limit, where the API says) within
+    /// `budget`, into the headroom. Returns what was read, `None` when this cloud has no such
+    /// read.
+    pub async fn read_account(
+        &self,
+        budget: Duration,
+    ) -> Result<Option<AccountHosts>, BackendError> {
+        let read = crate::budget::scoped(crate::budget::Class::Refresh, self.cloud.account_hosts());
+        let account = tokio::time::timeout(budget, read)
+            .await
+            .map_err(|_| BackendError::new("the account read timed out"))??;
+        if let Some(account) = account {
+            self.headroom.read(account);
+            self.offers_changed();
+        }
+        Ok(account)
+    }
+
+    /// Why a Create that sent nothing returns its slot: noted on `ctx`, counted, and the text
+    /// of its `last_error`.
+    fn unsent(
+        &self,
+        ctx: &TransitionContext,
+        machine: &Machine,
+        refusal: Refusal,
+        message: String,
+    ) -> BackendError {
+        ctx.refuse(refusal);
+        if let Some(t) = self.telemetry {
+            t.create_refused(&machine.instance_type, &machine.zone, refusal.code);
+        }
+        BackendError(message)
+    }
+
+    /// Whether a stockout or an account limit is in force that a Create's end can change.
+    fn offers_may_change(&self) -> bool {
+        self.headroom.limit().is_some()
     }
 
     /// Where each offering stands in the cloud's catalogue.
@@ -217,22 +304,65 @@ impl Fleet {
             standings.push((pair, entry.standing));
         }
         self.prices.restore(prices);
+        let now = now_unix();
+        let mut sold_again = false;
+        for ((t, z), standing) in &standings {
+            let was_off = self.standings.withdrawn(t, z, now).is_some();
+            if was_off && standing.withdrawn_at(now).is_none() && self.withdrawals.sold(t, z) {
+                tracing::info!(
+                    instance_type = t,
+                    zone = z,
+                    "stockout: the catalogue sells the offering again; its slots are advertised again"
+                );
+                sold_again = true;
+            }
+        }
         self.standings.extend(standings);
+        if sold_again {
+            if let Some(tel) = self.telemetry {
+                for (t, z) in self.price_pairs() {
+                    tel.offering_stockout(&t, &z, self.withdrawal(&t, &z).is_some());
+                }
+            }
+            self.offers_changed();
+        }
     }
 
-    /// Why the offering of `instance_type` in `zone` is withdrawn now, or `None`.
+    /// Why the offering of `instance_type` in `zone` is withdrawn now, or `None`: the cloud's
+    /// catalogue does not sell it there, or a stockout withdrew it for a backoff (or while its
+    /// probe runs).
     pub fn withdrawn(&self, instance_type: &str, zone: &str) -> Option<String> {
-        self.standings.withdrawn(instance_type, zone, now_unix())
+        self.standings
+            .withdrawn(instance_type, zone, now_unix())
+            .or_else(|| {
+                self.withdrawals
+                    .withdrawn(instance_type, zone, tokio::time::Instant::now())
+                    .map(|why| format!("stockout: {why}"))
+            })
+    }
+
+    /// Why the offering is not sold now as the operator should see it: withdrawn (see
+    /// [`Fleet::withdrawn`]), or awaiting the probe that ends a stockout.
+    pub fn withdrawal(&self, instance_type: &str, zone: &str) -> Option<String> {
+        self.withdrawn(instance_type, zone).or_else(|| {
+            self.withdrawals
+                .all()
+                .into_iter()
+                .find(|((t, z), _)| t == instance_type && z == zone)
+                .map(|(_, w)| {
+                    format!(
+                        "stockout: {} ({} in a row); the next Create on it probes",
+                        w.code, w.strikes
+                    )
+                })
+        })
     }
 
     /// The offerings whose slots are offered now (not withdrawn).
     fn advertised(&self) -> impl Iterator<Item = &Offering> + Clone {
-        let now = now_unix();
-        self.offerings.iter().filter(move |o| {
-            self.standings
-                .withdrawn(&o.instance_type, &o.zone, now)
-                .is_none()
-        })
+        self.offerings
+            .iter()
+            .filter(move |o| self.withdrawn(&o.instance_type, &o.zone).is_none())
     }
 
     pub fn cloud(&self) -> &Arc<dyn Cloud> {
@@ -400,15 +530,10 @@ impl Fleet {
                 matched.insert(m.id.clone());
             }
         }
-        let now = now_unix();
         let withdrawn: HashSet<(&str, &str)> = self
             .offerings
             .iter()
-            .filter(|o| {
-                self.standings
-                    .withdrawn(&o.instance_type, &o.zone, now)
-                    .is_some()
-            })
+            .filter(|o| self.withdrawn(&o.instance_type, &o.zone).is_some())
             .map(|o| (o.instance_type.as_str(), o.zone.as_str()))
             .collect();
         if !withdrawn.is_empty() {
@@ -502,19 +627,95 @@ impl Backend for Fleet {
         machine: &Machine,
         ctx: &TransitionContext,
     ) -> Result<Effect, BackendError> {
-        if let Some(why) = self.withdrawn(&machine.instance_type, &machine.zone) {
-            return Err(BackendError(format!(
-                "offering {}/{} is withdrawn ({why}): the cloud does not sell it there now",
-                machine.instance_type, machine.zone
-            )));
+        let (t, z) = (machine.instance_type.as_str(), machine.zone.as_str());
+        if let Some(why) = self.standings.withdrawn(t, z, now_unix()) {
+            return Err(self.unsent(
+                ctx,
+                machine,
+                Refusal::stockout("withdrawn"),
+                format!(
+                    "offering {t}/{z} is withdrawn ({why}): the cloud does not sell it there now; nothing was sent and the slot is Speculative again"
+                ),
+            ));
+        }
+        let now = tokio::time::Instant::now();
+        let probe = match self.withdrawals.admit(t, z, now) {
+            Admission::Open => false,
+            Admission::Probe => {
+                tracing::info!(instance_type = t, zone = z, machine_id = %machine.id, "stockout: the backoff is over; this Create probes the offering");
+                self.offers_changed();
+                true
+            }
+            Admission::Withdrawn { code, left } => {
+                let when = if left.is_zero() {
+                    "when the probe Create in flight shows it is sold again".to_owned()
+                } else {
+                    format!(
+                        "in {} at the latest",
+                        crate::duration::format(Duration::from_secs(left.as_secs()))
+                    )
+                };
+                return Err(self.unsent(
+                    ctx,
+                    machine,
+                    Refusal::stockout("withdrawn"),
+                    format!(
+                        "stockout: offering {t}/{z} is withdrawn since the cloud refused it ({code}); nothing was sent, the slot is Speculative again and the offering comes back {when}"
+                    ),
+                ));
+            }
+        };
+        let account_probe = match self.headroom.admit(now) {
+            Admission::Open => false,
+            Admission::Probe => true,
+            Admission::Withdrawn { .. } => {
+                if probe {
+                    self.withdrawals.inconclusive(t, z);
+                }
+                self.offers_changed();
+                let limit = self.headroom.limit().map_or(0, |(l, _)| l);
+                return Err(self.unsent(
+                    ctx,
+                    machine,
+                    Refusal::account_limit("no_headroom", None),
+                    format!(
+                        "account limit: the cloud account holds as many hosts as its limit ({limit}) allows; nothing was sent and the slot is Speculative again (raise the limit, or delete hosts)"
+                    ),
+                ));
+            }
+        };
+        if account_probe || self.offers_may_change() {
+            self.offers_changed();
         }
         let ctx = ctx.with_host_provider(&self.provider);
-        let host = self.cloud.create_host(machine, &ctx).await?;
-        if host.id.is_empty() {
-            return Err(BackendError(format!(
-                "create {} returned no host id",
-                machine.instance_type
-            )));
+        let created = self.cloud.create_host(machine, &ctx).await;
+        let host = match created {
+            Ok(host) if !host.id.is_empty() => host,
+            Ok(_) => {
+                if probe {
+                    self.withdrawals.inconclusive(t, z);
+                }
+                self.headroom.ended(false, account_probe);
+                if probe || self.offers_may_change() {
+                    self.offers_changed();
+                }
+                return Err(BackendError(format!(
+                    "create {} returned no host id",
+                    machine.instance_type
+                )));
+            }
+            Err(e) => return Err(self.create_failed(machine, &ctx, e, probe, account_probe)),
+        };
+        let sold_again = self.withdrawals.sold(t, z);
+        self.headroom.ended(true, account_probe);
+        if sold_again {
+            tracing::info!(instance_type = t, zone = z, machine_id = %machine.id, "stockout: the probe Create made a host; the offering's slots are advertised again");
+            if let Some(tel) = self.telemetry {
+                tel.offering_stockout(t, z, self.withdrawal(t, z).is_some());
+            }
+        }
+        if sold_again || account_probe || self.offers_may_change() {
+            self.offers_changed();
         }
         Ok(Effect {
             host: Some(self.host_ref(&host)),
@@ -565,7 +766,96 @@ impl Backend for Fleet {
 
     async fn delete(&self, machine: &Machine, ctx: &TransitionContext) -> Result<(), BackendError> {
         let host_id = self.host_id(machine, "delete")?;
-        self.cloud.delete_host(host_id, ctx).await
+        self.cloud.delete_host(host_id, ctx).await?;
+        self.headroom.deleted();
+        if self.offers_may_change() {
+            self.offers_changed();
+        }
+        Ok(())
+    }
+
+    fn speculative_cap(&self) -> Option<usize> {
+        self.headroom.cap(tokio::time::Instant::now())
+    }
+
+    fn offer_changes(&self) -> Option<tokio::sync::watch::Receiver<u64>> {
+        Some(self.offers.subscribe())
+    }
+
+    fn next_offer_change(&self) -> Option<tokio::time::Instant> {
+        let now = tokio::time::Instant::now();
+        [
+            self.withdrawals.next_change(now),
+            self.headroom.next_change(now),
+        ]
+        .into_iter()
+        .flatten()
+        .min()
+    }
+}
+
+impl Fleet {
+    /// A create that failed: a refusal the cloud noted on `ctx` withdraws the offering (a
+    /// stockout) or caps the headroom (the account's limit), and its error says so; any other
+    /// error ends a probe without a verdict.
+    fn create_failed(
+        &self,
+        machine: &Machine,
+        ctx: &TransitionContext,
+        error: BackendError,
+        probe: bool,
+        account_probe: bool,
+    ) -> BackendError {
+        let (t, z) = (machine.instance_type.as_str(), machine.zone.as_str());
+        let now = tokio::time::Instant::now();
+        let jitter: f64 = rand::random();
+        let Some(refusal) = ctx.refusal() else {
+            if probe {
+                self.withdrawals.inconclusive(t, z);
+            }
+            self.headroom.ended(false, account_probe);
+            if probe || account_probe || self.offers_may_change() {
+                self.offers_changed();
+            }
+            return error;
+        };
+        if let Some(tel) = self.telemetry {
+            tel.create_refused(t, z, refusal.code);
+        }
+        let message = match refusal.kind {
+            RefusalKind::Stockout => {
+                self.headroom.ended(false, account_probe);
+                let wait = self.withdrawals.stockout(t, z, refusal.code, now, jitter);
+                let strikes = self
+                    .withdrawals
+                    .all()
+                    .into_iter()
+                    .find(|((it, iz), _)| it == t && iz == z)
+                    .map_or(1, |(_, w)| w.strikes);
+                let wait = crate::duration::format(Duration::from_secs(wait.as_secs()));
+                tracing::warn!(instance_type = t, zone = z, machine_id = %machine.id, code = refusal.code, strikes, backoff = wait, err = %error, "stockout: the cloud cannot place this offering now; its Speculative slots are withdrawn for the backoff, then one Create probes it; the machine is Speculative again");
+                if let Some(tel) = self.telemetry {
+                    tel.offering_stockout(t, z, true);
+                }
+                format!(
+                    "stockout: {error}; offering {t}/{z} is withdrawn for {wait} (stockout {strikes} in a row), then one Create probes it; nothing was created and the slot is Speculative again"
+                )
+            }
+            RefusalKind::AccountLimit => {
+                if probe {
+                    self.withdrawals.inconclusive(t, z);
+                }
+                self.headroom
+                    .refused(refusal.account_hosts, account_probe, now, jitter);
+                let limit = self.headroom.limit().map_or(0, |(l, _)| l);
+                tracing::warn!(instance_type = t, zone = z, machine_id = %machine.id, code = refusal.code, limit, err = %error, "account limit: the cloud account holds as many hosts as its limit allows; Speculative slots are capped to the headroom; the machine is Speculative again");
+                format!(
+                    "account limit: {error}; the account holds {limit} hosts, its limit; nothing was created and the slot is Speculative again (raise the limit, or delete hosts)"
+                )
+            }
+        };
+        self.offers_changed();
+        BackendError(message)
     }
 }
 

@@ -698,6 +698,97 @@ impl Inventory {
         true
     }
 
+    /// Ends the Create `operation_id` of `machine_id` without a host: the substrate refused it
+    /// without making anything, for a reason that is not the machine's (a stockout, the
+    /// account's limit). The slot goes back to Speculative with `message` as its `last_error`,
+    /// ready for another Create (the recorded operation id no longer matches its position, so
+    /// a repeated Create is new work). Only a slot still Creating under that operation id with no
+    /// host recorded goes back; one holding a host (the substrate did make something) goes
+    /// FAILED instead, as any failed Create. Returns whether the outcome was applied.
+    pub fn return_created(
+        &mut self,
+        machine_id: &str,
+        operation_id: &str,
+        message: String,
+        changes: &mut Vec<Change>,
+    ) -> bool {
+        let kind = OperationKind::Create;
+        let Some(mut slot) = self.slots.get_mut(machine_id) else {
+            return false;
+        };
+        if slot.machine.state != kind.transitional() || slot.operation(kind) != Some(operation_id) {
+            return false;
+        }
+        let machine = crate::machine::edit(&mut slot.machine);
+        machine.state = if machine.host.is_none() {
+            MachineState::Speculative
+        } else {
+            MachineState::Failed
+        };
+        machine.last_error = message;
+        drop(slot);
+        self.touch(machine_id, changes);
+        changes.push(self.counters());
+        true
+    }
+
+    /// Fits the Speculative slots without a host to what is `offered` now, at most `cap` of
+    /// them: slots no longer offered are removed, then those above the cap (the highest slot
+    /// numbers first), else offered slots the state lacks are added up to the cap (the lowest
+    /// numbers first). Returns how many were removed and added.
+    pub fn fit_offered(
+        &mut self,
+        offered: Vec<Machine>,
+        cap: Option<usize>,
+        changes: &mut Vec<Change>,
+    ) -> (usize, usize) {
+        let ids: HashSet<String> = offered.iter().map(|m| m.id.clone()).collect();
+        let removed = self.enforce_quota(&ids, changes) + self.trim_speculative(cap, changes);
+        let room = cap.map_or(usize::MAX, |cap| {
+            cap.saturating_sub(self.spare_speculative().count())
+        });
+        let mut fresh: Vec<Machine> = offered
+            .into_iter()
+            .filter(|m| !self.slots.contains_key(&m.id))
+            .collect();
+        if fresh.len() > room {
+            fresh.sort_by(|a, b| slot_order(&a.id).cmp(&slot_order(&b.id)));
+            fresh.truncate(room);
+        }
+        let added = self.add_missing(fresh, changes);
+        (removed, added)
+    }
+
+    /// The Speculative slots without a host.
+    pub fn spare_speculative(&self) -> impl Iterator<Item = &Slot> {
+        self.in_state(MachineState::Speculative)
+            .filter(|s| s.machine.host.is_none())
+    }
+
+    /// Removes Speculative slots without a host above `cap`, the highest slot numbers first.
+    /// Returns how many were removed.
+    pub fn trim_speculative(&mut self, cap: Option<usize>, changes: &mut Vec<Change>) -> usize {
+        let Some(cap) = cap else {
+            return 0;
+        };
+        let mut spare: Vec<String> = self
+            .spare_speculative()
+            .map(|s| s.machine.id.clone())
+            .collect();
+        if spare.len() <= cap {
+            return 0;
+        }
+        spare.sort_by(|a, b| slot_order(b).cmp(&slot_order(a)));
+        spare.truncate(spare.len() - cap);
+        for id in &spare {
+            self.slots.remove(id);
+            changes.push(Change::RemoveSlot(id.clone()));
+        }
+        self.revision += 1;
+        changes.push(self.counters());
+        spare.len()
+    }
+
     /// Adds the records of a first seed. Duplicates are rejected before anything changes.
     pub fn seed(
         &mut self,
@@ -815,6 +906,16 @@ impl Inventory {
 /// The items of `items` in order, handing the vector's memory back as it empties (a 100,000
 /// machine seed would otherwise hold its whole buffer until the last slot is built, next to the
 /// slots built from it).
+/// Orders slot ids by their trailing slot number (`.../007`), then by id: the order in which
+/// a cap keeps them.
+fn slot_order(id: &str) -> (u64, &str) {
+    let number = id
+        .rsplit_once('/')
+        .and_then(|(_, n)| n.parse().ok())
+        .unwrap_or(u64::MAX);
+    (number, id)
+}
+
 fn drain_releasing<T>(mut items: Vec<T>) -> impl Iterator<Item = T> {
     /// Items taken between two shrinks of the buffer.
     const STEP: usize = 8192;

@@ -25,6 +25,8 @@ pub struct Telemetry {
     pub price_refresh: &'static str,
     pub offering_withdrawn: &'static str,
     pub offering_unavailable_after: &'static str,
+    pub create_refusals: &'static str,
+    pub account_headroom: &'static str,
     pub api_calls: &'static str,
     pub api_duration: &'static str,
     pub api_http: &'static str,
@@ -130,6 +132,8 @@ impl Telemetry {
                 prefix,
                 "offering_unavailable_after_timestamp_seconds",
             ),
+            create_refusals: leak(prefix, "create_refusals_total"),
+            account_headroom: leak(prefix, "account_headroom"),
             api_calls: leak(prefix, "api_calls_total"),
             api_duration: leak(prefix, "api_duration_seconds"),
             api_http: leak(prefix, "api_http_requests_total"),
@@ -248,6 +252,34 @@ impl Telemetry {
         gauge!(self.offering_withdrawn, &labels).set(if withdrawn { 1.0 } else { 0.0 });
         gauge!(self.offering_unavailable_after, &labels)
             .set(unavailable_after_unix.map_or(0.0, |t| t as f64));
+    }
+
+    /// A Create the cloud refused without making anything (or that was answered without a
+    /// request while its offering is withdrawn or the account is full), by offering and reason:
+    /// the cloud's code, `withdrawn` or `no_headroom`.
+    pub fn create_refused(&self, instance_type: &str, zone: &str, reason: &'static str) {
+        counter!(
+            self.create_refusals,
+            "instance_type" => instance_type.to_owned(),
+            "zone" => zone.to_owned(),
+            "reason" => reason
+        )
+        .increment(1);
+    }
+
+    /// Whether the offering is withdrawn after a stockout (until the probe that ends it).
+    pub fn offering_stockout(&self, instance_type: &str, zone: &str, withdrawn: bool) {
+        let labels = [
+            ("instance_type", instance_type.to_owned()),
+            ("zone", zone.to_owned()),
+        ];
+        gauge!(self.offering_withdrawn, &labels).set(if withdrawn { 1.0 } else { 0.0 });
+    }
+
+    /// How many more hosts the cloud account may hold (`None`: no limit known, the series is
+    /// set to -1).
+    pub fn account_headroom(&self, headroom: Option<u64>) {
+        gauge!(self.account_headroom).set(headroom.map_or(-1.0, |h| h as f64));
     }
 
     pub fn price_refresh_outcome(&self, outcome: &'static str) {

@@ -827,3 +827,92 @@ fn a_replay_after_confirmation_changes_nothing() {
             .conflict
     );
 }
+
+#[test]
+fn a_refused_create_returns_its_slot_to_speculative_only_without_a_host() {
+    let mut inv = Inventory::default();
+    let mut changes = Vec::new();
+    let mut m = Machine::speculative("m-1", "cx22");
+    m.zone = "nbg1".into();
+    let mut m2 = m.clone();
+    m2.id = "m-2".into();
+    inv.seed(vec![m, m2], &mut changes).expect("seed");
+    let zero = FenceToken {
+        shard_id: String::new(),
+        epoch: 0,
+        sequence: 0,
+    };
+    let op = |inv: &mut Inventory, id: &str| match inv
+        .admit(OperationKind::Create, id, &zero, None, &mut Vec::new())
+        .expect("admitted")
+    {
+        Admission::Accepted { operation_id, .. } => operation_id,
+        other => panic!("{other:?}"),
+    };
+    let first = op(&mut inv, "m-1");
+    assert!(!inv.return_created("m-1", "op-other", "stockout: x".into(), &mut changes));
+    assert!(inv.return_created("m-1", &first, "stockout: x".into(), &mut changes));
+    let back = &inv.get("m-1").expect("slot").machine;
+    assert_eq!(back.state, MachineState::Speculative);
+    assert_eq!(back.last_error, "stockout: x");
+    assert!(
+        !inv.return_created("m-1", &first, "again".into(), &mut changes),
+        "stale"
+    );
+    // Created again: a new operation, accepted from Speculative.
+    let again = op(&mut inv, "m-1");
+    assert_ne!(again, first);
+    // A Create that recorded a host made something: FAILED, never Speculative with a host.
+    let second = op(&mut inv, "m-2");
+    let host = HostRef {
+        provider: "p".into(),
+        id: "9".into(),
+    };
+    inv.record_created_host("m-2", &second, host, &mut changes);
+    assert!(inv.return_created("m-2", &second, "stockout: y".into(), &mut changes));
+    assert_eq!(
+        inv.get("m-2").expect("slot").machine.state,
+        MachineState::Failed
+    );
+}
+
+#[test]
+fn fitting_keeps_the_spare_slots_at_the_cap() {
+    let mut inv = Inventory::default();
+    let mut changes = Vec::new();
+    let offered: Vec<Machine> = (0..6)
+        .map(|i| {
+            let mut m = Machine::speculative(format!("p/OnDemand/a/z/{i:03}"), "a");
+            m.zone = "z".into();
+            m
+        })
+        .collect();
+    inv.seed(offered.clone(), &mut changes).expect("seed");
+    assert_eq!(
+        inv.fit_offered(offered.clone(), Some(2), &mut changes),
+        (4, 0)
+    );
+    let kept: Vec<String> = inv
+        .spare_speculative()
+        .map(|s| s.machine.id.clone())
+        .collect();
+    assert_eq!(kept.len(), 2);
+    assert!(
+        kept.iter()
+            .all(|id| id.ends_with("/000") || id.ends_with("/001")),
+        "{kept:?}"
+    );
+    assert_eq!(
+        inv.fit_offered(offered.clone(), Some(2), &mut changes),
+        (0, 0)
+    );
+    assert_eq!(
+        inv.fit_offered(offered.clone(), Some(3), &mut changes),
+        (0, 1)
+    );
+    assert_eq!(
+        inv.fit_offered(offered[..1].to_vec(), None, &mut changes),
+        (2, 0)
+    );
+    assert_eq!(inv.fit_offered(offered, None, &mut changes), (0, 5));
+}
