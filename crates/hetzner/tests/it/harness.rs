@@ -103,6 +103,8 @@ pub struct Options {
     pub api_time_scale: f64,
     /// The boot polls' base interval, when not the fast timing's.
     pub running_poll: Option<Duration>,
+    /// The inventory listing's budget, when not the fast timing's 10 s.
+    pub list_budget: Option<Duration>,
 }
 
 impl Default for Options {
@@ -122,6 +124,7 @@ impl Default for Options {
             offerings: Vec::new(),
             api_time_scale: 1000.0,
             running_poll: None,
+            list_budget: None,
         }
     }
 }
@@ -265,6 +268,9 @@ impl Env {
                     provider_core::budget::Limits::HETZNER.time_scaled(options.api_time_scale);
                 if let Some(running_poll) = options.running_poll {
                     timing.running_poll = running_poll;
+                }
+                if let Some(list_budget) = options.list_budget {
+                    timing.list_budget = list_budget;
                 }
                 timing
             },
