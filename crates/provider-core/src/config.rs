@@ -155,8 +155,9 @@ pub struct CommonArgs {
     #[arg(long = "reconcile-interval", default_value = "2m", value_parser = duration::flag, value_name = "DURATION")]
     pub reconcile_interval: Duration,
 
-    /// How long reconcile leaves an owned host that is attached to no machine record before it
-    /// deletes it; 0 never deletes orphans.
+    /// How long reconcile leaves an owned host that is attached to no machine record, or held
+    /// by a FAILED machine without a cluster binding (a failed Create or Delete) that no release
+    /// came for, before it deletes it; 0 never deletes them.
     #[arg(long = "orphan-grace", default_value = "10m", value_parser = duration::flag, value_name = "DURATION")]
     pub orphan_grace: Duration,
 
