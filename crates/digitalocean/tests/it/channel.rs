@@ -33,6 +33,17 @@ async fn get_command(
     request.send().await.unwrap()
 }
 
+/// `machine_id`'s poll with `secret` (its user_data token or its credential) as the bearer.
+async fn poll_as(
+    client: &reqwest::Client,
+    endpoint: &str,
+    machine_id: &str,
+    secret: &str,
+) -> reqwest::Response {
+    let bearer = format!("Bearer {secret}");
+    get_command(client, endpoint, Some(machine_id), Some(&bearer)).await
+}
+
 #[tokio::test]
 async fn tokens_follow_the_reference_vectors() {
     let secret = digitalocean::token::BootstrapSecret::new("secret").unwrap();
@@ -63,16 +74,7 @@ async fn unauthenticated_and_cross_machine_requests_get_401() {
     let client = channel_client(&pki.ca_pem);
     let endpoint = ch.endpoint();
     let (a, b) = ("machine/a", "machine/b");
-    let channel = ch.channel.clone();
-    let pending = tokio::spawn(async move {
-        channel
-            .deliver(
-                b,
-                configure(b"B-secret-blob"),
-                &ctx(Duration::from_secs(10)),
-            )
-            .await
-    });
+    let pending = ch.deliver_later(b, configure(b"B-secret-blob"), ctx(Duration::from_secs(10)));
 
     let bearer_a = format!("Bearer {}", token(a));
     for (machine_id, bearer) in [
@@ -103,32 +105,14 @@ async fn unauthenticated_and_cross_machine_requests_get_401() {
         .unwrap();
     assert_eq!(r.status(), 401);
     // B's user_data token alone never sees the blob: the Configure waits for B to enroll.
-    let r = get_command(
-        &client,
-        &endpoint,
-        Some(b),
-        Some(&format!("Bearer {}", token(b))),
-    )
-    .await;
+    let r = poll_as(&client, &endpoint, b, &token(b)).await;
     assert_eq!(r.status(), 204);
     let credential = enroll(&client, &endpoint, b, &token(b)).await;
     // Once enrolled, the spent token is refused, and so is A's token as an enrollment of B.
-    let r = get_command(
-        &client,
-        &endpoint,
-        Some(b),
-        Some(&format!("Bearer {}", token(b))),
-    )
-    .await;
+    let r = poll_as(&client, &endpoint, b, &token(b)).await;
     assert_eq!(r.status(), 401);
     // B gets its command with its credential, percent-encoded machine id and all.
-    let r = get_command(
-        &client,
-        &endpoint,
-        Some(b),
-        Some(&format!("Bearer {credential}")),
-    )
-    .await;
+    let r = poll_as(&client, &endpoint, b, &credential).await;
     assert_eq!(r.status(), 200);
     assert_eq!(r.headers()["content-type"], "application/json");
     let body = r.text().await.unwrap();
@@ -194,27 +178,14 @@ async fn the_poll_is_held_until_a_command_arrives() {
     let poll = tokio::spawn({
         let client = client.clone();
         let endpoint = endpoint.clone();
-        async move {
-            get_command(
-                &client,
-                &endpoint,
-                Some(m),
-                Some(&format!("Bearer {}", token(m))),
-            )
-            .await
-        }
+        async move { poll_as(&client, &endpoint, m, &token(m)).await }
     });
     tokio::time::sleep(Duration::from_millis(300)).await;
-    let channel = ch.channel.clone();
-    let delivery = tokio::spawn(async move {
-        channel
-            .deliver(
-                m,
-                Command::Drain { grace_seconds: 30 },
-                &ctx(Duration::from_secs(10)),
-            )
-            .await
-    });
+    let delivery = ch.deliver_later(
+        m,
+        Command::Drain { grace_seconds: 30 },
+        ctx(Duration::from_secs(10)),
+    );
     let r = poll.await.unwrap();
     let held = started.elapsed();
     // Answered with the command (a server that did not hold would have said 204 at once), and
@@ -228,16 +199,11 @@ async fn the_poll_is_held_until_a_command_arrives() {
     let id = command["id"].as_str().unwrap().to_owned();
 
     // Re-served until acked.
-    let again: serde_json::Value = get_command(
-        &client,
-        &endpoint,
-        Some(m),
-        Some(&format!("Bearer {}", token(m))),
-    )
-    .await
-    .json()
-    .await
-    .unwrap();
+    let again: serde_json::Value = poll_as(&client, &endpoint, m, &token(m))
+        .await
+        .json()
+        .await
+        .unwrap();
     assert_eq!(again["id"], id.as_str());
     let ack = |body: String| {
         client
@@ -275,33 +241,18 @@ async fn command_ids_follow_the_transition_across_channel_instances_and_newer_co
     two.channel.adopt_enrollments(&one.channel);
     let mut ids = Vec::new();
     for (ch, operation_id) in [(&one, "op-1"), (&two, "op-1"), (&two, "op-2")] {
-        let channel = ch.channel.clone();
-        let first = tokio::spawn(async move {
-            channel
-                .deliver(
-                    m,
-                    configure(b"1"),
-                    &ctx_of(operation_id, Duration::from_secs(10)),
-                )
-                .await
-        });
-        let r: serde_json::Value = get_command(
-            &client,
-            &ch.endpoint(),
-            Some(m),
-            Some(&format!("Bearer {credential}")),
-        )
-        .await
-        .json()
-        .await
-        .unwrap();
+        let first = ch.deliver_later(
+            m,
+            configure(b"1"),
+            ctx_of(operation_id, Duration::from_secs(10)),
+        );
+        let r: serde_json::Value = poll_as(&client, &ch.endpoint(), m, &credential)
+            .await
+            .json()
+            .await
+            .unwrap();
         ids.push(r["id"].as_str().unwrap().to_owned());
-        let channel = ch.channel.clone();
-        let second = tokio::spawn(async move {
-            channel
-                .deliver(m, configure(b"2"), &ctx(Duration::from_millis(300)))
-                .await
-        });
+        let second = ch.deliver_later(m, configure(b"2"), ctx(Duration::from_millis(300)));
         let err = first.await.unwrap().unwrap_err();
         assert_eq!(
             err.0,
@@ -345,31 +296,14 @@ async fn failed_authentications_are_throttled_per_source_and_machine_never_for_a
         .unwrap();
     assert!((1..=60).contains(&retry), "{retry}");
     // Another agent behind that address, with its correct token, enrolls and gets its command.
-    let channel = ch.channel.clone();
-    let pending = tokio::spawn(async move {
-        channel
-            .deliver("m-good", configure(b"good"), &ctx(Duration::from_secs(10)))
-            .await
-    });
+    let pending = ch.deliver_later("m-good", configure(b"good"), ctx(Duration::from_secs(10)));
     let credential = enroll(&client, &endpoint, "m-good", &token("m-good")).await;
-    let r = get_command(
-        &client,
-        &endpoint,
-        Some("m-good"),
-        Some(&format!("Bearer {credential}")),
-    )
-    .await;
+    let r = poll_as(&client, &endpoint, "m-good", &credential).await;
     assert_eq!(r.status(), 200);
     let command: serde_json::Value = r.json().await.unwrap();
     assert_eq!(command["blob"], "Z29vZA==");
     // Even the machine under attack is served with its correct token.
-    let r = get_command(
-        &client,
-        &endpoint,
-        Some("m-bad"),
-        Some(&format!("Bearer {}", token("m-bad"))),
-    )
-    .await;
+    let r = poll_as(&client, &endpoint, "m-bad", &token("m-bad")).await;
     assert_eq!(r.status(), 204);
     // The attacker stays throttled.
     let r = get_command(&client, &endpoint, Some("m-bad"), Some("Bearer guess")).await;
@@ -420,17 +354,8 @@ async fn an_agent_refuses_a_channel_whose_certificate_is_not_from_its_pinned_ca(
         RunningChannel::start(&impostor, Duration::from_millis(200), AuthLimit::default()).await;
     let dir = tempfile::tempdir().unwrap();
     let m = "m-pinned";
-    let config_json = serde_json::json!({
-        "endpoint": ch.endpoint(), "ca_pem": real.ca_pem, "machine_id": m, "token": token(m),
-    })
-    .to_string();
-    let agent = AgentProcess::spawn(AgentSetup {
-        dir: dir.path(),
-        config_json,
-        hook: recording_hook(dir.path(), 0),
-        drain_command: "true".into(),
-        readiness_command: None,
-    });
+    let config_json = agent_config(&ch.endpoint(), &real.ca_pem, m);
+    let agent = AgentProcess::spawn(AgentSetup::recording(dir.path(), config_json));
     let err = ch
         .channel
         .deliver(m, configure(b"impostor-blob"), &ctx(Duration::from_secs(2)))
@@ -441,11 +366,9 @@ async fn an_agent_refuses_a_channel_whose_certificate_is_not_from_its_pinned_ca(
         format!("agent did not apply configure for {m}: context deadline exceeded")
     );
     assert!(!dir.path().join("hook.runs").exists(), "the hook never ran");
-    assert!(
-        agent
-            .wait_for_output("enrollment failed", Duration::from_secs(5))
-            .await
-    );
+    agent
+        .expect_output("enrollment failed", Duration::from_secs(5))
+        .await;
     let out = agent.output();
     assert!(
         out.contains("certificate") || out.contains("UnknownIssuer"),
@@ -467,22 +390,11 @@ async fn a_polling_agent_survives_a_channel_restart() {
     );
     let dir = tempfile::tempdir().unwrap();
     let m = "m-restart";
-    let config_json = serde_json::json!({
-        "endpoint": first.endpoint(), "ca_pem": pki.ca_pem, "machine_id": m, "token": token(m),
-    })
-    .to_string();
-    let agent = AgentProcess::spawn(AgentSetup {
-        dir: dir.path(),
-        config_json,
-        hook: recording_hook(dir.path(), 0),
-        drain_command: "true".into(),
-        readiness_command: None,
-    });
-    assert!(
-        agent
-            .wait_for_output("bigfleet-agent polling", Duration::from_secs(10))
-            .await
-    );
+    let config_json = agent_config(&first.endpoint(), &pki.ca_pem, m);
+    let agent = AgentProcess::spawn(AgentSetup::recording(dir.path(), config_json));
+    agent
+        .expect_output("bigfleet-agent polling", Duration::from_secs(10))
+        .await;
     assert!(
         !agent.output().contains('\u{1b}'),
         "the agent's text logs to a pipe (journald) carry no ANSI escape sequences: {:?}",
@@ -587,16 +499,10 @@ async fn an_agent_refuses_a_certificate_from_another_ca_of_the_channel_certifica
     .await;
     let m = "m-chain";
     let agent_dir = tempfile::tempdir().unwrap();
-    let agent = AgentProcess::spawn(AgentSetup {
-        dir: agent_dir.path(),
-        config_json: serde_json::json!({
-            "endpoint": fake.endpoint(), "ca_pem": pin, "machine_id": m, "token": token(m),
-        })
-        .to_string(),
-        hook: recording_hook(agent_dir.path(), 0),
-        drain_command: "true".into(),
-        readiness_command: None,
-    });
+    let agent = AgentProcess::spawn(AgentSetup::recording(
+        agent_dir.path(),
+        agent_config(&fake.endpoint(), &pin, m),
+    ));
     let err = fake
         .channel
         .deliver(m, configure(b"impostor-blob"), &ctx(Duration::from_secs(2)))
@@ -610,11 +516,9 @@ async fn an_agent_refuses_a_certificate_from_another_ca_of_the_channel_certifica
         !agent_dir.path().join("hook.runs").exists(),
         "the hook never ran"
     );
-    assert!(
-        agent
-            .wait_for_output("enrollment failed", Duration::from_secs(5))
-            .await
-    );
+    agent
+        .expect_output("enrollment failed", Duration::from_secs(5))
+        .await;
     drop(agent);
 
     // The same pin accepts the genuine channel.
@@ -630,16 +534,10 @@ async fn an_agent_refuses_a_certificate_from_another_ca_of_the_channel_certifica
         AuthLimit::default(),
     );
     let agent_dir = tempfile::tempdir().unwrap();
-    let _agent = AgentProcess::spawn(AgentSetup {
-        dir: agent_dir.path(),
-        config_json: serde_json::json!({
-            "endpoint": genuine.endpoint(), "ca_pem": pin, "machine_id": m, "token": token(m),
-        })
-        .to_string(),
-        hook: recording_hook(agent_dir.path(), 0),
-        drain_command: "true".into(),
-        readiness_command: None,
-    });
+    let _agent = AgentProcess::spawn(AgentSetup::recording(
+        agent_dir.path(),
+        agent_config(&genuine.endpoint(), &pin, m),
+    ));
     genuine
         .channel
         .deliver(m, configure(b"genuine-blob"), &ctx(Duration::from_secs(15)))
@@ -681,10 +579,7 @@ async fn a_hook_that_sleeps_forever_is_killed_and_acked_as_failed() {
     let agent = AgentProcess::spawn_with_args(
         AgentSetup {
             dir: dir.path(),
-            config_json: serde_json::json!({
-                "endpoint": ch.endpoint(), "ca_pem": pki.ca_pem, "machine_id": m, "token": token(m),
-            })
-            .to_string(),
+            config_json: agent_config(&ch.endpoint(), &pki.ca_pem, m),
             hook,
             drain_command: "true".into(),
             readiness_command: None,
@@ -781,48 +676,68 @@ fn limits() -> ChannelLimits {
     }
 }
 
-#[tokio::test]
-async fn a_slowloris_client_is_cut_off_at_the_header_timeout() {
+/// A channel that holds polls 5 s, with `limits` on its listener, and its test PKI.
+struct Limited {
+    pki: Pki,
+    ch: RunningChannel,
+}
+
+async fn limited(limits: ChannelLimits) -> Limited {
     let pki = pki();
     let ch = RunningChannel::start_with_limits(
         &pki,
         Duration::from_secs(5),
         AuthLimit::default(),
-        ChannelLimits {
-            header_timeout: Duration::from_millis(300),
-            ..limits()
-        },
+        limits,
     )
     .await;
+    Limited { pki, ch }
+}
+
+impl Limited {
+    /// A TLS 1.3 connection from `source` offering `alpn`.
+    async fn connect_from(
+        &self,
+        alpn: &[u8],
+        source: std::net::IpAddr,
+    ) -> std::io::Result<tokio_rustls::client::TlsStream<tokio::net::TcpStream>> {
+        raw_tls(self.ch.addr, &self.pki.ca_pem, alpn, source).await
+    }
+
+    /// A TLS 1.3 connection from 127.0.0.1 offering `alpn`, which the channel accepts.
+    async fn connect(&self, alpn: &[u8]) -> tokio_rustls::client::TlsStream<tokio::net::TcpStream> {
+        self.connect_from(alpn, LOCAL).await.unwrap()
+    }
+}
+
+#[tokio::test]
+async fn a_slowloris_client_is_cut_off_at_the_header_timeout() {
+    let limited = limited(ChannelLimits {
+        header_timeout: Duration::from_millis(300),
+        ..limits()
+    })
+    .await;
     // Headers that never end.
-    let mut slow = raw_tls(ch.addr, &pki.ca_pem, b"http/1.1", LOCAL)
-        .await
-        .unwrap();
+    let mut slow = limited.connect(b"http/1.1").await;
     slow.write_all(b"GET /v1/command HTTP/1.1\r\nHost: x\r\nX-Slow: 1\r\n")
         .await
         .unwrap();
     assert!(closed_within(&mut slow, Duration::from_secs(20)).await);
     // A TCP connection that never starts its TLS handshake.
-    let mut silent = tokio::net::TcpStream::connect(ch.addr).await.unwrap();
+    let mut silent = tokio::net::TcpStream::connect(limited.ch.addr)
+        .await
+        .unwrap();
     assert!(closed_within(&mut silent, Duration::from_secs(20)).await);
 }
 
 #[tokio::test]
 async fn idle_connections_are_closed() {
-    let pki = pki();
-    let ch = RunningChannel::start_with_limits(
-        &pki,
-        Duration::from_secs(5),
-        AuthLimit::default(),
-        ChannelLimits {
-            idle_timeout: Duration::from_millis(300),
-            ..limits()
-        },
-    )
+    let limited = limited(ChannelLimits {
+        idle_timeout: Duration::from_millis(300),
+        ..limits()
+    })
     .await;
-    let mut conn = raw_tls(ch.addr, &pki.ca_pem, b"http/1.1", LOCAL)
-        .await
-        .unwrap();
+    let mut conn = limited.connect(b"http/1.1").await;
     conn.write_all(b"GET /v2/nothing HTTP/1.1\r\nHost: x\r\n\r\n")
         .await
         .unwrap();
@@ -835,19 +750,13 @@ async fn idle_connections_are_closed() {
 
 #[tokio::test]
 async fn http2_keepalive_drops_a_peer_that_never_answers_pings() {
-    let pki = pki();
-    let ch = RunningChannel::start_with_limits(
-        &pki,
-        Duration::from_secs(5),
-        AuthLimit::default(),
-        ChannelLimits {
-            keepalive_interval: Duration::from_millis(200),
-            keepalive_timeout: Duration::from_millis(200),
-            ..limits()
-        },
-    )
+    let limited = limited(ChannelLimits {
+        keepalive_interval: Duration::from_millis(200),
+        keepalive_timeout: Duration::from_millis(200),
+        ..limits()
+    })
     .await;
-    let mut conn = raw_tls(ch.addr, &pki.ca_pem, b"h2", LOCAL).await.unwrap();
+    let mut conn = limited.connect(b"h2").await;
     // The client preface and an empty SETTINGS frame; PINGs are never acknowledged.
     conn.write_all(b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n\x00\x00\x00\x04\x00\x00\x00\x00\x00")
         .await
@@ -857,22 +766,16 @@ async fn http2_keepalive_drops_a_peer_that_never_answers_pings() {
 
 #[tokio::test]
 async fn oversized_ack_bodies_get_413() {
-    let pki = pki();
-    let ch = RunningChannel::start_with_limits(
-        &pki,
-        Duration::from_secs(5),
-        AuthLimit::default(),
-        ChannelLimits {
-            max_body_bytes: 1024,
-            ..limits()
-        },
-    )
+    let limited = limited(ChannelLimits {
+        max_body_bytes: 1024,
+        ..limits()
+    })
     .await;
-    let client = channel_client(&pki.ca_pem);
+    let client = channel_client(&limited.pki.ca_pem);
     let m = "m-body";
     let post = |body: Vec<u8>| {
         client
-            .post(format!("{}/v1/ack", ch.endpoint()))
+            .post(format!("{}/v1/ack", limited.ch.endpoint()))
             .query(&[("machine_id", m)])
             .bearer_auth(token(m))
             .body(body)
@@ -885,9 +788,7 @@ async fn oversized_ack_bodies_get_413() {
     let r = post(vec![b'x'; 1024]).await.unwrap();
     assert_eq!(r.status(), 400);
     // A chunked body without a length is cut off at the cap too.
-    let mut conn = raw_tls(ch.addr, &pki.ca_pem, b"http/1.1", LOCAL)
-        .await
-        .unwrap();
+    let mut conn = limited.connect(b"http/1.1").await;
     let head = format!(
         "POST /v1/ack?machine_id={m} HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {}\r\nTransfer-Encoding: chunked\r\n\r\n",
         token(m)
@@ -905,45 +806,25 @@ async fn oversized_ack_bodies_get_413() {
 
 #[tokio::test]
 async fn connections_are_capped_per_address_and_in_all() {
-    let pki = pki();
-    let ch = RunningChannel::start_with_limits(
-        &pki,
-        Duration::from_secs(5),
-        AuthLimit::default(),
-        ChannelLimits {
-            max_connections: 3,
-            max_connections_per_address: 2,
-            ..limits()
-        },
-    )
+    let limited = limited(ChannelLimits {
+        max_connections: 3,
+        max_connections_per_address: 2,
+        ..limits()
+    })
     .await;
     let ip = |last: u8| std::net::IpAddr::V4(std::net::Ipv4Addr::new(127, 0, 0, last));
-    let first = raw_tls(ch.addr, &pki.ca_pem, b"http/1.1", ip(1))
-        .await
-        .unwrap();
-    let _second = raw_tls(ch.addr, &pki.ca_pem, b"http/1.1", ip(1))
-        .await
-        .unwrap();
+    let first = limited.connect_from(b"http/1.1", ip(1)).await.unwrap();
+    let _second = limited.connect_from(b"http/1.1", ip(1)).await.unwrap();
     // A third from the same address is refused; another address still gets in.
-    assert!(
-        raw_tls(ch.addr, &pki.ca_pem, b"http/1.1", ip(1))
-            .await
-            .is_err()
-    );
-    let _other = raw_tls(ch.addr, &pki.ca_pem, b"http/1.1", ip(2))
-        .await
-        .unwrap();
+    assert!(limited.connect_from(b"http/1.1", ip(1)).await.is_err());
+    let _other = limited.connect_from(b"http/1.1", ip(2)).await.unwrap();
     // Now the channel is full for everyone.
-    assert!(
-        raw_tls(ch.addr, &pki.ca_pem, b"http/1.1", ip(3))
-            .await
-            .is_err()
-    );
+    assert!(limited.connect_from(b"http/1.1", ip(3)).await.is_err());
     // A closed connection frees its place.
     drop(first);
     let mut reopened = None;
     for _ in 0..100 {
-        if let Ok(c) = raw_tls(ch.addr, &pki.ca_pem, b"http/1.1", ip(1)).await {
+        if let Ok(c) = limited.connect_from(b"http/1.1", ip(1)).await {
             reopened = Some(c);
             break;
         }
@@ -978,17 +859,11 @@ fn spawn_agent(
     ca_pem: &str,
     m: &str,
 ) -> AgentProcess {
-    AgentProcess::spawn(AgentSetup {
+    let endpoint = format!("https://127.0.0.1:{}", addr.port());
+    AgentProcess::spawn(AgentSetup::recording(
         dir,
-        config_json: serde_json::json!({
-            "endpoint": format!("https://127.0.0.1:{}", addr.port()),
-            "ca_pem": ca_pem, "machine_id": m, "token": token(m),
-        })
-        .to_string(),
-        hook: recording_hook(dir, 0),
-        drain_command: "true".into(),
-        readiness_command: None,
-    })
+        agent_config(&endpoint, ca_pem, m),
+    ))
 }
 
 #[tokio::test]
@@ -1000,11 +875,9 @@ async fn the_agent_refuses_a_tls_1_2_server() {
     let server = fake_server(server_config(&pki, &[&rustls::version::TLS12]), response).await;
     let dir = tempfile::tempdir().unwrap();
     let agent = spawn_agent(dir.path(), server.addr, &pki.ca_pem, "m-tls12");
-    assert!(
-        agent
-            .wait_for_output("enrollment failed", Duration::from_secs(10))
-            .await
-    );
+    agent
+        .expect_output("enrollment failed", Duration::from_secs(10))
+        .await;
     assert!(
         eventually(Duration::from_secs(5), || server
             .failed_handshakes
@@ -1038,13 +911,9 @@ async fn the_agent_refuses_an_oversized_command_body() {
         let server = fake_server(server_config(&pki, &[&rustls::version::TLS13]), response).await;
         let dir = tempfile::tempdir().unwrap();
         let agent = spawn_agent(dir.path(), server.addr, &pki.ca_pem, "m-big");
-        assert!(
-            agent
-                .wait_for_output("command body larger than", Duration::from_secs(10))
-                .await,
-            "{}",
-            agent.output()
-        );
+        agent
+            .expect_output("command body larger than", Duration::from_secs(10))
+            .await;
         assert!(server.requests.load(Ordering::SeqCst) >= 1);
         assert!(!dir.path().join("hook.runs").exists());
     }
@@ -1069,18 +938,8 @@ async fn an_agent_moves_to_the_new_leader_after_a_takeover() {
     let service = Forwarder::start(old.addr).await;
     let dir = tempfile::tempdir().unwrap();
     let m = "m-takeover";
-    let config_json = serde_json::json!({
-        "endpoint": format!("https://{}", service.addr), "ca_pem": pki.ca_pem, "machine_id": m,
-        "token": token(m),
-    })
-    .to_string();
-    let agent = AgentProcess::spawn(AgentSetup {
-        dir: dir.path(),
-        config_json,
-        hook: recording_hook(dir.path(), 0),
-        drain_command: "true".into(),
-        readiness_command: None,
-    });
+    let config_json = agent_config(&format!("https://{}", service.addr), &pki.ca_pem, m);
+    let agent = AgentProcess::spawn(AgentSetup::recording(dir.path(), config_json));
     old.channel
         .deliver(m, configure(b"before"), &ctx(Duration::from_secs(15)))
         .await

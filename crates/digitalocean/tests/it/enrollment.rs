@@ -153,13 +153,7 @@ async fn delete(p: &mut Provider, id: &str) {
 }
 
 fn boot(dir: &Path, config_json: String) -> AgentProcess {
-    AgentProcess::spawn(AgentSetup {
-        dir,
-        config_json,
-        hook: recording_hook(dir, 0),
-        drain_command: "true".into(),
-        readiness_command: None,
-    })
+    AgentProcess::spawn(AgentSetup::recording(dir, config_json))
 }
 
 /// The whole life of an enrollment on a local state: the token is spent, the config loses
@@ -180,16 +174,12 @@ async fn an_enrolled_agent_survives_restarts_and_rotation_and_a_new_droplet_enro
     let mut outsider = Outsider::new(&p.site.pki.ca_pem, &config_json);
 
     let mut agent = boot(&dir, config_json.clone());
-    assert!(
-        agent
-            .wait_for_output(
-                "enrolled; the user_data token is spent",
-                Duration::from_secs(15)
-            )
-            .await,
-        "{}",
-        agent.output()
-    );
+    agent
+        .expect_output(
+            "enrolled; the user_data token is spent",
+            Duration::from_secs(15),
+        )
+        .await;
     // The config no longer holds the token; the state file is the agent's own.
     let on_disk = std::fs::read_to_string(dir.join("config.json")).unwrap();
     assert!(!on_disk.contains(&token), "{on_disk}");
@@ -262,16 +252,12 @@ async fn an_enrolled_agent_survives_restarts_and_rotation_and_a_new_droplet_enro
     std::fs::create_dir_all(new_dir.join("state")).unwrap();
     std::fs::copy(&state_file, new_dir.join("state/executed.json")).unwrap();
     let new_agent = boot(&new_dir, new_config);
-    assert!(
-        new_agent
-            .wait_for_output(
-                "enrolled; the user_data token is spent",
-                Duration::from_secs(15)
-            )
-            .await,
-        "{}",
-        new_agent.output()
-    );
+    new_agent
+        .expect_output(
+            "enrolled; the user_data token is spent",
+            Duration::from_secs(15),
+        )
+        .await;
     configure(&mut p, &id).await;
     p.wait_for(&id, pb::MachineState::Configured).await;
     assert_eq!(std::fs::read(new_dir.join("hook.blob.copy")).unwrap(), BLOB);
@@ -322,13 +308,9 @@ async fn a_stolen_token_is_a_conflict_whichever_side_enrolls_first() {
         200
     );
     let agent_a = boot(&dir_a, config_a.clone());
-    assert!(
-        agent_a
-            .wait_for_output("refused the enrollment (401)", Duration::from_secs(15))
-            .await,
-        "{}",
-        agent_a.output()
-    );
+    agent_a
+        .expect_output("refused the enrollment (401)", Duration::from_secs(15))
+        .await;
     // From now on nothing is served to the thief either.
     assert_eq!(thief_a.poll(&stolen).await, 401);
 
@@ -336,16 +318,12 @@ async fn a_stolen_token_is_a_conflict_whichever_side_enrolls_first() {
     // can use.
     let (dir_b, config_b) = p.droplet_of(&agent_first);
     let agent_b = boot(&dir_b, config_b.clone());
-    assert!(
-        agent_b
-            .wait_for_output(
-                "enrolled; the user_data token is spent",
-                Duration::from_secs(15)
-            )
-            .await,
-        "{}",
-        agent_b.output()
-    );
+    agent_b
+        .expect_output(
+            "enrolled; the user_data token is spent",
+            Duration::from_secs(15),
+        )
+        .await;
     let mut thief_b = Outsider::new(&p.site.pki.ca_pem, &config_b);
     let other = digitalocean::token::new_credential().expose().to_owned();
     assert_eq!(
@@ -505,16 +483,12 @@ async fn on_etcd_an_enrollment_survives_a_takeover_by_a_new_process() {
     let token = user_data_token(&config_json);
     let mut outsider = Outsider::new(&p.site.pki.ca_pem, &config_json);
     let agent = boot(&dir, config_json.clone());
-    assert!(
-        agent
-            .wait_for_output(
-                "enrolled; the user_data token is spent",
-                Duration::from_secs(15)
-            )
-            .await,
-        "{}",
-        agent.output()
-    );
+    agent
+        .expect_output(
+            "enrolled; the user_data token is spent",
+            Duration::from_secs(15),
+        )
+        .await;
 
     p.kill_9().await;
     p.restart(&flags).await;
@@ -629,16 +603,12 @@ async fn the_per_slot_token_speaks_only_for_droplets_created_before_enrollment()
     assert_eq!(thief.poll(&per_slot).await, 401);
     assert_eq!(thief.poll(&credential).await, 401);
     let agent = boot(&dir, config_json);
-    assert!(
-        agent
-            .wait_for_output(
-                "enrolled; the user_data token is spent",
-                Duration::from_secs(15)
-            )
-            .await,
-        "{}",
-        agent.output()
-    );
+    agent
+        .expect_output(
+            "enrolled; the user_data token is spent",
+            Duration::from_secs(15),
+        )
+        .await;
     configure(&mut p, new).await;
     p.wait_for(new, pb::MachineState::Configured).await;
     assert_eq!(std::fs::read(dir.join("hook.blob.copy")).unwrap(), BLOB);
@@ -667,16 +637,12 @@ async fn the_per_slot_token_speaks_only_for_droplets_created_before_enrollment()
     let mut config: serde_json::Value = serde_json::from_str(&older_config).unwrap();
     config["token"] = token(older).into();
     let older_agent = boot(&older_dir, config.to_string());
-    assert!(
-        older_agent
-            .wait_for_output(
-                "enrolled; the user_data token is spent",
-                Duration::from_secs(15)
-            )
-            .await,
-        "{}",
-        older_agent.output()
-    );
+    older_agent
+        .expect_output(
+            "enrolled; the user_data token is spent",
+            Duration::from_secs(15),
+        )
+        .await;
     configure(&mut p, older).await;
     p.wait_for(older, pb::MachineState::Configured).await;
     assert_eq!(

@@ -128,13 +128,7 @@ async fn configure_through(
         fields.get("pinned_spki_sha256").is_some(),
         !pin.2.is_empty()
     );
-    let agent = AgentProcess::spawn(AgentSetup {
-        dir: dir.path(),
-        config_json: config,
-        hook: recording_hook(dir.path(), 0),
-        drain_command: "true".into(),
-        readiness_command: None,
-    });
+    let agent = AgentProcess::spawn(AgentSetup::recording(dir.path(), config));
     let delivered = channel
         .channel
         .deliver(
@@ -155,11 +149,7 @@ async fn configure_through(
             assert!(e.0.ends_with("context deadline exceeded"), "{}", e.0);
             assert!(!dir.path().join("hook.runs").exists(), "the hook never ran");
             let reason = refusal.unwrap_or("enrollment failed");
-            assert!(
-                agent.wait_for_output(reason, Duration::from_secs(5)).await,
-                "{}",
-                agent.output()
-            );
+            agent.expect_output(reason, Duration::from_secs(5)).await;
             false
         }
     }
@@ -323,17 +313,11 @@ async fn a_server_presenting_the_pinned_certificate_without_its_key_is_refused()
         let (addr, requests) = server_signing_with(&genuine.cert_pem, key).await;
         let dir = tempfile::tempdir().unwrap();
         let m = "m-key";
-        let agent = AgentProcess::spawn(AgentSetup {
-            dir: dir.path(),
-            config_json: serde_json::json!({
-                "endpoint": format!("https://127.0.0.1:{}", addr.port()),
-                "ca_pem": leaf_pem, "pinned_cert_pem": leaf_pem, "machine_id": m, "token": token(m),
-            })
-            .to_string(),
-            hook: recording_hook(dir.path(), 0),
-            drain_command: "true".into(),
-            readiness_command: None,
+        let config = serde_json::json!({
+            "endpoint": format!("https://127.0.0.1:{}", addr.port()),
+            "ca_pem": leaf_pem, "pinned_cert_pem": leaf_pem, "machine_id": m, "token": token(m),
         });
+        let agent = AgentProcess::spawn(AgentSetup::recording(dir.path(), config.to_string()));
         if accepted {
             assert!(
                 eventually(Duration::from_secs(15), || dir
@@ -349,13 +333,9 @@ async fn a_server_presenting_the_pinned_certificate_without_its_key_is_refused()
                 b"join-blob"
             );
         } else {
-            assert!(
-                agent
-                    .wait_for_output("enrollment failed", Duration::from_secs(10))
-                    .await,
-                "{}",
-                agent.output()
-            );
+            agent
+                .expect_output("enrollment failed", Duration::from_secs(10))
+                .await;
             assert!(
                 agent.output().contains("BadSignature"),
                 "{}",

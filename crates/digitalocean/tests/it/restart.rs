@@ -251,13 +251,9 @@ async fn configure_across_a_kill_9_with(moment: Moment, rotate: bool) {
             signal(&p, Signal::SIGSTOP);
             release(&dir, "hook");
             let agent = agent.as_ref().unwrap();
-            assert!(
-                agent
-                    .wait_for_output("command succeeded", Duration::from_secs(20))
-                    .await,
-                "{}",
-                agent.output()
-            );
+            agent
+                .expect_output("command succeeded", Duration::from_secs(20))
+                .await;
             // The ack is on its way to a provider that does not read it.
             tokio::time::sleep(Duration::from_millis(300)).await;
         }
@@ -473,11 +469,9 @@ async fn without_a_key_file_a_configure_cut_by_kill_9_is_failed_naming_the_flag(
         "{logs}"
     );
     release(&droplet.dir, "hook");
-    assert!(
-        agent
-            .wait_for_output("command succeeded", Duration::from_secs(20))
-            .await
-    );
+    agent
+        .expect_output("command succeeded", Duration::from_secs(20))
+        .await;
     tokio::time::sleep(Duration::from_millis(500)).await;
     assert_eq!(runs(&droplet.dir, "hook"), 1, "{}", agent.output());
     assert_eq!(

@@ -55,11 +55,7 @@ fn droplet(
     );
     let agent = AgentProcess::spawn(AgentSetup {
         dir: dir.path(),
-        config_json: serde_json::json!({
-            "endpoint": channel.endpoint(), "ca_pem": pki.ca_pem, "machine_id": MACHINE,
-            "token": token(MACHINE),
-        })
-        .to_string(),
+        config_json: agent_config(&channel.endpoint(), &pki.ca_pem, MACHINE),
         hook,
         drain_command: gated(dir.path(), "drain", 0),
         readiness_command: readiness.map(str::to_owned),
@@ -73,16 +69,11 @@ fn deliver(
     command: Command,
     operation_id: &'static str,
 ) -> tokio::task::JoinHandle<Result<(), digitalocean::channel::DeliveryError>> {
-    let channel = channel.channel.clone();
-    tokio::spawn(async move {
-        channel
-            .deliver(
-                MACHINE,
-                command,
-                &ctx_of(operation_id, Duration::from_secs(30)),
-            )
-            .await
-    })
+    channel.deliver_later(
+        MACHINE,
+        command,
+        ctx_of(operation_id, Duration::from_secs(30)),
+    )
 }
 
 /// The provider process dies: its transition stops waiting and its channel goes away.
@@ -215,14 +206,10 @@ async fn resumed_after_the_run(
     let state = kept(&first);
     kill_provider(first, delivery).await;
     release(dir, "hook");
-    assert!(
-        droplet
-            .agent
-            .wait_for_output("ack failed", Duration::from_secs(10))
-            .await,
-        "{}",
-        droplet.agent.output()
-    );
+    droplet
+        .agent
+        .expect_output("ack failed", Duration::from_secs(10))
+        .await;
 
     let second = channel_on(addr, &pki, &state).await;
     assert!(
@@ -300,14 +287,10 @@ async fn a_drain_resumed_by_a_new_process_is_answered_from_the_record() {
     release(dir, "drain");
     // The agent gives up acking while no provider listens, so only the record can answer
     // the resumed delivery.
-    assert!(
-        droplet
-            .agent
-            .wait_for_output("ack not delivered", Duration::from_secs(20))
-            .await,
-        "{}",
-        droplet.agent.output()
-    );
+    droplet
+        .agent
+        .expect_output("ack not delivered", Duration::from_secs(20))
+        .await;
     let second = channel_on(addr, &pki, &state).await;
     deliver(&second, Command::Drain { grace_seconds: 1 }, "op-51")
         .await
@@ -364,14 +347,10 @@ async fn readiness_resumed_by_a_new_process_is_answered_and_a_lost_not_ready_is_
     let state = kept(&second);
     kill_provider(second, delivery).await;
     release(p, "probe");
-    assert!(
-        droplet
-            .agent
-            .wait_for_output("ack not delivered", Duration::from_secs(20))
-            .await,
-        "{}",
-        droplet.agent.output()
-    );
+    droplet
+        .agent
+        .expect_output("ack not delivered", Duration::from_secs(20))
+        .await;
     std::fs::write(p.join("ready.now"), b"").unwrap();
     let third = channel_on(addr, &pki, &state).await;
     deliver(&third, ready(), "op-62").await.unwrap().unwrap();
@@ -388,17 +367,10 @@ async fn an_agent_state_file_of_the_earlier_release_still_loads() {
     std::fs::create_dir_all(dir.path().join("state")).unwrap();
     let old = r#"{"executed":[{"id":"9f2c4a1b7e30-1","outcome":{"Ok":null}},{"id":"9f2c4a1b7e30-2","outcome":{"Err":"bootstrap hook failed: exit status: 3"}},{"id":"9f2c4a1b7e30-3","outcome":null}]}"#;
     std::fs::write(dir.path().join("state/executed.json"), old).unwrap();
-    let agent = AgentProcess::spawn(AgentSetup {
-        dir: dir.path(),
-        config_json: serde_json::json!({
-            "endpoint": channel.endpoint(), "ca_pem": pki.ca_pem, "machine_id": MACHINE,
-            "token": token(MACHINE),
-        })
-        .to_string(),
-        hook: recording_hook(dir.path(), 0),
-        drain_command: "true".into(),
-        readiness_command: None,
-    });
+    let agent = AgentProcess::spawn(AgentSetup::recording(
+        dir.path(),
+        agent_config(&channel.endpoint(), &pki.ca_pem, MACHINE),
+    ));
     channel
         .channel
         .deliver(
@@ -440,17 +412,10 @@ async fn an_agent_that_cannot_record_a_command_does_not_run_it() {
     // fail while the (missing) state file itself loads.
     let blocker = dir.path().join("state/executed.tmp");
     std::fs::create_dir_all(&blocker).unwrap();
-    let agent = AgentProcess::spawn(AgentSetup {
-        dir: dir.path(),
-        config_json: serde_json::json!({
-            "endpoint": channel.endpoint(), "ca_pem": pki.ca_pem, "machine_id": MACHINE,
-            "token": token(MACHINE),
-        })
-        .to_string(),
-        hook: recording_hook(dir.path(), 0),
-        drain_command: "true".into(),
-        readiness_command: None,
-    });
+    let agent = AgentProcess::spawn(AgentSetup::recording(
+        dir.path(),
+        agent_config(&channel.endpoint(), &pki.ca_pem, MACHINE),
+    ));
     let err = channel
         .channel
         .deliver(

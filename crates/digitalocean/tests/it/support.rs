@@ -7,7 +7,9 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use digitalocean::api::{ApiClient, ApiToken, ImageRef};
-use digitalocean::channel::{AuthLimit, Channel, ChannelLimits, ChannelSettings};
+use digitalocean::channel::{
+    AuthLimit, Channel, ChannelLimits, ChannelSettings, Command, DeliveryError,
+};
 use digitalocean::cloud::{AgentProvisioning, CloudSettings, DigitalOceanCloud};
 use digitalocean::enrollment::EnrollmentSource;
 use digitalocean::setup::channel_tls;
@@ -190,6 +192,19 @@ impl RunningChannel {
 
     pub fn endpoint(&self) -> String {
         format!("https://127.0.0.1:{}", self.addr.port())
+    }
+
+    /// Delivers `command` to `machine_id` in a task of its own, as a transition does while the
+    /// test plays the agent.
+    pub fn deliver_later(
+        &self,
+        machine_id: &str,
+        command: Command,
+        ctx: TransitionContext,
+    ) -> tokio::task::JoinHandle<Result<(), DeliveryError>> {
+        let channel = self.channel.clone();
+        let machine_id = machine_id.to_owned();
+        tokio::spawn(async move { channel.deliver(&machine_id, command, &ctx).await })
     }
 
     /// Stops serving and waits until the listener is closed.
@@ -376,6 +391,30 @@ pub struct AgentSetup<'a> {
     pub readiness_command: Option<String>,
 }
 
+impl<'a> AgentSetup<'a> {
+    /// An agent in `dir` with `config_json`, a hook that records its runs and succeeds, `true`
+    /// as its drain command and no readiness command.
+    pub fn recording(dir: &'a Path, config_json: String) -> AgentSetup<'a> {
+        AgentSetup {
+            dir,
+            config_json,
+            hook: recording_hook(dir, 0),
+            drain_command: "true".into(),
+            readiness_command: None,
+        }
+    }
+}
+
+/// The agent config for `machine_id` polling the channel at `endpoint`, trusting `ca_pem`, with
+/// the one-time token its user_data would carry.
+pub fn agent_config(endpoint: &str, ca_pem: &str, machine_id: &str) -> String {
+    serde_json::json!({
+        "endpoint": endpoint, "ca_pem": ca_pem, "machine_id": machine_id,
+        "token": token(machine_id),
+    })
+    .to_string()
+}
+
 impl AgentProcess {
     pub fn spawn(setup: AgentSetup<'_>) -> AgentProcess {
         AgentProcess::spawn_with_args(setup, &[])
@@ -431,6 +470,16 @@ impl AgentProcess {
             tokio::time::sleep(Duration::from_millis(20)).await;
         }
         false
+    }
+
+    /// Asserts that the agent's output comes to contain `needle` within `within`, showing the
+    /// output when it does not.
+    pub async fn expect_output(&self, needle: &str, within: Duration) {
+        assert!(
+            self.wait_for_output(needle, within).await,
+            "no {needle:?} within {within:?}:\n{}",
+            self.output()
+        );
     }
 }
 
