@@ -3,10 +3,12 @@
 //! Hetzner's `cloud.spec.json` and DigitalOcean's `digitalocean/openapi` documents, vendored
 //! under `official/` with their source (see `official/README.md`), by [`Document`]'s validator.
 
+pub mod exercise;
 pub mod openapi;
 
 use serde_json::Value;
 
+pub use exercise::{Exercise, get_without_deprecated};
 pub use openapi::Document;
 
 /// The excerpt of Hetzner's Cloud API document (`official/hetzner-cloud.excerpt.json`).

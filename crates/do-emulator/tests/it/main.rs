@@ -21,6 +21,93 @@ async fn start() -> (Emulator, String, tokio_util::sync::DropGuard) {
     (emulator, base, stop.drop_guard())
 }
 
+/// The emulator's API as the provider calls it (with the token), and its admin endpoints
+/// (`/_emulator/…`), which take none.
+struct Api {
+    http: reqwest::Client,
+    base: String,
+}
+
+impl Api {
+    fn new(base: &str) -> Api {
+        Api {
+            http: reqwest::Client::new(),
+            base: base.to_owned(),
+        }
+    }
+
+    /// `method path` with the token and `body` as JSON, as it is answered or fails.
+    async fn try_call(
+        &self,
+        method: reqwest::Method,
+        path: &str,
+        body: Option<&Value>,
+    ) -> reqwest::Result<reqwest::Response> {
+        let mut request = self
+            .http
+            .request(method, format!("{}{path}", self.base))
+            .bearer_auth(TOKEN);
+        if let Some(body) = body {
+            request = request.json(body);
+        }
+        request.send().await
+    }
+
+    async fn call(
+        &self,
+        method: reqwest::Method,
+        path: &str,
+        body: Option<&Value>,
+    ) -> reqwest::Response {
+        self.try_call(method, path, body).await.unwrap()
+    }
+
+    async fn get(&self, path: &str) -> reqwest::Response {
+        self.call(reqwest::Method::GET, path, None).await
+    }
+
+    async fn get_json(&self, path: &str) -> Value {
+        self.get(path).await.json().await.unwrap()
+    }
+
+    /// The status and JSON body of `GET path`.
+    async fn get_answer(&self, path: &str) -> (u16, Value) {
+        let r = self.get(path).await;
+        (r.status().as_u16(), r.json().await.unwrap())
+    }
+
+    async fn post(&self, path: &str, body: &Value) -> reqwest::Response {
+        self.call(reqwest::Method::POST, path, Some(body)).await
+    }
+
+    async fn delete(&self, path: &str) -> reqwest::Response {
+        self.call(reqwest::Method::DELETE, path, None).await
+    }
+
+    /// `method path` without a token: the admin endpoints, or an unauthenticated call.
+    async fn tokenless(
+        &self,
+        method: reqwest::Method,
+        path: &str,
+        body: Option<&Value>,
+    ) -> reqwest::Response {
+        let mut request = self.http.request(method, format!("{}{path}", self.base));
+        if let Some(body) = body {
+            request = request.json(body);
+        }
+        request.send().await.unwrap()
+    }
+
+    /// The JSON body of an admin `GET path`.
+    async fn admin_json(&self, path: &str) -> Value {
+        self.tokenless(reqwest::Method::GET, path, None)
+            .await
+            .json()
+            .await
+            .unwrap()
+    }
+}
+
 fn create_body(name: &str, tags: &[&str]) -> Value {
     json!({ "name": name, "region": "nyc3", "size": "s-2vcpu-4gb", "image": "ubuntu-24-04-x64", "tags": tags })
 }
@@ -28,37 +115,27 @@ fn create_body(name: &str, tags: &[&str]) -> Value {
 #[tokio::test]
 async fn droplets_tags_and_pages() {
     let (emulator, base, _stop) = start().await;
-    let http = reqwest::Client::new();
-    let r = http.get(format!("{base}/v2/sizes")).send().await.unwrap();
+    let api = Api::new(&base);
+    let r = api.tokenless(reqwest::Method::GET, "/v2/sizes", None).await;
     assert_eq!(r.status(), 401);
     assert_eq!(r.json::<Value>().await.unwrap()["id"], "Unauthorized");
 
     for i in 0..5 {
-        let r = http
-            .post(format!("{base}/v2/droplets"))
-            .bearer_auth(TOKEN)
-            .json(&create_body(
-                &format!("d-{i}"),
-                &["bigfleet-managed", "bfmid:x"],
-            ))
-            .send()
-            .await
-            .unwrap();
+        let r = api
+            .post(
+                "/v2/droplets",
+                &create_body(&format!("d-{i}"), &["bigfleet-managed", "bfmid:x"]),
+            )
+            .await;
         assert_eq!(r.status(), 202);
         assert!(r.headers().contains_key("ratelimit-remaining"));
         let body: Value = r.json().await.unwrap();
         assert_eq!(body["droplet"]["status"], "new");
         assert_eq!(body["links"]["actions"][0]["rel"], "create");
     }
-    let page: Value = http
-        .get(format!("{base}/v2/droplets?tag_name=bfmid:x&per_page=2"))
-        .bearer_auth(TOKEN)
-        .send()
-        .await
-        .unwrap()
-        .json()
-        .await
-        .unwrap();
+    let page: Value = api
+        .get_json("/v2/droplets?tag_name=bfmid:x&per_page=2")
+        .await;
     assert_eq!(page["meta"]["total"], 5);
     assert_eq!(page["droplets"].as_array().unwrap().len(), 2);
     let next = page["links"]["pages"]["next"].as_str().unwrap().to_owned();
@@ -66,46 +143,20 @@ async fn droplets_tags_and_pages() {
         next.contains("page=2") && next.contains("tag_name=bfmid%3Ax"),
         "{next}"
     );
-    let last: Value = http
-        .get(format!(
-            "{base}/v2/droplets?tag_name=bfmid:x&per_page=2&page=3"
-        ))
-        .bearer_auth(TOKEN)
-        .send()
-        .await
-        .unwrap()
-        .json()
-        .await
-        .unwrap();
+    let last: Value = api
+        .get_json("/v2/droplets?tag_name=bfmid:x&per_page=2&page=3")
+        .await;
     assert_eq!(last["droplets"].as_array().unwrap().len(), 1);
     assert!(last["links"]["pages"].get("next").is_none());
 
     let id = emulator.droplets()[0].id;
-    let r = http
-        .post(format!("{base}/v2/tags"))
-        .bearer_auth(TOKEN)
-        .json(&json!({"name": "bfcluster:c"}))
-        .send()
-        .await
-        .unwrap();
+    let r = api.post("/v2/tags", &json!({"name": "bfcluster:c"})).await;
     assert_eq!(r.status(), 201);
-    let r = http
-        .post(format!("{base}/v2/tags"))
-        .bearer_auth(TOKEN)
-        .json(&json!({"name": "bfcluster:c"}))
-        .send()
-        .await
-        .unwrap();
+    let r = api.post("/v2/tags", &json!({"name": "bfcluster:c"})).await;
     assert_eq!(r.status(), 422);
     let resources =
         json!({"resources": [{"resource_id": id.to_string(), "resource_type": "droplet"}]});
-    let r = http
-        .post(format!("{base}/v2/tags/bfcluster:c/resources"))
-        .bearer_auth(TOKEN)
-        .json(&resources)
-        .send()
-        .await
-        .unwrap();
+    let r = api.post("/v2/tags/bfcluster:c/resources", &resources).await;
     assert_eq!(r.status(), 204);
     assert!(
         emulator
@@ -114,13 +165,13 @@ async fn droplets_tags_and_pages() {
             .tags
             .contains(&"bfcluster:c".to_owned())
     );
-    let r = http
-        .delete(format!("{base}/v2/tags/bfcluster:c/resources"))
-        .bearer_auth(TOKEN)
-        .json(&resources)
-        .send()
-        .await
-        .unwrap();
+    let r = api
+        .call(
+            reqwest::Method::DELETE,
+            "/v2/tags/bfcluster:c/resources",
+            Some(&resources),
+        )
+        .await;
     assert_eq!(r.status(), 204);
     assert!(
         !emulator
@@ -130,19 +181,9 @@ async fn droplets_tags_and_pages() {
             .contains(&"bfcluster:c".to_owned())
     );
 
-    let r = http
-        .delete(format!("{base}/v2/droplets/{id}"))
-        .bearer_auth(TOKEN)
-        .send()
-        .await
-        .unwrap();
+    let r = api.delete(&format!("/v2/droplets/{id}")).await;
     assert_eq!(r.status(), 204);
-    let r = http
-        .get(format!("{base}/v2/droplets/{id}"))
-        .bearer_auth(TOKEN)
-        .send()
-        .await
-        .unwrap();
+    let r = api.get(&format!("/v2/droplets/{id}")).await;
     assert_eq!(r.status(), 404);
     assert_eq!(r.json::<Value>().await.unwrap()["id"], "not_found");
 }
@@ -150,139 +191,108 @@ async fn droplets_tags_and_pages() {
 #[tokio::test]
 async fn fault_knobs_through_the_admin_endpoints() {
     let (emulator, base, _stop) = start().await;
-    let http = reqwest::Client::new();
+    let api = Api::new(&base);
     let faults = json!({
         "fail_next": [{"status": 429, "retry_after": 3}, {"status": 503}],
         "drop_create_responses": 1,
         "active_after_polls": 2
     });
-    let r = http
-        .post(format!("{base}/_emulator/faults"))
-        .json(&faults)
-        .send()
-        .await
-        .unwrap();
+    let r = api
+        .tokenless(reqwest::Method::POST, "/_emulator/faults", Some(&faults))
+        .await;
     assert_eq!(r.status(), 204);
-    let r = http
-        .get(format!("{base}/v2/sizes"))
-        .bearer_auth(TOKEN)
-        .send()
-        .await
-        .unwrap();
+    let r = api.get("/v2/sizes").await;
     assert_eq!(r.status(), 429);
     assert_eq!(r.headers()["retry-after"], "3");
     assert_eq!(r.headers()["ratelimit-remaining"], "0");
     assert!(r.headers().contains_key("ratelimit-reset"));
-    let r = http
-        .get(format!("{base}/v2/sizes"))
-        .bearer_auth(TOKEN)
-        .send()
-        .await
-        .unwrap();
+    let r = api.get("/v2/sizes").await;
     assert_eq!(r.status(), 503);
 
     // The create takes effect, but its answer never arrives.
-    let err = http
-        .post(format!("{base}/v2/droplets"))
-        .bearer_auth(TOKEN)
-        .json(&create_body("lost", &["bigfleet-managed"]))
-        .send()
+    let err = api
+        .try_call(
+            reqwest::Method::POST,
+            "/v2/droplets",
+            Some(&create_body("lost", &["bigfleet-managed"])),
+        )
         .await
         .unwrap_err();
     assert!(!err.is_status(), "{err:?}");
-    let droplets: Value = http
-        .get(format!("{base}/_emulator/droplets"))
-        .send()
-        .await
-        .unwrap()
-        .json()
-        .await
-        .unwrap();
+    let droplets: Value = api.admin_json("/_emulator/droplets").await;
     let d = &droplets["droplets"][0];
     assert_eq!(d["name"], "lost");
     let id = d["id"].as_u64().unwrap();
 
     // Active after two GETs.
     let status = |v: Value| v["droplet"]["status"].as_str().unwrap().to_owned();
-    let get = || {
-        http.get(format!("{base}/v2/droplets/{id}"))
-            .bearer_auth(TOKEN)
-            .send()
-    };
-    assert_eq!(status(get().await.unwrap().json().await.unwrap()), "new");
-    assert_eq!(status(get().await.unwrap().json().await.unwrap()), "active");
+    let one = format!("/v2/droplets/{id}");
+    assert_eq!(status(api.get_json(&one).await), "new");
+    assert_eq!(status(api.get_json(&one).await), "active");
 
-    let r = http
-        .delete(format!("{base}/_emulator/droplets/{id}"))
-        .send()
-        .await
-        .unwrap();
+    let r = api
+        .tokenless(
+            reqwest::Method::DELETE,
+            &format!("/_emulator/droplets/{id}"),
+            None,
+        )
+        .await;
     assert_eq!(r.status(), 204);
     assert!(emulator.droplets().is_empty());
-    let stats: Value = http
-        .get(format!("{base}/_emulator/stats"))
-        .send()
-        .await
-        .unwrap()
-        .json()
-        .await
-        .unwrap();
+    let stats: Value = api.admin_json("/_emulator/stats").await;
     assert_eq!(stats["create_requests"], 1);
 }
 
 #[tokio::test]
 async fn images_vpcs_keys_firewalls_and_create_bodies() {
     let (emulator, base, _stop) = start().await;
-    let http = reqwest::Client::new();
-    let get = |path: &str| {
-        let request = http.get(format!("{base}{path}")).bearer_auth(TOKEN);
-        async move {
-            let r = request.send().await.unwrap();
-            (r.status().as_u16(), r.json::<Value>().await.unwrap())
-        }
-    };
+    let api = Api::new(&base);
     let snapshot = emulator.add_snapshot("node-snap", &["nyc3"]);
     let vpc = emulator.add_vpc("prod", "nyc3", "10.40.0.0/20");
     let (key_id, fingerprint) = emulator.add_ssh_key("ops");
     emulator.add_firewall("k8s", &["k8s-node"]);
 
-    let (status, body) = get("/v2/account").await;
+    let (status, body) = api.get_answer("/v2/account").await;
     assert_eq!(
         (status, body["account"]["status"].clone()),
         (200, json!("active"))
     );
-    let (_, body) = get("/v2/images/ubuntu-24-04-x64").await;
+    let (_, body) = api.get_answer("/v2/images/ubuntu-24-04-x64").await;
     assert_eq!(body["image"]["slug"], "ubuntu-24-04-x64");
     assert_eq!(body["image"]["public"], true);
-    let (_, body) = get(&format!("/v2/images/{snapshot}")).await;
+    let (_, body) = api.get_answer(&format!("/v2/images/{snapshot}")).await;
     assert_eq!(body["image"]["type"], "snapshot");
     assert_eq!(body["image"]["regions"], json!(["nyc3"]));
-    let (status, body) = get("/v2/images/no-such-slug").await;
+    let (status, body) = api.get_answer("/v2/images/no-such-slug").await;
     assert_eq!((status, body["id"].clone()), (404, json!("not_found")));
-    let (_, body) = get("/v2/images?private=true").await;
+    let (_, body) = api.get_answer("/v2/images?private=true").await;
     assert_eq!(body["images"].as_array().unwrap().len(), 1);
     assert_eq!(body["images"][0]["name"], "node-snap");
-    let (_, body) = get("/v2/snapshots?resource_type=droplet").await;
+    let (_, body) = api.get_answer("/v2/snapshots?resource_type=droplet").await;
     assert_eq!(body["snapshots"][0]["id"], json!(snapshot.to_string()));
-    let (_, body) = get(&format!("/v2/vpcs/{vpc}")).await;
+    let (_, body) = api.get_answer(&format!("/v2/vpcs/{vpc}")).await;
     assert_eq!(body["vpc"]["region"], "nyc3");
     assert_eq!(body["vpc"]["ip_range"], "10.40.0.0/20");
-    let (status, _) = get("/v2/vpcs/00000000-0000-4000-8000-000000000000").await;
+    let (status, _) = api
+        .get_answer("/v2/vpcs/00000000-0000-4000-8000-000000000000")
+        .await;
     assert_eq!(status, 404);
-    let (_, body) = get("/v2/vpcs").await;
+    let (_, body) = api.get_answer("/v2/vpcs").await;
     assert_eq!(
         body["meta"]["total"], 9,
         "a default VPC per region plus ours"
     );
-    let (_, body) = get(&format!("/v2/account/keys/{key_id}")).await;
+    let (_, body) = api.get_answer(&format!("/v2/account/keys/{key_id}")).await;
     assert_eq!(body["ssh_key"]["fingerprint"], json!(fingerprint));
-    let (_, body) = get(&format!("/v2/account/keys/{fingerprint}")).await;
+    let (_, body) = api
+        .get_answer(&format!("/v2/account/keys/{fingerprint}"))
+        .await;
     assert_eq!(body["ssh_key"]["id"], key_id);
-    let (status, _) = get("/v2/account/keys/1").await;
+    let (status, _) = api.get_answer("/v2/account/keys/1").await;
     assert_eq!(status, 404);
-    let (_, body) = get("/v2/firewalls").await;
+    let (_, body) = api.get_answer("/v2/firewalls").await;
     assert_eq!(body["firewalls"][0]["tags"], json!(["k8s-node"]));
-    let (_, body) = get("/v2/regions").await;
+    let (_, body) = api.get_answer("/v2/regions").await;
     assert!(
         body["regions"]
             .as_array()
@@ -297,19 +307,13 @@ async fn images_vpcs_keys_firewalls_and_create_bodies() {
         "vpc_uuid": vpc, "ipv6": true, "monitoring": true, "ssh_keys": [key_id, fingerprint],
         "tags": ["k8s-node"], "user_data": "#cloud-config\n"
     });
-    let r = http
-        .post(format!("{base}/v2/droplets"))
-        .bearer_auth(TOKEN)
-        .json(&create)
-        .send()
-        .await
-        .unwrap();
+    let r = api.post("/v2/droplets", &create).await;
     assert_eq!(r.status(), 202);
     assert_eq!(emulator.create_bodies(), vec![create.clone()]);
     let id = r.json::<Value>().await.unwrap()["droplet"]["id"]
         .as_u64()
         .unwrap();
-    let (_, body) = get(&format!("/v2/droplets/{id}")).await;
+    let (_, body) = api.get_answer(&format!("/v2/droplets/{id}")).await;
     let d = &body["droplet"];
     assert_eq!(d["vpc_uuid"], json!(vpc));
     assert_eq!(d["image"]["id"], snapshot);
@@ -325,7 +329,7 @@ async fn images_vpcs_keys_firewalls_and_create_bodies() {
             .unwrap()
             .contains(&json!("monitoring"))
     );
-    let (_, recorded) = get("/_emulator/create-requests").await;
+    let (_, recorded) = api.get_answer("/_emulator/create-requests").await;
     assert_eq!(recorded["requests"][0], create);
 
     // Each refused reference is a 422 unprocessable_entity.
@@ -340,13 +344,7 @@ async fn images_vpcs_keys_firewalls_and_create_bodies() {
     ] {
         let mut body = create.clone();
         body[field] = value.clone();
-        let r = http
-            .post(format!("{base}/v2/droplets"))
-            .bearer_auth(TOKEN)
-            .json(&body)
-            .send()
-            .await
-            .unwrap();
+        let r = api.post("/v2/droplets", &body).await;
         assert_eq!(r.status(), 422, "{field} {value}");
         assert_eq!(
             r.json::<Value>().await.unwrap()["id"],
@@ -355,45 +353,47 @@ async fn images_vpcs_keys_firewalls_and_create_bodies() {
     }
 
     // The admin seed makes the same resources for a separate process.
-    let r = http
-        .post(format!("{base}/_emulator/seed"))
-        .json(&json!({
-            "vpcs": [{"name": "seeded", "region": "nyc3", "ip_range": "10.60.0.0/20"}],
-            "snapshots": [{"name": "seeded-snap", "regions": ["nyc3"]}],
-            "ssh_keys": ["seeded-key"],
-            "firewalls": [{"name": "seeded-fw", "tags": ["x"]}]
-        }))
-        .send()
-        .await
-        .unwrap();
+    let r = api
+        .tokenless(
+            reqwest::Method::POST,
+            "/_emulator/seed",
+            Some(&json!({
+                "vpcs": [{"name": "seeded", "region": "nyc3", "ip_range": "10.60.0.0/20"}],
+                "snapshots": [{"name": "seeded-snap", "regions": ["nyc3"]}],
+                "ssh_keys": ["seeded-key"],
+                "firewalls": [{"name": "seeded-fw", "tags": ["x"]}]
+            })),
+        )
+        .await;
     let seeded: Value = r.json().await.unwrap();
-    let (status, _) = get(&format!(
-        "/v2/vpcs/{}",
-        seeded["vpcs"][0]["id"].as_str().unwrap()
-    ))
-    .await;
+    let (status, _) = api
+        .get_answer(&format!(
+            "/v2/vpcs/{}",
+            seeded["vpcs"][0]["id"].as_str().unwrap()
+        ))
+        .await;
     assert_eq!(status, 200);
-    let (status, _) = get(&format!(
-        "/v2/account/keys/{}",
-        seeded["ssh_keys"][0]["fingerprint"].as_str().unwrap()
-    ))
-    .await;
+    let (status, _) = api
+        .get_answer(&format!(
+            "/v2/account/keys/{}",
+            seeded["ssh_keys"][0]["fingerprint"].as_str().unwrap()
+        ))
+        .await;
     assert_eq!(status, 200);
 }
 
 #[tokio::test]
 async fn every_deletion_is_an_account_action_listed_newest_first() {
     let (emulator, base, _stop) = start().await;
-    let http = reqwest::Client::new();
+    let api = Api::new(&base);
     let mut ids = Vec::new();
     for i in 0..3 {
-        let body: Value = http
-            .post(format!("{base}/v2/droplets"))
-            .bearer_auth(TOKEN)
-            .json(&create_body(&format!("d-{i}"), &["bigfleet-managed"]))
-            .send()
+        let body: Value = api
+            .post(
+                "/v2/droplets",
+                &create_body(&format!("d-{i}"), &["bigfleet-managed"]),
+            )
             .await
-            .unwrap()
             .json()
             .await
             .unwrap();
@@ -401,33 +401,24 @@ async fn every_deletion_is_an_account_action_listed_newest_first() {
     }
     // Through the API, through the admin endpoint (an operator in the console) and through
     // the library call tests use.
-    let r = http
-        .delete(format!("{base}/v2/droplets/{}", ids[0]))
-        .bearer_auth(TOKEN)
-        .send()
-        .await
-        .unwrap();
+    let r = api.delete(&format!("/v2/droplets/{}", ids[0])).await;
     assert_eq!(r.status(), 204);
-    let r = http
-        .delete(format!("{base}/_emulator/droplets/{}", ids[1]))
-        .send()
-        .await
-        .unwrap();
+    let r = api
+        .tokenless(
+            reqwest::Method::DELETE,
+            &format!("/_emulator/droplets/{}", ids[1]),
+            None,
+        )
+        .await;
     assert_eq!(r.status(), 204);
     assert!(emulator.delete_out_of_band(ids[2]));
     assert!(!emulator.delete_out_of_band(ids[2]), "already gone");
 
     let page = |n: u32| {
-        let (http, base) = (http.clone(), base.clone());
+        let api = &api;
         async move {
-            http.get(format!("{base}/v2/actions?per_page=4&page={n}"))
-                .bearer_auth(TOKEN)
-                .send()
+            api.get_json(&format!("/v2/actions?per_page=4&page={n}"))
                 .await
-                .unwrap()
-                .json::<Value>()
-                .await
-                .unwrap()
         }
     };
     let first = page(1).await;
@@ -479,12 +470,8 @@ async fn every_deletion_is_an_account_action_listed_newest_first() {
 #[tokio::test]
 async fn an_outage_fails_every_request_while_it_lasts_and_none_after() {
     let (emulator, base, _stop) = start().await;
-    let http = reqwest::Client::new();
-    let sizes = || {
-        http.get(format!("{base}/v2/sizes"))
-            .bearer_auth(TOKEN)
-            .send()
-    };
+    let api = Api::new(&base);
+    let sizes = || api.try_call(reqwest::Method::GET, "/v2/sizes", None);
     emulator.fail_for(
         std::time::Duration::from_millis(400),
         do_emulator::Fault {

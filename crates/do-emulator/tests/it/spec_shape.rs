@@ -4,61 +4,11 @@
 //! answer, success or error (422, 404, 429, 5xx: the document's own status or `default`), is
 //! checked against the document's schema for its operation and status.
 
-use std::collections::BTreeSet;
-
 use do_emulator::{Emulator, Fault};
-use serde_json::{Value, json};
-use spec_shape::Document;
+use serde_json::json;
+use spec_shape::Exercise;
 
 use crate::{TOKEN, create_body, start};
-
-/// Calls the emulator and validates each answer against the document.
-struct Client {
-    http: reqwest::Client,
-    base: String,
-    doc: Document,
-    problems: Vec<String>,
-    /// `(METHOD, path template, status)` of every answer checked.
-    seen: BTreeSet<(String, String, u16)>,
-}
-
-impl Client {
-    /// `method path` (`path` concrete, `template` as the document spells it), answered with
-    /// `status` and a body the document's schema for it accepts.
-    async fn call(
-        &mut self,
-        method: &str,
-        template: &str,
-        path: &str,
-        body: Option<Value>,
-        status: u16,
-    ) -> Value {
-        let method_ = reqwest::Method::from_bytes(method.as_bytes()).unwrap();
-        let mut request = self
-            .http
-            .request(method_, format!("{}{path}", self.base))
-            .bearer_auth(TOKEN);
-        if let Some(body) = body {
-            request = request.json(&body);
-        }
-        let response = request.send().await.unwrap();
-        let got = response.status().as_u16();
-        let text = response.text().await.unwrap();
-        let answer: Value = if text.is_empty() {
-            Value::Null
-        } else {
-            serde_json::from_str(&text).unwrap_or_else(|e| panic!("{method} {path}: {e}: {text}"))
-        };
-        assert_eq!(got, status, "{method} {path}: {answer}");
-        let at = format!("{method} {template} {status}");
-        self.problems.extend(
-            self.doc
-                .check_answer(method, template, status, &answer, &at),
-        );
-        self.seen.insert((method.into(), template.into(), status));
-        answer
-    }
-}
 
 fn seed(emulator: &Emulator) -> (String, u64, String) {
     let vpc = emulator.add_vpc("shape-vpc", "nyc3", "10.10.0.0/20");
@@ -74,62 +24,30 @@ async fn every_answer_of_every_operation_the_provider_calls_validates_against_th
     let (emulator, base, _stop) = start().await;
     let (vpc, key, _) = seed(&emulator);
     emulator.set_sold_out("s-4vcpu-8gb", "nyc3", true);
-    let mut c = Client {
-        http: reqwest::Client::new(),
-        base,
-        doc: spec_shape::digitalocean(),
-        problems: Vec::new(),
-        seen: BTreeSet::new(),
-    };
+    let mut c = Exercise::new(spec_shape::digitalocean(), base, TOKEN);
 
     // Catalogue, account and the resources a Create refers to.
-    c.call("GET", "/v2/sizes", "/v2/sizes?per_page=200", None, 200)
+    c.get("/v2/sizes", "/v2/sizes?per_page=200", 200).await;
+    c.get("/v2/regions", "/v2/regions", 200).await;
+    c.get("/v2/account", "/v2/account", 200).await;
+    c.get("/v2/images/{image_id}", "/v2/images/ubuntu-24-04-x64", 200)
         .await;
-    c.call("GET", "/v2/regions", "/v2/regions", None, 200).await;
-    c.call("GET", "/v2/account", "/v2/account", None, 200).await;
-    c.call(
-        "GET",
-        "/v2/images/{image_id}",
-        "/v2/images/ubuntu-24-04-x64",
-        None,
-        200,
-    )
-    .await;
-    c.call(
-        "GET",
-        "/v2/images/{image_id}",
-        "/v2/images/no-such-image",
-        None,
-        404,
-    )
-    .await;
-    c.call("GET", "/v2/images", "/v2/images?private=true", None, 200)
+    c.get("/v2/images/{image_id}", "/v2/images/no-such-image", 404)
         .await;
-    c.call(
-        "GET",
-        "/v2/vpcs/{vpc_id}",
-        &format!("/v2/vpcs/{vpc}"),
-        None,
-        200,
-    )
-    .await;
-    c.call(
-        "GET",
+    c.get("/v2/images", "/v2/images?private=true", 200).await;
+    c.get("/v2/vpcs/{vpc_id}", &format!("/v2/vpcs/{vpc}"), 200)
+        .await;
+    c.get(
         "/v2/vpcs/{vpc_id}",
         "/v2/vpcs/5a4981aa-9653-4bd1-bef5-d6bff52042e4",
-        None,
         404,
     )
     .await;
-    c.call("GET", "/v2/account/keys", "/v2/account/keys", None, 200)
-        .await;
+    c.get("/v2/account/keys", "/v2/account/keys", 200).await;
     let keys = "/v2/account/keys/{ssh_key_identifier}";
-    c.call("GET", keys, &format!("/v2/account/keys/{key}"), None, 200)
-        .await;
-    c.call("GET", keys, "/v2/account/keys/999999999", None, 404)
-        .await;
-    c.call("GET", "/v2/firewalls", "/v2/firewalls", None, 200)
-        .await;
+    c.get(keys, &format!("/v2/account/keys/{key}"), 200).await;
+    c.get(keys, "/v2/account/keys/999999999", 404).await;
+    c.get("/v2/firewalls", "/v2/firewalls", 200).await;
 
     // Droplets: tag, create, read, list by tag, count, (un)tag, delete.
     c.call(
@@ -160,26 +78,16 @@ async fn every_answer_of_every_operation_the_provider_calls_validates_against_th
         .await;
     let id = created["droplet"]["id"].as_u64().unwrap();
     let one = "/v2/droplets/{droplet_id}";
-    c.call("GET", one, &format!("/v2/droplets/{id}"), None, 200)
-        .await;
-    c.call(
-        "GET",
+    c.get(one, &format!("/v2/droplets/{id}"), 200).await;
+    c.get(
         "/v2/droplets",
         "/v2/droplets?tag_name=bigfleet-managed",
-        None,
         200,
     )
     .await;
-    c.call("GET", "/v2/droplets", "/v2/droplets?per_page=1", None, 200)
+    c.get("/v2/droplets", "/v2/droplets?per_page=1", 200).await;
+    c.get("/v2/actions", "/v2/actions?page=1&per_page=200", 200)
         .await;
-    c.call(
-        "GET",
-        "/v2/actions",
-        "/v2/actions?page=1&per_page=200",
-        None,
-        200,
-    )
-    .await;
     let resources =
         json!({"resources": [{"resource_id": id.to_string(), "resource_type": "droplet"}]});
     let tag = "/v2/tags/{tag_id}/resources";
@@ -232,7 +140,7 @@ async fn every_answer_of_every_operation_the_provider_calls_validates_against_th
             .ends_with("will exceed your droplet limit"),
         "{body}"
     );
-    let account = c.call("GET", "/v2/account", "/v2/account", None, 200).await;
+    let account = c.get("/v2/account", "/v2/account", 200).await;
     assert_eq!(account["account"]["droplet_limit"], 1);
 
     // Rate limited (429) and an upstream failure (5xx).
@@ -243,8 +151,7 @@ async fn every_answer_of_every_operation_the_provider_calls_validates_against_th
             retry_after: Some(1),
         },
     );
-    c.call("GET", "/v2/droplets", "/v2/droplets", None, 429)
-        .await;
+    c.get("/v2/droplets", "/v2/droplets", 429).await;
     emulator.fail_next(
         1,
         Fault {
@@ -252,26 +159,14 @@ async fn every_answer_of_every_operation_the_provider_calls_validates_against_th
             retry_after: None,
         },
     );
-    c.call("GET", "/v2/sizes", "/v2/sizes", None, 503).await;
+    c.get("/v2/sizes", "/v2/sizes", 503).await;
 
     c.call("DELETE", one, &format!("/v2/droplets/{id}"), None, 204)
         .await;
-    c.call("GET", one, &format!("/v2/droplets/{id}"), None, 404)
-        .await;
+    c.get(one, &format!("/v2/droplets/{id}"), 404).await;
     c.call("DELETE", one, &format!("/v2/droplets/{id}"), None, 404)
         .await;
 
     // Every operation of the excerpt (which holds those the client calls) was answered.
-    let answered: BTreeSet<(String, String)> = c
-        .seen
-        .iter()
-        .map(|(m, p, _)| (m.clone(), p.clone()))
-        .collect();
-    for (method, path, _) in c.doc.operations() {
-        assert!(
-            answered.contains(&(method.clone(), path.clone())),
-            "{method} {path} was not exercised"
-        );
-    }
-    assert!(c.problems.is_empty(), "{}", c.problems.join("\n"));
+    c.assert_complete();
 }

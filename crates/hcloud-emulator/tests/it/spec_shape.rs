@@ -4,70 +4,25 @@
 //! checked against the document's schema for its operation and status (`4xx`/`5xx` for the
 //! errors), and servers carry no key the document dropped (`datacenter`).
 
-use std::collections::BTreeSet;
-
 use serde_json::{Value, json};
-use spec_shape::{Document, absent};
+use spec_shape::{Exercise, absent};
 
 use crate::TOKEN;
 use hcloud_emulator::{Emulator, Fault};
-
-/// Calls the emulator and validates each answer against the document.
-struct Client {
-    http: reqwest::Client,
-    endpoint: String,
-    doc: Document,
-    problems: Vec<String>,
-    /// `(METHOD, path template, status)` of every answer checked.
-    seen: BTreeSet<(String, String, u16)>,
-}
-
-impl Client {
-    /// `method path` (`path` concrete, `template` as the document spells it), answered with
-    /// `status` and a body the document's schema for it accepts.
-    async fn call(
-        &mut self,
-        method: &str,
-        template: &str,
-        path: &str,
-        body: Option<Value>,
-        status: u16,
-    ) -> Value {
-        let method_ = reqwest::Method::from_bytes(method.as_bytes()).unwrap();
-        let mut request = self
-            .http
-            .request(method_, format!("{}{path}", self.endpoint))
-            .bearer_auth(TOKEN);
-        if let Some(body) = body {
-            request = request.json(&body);
-        }
-        let response = request.send().await.unwrap();
-        let got = response.status().as_u16();
-        let text = response.text().await.unwrap();
-        let answer: Value = if text.is_empty() {
-            Value::Null
-        } else {
-            serde_json::from_str(&text).unwrap_or_else(|e| panic!("{method} {path}: {e}: {text}"))
-        };
-        assert_eq!(got, status, "{method} {path}: {answer}");
-        let at = format!("{method} {template} {status}");
-        self.problems.extend(
-            self.doc
-                .check_answer(method, template, status, &answer, &at),
-        );
-        for server in servers(&answer) {
-            self.problems.extend(absent(server, "datacenter", &at));
-        }
-        self.seen.insert((method.into(), template.into(), status));
-        answer
-    }
-}
 
 /// The servers an answer carries.
 fn servers(answer: &Value) -> Vec<&Value> {
     let mut all: Vec<&Value> = answer["servers"].as_array().into_iter().flatten().collect();
     all.extend(answer.get("server").filter(|s| s.is_object()));
     all
+}
+
+/// A server carries no key the document dropped (`datacenter`).
+fn servers_without_datacenter(answer: &Value, at: &str) -> Vec<String> {
+    servers(answer)
+        .into_iter()
+        .flat_map(|server| absent(server, "datacenter", at))
+        .collect()
 }
 
 fn first_id(listing: &Value, key: &str) -> i64 {
@@ -85,70 +40,43 @@ async fn every_answer_of_every_operation_the_provider_calls_validates_against_th
         "fsn1",
         Some(("2026-06-01T09:00:00Z", "2026-12-31T23:59:59Z")),
     );
-    let mut c = Client {
-        http: reqwest::Client::builder().no_proxy().build().unwrap(),
-        endpoint: emulator.endpoint(),
-        doc: spec_shape::hetzner_cloud(),
-        problems: Vec::new(),
-        seen: BTreeSet::new(),
-    };
+    let mut c = Exercise::new(spec_shape::hetzner_cloud(), emulator.endpoint(), TOKEN)
+        .also_checking(servers_without_datacenter);
 
     // Catalogue and the resources a production-shaped Create refers to.
-    c.call("GET", "/server_types", "/server_types", None, 200)
-        .await;
-    c.call("GET", "/locations", "/locations?per_page=50", None, 200)
-        .await;
-    c.call("GET", "/locations", "/locations?name=nbg1", None, 200)
-        .await;
+    c.get("/server_types", "/server_types", 200).await;
+    c.get("/locations", "/locations?per_page=50", 200).await;
+    c.get("/locations", "/locations?name=nbg1", 200).await;
     let images = c
-        .call(
-            "GET",
-            "/images",
-            "/images?name=ubuntu-24.04&architecture=x86",
-            None,
-            200,
-        )
+        .get("/images", "/images?name=ubuntu-24.04&architecture=x86", 200)
         .await;
     let image = first_id(&images, "images");
-    c.call(
-        "GET",
+    c.get(
         "/images",
         "/images?label_selector=role%3Dnode&architecture=x86",
-        None,
         200,
     )
     .await;
-    c.call(
-        "GET",
-        "/images/{id}",
-        &format!("/images/{image}"),
-        None,
-        200,
-    )
-    .await;
-    c.call("GET", "/images/{id}", "/images/999999999", None, 404)
+    c.get("/images/{id}", &format!("/images/{image}"), 200)
         .await;
+    c.get("/images/{id}", "/images/999999999", 404).await;
     for (list, one, key) in [
         ("/networks", "/networks/{id}", "networks"),
         ("/firewalls", "/firewalls/{id}", "firewalls"),
         ("/ssh_keys", "/ssh_keys/{id}", "ssh_keys"),
     ] {
-        let listed = c.call("GET", list, list, None, 200).await;
+        let listed = c.get(list, list, 200).await;
         let id = first_id(&listed, key);
         let name = listed[key][0]["name"].as_str().unwrap().to_owned();
-        c.call("GET", list, &format!("{list}?name={name}"), None, 200)
-            .await;
-        c.call("GET", one, &format!("{list}/{id}"), None, 200).await;
-        c.call("GET", one, &format!("{list}/999999999"), None, 404)
-            .await;
+        c.get(list, &format!("{list}?name={name}"), 200).await;
+        c.get(one, &format!("{list}/{id}"), 200).await;
+        c.get(one, &format!("{list}/999999999"), 404).await;
     }
 
     // Placement groups: listed, created, a duplicate name refused, deleted.
-    c.call(
-        "GET",
+    c.get(
         "/placement_groups",
         "/placement_groups?label_selector=a%3Db",
-        None,
         200,
     )
     .await;
@@ -187,18 +115,10 @@ async fn every_answer_of_every_operation_the_provider_calls_validates_against_th
     let unknown = json!({"name": "shape-x", "server_type": "cx999", "image": "ubuntu-24.04"});
     c.call("POST", "/servers", "/servers", Some(unknown), 422)
         .await;
-    c.call(
-        "GET",
-        "/servers",
-        "/servers?label_selector=a%3Db&per_page=50",
-        None,
-        200,
-    )
-    .await;
-    c.call("GET", "/servers", "/servers?name=shape-1", None, 200)
+    c.get("/servers", "/servers?label_selector=a%3Db&per_page=50", 200)
         .await;
-    c.call("GET", "/servers/{id}", &format!("/servers/{id}"), None, 200)
-        .await;
+    c.get("/servers", "/servers?name=shape-1", 200).await;
+    c.get("/servers/{id}", &format!("/servers/{id}"), 200).await;
     c.call(
         "PUT",
         "/servers/{id}",
@@ -207,7 +127,7 @@ async fn every_answer_of_every_operation_the_provider_calls_validates_against_th
         200,
     )
     .await;
-    let networks = c.call("GET", "/networks", "/networks", None, 200).await;
+    let networks = c.get("/networks", "/networks", 200).await;
     let network = first_id(&networks, "networks");
     let attach = json!({"network": network});
     let attach_path = format!("/servers/{id}/actions/attach_to_network");
@@ -244,10 +164,9 @@ async fn every_answer_of_every_operation_the_provider_calls_validates_against_th
         retry_after: Some(1),
         reset_in: Some(1),
     }]);
-    c.call("GET", "/servers", "/servers", None, 429).await;
+    c.get("/servers", "/servers", 429).await;
     emulator.inject([Fault::ServerError(503)]);
-    c.call("GET", "/server_types", "/server_types", None, 503)
-        .await;
+    c.get("/server_types", "/server_types", 503).await;
 
     // Deleting answers with the delete action; a server that is gone is 404.
     c.call(
@@ -259,8 +178,7 @@ async fn every_answer_of_every_operation_the_provider_calls_validates_against_th
     )
     .await;
     emulator.delete_out_of_band(id);
-    c.call("GET", "/servers/{id}", &format!("/servers/{id}"), None, 404)
-        .await;
+    c.get("/servers/{id}", &format!("/servers/{id}"), 404).await;
     c.call(
         "DELETE",
         "/servers/{id}",
@@ -287,16 +205,5 @@ async fn every_answer_of_every_operation_the_provider_calls_validates_against_th
     .await;
 
     // Every operation of the excerpt (which holds those the client calls) was answered.
-    let answered: BTreeSet<(String, String)> = c
-        .seen
-        .iter()
-        .map(|(m, p, _)| (m.clone(), p.clone()))
-        .collect();
-    for (method, path, _) in c.doc.operations() {
-        assert!(
-            answered.contains(&(method.clone(), path.clone())),
-            "{method} {path} was not exercised"
-        );
-    }
-    assert!(c.problems.is_empty(), "{}", c.problems.join("\n"));
+    c.assert_complete();
 }
