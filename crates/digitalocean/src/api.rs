@@ -1190,22 +1190,8 @@ mod tests {
             ("/v2/account/keys/{ssh_key_identifier}", key.as_str()),
             ("/v2/firewalls", "/v2/firewalls"),
         ] {
-            let answer: serde_json::Value = http
-                .get(format!("{base}{path}"))
-                .bearer_auth(TOKEN)
-                .send()
-                .await
-                .expect("get")
-                .json()
-                .await
-                .expect("json");
-            let schema = doc
-                .response_schema("GET", template, 200)
-                .expect("in the excerpt")
-                .expect("a body");
-            let problems = doc.validate(schema, &answer, path);
-            assert!(problems.is_empty(), "{problems:#?}");
-            let stripped = doc.without_deprecated(schema, &answer);
+            let (answer, stripped) =
+                spec_shape::get_without_deprecated(&doc, &base, TOKEN, template, path).await;
             removed += usize::from(stripped != answer);
             let v = stripped;
             let decoded = match template {

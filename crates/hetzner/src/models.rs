@@ -491,10 +491,7 @@ mod tests {
             "fsn1",
             Some(("2026-06-01T09:00:00Z", "2026-12-31T23:59:59Z")),
         );
-        let http = reqwest::Client::builder()
-            .no_proxy()
-            .build()
-            .expect("client");
+        let http = spec_shape::exercise::loopback_client();
         let url = |path: &str| format!("{}{path}", emulator.endpoint());
         let created: serde_json::Value = http
             .post(url("/servers"))
@@ -521,22 +518,14 @@ mod tests {
             ("/ssh_keys", "/ssh_keys"),
             ("/placement_groups", "/placement_groups"),
         ] {
-            let answer: serde_json::Value = http
-                .get(url(path))
-                .bearer_auth(TOKEN)
-                .send()
-                .await
-                .expect("get")
-                .json()
-                .await
-                .expect("json");
-            let schema = doc
-                .response_schema("GET", template, 200)
-                .expect("in the excerpt")
-                .expect("a body");
-            let problems = doc.validate(schema, &answer, path);
-            assert!(problems.is_empty(), "{problems:#?}");
-            let stripped = doc.without_deprecated(schema, &answer);
+            let (answer, stripped) = spec_shape::get_without_deprecated(
+                &doc,
+                &emulator.endpoint(),
+                TOKEN,
+                template,
+                path,
+            )
+            .await;
             removed += usize::from(stripped != answer);
             let text = stripped.to_string();
             let decoded = match template {
