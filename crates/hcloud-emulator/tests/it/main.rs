@@ -79,47 +79,24 @@ async fn servers_round_trip_through_the_generated_client() {
     .await
     .unwrap();
 
-    let select = |selector: &str| servers_api::ListServersParams {
-        label_selector: Some(selector.into()),
-        ..Default::default()
+    // The names of the servers `selector` selects, sorted.
+    let selected = |selector: &str| {
+        let params = servers_api::ListServersParams {
+            label_selector: Some(selector.into()),
+            ..Default::default()
+        };
+        let c = &c;
+        async move {
+            let listed = servers_api::list_servers(c, params).await.unwrap();
+            let mut names: Vec<String> = listed.servers.into_iter().map(|s| s.name).collect();
+            names.sort();
+            names
+        }
     };
-    let names = |r: models::ListServersResponse| {
-        let mut n: Vec<String> = r.servers.into_iter().map(|s| s.name).collect();
-        n.sort();
-        n
-    };
-    assert_eq!(
-        names(
-            servers_api::list_servers(&c, select("role=web"))
-                .await
-                .unwrap()
-        ),
-        ["web-1", "web-2"]
-    );
-    assert_eq!(
-        names(
-            servers_api::list_servers(&c, select("role=web,env!=dev"))
-                .await
-                .unwrap()
-        ),
-        ["web-1"]
-    );
-    assert_eq!(
-        names(
-            servers_api::list_servers(&c, select("env in (dev,test)"))
-                .await
-                .unwrap()
-        ),
-        ["web-2"]
-    );
-    assert_eq!(
-        names(
-            servers_api::list_servers(&c, select("!role"))
-                .await
-                .unwrap()
-        ),
-        Vec::<String>::new()
-    );
+    assert_eq!(selected("role=web").await, ["web-1", "web-2"]);
+    assert_eq!(selected("role=web,env!=dev").await, ["web-1"]);
+    assert_eq!(selected("env in (dev,test)").await, ["web-2"]);
+    assert_eq!(selected("!role").await, Vec::<String>::new());
 
     // The server reaches running on the next read, then its labels can be replaced.
     let id = created.server.id;

@@ -397,27 +397,9 @@ async fn check_names_a_deprecation_with_its_date_and_a_type_not_sold_now() {
     );
     env.emulator.set_sold_out("cpx42", "fsn1", true);
     let args = hetzner::real::RealArgs {
-        token: provider_core::config::Secret::new(TOKEN),
-        endpoint: env.emulator.endpoint(),
         provider: "check".into(),
-        image: "ubuntu-24.04".into(),
-        ssh_key: String::new(),
-        ssh_user: "root".into(),
-        ssh_port: 22,
-        image_selector: String::new(),
-        networks: Vec::new(),
-        firewalls: Vec::new(),
-        public_ipv4: true,
         public_ipv6: false,
-        ssh_address: "public".into(),
-        placement: "none".into(),
-        server_labels: Vec::new(),
-        login_ssh_keys: Vec::new(),
-        overrides: Vec::new(),
-        bootstrap_hook: "/opt/bigfleet/bootstrap".into(),
-        readiness_command: String::new(),
-        base_user_data: String::new(),
-        eur_usd: 1.08,
+        ..crate::harness::real_args(&env.emulator.endpoint(), TOKEN)
     };
     let mut report =
         provider_core::check::Report::quiet(provider_core::check::CheckOptions::default());

@@ -22,7 +22,7 @@ async fn a_lost_create_response_is_resolved_by_lookup_not_a_second_server() {
     let env = Env::new(Options::default()).await;
     env.emulator.inject_create([CreateFault::LoseResponse]);
     let machine = env.machine("cx23", "nbg1", 0);
-    let host = env.cloud.create_host(&machine, &ctx(30)).await.unwrap();
+    let host = env.create_host(&machine, 30).await;
     assert_eq!(env.emulator.servers().len(), 1);
     assert_eq!(host.id, env.emulator.servers()[0].id.to_string());
     assert_eq!(
@@ -31,7 +31,7 @@ async fn a_lost_create_response_is_resolved_by_lookup_not_a_second_server() {
         "the ambiguous POST was not repeated"
     );
     // The engine retrying the whole Create finds the same server.
-    let again = env.cloud.create_host(&machine, &ctx(30)).await.unwrap();
+    let again = env.create_host(&machine, 30).await;
     assert_eq!(again.id, host.id);
     assert_eq!(env.emulator.servers().len(), 1);
     assert_eq!(env.emulator.count("POST", "/servers"), 1);
@@ -47,7 +47,7 @@ async fn a_create_that_times_out_makes_no_second_server() {
     env.emulator
         .inject_create([CreateFault::Hang(Duration::from_secs(3))]);
     let machine = env.machine("cx23", "nbg1", 1);
-    let host = env.cloud.create_host(&machine, &ctx(30)).await.unwrap();
+    let host = env.create_host(&machine, 30).await;
     let servers = env.emulator.servers();
     assert_eq!(servers.len(), 1);
     assert_eq!(host.id, servers[0].id.to_string());
@@ -69,7 +69,7 @@ async fn a_name_taken_by_someone_else_is_never_adopted() {
         owned_labels(&machine.id, "someone-else"),
         "127.0.0.1",
     );
-    let err = env.cloud.create_host(&machine, &ctx(10)).await.unwrap_err();
+    let err = env.create_fails(&machine, 10).await;
     assert!(
         err.0.contains(&format!(
             "is taken by server {foreign} that is not labelled"
@@ -167,11 +167,7 @@ async fn inventory_follows_pagination_and_keeps_to_its_own_servers() {
     env.emulator.set_max_per_page(2);
     let mut ours = Vec::new();
     for i in 0..5 {
-        let host = env
-            .cloud
-            .create_host(&env.machine("cx23", "nbg1", i), &ctx(30))
-            .await
-            .unwrap();
+        let host = env.create_host(&env.machine("cx23", "nbg1", i), 30).await;
         ours.push(host.id);
     }
     // Someone else's servers: another provider instance, a location we do not serve, and an
@@ -224,16 +220,8 @@ async fn inventory_follows_pagination_and_keeps_to_its_own_servers() {
 #[tokio::test]
 async fn servers_deleted_out_of_band_or_being_deleted_leave_the_inventory() {
     let env = Env::new(Options::default()).await;
-    let a = env
-        .cloud
-        .create_host(&env.machine("cx23", "nbg1", 0), &ctx(30))
-        .await
-        .unwrap();
-    let b = env
-        .cloud
-        .create_host(&env.machine("cx23", "nbg1", 1), &ctx(30))
-        .await
-        .unwrap();
+    let a = env.create_host(&env.machine("cx23", "nbg1", 0), 30).await;
+    let b = env.create_host(&env.machine("cx23", "nbg1", 1), 30).await;
     assert_eq!(env.cloud.list_hosts().await.unwrap().len(), 2);
 
     assert!(env.emulator.delete_out_of_band(a.id.parse().unwrap()));
@@ -335,7 +323,7 @@ async fn servers_of_the_reference_provider_are_adopted_and_claimed() {
     // a second server.
     let mut machine = env.machine("cx23", "nbg1", 4);
     assert_eq!(machine.id, mine_id);
-    let host = env.cloud.create_host(&machine, &ctx(10)).await.unwrap();
+    let host = env.create_host(&machine, 10).await;
     assert_eq!(host.id, mine.to_string());
     assert_eq!(env.emulator.servers().len(), 3);
     assert_eq!(
@@ -359,7 +347,7 @@ async fn a_create_refused_without_effect_is_retried_into_exactly_one_server() {
     env.emulator
         .inject_create([CreateFault::Refuse(503), CreateFault::Refuse(500)]);
     let machine = env.machine("cx23", "nbg1", 2);
-    let host = env.cloud.create_host(&machine, &ctx(30)).await.unwrap();
+    let host = env.create_host(&machine, 30).await;
     assert_eq!(
         env.emulator.count("POST", "/servers"),
         3,
@@ -381,11 +369,11 @@ async fn a_create_refused_without_effect_is_retried_into_exactly_one_server() {
 async fn a_create_waits_for_the_machines_previous_server_to_finish_deleting() {
     let env = Env::new(Options::default()).await;
     let machine = env.machine("cx23", "nbg1", 3);
-    let first = env.cloud.create_host(&machine, &ctx(30)).await.unwrap();
+    let first = env.create_host(&machine, 30).await;
     env.emulator.set_deleting_reads(3);
     env.cloud.delete_host(&first.id, &ctx(10)).await.unwrap();
     // The old server still holds the name while it is being deleted.
-    let second = env.cloud.create_host(&machine, &ctx(30)).await.unwrap();
+    let second = env.create_host(&machine, 30).await;
     assert_ne!(second.id, first.id);
     assert!(env.emulator.server(first.id.parse().unwrap()).is_none());
     assert_eq!(env.emulator.servers().len(), 1);

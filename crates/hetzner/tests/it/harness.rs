@@ -10,7 +10,8 @@ use hcloud_emulator::{Emulator, HostKeySource, Root, Sshd, SshdSetup};
 use hetzner::api::ClientTiming;
 use hetzner::cloud::{HetznerCloud, HetznerConfig, Timing};
 use hetzner::ssh::{SshConfig, SshTiming};
-use provider_core::backend::TransitionContext;
+use provider_core::backend::{BackendError, ConfigureOrder, TransitionContext};
+use provider_core::cloud::{Cloud as _, OwnedHost};
 use provider_core::config::Secret;
 use provider_core::machine::Machine;
 use provider_core::retry::Backoff;
@@ -183,6 +184,54 @@ pub fn ctx(seconds: u64) -> TransitionContext {
     TransitionContext::with_timeout("op-it", Duration::from_secs(seconds))
 }
 
+/// Configures `machine` on server `server` with `order` within `seconds`, through `cloud`.
+pub async fn configure_server(
+    cloud: &HetznerCloud,
+    machine: &Machine,
+    server: i64,
+    order: &ConfigureOrder,
+    seconds: u64,
+) -> Result<(), BackendError> {
+    cloud
+        .configure_host(machine, &server.to_string(), order, &ctx(seconds))
+        .await
+}
+
+/// The real backend's flags as a plain deployment gives them: `endpoint` and `token`, a public
+/// Ubuntu image reached over SSH as root, no selectors, networks, firewalls or overrides.
+pub fn real_args(endpoint: &str, token: &str) -> hetzner::real::RealArgs {
+    hetzner::real::RealArgs {
+        token: Secret::new(token),
+        endpoint: endpoint.into(),
+        provider: "hetzner".into(),
+        image: "ubuntu-24.04".into(),
+        ssh_key: String::new(),
+        ssh_user: "root".into(),
+        ssh_port: 22,
+        image_selector: String::new(),
+        networks: Vec::new(),
+        firewalls: Vec::new(),
+        public_ipv4: true,
+        public_ipv6: true,
+        ssh_address: "public".into(),
+        placement: "none".into(),
+        server_labels: Vec::new(),
+        login_ssh_keys: Vec::new(),
+        overrides: Vec::new(),
+        bootstrap_hook: "/opt/bigfleet/bootstrap".into(),
+        readiness_command: String::new(),
+        base_user_data: String::new(),
+        eur_usd: 1.08,
+    }
+}
+
+/// The error of a Configure that met another host key than the pinned one.
+pub fn host_key_mismatch(pinned: &str, presented: &str) -> String {
+    format!(
+        "ssh handshake 127.0.0.1: host key mismatch: pinned \"{pinned}\", presented \"{presented}\" (possible MITM — refusing)"
+    )
+}
+
 pub fn new_key() -> PrivateKey {
     PrivateKey::random(&mut rand::rng(), Algorithm::Ed25519).unwrap()
 }
@@ -289,6 +338,33 @@ impl Env {
         }
     }
 
+    /// Creates `machine`'s host within `seconds`, which must succeed.
+    pub async fn create_host(&self, machine: &Machine, seconds: u64) -> OwnedHost {
+        self.cloud
+            .create_host(machine, &ctx(seconds))
+            .await
+            .unwrap()
+    }
+
+    /// The error of creating `machine`'s host within `seconds`, which must fail.
+    pub async fn create_fails(&self, machine: &Machine, seconds: u64) -> BackendError {
+        self.cloud
+            .create_host(machine, &ctx(seconds))
+            .await
+            .unwrap_err()
+    }
+
+    /// Configures `machine` on server `server` with `order` within `seconds`.
+    pub async fn configure(
+        &self,
+        machine: &Machine,
+        server: i64,
+        order: &ConfigureOrder,
+        seconds: u64,
+    ) -> Result<(), BackendError> {
+        configure_server(&self.cloud, machine, server, order, seconds).await
+    }
+
     pub fn machine(&self, server_type: &str, zone: &str, index: i64) -> Machine {
         let id = provider_core::fleet::slot_id(PROVIDER, server_type, zone, index);
         let mut m = Machine::speculative(id, server_type);
@@ -313,18 +389,28 @@ impl Env {
         Sshd::start(
             listener,
             SshdSetup {
-                host_key: HostKeySource::Given(Box::new(host_key)),
                 authorized,
-                user: "root".into(),
-                root: Root::Given {
-                    workdir: self.dir.path().to_owned(),
-                    path_prefix: self.dir.path().join("bin"),
-                },
                 drop_first,
-                emulator: None,
+                ..self.sshd_setup(host_key)
             },
         )
         .unwrap()
+    }
+
+    /// What an SSH server presenting `host_key` runs with: the client's key authorized for
+    /// root, commands run in the env's directory (where the recording hook lives).
+    pub fn sshd_setup(&self, host_key: PrivateKey) -> SshdSetup {
+        SshdSetup {
+            host_key: HostKeySource::Given(Box::new(host_key)),
+            authorized: self.client_key.public_key().clone(),
+            user: "root".into(),
+            root: Root::Given {
+                workdir: self.dir.path().to_owned(),
+                path_prefix: self.dir.path().join("bin"),
+            },
+            drop_first: 0,
+            emulator: None,
+        }
     }
 
     /// Starts the SSH server on a port of its own behind a relay on the reserved port, whose
@@ -332,21 +418,7 @@ impl Env {
     pub async fn start_sshd_behind_relay(&mut self, host_key: PrivateKey) -> (Sshd, Relay) {
         let listener = self.ssh_listener.take().expect("one SSH server per test");
         let inner = TcpListener::bind("127.0.0.1:0").await.unwrap();
-        let sshd = Sshd::start(
-            inner,
-            SshdSetup {
-                host_key: HostKeySource::Given(Box::new(host_key)),
-                authorized: self.client_key.public_key().clone(),
-                user: "root".into(),
-                root: Root::Given {
-                    workdir: self.dir.path().to_owned(),
-                    path_prefix: self.dir.path().join("bin"),
-                },
-                drop_first: 0,
-                emulator: None,
-            },
-        )
-        .unwrap();
+        let sshd = Sshd::start(inner, self.sshd_setup(host_key)).unwrap();
         let relay = Relay::on(listener, sshd.addr());
         (sshd, relay)
     }

@@ -149,7 +149,7 @@ async fn create_configure_drain_delete_end_to_end() {
 async fn arm_offerings_get_the_arm_image_and_prices_are_net_per_location() {
     let env = Env::new(Options::default()).await;
     let machine = env.machine("cax11", "fsn1", 0);
-    let host = env.cloud.create_host(&machine, &ctx(30)).await.unwrap();
+    let host = env.create_host(&machine, 30).await;
     let server = env.emulator.server(host.id.parse().unwrap()).unwrap();
     assert_eq!(
         server.image.unwrap().architecture,
@@ -204,21 +204,13 @@ async fn arm_offerings_get_the_arm_image_and_prices_are_net_per_location() {
 #[tokio::test]
 async fn create_errors_name_what_is_wrong() {
     let env = Env::new(Options::default()).await;
-    let err = env
-        .cloud
-        .create_host(&env.machine("cx99", "nbg1", 0), &ctx(10))
-        .await
-        .unwrap_err();
+    let err = env.create_fails(&env.machine("cx99", "nbg1", 0), 10).await;
     assert_eq!(
         err.0,
         "create server cx99: offering cx99/nbg1 server_type \"cx99\" does not exist (the API \
          lists no such server type): withdrawn"
     );
-    let err = env
-        .cloud
-        .create_host(&env.machine("cx23", "hel1", 0), &ctx(10))
-        .await
-        .unwrap_err();
+    let err = env.create_fails(&env.machine("cx23", "hel1", 0), 10).await;
     assert!(
         err.0.starts_with(
             "create server cx23: location \"hel1\" is not one of this provider's locations"
@@ -236,11 +228,7 @@ async fn operator_user_data_is_merged_as_multipart() {
         ..Options::default()
     })
     .await;
-    let host = env
-        .cloud
-        .create_host(&env.machine("cx23", "nbg1", 0), &ctx(10))
-        .await
-        .unwrap();
+    let host = env.create_host(&env.machine("cx23", "nbg1", 0), 10).await;
     let user_data = env.emulator.user_data(host.id.parse().unwrap()).unwrap();
     assert!(user_data.starts_with("Content-Type: multipart/mixed; boundary=\""));
     assert!(user_data.contains("Content-Type: text/x-shellscript\r\n"));
@@ -313,10 +301,7 @@ async fn a_server_skipped_by_a_shifting_paged_listing_is_not_declared_vanished()
     let env = Env::new(Options::default()).await;
     env.emulator.set_polls_to_running(0);
     for i in 0..6 {
-        env.cloud
-            .create_host(&env.machine("cx23", "nbg1", i), &ctx(30))
-            .await
-            .unwrap();
+        env.create_host(&env.machine("cx23", "nbg1", i), 30).await;
     }
     let engine = engine(
         &env,
@@ -407,7 +392,7 @@ async fn an_orphaned_server_is_deleted_after_the_grace_period() {
     let env = Env::new(Options::default()).await;
     env.emulator.set_polls_to_running(0);
     let machine = env.machine("cx23", "nbg1", 0);
-    let own = env.cloud.create_host(&machine, &ctx(30)).await.unwrap();
+    let own = env.create_host(&machine, 30).await;
     let engine = engine(
         &env,
         vec![offering("cx23", "nbg1", 1)],

@@ -8,7 +8,6 @@ use std::time::Duration;
 
 use hetzner::catalog;
 use provider_core::StringMap;
-use provider_core::cloud::Cloud;
 use provider_core::fleet::{CapacityBook, PriceBook};
 use provider_core::offerings::Offering;
 use testkit::classes;
@@ -16,7 +15,7 @@ use testkit::engine::{offering, over_fleet, spawn_reconcile_loop};
 use testkit::out_of_band::Scenario;
 use tokio::time::Instant;
 
-use crate::harness::{Env, Options, ctx};
+use crate::harness::{Env, Options};
 
 const SERVERS: i64 = 30;
 const FLOOR: Duration = Duration::from_millis(400);
@@ -36,10 +35,7 @@ async fn a_server_deleted_out_of_band_is_noticed_by_the_next_check_not_the_paced
     .await;
     env.emulator.set_polls_to_running(0);
     for i in 0..SERVERS {
-        env.cloud
-            .create_host(&env.machine("cx23", "nbg1", i), &ctx(30))
-            .await
-            .unwrap();
+        env.create_host(&env.machine("cx23", "nbg1", i), 30).await;
     }
     // Pages of one server: a survey costs 30 pages and the empty legacy listing, 31 requests,
     // so at the 7.5 a second the checks leave, surveys are paced to about 4 s.

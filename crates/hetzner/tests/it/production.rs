@@ -12,7 +12,6 @@ use hetzner::settings::{NetworkRef, OfferingSpec, Overrides, Placement, ServerSp
 use provider_core::backend::{BootstrapBlob, ConfigureOrder};
 use provider_core::check::{CheckOptions, Report};
 use provider_core::cloud::Cloud;
-use provider_core::config::Secret;
 use provider_core::machine::{HostRef, StringMap};
 use provider_core::offerings::Offering;
 use serde_json::json;
@@ -55,11 +54,7 @@ async fn the_create_request_carries_exactly_the_configured_settings() {
     .await;
     env.cloud.resolve().await.unwrap();
     let resolving = env.emulator.seen().len();
-    let host = env
-        .cloud
-        .create_host(&env.machine("cx23", "nbg1", 0), &ctx(20))
-        .await
-        .unwrap();
+    let host = env.create_host(&env.machine("cx23", "nbg1", 0), 20).await;
     let bodies = env.emulator.create_bodies();
     assert_eq!(bodies.len(), 1);
     let body = &bodies[0];
@@ -100,10 +95,7 @@ async fn the_create_request_carries_exactly_the_configured_settings() {
     assert!(server.public_net.ipv4.is_none());
     assert!(server.public_net.ipv6.is_some());
     // A second create resolves nothing again.
-    env.cloud
-        .create_host(&env.machine("cx23", "nbg1", 1), &ctx(20))
-        .await
-        .unwrap();
+    env.create_host(&env.machine("cx23", "nbg1", 1), 20).await;
     let lookups: Vec<String> = env.emulator.seen()[resolving..]
         .iter()
         .map(|s| s.path.clone())
@@ -145,11 +137,7 @@ async fn spread_groups_roll_over_at_the_limit_and_empty_owned_ones_are_deleted()
     );
     let mut hosts = Vec::new();
     for i in 0..3 {
-        let host = env
-            .cloud
-            .create_host(&env.machine("cx23", "nbg1", i), &ctx(20))
-            .await
-            .unwrap();
+        let host = env.create_host(&env.machine("cx23", "nbg1", i), 20).await;
         hosts.push(host.id);
     }
     let groups = env.emulator.placement_groups();
@@ -195,7 +183,7 @@ async fn ipv6_only_servers_are_configured_over_ipv6() {
     .await;
     env.emulator.set_new_server_ipv6_net("::/64");
     let mut machine = env.machine("cx23", "nbg1", 0);
-    let host = env.cloud.create_host(&machine, &ctx(20)).await.unwrap();
+    let host = env.create_host(&machine, 20).await;
     machine.host = Some(HostRef {
         provider: PROVIDER.into(),
         id: host.id.clone(),
@@ -246,27 +234,17 @@ async fn an_image_selector_without_an_image_for_the_architecture_is_refused_befo
 
 fn check_args(endpoint: String, token: &str) -> RealArgs {
     RealArgs {
-        token: Secret::new(token),
-        endpoint,
         provider: PROVIDER.into(),
         image: String::new(),
-        ssh_key: String::new(),
-        ssh_user: "root".into(),
-        ssh_port: 22,
         image_selector: "k8s-version=1.31,role=node".into(),
         networks: vec!["bigfleet-mgmt=10.0.1.0/24".into()],
         firewalls: vec!["bigfleet-nodes".into()],
         public_ipv4: false,
-        public_ipv6: true,
         ssh_address: "private".into(),
         placement: "spread".into(),
         server_labels: vec!["team=core".into()],
         login_ssh_keys: vec!["ops-alice".into()],
-        overrides: Vec::new(),
-        bootstrap_hook: "/opt/bigfleet/bootstrap".into(),
-        readiness_command: String::new(),
-        base_user_data: String::new(),
-        eur_usd: 1.08,
+        ..crate::harness::real_args(&endpoint, token)
     }
 }
 

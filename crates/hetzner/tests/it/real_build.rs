@@ -8,30 +8,10 @@ use provider_core::machine::StringMap;
 use provider_core::offerings::Offering;
 use provider_core::telemetry::Telemetry;
 
+use crate::harness::real_args;
+
 fn args() -> RealArgs {
-    RealArgs {
-        token: Secret::new("t0k3n-for-build-tests"),
-        endpoint: "https://api.hetzner.cloud/v1".into(),
-        provider: "hetzner".into(),
-        image: "ubuntu-24.04".into(),
-        ssh_key: String::new(),
-        ssh_user: "root".into(),
-        ssh_port: 22,
-        image_selector: String::new(),
-        networks: Vec::new(),
-        firewalls: Vec::new(),
-        public_ipv4: true,
-        public_ipv6: true,
-        ssh_address: "public".into(),
-        placement: "none".into(),
-        server_labels: Vec::new(),
-        login_ssh_keys: Vec::new(),
-        overrides: Vec::new(),
-        bootstrap_hook: "/opt/bigfleet/bootstrap".into(),
-        readiness_command: String::new(),
-        base_user_data: String::new(),
-        eur_usd: 1.08,
-    }
+    real_args("https://api.hetzner.cloud/v1", "t0k3n-for-build-tests")
 }
 
 fn offerings() -> Vec<Offering> {

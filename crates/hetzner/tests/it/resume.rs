@@ -13,7 +13,7 @@ use provider_core::backend::{BootstrapBlob, ConfigureOrder, TransitionContext};
 use provider_core::cloud::Cloud;
 use provider_core::machine::{HostRef, Machine};
 
-use crate::harness::{Env, Options, PROVIDER, ctx, deliveries, until};
+use crate::harness::{Env, Options, PROVIDER, deliveries, until};
 
 fn order(cluster: &str) -> ConfigureOrder {
     ConfigureOrder {
@@ -36,7 +36,7 @@ fn nonced(operation: &str, nonce: &str) -> TransitionContext {
 
 async fn created(env: &Env) -> (Machine, i64) {
     let mut machine = env.machine("cx23", "nbg1", 0);
-    let host = env.cloud.create_host(&machine, &ctx(30)).await.unwrap();
+    let host = env.create_host(&machine, 30).await;
     machine.host = Some(HostRef {
         provider: PROVIDER.into(),
         id: host.id.clone(),

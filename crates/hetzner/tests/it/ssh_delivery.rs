@@ -23,7 +23,7 @@ fn order(cluster: &str) -> ConfigureOrder {
 /// Creates a server for slot `index` and returns the machine (with its host) and server id.
 async fn created(env: &Env, index: i64) -> (Machine, i64) {
     let mut machine = env.machine("cx23", "nbg1", index);
-    let host = env.cloud.create_host(&machine, &ctx(30)).await.unwrap();
+    let host = env.create_host(&machine, 30).await;
     machine.host = Some(HostRef {
         provider: PROVIDER.into(),
         id: host.id.clone(),
@@ -41,15 +41,12 @@ async fn a_host_presenting_another_key_never_receives_the_blob() {
     let sshd = env.start_sshd(impostor, 0);
 
     let err = env
-        .cloud
-        .configure_host(&machine, &server.to_string(), &order("c1"), &ctx(10))
+        .configure(&machine, server, &order("c1"), 10)
         .await
         .unwrap_err();
     assert_eq!(
         err.0,
-        format!(
-            "ssh handshake 127.0.0.1: host key mismatch: pinned \"{pinned}\", presented \"{presented}\" (possible MITM — refusing)"
-        )
+        crate::harness::host_key_mismatch(&pinned, &presented)
     );
     assert_eq!(
         sshd.observed.connections.load(Ordering::SeqCst),
@@ -95,8 +92,7 @@ async fn an_adopted_server_without_a_pin_is_pinned_on_first_use() {
         provider: PROVIDER.into(),
         id: server.to_string(),
     });
-    env.cloud
-        .configure_host(&machine, &server.to_string(), &order("c2"), &ctx(10))
+    env.configure(&machine, server, &order("c2"), 10)
         .await
         .unwrap();
 
@@ -130,8 +126,7 @@ async fn after_first_use_the_pin_is_enforced() {
     env.emulator.set_labels(server, l);
     let first = new_key();
     let _sshd = env.start_sshd(first, 0);
-    env.cloud
-        .configure_host(&machine, &server.to_string(), &order("c3"), &ctx(10))
+    env.configure(&machine, server, &order("c3"), 10)
         .await
         .unwrap();
     let pinned = env.labels(server)[labels::HOST_KEY_FP].clone();
@@ -158,8 +153,7 @@ async fn ssh_is_retried_until_the_server_accepts_connections() {
     let (machine, server) = created(&env, 0).await;
     let key = env.injected_host_key(server);
     let sshd = env.start_sshd(key, 3);
-    env.cloud
-        .configure_host(&machine, &server.to_string(), &order("c4"), &ctx(20))
+    env.configure(&machine, server, &order("c4"), 20)
         .await
         .unwrap();
     assert_eq!(sshd.observed.connections.load(Ordering::SeqCst), 4);
@@ -173,8 +167,7 @@ async fn a_server_that_never_answers_fails_at_the_deadline() {
     let (machine, server) = created(&env, 0).await;
     let started = std::time::Instant::now();
     let err = env
-        .cloud
-        .configure_host(&machine, &server.to_string(), &order("c5"), &ctx(1))
+        .configure(&machine, server, &order("c5"), 1)
         .await
         .unwrap_err();
     assert!(started.elapsed() < std::time::Duration::from_secs(5));
@@ -187,8 +180,7 @@ async fn a_refused_port_is_retried_until_the_deadline() {
     let (machine, server) = created(&env, 0).await;
     env.refuse_ssh();
     let err = env
-        .cloud
-        .configure_host(&machine, &server.to_string(), &order("c5"), &ctx(1))
+        .configure(&machine, server, &order("c5"), 1)
         .await
         .unwrap_err();
     assert!(err.0.starts_with("ssh dial 127.0.0.1: "), "{}", err.0);
@@ -212,8 +204,7 @@ async fn a_failing_hook_fails_configure_with_the_exit_status() {
     let key = env.injected_host_key(server);
     let _sshd = env.start_sshd(key, 0);
     let err = env
-        .cloud
-        .configure_host(&machine, &server.to_string(), &order("c6"), &ctx(10))
+        .configure(&machine, server, &order("c6"), 10)
         .await
         .unwrap_err();
     assert_eq!(
@@ -308,8 +299,7 @@ async fn without_an_ssh_key_configure_and_drain_refuse_honestly() {
     assert!(!env.cloud.ssh_enabled());
     let (machine, server) = created(&env, 0).await;
     let err = env
-        .cloud
-        .configure_host(&machine, &server.to_string(), &order("c9"), &ctx(5))
+        .configure(&machine, server, &order("c9"), 5)
         .await
         .unwrap_err();
     assert_eq!(
@@ -345,8 +335,7 @@ async fn a_cluster_id_outside_label_syntax_is_encoded_and_read_back() {
     let key = env.injected_host_key(server);
     let _sshd = env.start_sshd(key, 0);
     let cluster = "team a/cluster 'prod' #1";
-    env.cloud
-        .configure_host(&machine, &server.to_string(), &order(cluster), &ctx(10))
+    env.configure(&machine, server, &order(cluster), 10)
         .await
         .unwrap();
     assert_eq!(
@@ -380,8 +369,7 @@ async fn ssh_can_go_over_the_private_network_only() {
     );
     let key = env.injected_host_key(server);
     let _sshd = env.start_sshd(key, 0);
-    env.cloud
-        .configure_host(&machine, &server.to_string(), &order("c10"), &ctx(10))
+    env.configure(&machine, server, &order("c10"), 10)
         .await
         .unwrap();
     assert_eq!(env.hook_args().as_deref(), Some("c10\n"));
@@ -394,11 +382,7 @@ async fn an_unknown_network_fails_create_before_any_server_exists() {
         ..Options::default()
     })
     .await;
-    let err = env
-        .cloud
-        .create_host(&env.machine("cx23", "nbg1", 0), &ctx(10))
-        .await
-        .unwrap_err();
+    let err = env.create_fails(&env.machine("cx23", "nbg1", 0), 10).await;
     assert_eq!(
         err.0,
         "create server cx23: offering cx23/nbg1 --network: network \"nope\" does not exist"
@@ -414,8 +398,7 @@ async fn a_login_the_server_refuses_fails_after_a_few_tries() {
     let stranger = new_key().public_key().clone();
     let sshd = env.start_sshd_authorizing(key, stranger, 0);
     let err = env
-        .cloud
-        .configure_host(&machine, &server.to_string(), &order("c11"), &ctx(10))
+        .configure(&machine, server, &order("c11"), 10)
         .await
         .unwrap_err();
     assert_eq!(
@@ -443,8 +426,7 @@ async fn another_machines_server_is_never_configured() {
     let key = env.injected_host_key(server);
     let sshd = env.start_sshd(key, 0);
     let err = env
-        .cloud
-        .configure_host(&other, &server.to_string(), &order("c12"), &ctx(10))
+        .configure(&other, server, &order("c12"), 10)
         .await
         .unwrap_err();
     assert_eq!(
@@ -462,8 +444,7 @@ async fn the_emulators_sshd_plays_each_server_with_its_injected_key_and_own_root
     let mut env = Env::new(Options::default()).await;
     let (machine, server) = created(&env, 0).await;
     let sshd = env.start_emulator_sshd();
-    env.cloud
-        .configure_host(&machine, &server.to_string(), &order("c13"), &ctx(10))
+    env.configure(&machine, server, &order("c13"), 10)
         .await
         .unwrap();
     assert_eq!(env.hook_args().as_deref(), Some("c13\n"));

@@ -12,7 +12,7 @@ use axum::body::Bytes;
 use axum::extract::State;
 use axum::http::{HeaderMap, Method, StatusCode, Uri, header};
 use axum::response::{IntoResponse, Response};
-use hcloud_emulator::{HostKeySource, Root, Sshd, SshdSetup};
+use hcloud_emulator::Sshd;
 use hetzner::cloud::{HetznerCloud, HetznerConfig};
 use hetzner::hostkey;
 use hetzner::labels;
@@ -25,7 +25,7 @@ use russh::keys::PrivateKey;
 use russh::keys::ssh_key::LineEnding;
 use tokio::net::TcpListener;
 
-use crate::harness::{Env, Options, PROVIDER, TOKEN, ctx, fast_timing, new_key};
+use crate::harness::{Env, Options, PROVIDER, TOKEN, configure_server, ctx, fast_timing, new_key};
 
 const BLOB: &[u8] = b"tofu-join-secret-material";
 
@@ -144,21 +144,7 @@ impl Relay {
 /// directory (where the recording hook lives).
 async fn sshd(env: &Env, host_key: PrivateKey) -> Sshd {
     let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
-    Sshd::start(
-        listener,
-        SshdSetup {
-            host_key: HostKeySource::Given(Box::new(host_key)),
-            authorized: env.client_key.public_key().clone(),
-            user: "root".into(),
-            root: Root::Given {
-                workdir: env.dir.path().to_owned(),
-                path_prefix: env.dir.path().join("bin"),
-            },
-            drop_first: 0,
-            emulator: None,
-        },
-    )
-    .unwrap()
+    Sshd::start(listener, env.sshd_setup(host_key)).unwrap()
 }
 
 /// A backend like the env's, but talking to `endpoint` and SSH port `ssh_port`.
@@ -219,8 +205,7 @@ async fn a_first_use_pin_that_cannot_be_recorded_stops_delivery_at_the_deadline(
     let (machine, server) = unpinned_server(&env, &cloud).await;
     proxy.fail.store(usize::MAX, Ordering::SeqCst);
 
-    let err = cloud
-        .configure_host(&machine, &server.to_string(), &order("c1"), &ctx(2))
+    let err = configure_server(&cloud, &machine, server, &order("c1"), 2)
         .await
         .unwrap_err();
     assert!(
@@ -268,8 +253,7 @@ async fn a_pin_recorded_after_failed_writes_is_verified_on_a_fresh_connection() 
     // More than one label update's worth of API retries (8 attempts each in the tests).
     proxy.fail.store(10, Ordering::SeqCst);
 
-    cloud
-        .configure_host(&machine, &server.to_string(), &order("c2"), &ctx(10))
+    configure_server(&cloud, &machine, server, &order("c2"), 10)
         .await
         .unwrap();
     assert_eq!(proxy.refused.load(Ordering::SeqCst), 10);
@@ -301,8 +285,7 @@ async fn another_key_at_the_same_address_after_a_first_use_pin_is_refused() {
     let cloud = cloud(&env, env.emulator.endpoint(), relay.port);
     let (machine, server) = unpinned_server(&env, &cloud).await;
 
-    cloud
-        .configure_host(&machine, &server.to_string(), &order("c3"), &ctx(10))
+    configure_server(&cloud, &machine, server, &order("c3"), 10)
         .await
         .unwrap();
     assert_eq!(
@@ -319,15 +302,12 @@ async fn another_key_at_the_same_address_after_a_first_use_pin_is_refused() {
 
     // Same address, another server key.
     relay.switch_to(impostor.addr());
-    let err = cloud
-        .configure_host(&machine, &server.to_string(), &order("c3"), &ctx(10))
+    let err = configure_server(&cloud, &machine, server, &order("c3"), 10)
         .await
         .unwrap_err();
     assert_eq!(
         err.0,
-        format!(
-            "ssh handshake 127.0.0.1: host key mismatch: pinned \"{pinned}\", presented \"{presented}\" (possible MITM — refusing)"
-        )
+        crate::harness::host_key_mismatch(&pinned, &presented)
     );
     assert_eq!(impostor.observed.connections.load(Ordering::SeqCst), 1);
     assert_eq!(impostor.observed.authenticated.load(Ordering::SeqCst), 0);
