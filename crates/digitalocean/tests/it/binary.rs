@@ -12,6 +12,7 @@ use do_emulator::Emulator;
 use fleet_proto::v1alpha1 as pb;
 use pb::capacity_provider_client::CapacityProviderClient;
 use testkit::digitalocean::RunningEmulator;
+use testkit::wire;
 use tokio::net::TcpListener;
 use tonic::transport::Channel;
 
@@ -297,15 +298,29 @@ impl Provider {
         panic!("{id} stayed transitional\n{}", self.logs());
     }
 
+    /// The shard's next fence token.
+    fn token(&mut self) -> (String, i64, i64) {
+        ("shard-a".into(), 1, self.next())
+    }
+
     pub async fn create(&mut self, id: &str) {
-        let sequence_number = self.next();
-        let request = pb::CreateRequest {
-            machine_id: id.into(),
-            shard_id: "shard-a".into(),
-            shard_epoch: 1,
-            sequence_number,
-        };
+        let request = wire::create_request(id, self.token());
         self.client.create(request).await.unwrap();
+    }
+
+    /// A Drain with `grace` seconds, which the provider must accept.
+    pub async fn drain(&mut self, id: &str, grace: i64) {
+        let request = pb::DrainRequest {
+            grace_period_seconds: grace,
+            ..wire::drain_request(id, self.token())
+        };
+        self.client.drain(request).await.unwrap();
+    }
+
+    /// A Delete, which the provider must accept.
+    pub async fn delete(&mut self, id: &str) {
+        let request = wire::delete_request(id, self.token());
+        self.client.delete(request).await.unwrap();
     }
 
     async fn configure(&mut self, id: &str, cluster: &str, blob: &[u8]) {
@@ -407,30 +422,11 @@ async fn the_binary_runs_the_whole_lifecycle_with_real_agents() {
         format!("agent bootstrap failed for {bad}: bootstrap hook failed: exit status: 7")
     );
 
-    let sequence_number = p.next();
-    p.client
-        .drain(pb::DrainRequest {
-            machine_id: good.clone(),
-            grace_period_seconds: 0,
-            shard_id: "shard-a".into(),
-            shard_epoch: 1,
-            sequence_number,
-        })
-        .await
-        .unwrap();
+    p.drain(&good, 0).await;
     p.wait_for(&good, pb::MachineState::Idle).await;
     assert_eq!(read(&good_dir, "drain.args"), "1\n");
 
-    let sequence_number = p.next();
-    p.client
-        .delete(pb::DeleteRequest {
-            machine_id: good.clone(),
-            shard_id: "shard-a".into(),
-            shard_epoch: 1,
-            sequence_number,
-        })
-        .await
-        .unwrap();
+    p.delete(&good).await;
     p.wait_for(&good, pb::MachineState::Speculative).await;
     assert_eq!(
         p.site.emulator.droplets().len(),

@@ -434,21 +434,9 @@ async fn a_polling_agent_survives_a_channel_restart() {
 /// real channel.
 #[tokio::test]
 async fn an_agent_refuses_a_certificate_from_another_ca_of_the_channel_certificate_file() {
-    use rcgen::{BasicConstraints, CertificateParams, CertifiedIssuer, IsCa, KeyPair};
-    let ca = |name: &str| {
-        let mut p = CertificateParams::new(Vec::<String>::new()).unwrap();
-        p.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
-        p.distinguished_name.push(rcgen::DnType::CommonName, name);
-        p
-    };
-    let root =
-        CertifiedIssuer::self_signed(ca("public root"), KeyPair::generate().unwrap()).unwrap();
-    let intermediate = CertifiedIssuer::signed_by(
-        ca("public intermediate"),
-        KeyPair::generate().unwrap(),
-        &root,
-    )
-    .unwrap();
+    use rcgen::{CertificateParams, KeyPair};
+    let (root, intermediate) = ca_chain("public");
+
     let names = vec!["127.0.0.1".to_owned(), "localhost".to_owned()];
     let own_key = KeyPair::generate().unwrap();
     let own = CertificateParams::new(names.clone())

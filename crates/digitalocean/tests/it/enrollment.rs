@@ -115,39 +115,8 @@ async fn metric(port: u16, name: &str) -> Option<f64> {
         .and_then(|v| v.parse().ok())
 }
 
-async fn sequence(p: &mut Provider) -> i64 {
-    p.next()
-}
-
 async fn configure(p: &mut Provider, id: &str) {
     p.configure_with(id, "prod-eu", BLOB, Default::default())
-        .await
-        .unwrap();
-}
-
-async fn drain(p: &mut Provider, id: &str) {
-    let sequence_number = sequence(p).await;
-    p.client
-        .drain(pb::DrainRequest {
-            machine_id: id.into(),
-            grace_period_seconds: 1,
-            shard_id: "shard-a".into(),
-            shard_epoch: 1,
-            sequence_number,
-        })
-        .await
-        .unwrap();
-}
-
-async fn delete(p: &mut Provider, id: &str) {
-    let sequence_number = sequence(p).await;
-    p.client
-        .delete(pb::DeleteRequest {
-            machine_id: id.into(),
-            shard_id: "shard-a".into(),
-            shard_epoch: 1,
-            sequence_number,
-        })
         .await
         .unwrap();
 }
@@ -217,7 +186,7 @@ async fn an_enrolled_agent_survives_restarts_and_rotation_and_a_new_droplet_enro
         recorded.get("credential_digest").is_none(),
         "the export shows only where the credential speaks"
     );
-    drain(&mut p, &id).await;
+    p.drain(&id, 1).await;
     p.wait_for(&id, pb::MachineState::Idle).await;
     assert!(!agent.output().contains("refused"), "{}", agent.output());
 
@@ -228,7 +197,7 @@ async fn an_enrolled_agent_survives_restarts_and_rotation_and_a_new_droplet_enro
         let v: serde_json::Value = serde_json::from_str(&text).unwrap();
         v["enrollment"]["credential"].as_str().unwrap().to_owned()
     };
-    delete(&mut p, &id).await;
+    p.delete(&id).await;
     p.wait_for(&id, pb::MachineState::Speculative).await;
     agent.kill().await;
     p.create(&id).await;
@@ -413,7 +382,7 @@ async fn after_the_lifecycle_the_user_data_token_gets_401() {
     let _agent = boot(&dir, config_json.clone());
     configure(&mut p, &id).await;
     p.wait_for(&id, pb::MachineState::Configured).await;
-    drain(&mut p, &id).await;
+    p.drain(&id, 1).await;
     p.wait_for(&id, pb::MachineState::Idle).await;
     let mut outsider = Outsider::new(&p.site.pki.ca_pem, &config_json);
     assert_eq!(outsider.poll(&user_data_token(&config_json)).await, 401);
@@ -553,7 +522,7 @@ async fn a_replay_of_the_spent_token_after_the_configure_stops_neither_drain_nor
     let conflicts = "bigfleet_digitalocean_bootstrap_enrollment_conflicts_total";
     assert_eq!(metric(metrics, replays).await, Some(1.0));
     assert_eq!(metric(metrics, conflicts).await, Some(0.0));
-    drain(&mut p, &id).await;
+    p.drain(&id, 1).await;
     p.wait_for(&id, pb::MachineState::Idle).await;
 
     // Again while the machine is Idle: still a replay, and the next Configure goes on.

@@ -6,7 +6,7 @@
 use std::time::Duration;
 
 use digitalocean::channel::{AuthLimit, Command};
-use rcgen::{BasicConstraints, CertificateParams, CertifiedIssuer, IsCa, KeyPair};
+use rcgen::{CertificateParams, CertifiedIssuer, KeyPair};
 use rustls_pki_types::pem::PemObject as _;
 use tokio::net::TcpListener;
 
@@ -19,13 +19,6 @@ fn configure(blob: &[u8]) -> Command {
     }
 }
 
-fn ca(name: &str) -> CertificateParams {
-    let mut p = CertificateParams::new(Vec::<String>::new()).unwrap();
-    p.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
-    p.distinguished_name.push(rcgen::DnType::CommonName, name);
-    p
-}
-
 /// A private CA (root -> intermediate) issuing leaves for `names`.
 struct PrivateCa {
     root: CertifiedIssuer<'static, KeyPair>,
@@ -34,14 +27,7 @@ struct PrivateCa {
 
 impl PrivateCa {
     fn new() -> PrivateCa {
-        let root =
-            CertifiedIssuer::self_signed(ca("private root"), KeyPair::generate().unwrap()).unwrap();
-        let intermediate = CertifiedIssuer::signed_by(
-            ca("private intermediate"),
-            KeyPair::generate().unwrap(),
-            &root,
-        )
-        .unwrap();
+        let (root, intermediate) = ca_chain("private");
         PrivateCa { root, intermediate }
     }
 

@@ -314,6 +314,16 @@ async fn run_check(args: &[String], token: &str) -> (bool, Value, String) {
     (out.status.success(), doc, all)
 }
 
+/// The check named `name` in the report.
+fn check<'a>(doc: &'a Value, name: &str) -> &'a Value {
+    doc["checks"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|c| c["check"] == name)
+        .unwrap_or_else(|| panic!("no check {name:?} in {doc}"))
+}
+
 fn problems(doc: &Value) -> Vec<(String, String)> {
     doc["checks"]
         .as_array()
@@ -372,12 +382,7 @@ async fn check_reports_each_broken_setting_and_never_a_secret() {
     let (ok, doc, all) = run_check(&args(&good, "https://127.0.0.1:9443"), API_TOKEN).await;
     assert!(ok, "{all}");
     assert_eq!(doc["problems"], 0);
-    let limit = doc["checks"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .find(|c| c["check"] == "droplet limit")
-        .unwrap();
+    let limit = check(&doc, "droplet limit");
     assert_eq!(
         limit["found"],
         "1 of 25 Droplets in use, room for 24 more; the offerings have 2 slots"
@@ -402,12 +407,7 @@ async fn check_reports_each_broken_setting_and_never_a_secret() {
     );
     env.emulator.set_sold_out("s-1vcpu-2gb", REGION, false);
     env.emulator.set_droplet_limit(25);
-    let firewall = doc["checks"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .find(|c| c["check"] == "offering s-2vcpu-4gb/nyc3 firewalls")
-        .unwrap();
+    let firewall = check(&doc, "offering s-2vcpu-4gb/nyc3 firewalls");
     assert!(
         firewall["found"]
             .as_str()

@@ -127,6 +127,16 @@ impl Rig {
     }
 
     /// What opening the state does for the cloud: the directory exists, then the hook runs.
+    /// A rig whose account holds the snapshot and key, after a first start that looked them
+    /// up and opened its state (so the profiles were saved); returns that start too.
+    async fn started_and_saved() -> (Rig, digitalocean::RealBackend) {
+        let rig = Rig::start().await;
+        seed(&rig.emulator);
+        let first = rig.resolve(&rig.flags(), &wanted(&[])).await.unwrap();
+        rig.open_state(&first);
+        (rig, first)
+    }
+
     fn open_state(&self, real: &digitalocean::RealBackend) {
         std::fs::create_dir_all(self.state()).unwrap();
         real.cloud.state_opened(0).unwrap();
@@ -200,10 +210,7 @@ async fn a_restart_with_the_saved_profiles_looks_nothing_up_and_creates_with_the
 
 #[tokio::test(flavor = "current_thread")]
 async fn another_setting_endpoint_or_token_ignores_the_saved_profiles() {
-    let rig = Rig::start().await;
-    seed(&rig.emulator);
-    let first = rig.resolve(&rig.flags(), &wanted(&[])).await.unwrap();
-    rig.open_state(&first);
+    let (rig, _first) = Rig::started_and_saved().await;
 
     let logs = LogCapture::default();
     let _guard = logs.install();
@@ -259,10 +266,7 @@ async fn another_setting_endpoint_or_token_ignores_the_saved_profiles() {
 
 #[tokio::test(flavor = "current_thread")]
 async fn a_corrupt_file_is_ignored_with_a_warning_naming_it() {
-    let rig = Rig::start().await;
-    seed(&rig.emulator);
-    let first = rig.resolve(&rig.flags(), &wanted(&[])).await.unwrap();
-    rig.open_state(&first);
+    let (rig, _first) = Rig::started_and_saved().await;
     std::fs::write(
         rig.file(),
         b"{\"fingerprint\": \"0f\", \"profiles\": [{\"si",

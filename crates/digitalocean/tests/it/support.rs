@@ -40,13 +40,41 @@ pub struct Pki {
     pub key_pem: String,
 }
 
-pub fn pki() -> Pki {
-    let mut ca_params = CertificateParams::new(Vec::<String>::new()).unwrap();
-    ca_params.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
-    ca_params
+/// The parameters of a CA certificate named `name`.
+pub fn ca_params(name: &str) -> CertificateParams {
+    let mut params = CertificateParams::new(Vec::<String>::new()).unwrap();
+    params.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
+    params
         .distinguished_name
-        .push(rcgen::DnType::CommonName, "bigfleet test CA");
-    let ca = CertifiedIssuer::self_signed(ca_params, KeyPair::generate().unwrap()).unwrap();
+        .push(rcgen::DnType::CommonName, name);
+    params
+}
+
+/// A two-level CA: the self-signed `{kind} root` and the `{kind} intermediate` it signed.
+pub fn ca_chain(
+    kind: &str,
+) -> (
+    CertifiedIssuer<'static, KeyPair>,
+    CertifiedIssuer<'static, KeyPair>,
+) {
+    let root = CertifiedIssuer::self_signed(
+        ca_params(&format!("{kind} root")),
+        KeyPair::generate().unwrap(),
+    )
+    .unwrap();
+    let intermediate = CertifiedIssuer::signed_by(
+        ca_params(&format!("{kind} intermediate")),
+        KeyPair::generate().unwrap(),
+        &root,
+    )
+    .unwrap();
+    (root, intermediate)
+}
+
+pub fn pki() -> Pki {
+    let ca =
+        CertifiedIssuer::self_signed(ca_params("bigfleet test CA"), KeyPair::generate().unwrap())
+            .unwrap();
     let mut leaf =
         CertificateParams::new(vec!["127.0.0.1".to_owned(), "localhost".to_owned()]).unwrap();
     leaf.extended_key_usages = vec![ExtendedKeyUsagePurpose::ServerAuth];
