@@ -1,6 +1,7 @@
 //! An engine over the offerings-driven `Fleet` of any cloud, as both providers build it, and
 //! the waits and tokens of the scenario tests that drive it directly.
 
+use std::collections::BTreeMap;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -10,10 +11,12 @@ use provider_core::offerings::Offering;
 use provider_core::reconcile_loop::ReconcileLoop;
 use provider_core::replica::Replica;
 use provider_core::telemetry::Telemetry;
-use provider_core::{Engine, EngineOptions, FenceToken, MachineState, StringMap};
+use provider_core::{Engine, EngineOptions, FenceToken, Machine, MachineState, StringMap};
 use tokio::task::JoinHandle;
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
+
+use crate::classes;
 
 /// The zero fence token: the bypass a test uses when fencing is not what it tests.
 pub fn zero_token() -> FenceToken {
@@ -34,6 +37,15 @@ pub fn offering(instance_type: &str, zone: &str, count: i64) -> Offering {
         resources: StringMap::new(),
         labels: StringMap::new(),
     }
+}
+
+/// The `resources` (and allocatable) map of a machine: `cpu`, `memory`, `ephemeral-storage`.
+pub fn resources(cpu: &str, memory: &str, ephemeral_storage: &str) -> StringMap {
+    StringMap::from([
+        ("cpu".to_owned(), cpu.to_owned()),
+        ("memory".to_owned(), memory.to_owned()),
+        ("ephemeral-storage".to_owned(), ephemeral_storage.to_owned()),
+    ])
 }
 
 /// An engine on an in-memory store over a `Fleet` of `cloud` with the one `offering`, priced
@@ -124,4 +136,65 @@ pub async fn reconcile_for(
     }
     stop.cancel();
     reconcile.await.unwrap();
+}
+
+/// The machine `id` once it is no longer in a transitional state, read every 10 ms; a
+/// panic when it is still transitional after `within`.
+pub async fn settled(engine: &Engine, id: &str, within: Duration) -> Arc<Machine> {
+    let deadline = Instant::now() + within;
+    loop {
+        let m = engine.get(id).unwrap();
+        if !m.state.is_transitional() {
+            return m;
+        }
+        assert!(Instant::now() < deadline, "{id} did not settle: {m:?}");
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+}
+
+/// The FAILED machine `id`, whose Create recorded the host `host_id` before it failed: a
+/// reconcile pass attaches nothing more and leaves it that host, the census counts one FAILED
+/// machine with a host, and releasing it succeeds. Returns the machine as the pass left it.
+pub async fn release_failed_with_host(engine: &Engine, id: &str, host_id: &str) -> Arc<Machine> {
+    let report = engine.reconcile().await.unwrap();
+    assert_eq!(report.attached, 0, "nothing left to attach: {report:?}");
+    let m = engine.get(id).unwrap();
+    assert_eq!(m.host.as_ref().map(|h| h.id.as_str()), Some(host_id));
+    assert_eq!(engine.census().failed_with_host, 1);
+    engine.release(id).await.unwrap();
+    m
+}
+
+/// Request counts by class, as the emulators keep them (`requests_by_class`).
+pub type Classes = BTreeMap<&'static str, (usize, usize)>;
+
+/// The steady hour of a scale test: its (scaled) `hour`, the reconcile loop's `floor`, and
+/// what must have been sent before it ends: a whole survey (`survey_pages` listing requests)
+/// and one out-of-band check (a request of `check_class`) between surveys.
+pub struct SteadyHour<'a> {
+    pub hour: Duration,
+    pub floor: Duration,
+    pub survey_pages: usize,
+    pub check_class: &'a str,
+}
+
+/// The provider's own reconcile loop over a steady fleet: surveys paced to their share, and
+/// the out-of-band check every floor between them, for at least the hour and until a whole
+/// survey and a check between surveys were sent, however long this machine takes for them.
+/// Returns the request counts at the start and how long the loop ran.
+pub async fn reconcile_a_steady_hour(
+    engine: &Arc<Engine>,
+    cloud: Arc<dyn Cloud>,
+    telemetry: Telemetry,
+    steady: SteadyHour<'_>,
+    requests_by_class: impl Fn() -> Classes,
+) -> (Classes, Duration) {
+    let at_start = requests_by_class();
+    let started = Instant::now();
+    let grown = |class| classes::grown(&at_start, &requests_by_class(), class);
+    reconcile_for(engine, cloud, steady.floor, telemetry, steady.hour, || {
+        grown("listing") >= steady.survey_pages && grown(steady.check_class) >= 1
+    })
+    .await;
+    (at_start, started.elapsed())
 }

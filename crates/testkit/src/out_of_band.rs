@@ -5,10 +5,14 @@
 use std::sync::Arc;
 use std::time::Duration;
 
+use provider_core::cloud::Cloud;
+use provider_core::telemetry::Telemetry;
 use provider_core::{Engine, MachineState};
+use tokio::task::JoinHandle;
 use tokio::time::Instant;
+use tokio_util::sync::CancellationToken;
 
-use crate::engine::zero_token;
+use crate::engine::{spawn_reconcile_loop, zero_token};
 use crate::metrics;
 use crate::wait::until;
 
@@ -38,6 +42,21 @@ impl Scenario<'_> {
                 "{id}"
             );
         }
+    }
+
+    /// With the `owned` machines Idle, starts the provider's reconcile loop over `cloud` at the
+    /// floor and waits for its first survey: the loop's stop token and task, and the survey's
+    /// paced period (see [`Scenario::first_survey_period`]).
+    pub async fn start_reconciling(
+        &self,
+        owned: &[String],
+        cloud: Arc<dyn Cloud>,
+        telemetry: Telemetry,
+    ) -> (CancellationToken, JoinHandle<()>, f64) {
+        self.assert_idle(owned);
+        let (stop, reconcile) = spawn_reconcile_loop(self.engine, cloud, self.floor, telemetry);
+        let period = self.first_survey_period().await;
+        (stop, reconcile, period)
     }
 
     /// Waits for the first survey; its paced period, which must be well above the floor.
@@ -123,5 +142,25 @@ impl Scenario<'_> {
             noticed < self.floor * 4 && noticed.as_secs_f64() < period / 2.0,
             "noticed after {noticed:?}, a paced period is {period} s"
         );
+    }
+
+    /// Right after the next survey (the next paced one is seconds away), deletes the host of
+    /// the machine `id` behind the provider's back with `delete` (given the host's id, it says
+    /// whether there was such a host), then waits until [`Scenario::noticed`]. Returns the
+    /// host's id.
+    pub async fn host_deleted_out_of_band(
+        &self,
+        what: &str,
+        id: &str,
+        period: f64,
+        delete: impl FnOnce(&str) -> bool,
+    ) -> String {
+        self.next_survey().await;
+        let victim = self.engine.get(id).unwrap();
+        let host = victim.host.as_ref().unwrap().id.clone();
+        let deleted = Instant::now();
+        assert!(delete(&host));
+        self.noticed(what, id, deleted, period).await;
+        host
     }
 }

@@ -55,11 +55,7 @@ async fn a_size_no_table_knows_takes_its_resources_and_price_from_the_api() {
     let slot = fleet.offered().unwrap().remove(0);
     assert_eq!(
         slot.resources,
-        StringMap::from([
-            ("cpu".to_owned(), "4".to_owned()),
-            ("memory".to_owned(), "16Gi".to_owned()),
-            ("ephemeral-storage".to_owned(), "200Gi".to_owned()),
-        ])
+        testkit::engine::resources("4", "16Gi", "200Gi")
     );
     assert_eq!(slot.allocatable, slot.resources);
     assert_eq!(slot.price_per_hour, 0.125);

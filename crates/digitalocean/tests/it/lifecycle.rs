@@ -445,14 +445,7 @@ async fn a_droplet_left_by_a_failed_create_is_recorded_and_released() {
         sequence: 0,
     };
     engine.create(&id, token).await.unwrap();
-    let mut failed = engine.get(&id).unwrap();
-    for _ in 0..500 {
-        if !failed.state.is_transitional() {
-            break;
-        }
-        tokio::time::sleep(Duration::from_millis(10)).await;
-        failed = engine.get(&id).unwrap();
-    }
+    let failed = testkit::engine::settled(&engine, &id, Duration::from_secs(5)).await;
     assert_eq!(
         failed.state,
         provider_core::MachineState::Failed,
@@ -464,15 +457,8 @@ async fn a_droplet_left_by_a_failed_create_is_recorded_and_released() {
         Some(env.emulator.droplets()[0].id.to_string()),
         "the Create recorded the Droplet the moment the cloud named it"
     );
-    let report = engine.reconcile().await.unwrap();
-    assert_eq!(report.attached, 0, "nothing left to attach: {report:?}");
-    let m = engine.get(&id).unwrap();
-    assert_eq!(
-        m.host.as_ref().map(|h| h.id.clone()),
-        Some(env.emulator.droplets()[0].id.to_string())
-    );
-    assert_eq!(engine.census().failed_with_host, 1);
-    engine.release(&id).await.unwrap();
+    let droplet = env.emulator.droplets()[0].id.to_string();
+    testkit::engine::release_failed_with_host(&engine, &id, &droplet).await;
     assert!(
         env.emulator.droplets().is_empty(),
         "released: the Droplet is deleted"

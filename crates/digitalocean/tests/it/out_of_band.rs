@@ -13,9 +13,8 @@ use provider_core::cloud::{Cloud, InventorySignal};
 use provider_core::fleet::{CapacityBook, PriceBook};
 use provider_core::telemetry::Telemetry;
 use testkit::classes;
-use testkit::engine::{offering, over_fleet, spawn_reconcile_loop};
+use testkit::engine::{offering, over_fleet};
 use testkit::out_of_band::Scenario;
-use tokio::time::Instant;
 
 use crate::support::{Env, LogCapture, PROVIDER, REGION, api_client, cloud_settings, ctx, machine};
 
@@ -64,9 +63,9 @@ async fn a_droplet_destroyed_out_of_band_is_noticed_by_the_next_check_not_the_pa
         floor: FLOOR,
         check_op: "ListActions",
     };
-    scenario.assert_idle(&ids[..DROPLETS as usize]);
-    let (stop, _reconcile) = spawn_reconcile_loop(&engine, cloud.clone(), FLOOR, telemetry);
-    let period = scenario.first_survey_period().await;
+    let (stop, _reconcile, period) = scenario
+        .start_reconciling(&ids[..DROPLETS as usize], cloud.clone(), telemetry)
+        .await;
 
     // Nothing happens: one request a check, and no survey.
     let requests = |class: &str| classes::count(&env.emulator.requests_by_class(), class);
@@ -89,17 +88,13 @@ async fn a_droplet_destroyed_out_of_band_is_noticed_by_the_next_check_not_the_pa
 
     // Right after a survey (the next paced one is seconds away), a Droplet is destroyed in the
     // console: the next check notices it and the survey that follows proves it gone.
-    scenario.next_survey().await;
-    let victim = engine.get(&ids[1]).unwrap();
-    let droplet: u64 = victim.host.as_ref().unwrap().id.parse().unwrap();
-    let deleted = Instant::now();
-    assert!(env.emulator.delete_out_of_band(droplet));
-    scenario
-        .noticed(
+    let delete = |host: &str| env.emulator.delete_out_of_band(host.parse().unwrap());
+    let droplet = scenario
+        .host_deleted_out_of_band(
             "the machine of the destroyed Droplet",
             &ids[1],
-            deleted,
             period,
+            delete,
         )
         .await;
     assert!(

@@ -17,7 +17,9 @@ use provider_core::fleet::{CapacityBook, PriceBook, slot_id};
 use provider_core::machine::MachineState;
 use testkit::classes::grown as grown_between;
 use testkit::digitalocean::{RunningEmulator, time_scaled};
-use testkit::engine::{offering, over_fleet, reconcile_for, until_all_idle, zero_token};
+use testkit::engine::{
+    SteadyHour, offering, over_fleet, reconcile_a_steady_hour, until_all_idle, zero_token,
+};
 use tokio::time::Instant;
 
 use crate::support::{API_TOKEN, PROVIDER, REGION, RunningChannel, api_client, pki, telemetry};
@@ -158,25 +160,21 @@ async fn an_hour_at_ten_thousand_owned_droplets_stays_within_the_reconcile_share
     let hour = Duration::from_secs_f64(3_600.0 / SCALE);
     let floor = Duration::from_secs_f64(120.0 / SCALE);
     let (before, _) = sent(&site);
-    let at_start = site.emulator.requests_by_class();
-    let started = Instant::now();
-    // The provider's own reconcile loop: surveys paced to their share, and the out-of-band
-    // check (the account's actions) every floor between them, for at least the
-    // scaled hour and until a whole survey and a check between surveys were sent, however long
-    // this machine takes for them.
-    let grown = |class| grown_between(&at_start, &site.emulator.requests_by_class(), class);
-    reconcile_for(
-        &engine,
-        site.cloud.clone(),
-        floor,
-        telemetry(),
+    let steady = SteadyHour {
         hour,
-        || grown("listing") >= 50 && grown("actions") >= 1,
-    )
-    .await;
+        floor,
+        survey_pages: 50,
+        check_class: "actions",
+    };
+    let (at_start, elapsed) =
+        reconcile_a_steady_hour(&engine, site.cloud.clone(), telemetry(), steady, || {
+            site.emulator.requests_by_class()
+        })
+        .await;
+
     let (after, refused) = sent(&site);
     let classes = site.emulator.requests_by_class();
-    let per_hour = (after - before) as f64 * hour.as_secs_f64() / started.elapsed().as_secs_f64();
+    let per_hour = (after - before) as f64 * hour.as_secs_f64() / elapsed.as_secs_f64();
     let share = budget::DEFAULT_SHARE
         * budget::DEFAULT_RECONCILE_SHARE
         * f64::from(RateLimit::DIGITALOCEAN.per_hour);

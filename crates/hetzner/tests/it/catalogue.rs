@@ -82,11 +82,7 @@ async fn a_type_no_table_knows_takes_its_resources_price_and_architecture_from_t
     let cpx = slots.iter().find(|m| m.instance_type == "cpx52").unwrap();
     assert_eq!(
         cpx.resources,
-        StringMap::from([
-            ("cpu".to_owned(), "12".to_owned()),
-            ("memory".to_owned(), "24Gi".to_owned()),
-            ("ephemeral-storage".to_owned(), "480Gi".to_owned()),
-        ])
+        testkit::engine::resources("12", "24Gi", "480Gi")
     );
     assert_eq!(cpx.allocatable, cpx.resources);
     assert_eq!(cpx.labels["kubernetes.io/arch"], "amd64");

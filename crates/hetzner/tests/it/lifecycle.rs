@@ -283,14 +283,7 @@ fn zero_token() -> provider_core::FenceToken {
 }
 
 async fn settled(engine: &provider_core::Engine, id: &str) -> Arc<provider_core::Machine> {
-    for _ in 0..2000 {
-        let m = engine.get(id).unwrap();
-        if !m.state.is_transitional() {
-            return m;
-        }
-        tokio::time::sleep(std::time::Duration::from_millis(10)).await;
-    }
-    panic!("{id} did not settle: {:?}", engine.get(id));
+    testkit::engine::settled(engine, id, std::time::Duration::from_secs(20)).await
 }
 
 /// Defect 2: a paged listing taken while a server is deleted skips a live server (the later
@@ -365,16 +358,9 @@ async fn a_server_left_by_a_failed_create_is_recorded_and_released() {
         failed.host.as_ref().map(|h| h.id.clone()),
         Some(env.emulator.servers()[0].id.to_string())
     );
-    let report = engine.reconcile().await.unwrap();
-    assert_eq!(report.attached, 0, "nothing left to attach: {report:?}");
-    let m = engine.get(&id).unwrap();
+    let server = env.emulator.servers()[0].id.to_string();
+    let m = testkit::engine::release_failed_with_host(&engine, &id, &server).await;
     assert_eq!(m.state, MachineState::Failed);
-    assert_eq!(
-        m.host.as_ref().map(|h| h.id.clone()),
-        Some(env.emulator.servers()[0].id.to_string())
-    );
-    assert_eq!(engine.census().failed_with_host, 1);
-    engine.release(&id).await.unwrap();
     assert!(
         env.emulator
             .servers()

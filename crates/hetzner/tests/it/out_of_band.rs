@@ -11,9 +11,8 @@ use provider_core::StringMap;
 use provider_core::fleet::{CapacityBook, PriceBook};
 use provider_core::offerings::Offering;
 use testkit::classes;
-use testkit::engine::{offering, over_fleet, spawn_reconcile_loop};
+use testkit::engine::{offering, over_fleet};
 use testkit::out_of_band::Scenario;
-use tokio::time::Instant;
 
 use crate::harness::{Env, Options};
 
@@ -62,9 +61,9 @@ async fn a_server_deleted_out_of_band_is_noticed_by_the_next_check_not_the_paced
         floor: FLOOR,
         check_op: "CountManaged",
     };
-    scenario.assert_idle(&ids[..SERVERS as usize]);
-    let (stop, _reconcile) = spawn_reconcile_loop(&engine, env.cloud.clone(), FLOOR, env.telemetry);
-    let period = scenario.first_survey_period().await;
+    let (stop, _reconcile, period) = scenario
+        .start_reconciling(&ids[..SERVERS as usize], env.cloud.clone(), env.telemetry)
+        .await;
 
     // Nothing happens: one request a check, and no survey.
     let requests = |class: &str| classes::count(&env.emulator.requests_by_class(), class);
@@ -79,18 +78,9 @@ async fn a_server_deleted_out_of_band_is_noticed_by_the_next_check_not_the_paced
 
     // Right after a survey (the next paced one is seconds away), a server is deleted in the
     // console: the next check notices it and the survey that follows proves it gone.
-    scenario.next_survey().await;
-    let victim = engine.get(&ids[1]).unwrap();
-    let server: i64 = victim.host.as_ref().unwrap().id.parse().unwrap();
-    let deleted = Instant::now();
-    assert!(env.emulator.delete_out_of_band(server));
+    let delete = |host: &str| env.emulator.delete_out_of_band(host.parse().unwrap());
     scenario
-        .noticed(
-            "the machine of the deleted server",
-            &ids[1],
-            deleted,
-            period,
-        )
+        .host_deleted_out_of_band("the machine of the deleted server", &ids[1], period, delete)
         .await;
     assert!(
         env.logs

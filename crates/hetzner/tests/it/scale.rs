@@ -15,7 +15,9 @@ use provider_core::budget::{self, Class};
 use provider_core::fleet::{CapacityBook, PriceBook};
 use provider_core::machine::MachineState;
 use testkit::classes::grown as grown_between;
-use testkit::engine::{offering, over_fleet, reconcile_for, until_all_idle, zero_token};
+use testkit::engine::{
+    SteadyHour, offering, over_fleet, reconcile_a_steady_hour, until_all_idle, zero_token,
+};
 use tokio::time::Instant;
 
 use crate::harness::{Env, Options, PROVIDER};
@@ -143,23 +145,17 @@ async fn an_hour_at_ten_thousand_owned_servers_stays_within_the_reconcile_share(
     let hour = Duration::from_secs_f64(3_600.0 / STEADY_SCALE);
     let floor = Duration::from_secs_f64(120.0 / STEADY_SCALE);
     let before = total(&env);
-    let at_start = env.emulator.requests_by_class();
-    let started = Instant::now();
-    // The provider's own reconcile loop: surveys paced to their share, and the out-of-band
-    // check every floor between them, for at least the
-    // scaled hour and until a whole survey and a check between surveys were sent, however long
-    // this machine takes for them.
-    let grown = |class| grown_between(&at_start, &env.emulator.requests_by_class(), class);
-    reconcile_for(
-        &engine,
-        env.cloud.clone(),
-        floor,
-        env.telemetry,
+    let steady = SteadyHour {
         hour,
-        || grown("listing") >= 200 && grown("count") >= 1,
-    )
-    .await;
-    let elapsed = started.elapsed();
+        floor,
+        survey_pages: 200,
+        check_class: "count",
+    };
+    let (at_start, elapsed) =
+        reconcile_a_steady_hour(&engine, env.cloud.clone(), env.telemetry, steady, || {
+            env.emulator.requests_by_class()
+        })
+        .await;
     let sent = total(&env) - before;
     let classes = env.emulator.requests_by_class();
     let per_hour = sent as f64 * hour.as_secs_f64() / elapsed.as_secs_f64();
