@@ -178,6 +178,37 @@ pub struct SteadyHour<'a> {
     pub check_class: &'a str,
 }
 
+impl<'a> SteadyHour<'a> {
+    pub fn new(hour: Duration, floor: Duration, survey_pages: usize, check_class: &'a str) -> Self {
+        SteadyHour {
+            hour,
+            floor,
+            survey_pages,
+            check_class,
+        }
+    }
+
+    /// The verdict on the hour, from the request counts at its start and end, the requests it
+    /// sent scaled to an hour and the reconcile `share` of the rate limit: a whole survey and
+    /// a check between surveys were sent, and the hour's requests fit the share with at most
+    /// one survey's worth over it (the first survey runs at once).
+    pub fn assert_within_share(
+        &self,
+        at_start: &Classes,
+        at_end: &Classes,
+        per_hour: f64,
+        share: f64,
+    ) {
+        let grew = |class| classes::grown(at_start, at_end, class);
+        assert!(grew("listing") >= self.survey_pages, "{at_end:?}");
+        assert!(grew(self.check_class) >= 1, "{at_end:?}");
+        assert!(
+            per_hour <= share + self.survey_pages as f64,
+            "{per_hour:.0} requests an hour, above the reconcile share {share:.0}"
+        );
+    }
+}
+
 /// The provider's own reconcile loop over a steady fleet: surveys paced to their share, and
 /// the out-of-band check every floor between them, for at least the hour and until a whole
 /// survey and a check between surveys were sent, however long this machine takes for them.
@@ -186,7 +217,7 @@ pub async fn reconcile_a_steady_hour(
     engine: &Arc<Engine>,
     cloud: Arc<dyn Cloud>,
     telemetry: Telemetry,
-    steady: SteadyHour<'_>,
+    steady: &SteadyHour<'_>,
     requests_by_class: impl Fn() -> Classes,
 ) -> (Classes, Duration) {
     let at_start = requests_by_class();

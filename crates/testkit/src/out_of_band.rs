@@ -27,7 +27,21 @@ pub struct Scenario<'a> {
     pub check_op: &'a str,
 }
 
-impl Scenario<'_> {
+impl<'a> Scenario<'a> {
+    pub fn new(
+        engine: &'a Arc<Engine>,
+        prefix: &'a str,
+        floor: Duration,
+        check_op: &'a str,
+    ) -> Scenario<'a> {
+        Scenario {
+            engine,
+            prefix,
+            floor,
+            check_op,
+        }
+    }
+
     /// Out-of-band checks made, as the cloud client counts its calls.
     pub fn checks(&self) -> f64 {
         metrics::api_calls(self.prefix, self.check_op)

@@ -49,11 +49,7 @@ impl Site {
         let (emulator, api_url) = (serving.emulator.clone(), serving.url.clone());
         let dir = tempfile::tempdir().unwrap();
         let pki = pki();
-        let file = |name: &str, body: &str| {
-            let path = dir.path().join(name);
-            std::fs::write(&path, body).unwrap();
-            path.display().to_string()
-        };
+        let file = |name: &str, body: &str| write_file(dir.path(), name, body);
         let (cert, key, ca) = (
             file("channel.pem", &pki.cert_pem),
             file("channel-key.pem", &pki.key_pem),
@@ -298,6 +294,14 @@ impl Provider {
         panic!("{id} stayed transitional\n{}", self.logs());
     }
 
+    /// A machine of the first offering slot, created and Idle.
+    pub async fn idle_machine(&mut self) -> String {
+        let id = self.speculative(1).await.remove(0);
+        self.create(&id).await;
+        self.wait_for(&id, pb::MachineState::Idle).await;
+        id
+    }
+
     /// The shard's next fence token.
     fn token(&mut self) -> (String, i64, i64) {
         ("shard-a".into(), 1, self.next())
@@ -367,17 +371,21 @@ impl Provider {
         (agent, dir)
     }
 
-    /// A directory for the agent of `machine_id`'s Droplet, and the agent config its
-    /// user_data carries.
-    pub fn droplet_of(&self, machine_id: &str) -> (PathBuf, String) {
+    /// The Droplet of `machine_id` (by its tag).
+    pub fn droplet(&self, machine_id: &str) -> do_emulator::EmulatedDroplet {
         let tag = machine_tag(machine_id);
-        let droplet = self
-            .site
+        self.site
             .emulator
             .droplets()
             .into_iter()
             .find(|d| d.tags.contains(&tag))
-            .expect("droplet");
+            .expect("droplet")
+    }
+
+    /// A directory for the agent of `machine_id`'s Droplet, and the agent config its
+    /// user_data carries.
+    pub fn droplet_of(&self, machine_id: &str) -> (PathBuf, String) {
+        let droplet = self.droplet(machine_id);
         let dir = self.site.dir.path().join(droplet.id.to_string());
         std::fs::create_dir_all(&dir).unwrap();
         (dir, agent_config_from_user_data(&droplet.user_data))
@@ -453,9 +461,7 @@ async fn the_binary_runs_the_whole_lifecycle_with_real_agents() {
 #[tokio::test]
 async fn a_silent_agent_times_out_into_failed() {
     let mut p = Provider::start(&["--configure-timeout=2s"]).await;
-    let id = p.speculative(1).await.remove(0);
-    p.create(&id).await;
-    p.wait_for(&id, pb::MachineState::Idle).await;
+    let id = p.idle_machine().await;
     // No agent ever enrolls or polls for this Droplet.
     p.configure(&id, "prod", BLOB).await;
     let failed = p.wait_for(&id, pb::MachineState::Failed).await;
@@ -507,11 +513,7 @@ async fn help_never_echoes_the_secret_environment_values() {
 async fn a_malformed_bootstrap_ca_fails_startup_naming_the_flag() {
     let dir = tempfile::tempdir().unwrap();
     let pki = pki();
-    let file = |name: &str, body: &str| {
-        let path = dir.path().join(name);
-        std::fs::write(&path, body).unwrap();
-        path.display().to_string()
-    };
+    let file = |name: &str, body: &str| write_file(dir.path(), name, body);
     let (cert, key) = (
         file("channel.pem", &pki.cert_pem),
         file("channel-key.pem", &pki.key_pem),

@@ -450,11 +450,7 @@ async fn an_agent_refuses_a_certificate_from_another_ca_of_the_channel_certifica
         .unwrap();
 
     let dir = tempfile::tempdir().unwrap();
-    let file = |name: &str, body: &str| {
-        let path = dir.path().join(name);
-        std::fs::write(&path, body).unwrap();
-        path.display().to_string()
-    };
+    let file = |name: &str, body: &str| write_file(dir.path(), name, body);
     let genuine_listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
     let genuine_addr = genuine_listener.local_addr().unwrap();
     let flags = digitalocean::RealFlags {

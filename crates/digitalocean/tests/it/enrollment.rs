@@ -135,9 +135,7 @@ async fn an_enrolled_agent_survives_restarts_and_rotation_and_a_new_droplet_enro
     let state = site_dir.path().join("state");
     let state_flag = format!("--state={}", state.display());
     let mut p = Provider::start(&[&state_flag, "--configure-timeout=30s"]).await;
-    let id = p.speculative(1).await.remove(0);
-    p.create(&id).await;
-    p.wait_for(&id, pb::MachineState::Idle).await;
+    let id = p.idle_machine().await;
     let (dir, config_json) = p.droplet_of(&id);
     let token = user_data_token(&config_json);
     let mut outsider = Outsider::new(&p.site.pki.ca_pem, &config_json);
@@ -346,9 +344,7 @@ async fn a_stolen_token_is_a_conflict_whichever_side_enrolls_first() {
 #[tokio::test]
 async fn an_agent_that_never_enrolls_gets_no_blob_and_the_configure_says_why() {
     let mut p = Provider::start(&["--configure-timeout=3s"]).await;
-    let id = p.speculative(1).await.remove(0);
-    p.create(&id).await;
-    p.wait_for(&id, pb::MachineState::Idle).await;
+    let id = p.idle_machine().await;
     let (_, config_json) = p.droplet_of(&id);
     let mut old_agent = Outsider::new(&p.site.pki.ca_pem, &config_json);
     let token = user_data_token(&config_json);
@@ -375,9 +371,7 @@ async fn an_agent_that_never_enrolls_gets_no_blob_and_the_configure_says_why() {
 #[tokio::test]
 async fn after_the_lifecycle_the_user_data_token_gets_401() {
     let mut p = Provider::start(&[]).await;
-    let id = p.speculative(1).await.remove(0);
-    p.create(&id).await;
-    p.wait_for(&id, pb::MachineState::Idle).await;
+    let id = p.idle_machine().await;
     let (dir, config_json) = p.droplet_of(&id);
     let _agent = boot(&dir, config_json.clone());
     configure(&mut p, &id).await;
@@ -396,9 +390,7 @@ async fn after_the_lifecycle_the_user_data_token_gets_401() {
 #[tokio::test]
 async fn an_enrollment_from_an_address_the_droplet_does_not_have_is_refused() {
     let mut p = Provider::start(&["--bootstrap-enrollment-source=droplet"]).await;
-    let id = p.speculative(1).await.remove(0);
-    p.create(&id).await;
-    p.wait_for(&id, pb::MachineState::Idle).await;
+    let id = p.idle_machine().await;
     let (dir, config_json) = p.droplet_of(&id);
     let token = user_data_token(&config_json);
     let mut elsewhere = Outsider::new(&p.site.pki.ca_pem, &config_json);
@@ -445,9 +437,7 @@ async fn on_etcd_an_enrollment_survives_a_takeover_by_a_new_process() {
     let flags: Vec<&str> = flags.iter().map(String::as_str).collect();
     let mut p = Provider::start(&flags).await;
     wait_leading(&mut p).await;
-    let id = p.speculative(1).await.remove(0);
-    p.create(&id).await;
-    p.wait_for(&id, pb::MachineState::Idle).await;
+    let id = p.idle_machine().await;
     let (dir, config_json) = p.droplet_of(&id);
     let token = user_data_token(&config_json);
     let mut outsider = Outsider::new(&p.site.pki.ca_pem, &config_json);
@@ -502,9 +492,7 @@ async fn a_replay_of_the_spent_token_after_the_configure_stops_neither_drain_nor
         "--configure-timeout=30s",
     ])
     .await;
-    let id = p.speculative(1).await.remove(0);
-    p.create(&id).await;
-    p.wait_for(&id, pb::MachineState::Idle).await;
+    let id = p.idle_machine().await;
     // The agent, and the pod that replays, send from the Droplet's own address.
     let droplet = p.site.emulator.droplets()[0].id;
     assert!(p.site.emulator.set_public_ipv4(droplet, "127.0.0.1"));
@@ -590,14 +578,7 @@ async fn the_per_slot_token_speaks_only_for_droplets_created_before_enrollment()
 
     // A Droplet an older provider created: no tag, and the per-slot token in its user_data.
     let (older_dir, older_config) = p.droplet_of(older);
-    let tag = digitalocean::naming::machine_tag(older);
-    let droplet = p
-        .site
-        .emulator
-        .droplets()
-        .into_iter()
-        .find(|d| d.tags.contains(&tag))
-        .unwrap();
+    let droplet = p.droplet(older);
     assert!(
         p.site
             .emulator

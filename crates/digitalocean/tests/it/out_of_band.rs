@@ -57,12 +57,7 @@ async fn a_droplet_destroyed_out_of_band_is_noticed_by_the_next_check_not_the_pa
     )
     .await;
     let ids: Vec<String> = (0..=DROPLETS).map(|i| machine(i).id).collect();
-    let scenario = Scenario {
-        engine: &engine,
-        prefix: PREFIX,
-        floor: FLOOR,
-        check_op: "ListActions",
-    };
+    let scenario = Scenario::new(&engine, PREFIX, FLOOR, "ListActions");
     let (stop, _reconcile, period) = scenario
         .start_reconciling(&ids[..DROPLETS as usize], cloud.clone(), telemetry)
         .await;

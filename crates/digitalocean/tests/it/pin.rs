@@ -67,11 +67,7 @@ fn provider_pin(
     pki: &Pki,
     bootstrap_ca: Option<&str>,
 ) -> Result<(String, String, String), String> {
-    let file = |name: &str, body: &str| {
-        let path = dir.join(name);
-        std::fs::write(&path, body).unwrap();
-        path.display().to_string()
-    };
+    let file = |name: &str, body: &str| write_file(dir, name, body);
     let flags = digitalocean::RealFlags {
         bootstrap_tls_cert: file("tls.crt", &pki.cert_pem),
         bootstrap_tls_key: file("tls.key", &pki.key_pem),
@@ -392,11 +388,7 @@ async fn the_channel_reload_refuses_a_new_key_unless_bootstrap_ca_is_set() {
     ] {
         let issued = private.leaf_with(NAMES, key());
         let dir = tempfile::tempdir().unwrap();
-        let file = |name: &str, body: &str| {
-            let path = dir.path().join(name);
-            std::fs::write(&path, body).unwrap();
-            path.display().to_string()
-        };
+        let file = |name: &str, body: &str| write_file(dir.path(), name, body);
         let flags = digitalocean::RealFlags {
             provider: "p".into(),
             token: zeroize::Zeroizing::new("do-token".into()),

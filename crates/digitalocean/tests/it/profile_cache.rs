@@ -93,11 +93,7 @@ impl Rig {
 
     /// The real backend's flags, as the binary passes them.
     fn flags(&self) -> digitalocean::RealFlags {
-        let file = |name: &str, body: &str| {
-            let path = self.dir.path().join(name);
-            std::fs::write(&path, body).unwrap();
-            path.display().to_string()
-        };
+        let file = |name: &str, body: &str| write_file(self.dir.path(), name, body);
         digitalocean::RealFlags {
             provider: PROVIDER.into(),
             token: zeroize::Zeroizing::new(API_TOKEN.into()),
@@ -429,10 +425,7 @@ async fn the_binary_picks_a_changed_profile_up_at_the_price_refresh() {
         "{}",
         p.logs()
     );
-    let id = p.speculative(1).await.remove(0);
-    p.create(&id).await;
-    p.wait_for(&id, fleet_proto::v1alpha1::MachineState::Idle)
-        .await;
+    p.idle_machine().await;
     let body = p.site.emulator.create_bodies().pop().unwrap();
     assert_eq!(body["image"], json!(new), "{body}");
 }

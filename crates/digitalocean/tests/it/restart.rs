@@ -165,9 +165,7 @@ fn refs(flags: &[String]) -> Vec<&str> {
 /// A provider on a fresh site and state with `flags`, and one of its machines IDLE.
 async fn idle_machine(flags: &[String]) -> (Provider, String) {
     let mut p = Provider::start_on(Site::start().await, &refs(flags)).await;
-    let id = p.speculative(1).await.remove(0);
-    p.create(&id).await;
-    p.wait_for(&id, pb::MachineState::Idle).await;
+    let id = p.idle_machine().await;
     (p, id)
 }
 
@@ -215,9 +213,7 @@ async fn configure_across_a_kill_9_with(moment: Moment, rotate: bool) {
     let keys = key_file(site.dir.path(), "keys", &[&new_key()]);
     let flags = state_flags(&state, Some(&keys));
     let mut p = Provider::start_on(site, &refs(&flags)).await;
-    let id = p.speculative(1).await.remove(0);
-    p.create(&id).await;
-    p.wait_for(&id, pb::MachineState::Idle).await;
+    let id = p.idle_machine().await;
     let droplet = Droplet::of(&p, &id, moment == Moment::ReadinessPending);
     if matches!(moment, Moment::BeforeDelivery | Moment::ReadinessPending) {
         release(&droplet.dir, "hook");
@@ -540,9 +536,7 @@ async fn a_restart_with_a_channel_key_the_live_agents_do_not_pin_is_refused() {
         serde_json::from_slice(&std::fs::read(&record).expect("a first start records")).unwrap();
     // This site's agents anchor on --bootstrap-ca: no key is pinned.
     assert_eq!(recorded["pinned_spki_sha256"], serde_json::Value::Null);
-    let id = p.speculative(1).await.remove(0);
-    p.create(&id).await;
-    p.wait_for(&id, pb::MachineState::Idle).await;
+    p.idle_machine().await;
     signal(&p, Signal::SIGTERM);
     let status = tokio::time::timeout(Duration::from_secs(30), p.process.child.wait())
         .await

@@ -15,7 +15,6 @@ use do_emulator::{Emulator, RateLimit};
 use provider_core::budget::{self, Class, Limits, Settings};
 use provider_core::fleet::{CapacityBook, PriceBook, slot_id};
 use provider_core::machine::MachineState;
-use testkit::classes::grown as grown_between;
 use testkit::digitalocean::{RunningEmulator, time_scaled};
 use testkit::engine::{
     SteadyHour, offering, over_fleet, reconcile_a_steady_hour, until_all_idle, zero_token,
@@ -160,14 +159,9 @@ async fn an_hour_at_ten_thousand_owned_droplets_stays_within_the_reconcile_share
     let hour = Duration::from_secs_f64(3_600.0 / SCALE);
     let floor = Duration::from_secs_f64(120.0 / SCALE);
     let (before, _) = sent(&site);
-    let steady = SteadyHour {
-        hour,
-        floor,
-        survey_pages: 50,
-        check_class: "actions",
-    };
+    let steady = SteadyHour::new(hour, floor, 50, "actions");
     let (at_start, elapsed) =
-        reconcile_a_steady_hour(&engine, site.cloud.clone(), telemetry(), steady, || {
+        reconcile_a_steady_hour(&engine, site.cloud.clone(), telemetry(), &steady, || {
             site.emulator.requests_by_class()
         })
         .await;
@@ -185,13 +179,5 @@ async fn an_hour_at_ten_thousand_owned_droplets_stays_within_the_reconcile_share
     );
     assert_eq!(refused, 0, "{classes:?}");
     // The survey's pages (a survey is 50 pages of 200) and the checks between surveys.
-    let grew = |class| grown_between(&at_start, &classes, class);
-    assert!(grew("listing") >= 50, "{classes:?}");
-    assert!(grew("actions") >= 1, "{classes:?}");
-    // A survey is 50 pages; the hour's surveys fit the share, with at most one survey's worth
-    // over it (the first runs at once).
-    assert!(
-        per_hour <= share + 50.0,
-        "{per_hour:.0} requests an hour, above the reconcile share {share:.0}"
-    );
+    steady.assert_within_share(&at_start, &classes, per_hour, share);
 }

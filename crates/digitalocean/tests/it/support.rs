@@ -87,6 +87,13 @@ pub fn pki() -> Pki {
     }
 }
 
+/// Writes `body` to the file `name` in `dir`; returns its path as a flag takes it.
+pub fn write_file(dir: &Path, name: &str, body: &str) -> String {
+    let path = dir.join(name);
+    std::fs::write(&path, body).unwrap();
+    path.display().to_string()
+}
+
 pub fn telemetry() -> Telemetry {
     Telemetry::new("bigfleet_digitalocean")
 }

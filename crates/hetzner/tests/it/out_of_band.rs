@@ -55,12 +55,7 @@ async fn a_server_deleted_out_of_band_is_noticed_by_the_next_check_not_the_paced
     let ids: Vec<String> = (0..=SERVERS)
         .map(|i| env.machine("cx23", "nbg1", i).id)
         .collect();
-    let scenario = Scenario {
-        engine: &engine,
-        prefix: PREFIX,
-        floor: FLOOR,
-        check_op: "CountManaged",
-    };
+    let scenario = Scenario::new(&engine, PREFIX, FLOOR, "CountManaged");
     let (stop, _reconcile, period) = scenario
         .start_reconciling(&ids[..SERVERS as usize], env.cloud.clone(), env.telemetry)
         .await;

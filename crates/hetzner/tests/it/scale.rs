@@ -14,7 +14,6 @@ use hetzner::{catalog, labels};
 use provider_core::budget::{self, Class};
 use provider_core::fleet::{CapacityBook, PriceBook};
 use provider_core::machine::MachineState;
-use testkit::classes::grown as grown_between;
 use testkit::engine::{
     SteadyHour, offering, over_fleet, reconcile_a_steady_hour, until_all_idle, zero_token,
 };
@@ -145,14 +144,9 @@ async fn an_hour_at_ten_thousand_owned_servers_stays_within_the_reconcile_share(
     let hour = Duration::from_secs_f64(3_600.0 / STEADY_SCALE);
     let floor = Duration::from_secs_f64(120.0 / STEADY_SCALE);
     let before = total(&env);
-    let steady = SteadyHour {
-        hour,
-        floor,
-        survey_pages: 200,
-        check_class: "count",
-    };
+    let steady = SteadyHour::new(hour, floor, 200, "count");
     let (at_start, elapsed) =
-        reconcile_a_steady_hour(&engine, env.cloud.clone(), env.telemetry, steady, || {
+        reconcile_a_steady_hour(&engine, env.cloud.clone(), env.telemetry, &steady, || {
             env.emulator.requests_by_class()
         })
         .await;
@@ -167,13 +161,5 @@ async fn an_hour_at_ten_thousand_owned_servers_stays_within_the_reconcile_share(
     );
     assert_eq!(env.emulator.count_status(429), 0, "{classes:?}");
     // The survey's pages (a survey is 200 pages of 50) and the checks between surveys.
-    let grew = |class| grown_between(&at_start, &classes, class);
-    assert!(grew("listing") >= 200, "{classes:?}");
-    assert!(grew("count") >= 1, "{classes:?}");
-    // The hour's surveys and checks fit the share, with at most one survey's worth over it
-    // (the first runs at once).
-    assert!(
-        per_hour <= share + 200.0,
-        "{per_hour:.0} requests an hour, above the reconcile share {share:.0}"
-    );
+    steady.assert_within_share(&at_start, &classes, per_hour, share);
 }
