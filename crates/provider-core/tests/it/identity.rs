@@ -130,6 +130,31 @@ const KINDS: [OperationKind; 4] = [
 ];
 
 /// `bigfleet_it_shard_identity_rejected_total{reason}` now.
+/// A client with the certificate of the shard `SHARD`.
+async fn shard_client(server: &TestServer, ca: &ClientCa) -> CapacityProviderClient<Channel> {
+    client_as(
+        server,
+        ca.client(&[&format!("uri:bigfleet://shard/{SHARD}")]),
+    )
+    .await
+}
+
+/// Under `mode`, a Create from the shard `SHARD`'s certificate with the token of the shard
+/// `OTHER`: its answer, and how many mismatches were counted meanwhile.
+async fn create_under_another_shards_token(
+    ca: &ClientCa,
+    mode: ShardIdentity,
+) -> (Result<pb::TransitionAck, tonic::Status>, f64) {
+    let server = harness::start_mtls(TestBackend::instant(2), &ca.path(), Some(mode)).await;
+    let before = rejected("mismatch");
+    let mut client = shard_client(&server, ca).await;
+    let token = token(OTHER, 1, 1);
+    let answer = mutate(&mut client, OperationKind::Create, &machine_id(0), token).await;
+    let counted = rejected("mismatch") - before;
+    server.stop().await;
+    (answer, counted)
+}
+
 fn rejected(reason: &str) -> f64 {
     let name = format!("bigfleet_it_shard_identity_rejected_total{{reason=\"{reason}\"}} ");
     provider_core::telemetry::recorder()
@@ -143,11 +168,7 @@ fn rejected(reason: &str) -> f64 {
 async fn a_certificate_of_the_asserted_shard_is_admitted_for_every_mutation() {
     let ca = ClientCa::new();
     let server = harness::start_mtls(TestBackend::instant(1), &ca.path(), None).await;
-    let client = client_as(
-        &server,
-        ca.client(&[&format!("uri:bigfleet://shard/{SHARD}")]),
-    )
-    .await;
+    let client = shard_client(&server, &ca).await;
     let mut caller = Caller {
         client,
         shard: Shard::new(SHARD, 1),
@@ -254,52 +275,14 @@ async fn certificates_that_do_not_prove_the_shard_are_refused_before_the_fence()
 async fn warn_admits_and_counts_and_off_admits_without_counting() {
     let _ = provider_core::telemetry::recorder();
     let ca = ClientCa::new();
-    let server = harness::start_mtls(
-        TestBackend::instant(2),
-        &ca.path(),
-        Some(ShardIdentity::Warn),
-    )
-    .await;
-    let before = rejected("mismatch");
-    let mut client = client_as(
-        &server,
-        ca.client(&[&format!("uri:bigfleet://shard/{SHARD}")]),
-    )
-    .await;
-    let ack = mutate(
-        &mut client,
-        OperationKind::Create,
-        &machine_id(0),
-        token(OTHER, 1, 1),
-    )
-    .await
-    .expect("warn admits");
+    let (answer, counted) = create_under_another_shards_token(&ca, ShardIdentity::Warn).await;
+    let ack = answer.expect("warn admits");
     assert_eq!(state_of(acked(&ack)), pb::MachineState::Creating);
-    assert_eq!(rejected("mismatch") - before, 1.0);
-    server.stop().await;
+    assert_eq!(counted, 1.0);
 
-    let server = harness::start_mtls(
-        TestBackend::instant(2),
-        &ca.path(),
-        Some(ShardIdentity::Off),
-    )
-    .await;
-    let before = rejected("mismatch");
-    let mut client = client_as(
-        &server,
-        ca.client(&[&format!("uri:bigfleet://shard/{SHARD}")]),
-    )
-    .await;
-    mutate(
-        &mut client,
-        OperationKind::Create,
-        &machine_id(0),
-        token(OTHER, 1, 1),
-    )
-    .await
-    .expect("off admits");
-    assert_eq!(rejected("mismatch"), before, "off does not check");
-    server.stop().await;
+    let (answer, counted) = create_under_another_shards_token(&ca, ShardIdentity::Off).await;
+    answer.expect("off admits");
+    assert_eq!(counted, 0.0, "off does not check");
 }
 
 #[tokio::test]
@@ -324,11 +307,7 @@ async fn reads_pass_for_an_admin_certificate_and_its_mutations_do_not() {
 async fn the_zero_token_gets_no_exemption() {
     let ca = ClientCa::new();
     let server = harness::start_mtls(TestBackend::instant(2), &ca.path(), None).await;
-    let mut shard = client_as(
-        &server,
-        ca.client(&[&format!("uri:bigfleet://shard/{SHARD}")]),
-    )
-    .await;
+    let mut shard = shard_client(&server, &ca).await;
     let status = mutate(
         &mut shard,
         OperationKind::Create,

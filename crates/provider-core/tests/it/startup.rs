@@ -100,14 +100,25 @@ fn plaintext_with_the_fake_backend_or_tls_with_the_real_one_is_not() {
     // The log was captured (the backend has no readiness gate, which is warned about).
     assert!(log.contains("no readiness gate configured"), "{log}");
     assert!(!log.contains(WARNING), "{log}");
-    let pki = pki();
-    let tls = [
-        format!("--tls-cert={}", pki.join("server.pem").display()),
-        format!("--tls-key={}", pki.join("server-key.pem").display()),
-        format!("--tls-ca={}", pki.join("ca.pem").display()),
-    ];
+    let tls = mtls_flags();
     let log = startup_log(&tls, true);
     assert!(!log.contains(WARNING), "{log}");
+}
+
+/// The committed test PKI's server certificate and key as flags: server TLS.
+fn server_tls_flags() -> Vec<String> {
+    let pki = pki();
+    vec![
+        format!("--tls-cert={}", pki.join("server.pem").display()),
+        format!("--tls-key={}", pki.join("server-key.pem").display()),
+    ]
+}
+
+/// [`server_tls_flags`] and the CA that signs the clients' certificates: mTLS.
+fn mtls_flags() -> Vec<String> {
+    let mut flags = server_tls_flags();
+    flags.push(format!("--tls-ca={}", pki().join("ca.pem").display()));
+    flags
 }
 
 /// What `app::run` fails with for these flags (it must fail before serving).
@@ -148,12 +159,9 @@ fn shard_identity_without_mtls_fails_startup_naming_the_flag() {
          there is no shard identity to check"
     );
     // Server TLS without client certificates is not mTLS either.
-    let pki = pki();
-    let err = startup_error(&[
-        format!("--tls-cert={}", pki.join("server.pem").display()),
-        format!("--tls-key={}", pki.join("server-key.pem").display()),
-        "--shard-identity=enforce".to_owned(),
-    ]);
+    let mut server_tls = server_tls_flags();
+    server_tls.push("--shard-identity=enforce".to_owned());
+    let err = startup_error(&server_tls);
     assert!(
         err.starts_with("--shard-identity=enforce needs mTLS"),
         "{err}"
@@ -162,12 +170,7 @@ fn shard_identity_without_mtls_fails_startup_naming_the_flag() {
 
 #[test]
 fn startup_announces_the_shard_identity_mode_and_warns_when_it_is_not_enforced() {
-    let pki = pki();
-    let mtls = [
-        format!("--tls-cert={}", pki.join("server.pem").display()),
-        format!("--tls-key={}", pki.join("server-key.pem").display()),
-        format!("--tls-ca={}", pki.join("ca.pem").display()),
-    ];
+    let mtls = mtls_flags();
     let log = startup_log(&mtls, false);
     assert!(
         !log.contains("--shard-identity="),

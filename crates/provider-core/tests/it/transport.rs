@@ -92,18 +92,27 @@ async fn refused(server: &TestServer, security: ClientSecurity) {
     }
 }
 
-#[tokio::test]
-async fn insecure_serves_plaintext_with_health_and_reflection() {
-    let server = harness::start(TestBackend::instant(2), ServerSecurity::Insecure).await;
-    serves(&server, ClientSecurity::Plaintext).await;
-    refused(&server, ClientSecurity::Tls).await;
-    let services = reflected_services(&server).await;
-    for wanted in [fleet_proto::SERVICE_NAME, "grpc.health.v1.Health"] {
+/// The server's reflection lists each of `wanted`.
+async fn assert_reflected(server: &TestServer, wanted: &[&str]) {
+    let services = reflected_services(server).await;
+    for wanted in wanted {
         assert!(
             services.iter().any(|s| s == wanted),
             "{wanted} not in {services:?}"
         );
     }
+}
+
+#[tokio::test]
+async fn insecure_serves_plaintext_with_health_and_reflection() {
+    let server = harness::start(TestBackend::instant(2), ServerSecurity::Insecure).await;
+    serves(&server, ClientSecurity::Plaintext).await;
+    refused(&server, ClientSecurity::Tls).await;
+    assert_reflected(
+        &server,
+        &[fleet_proto::SERVICE_NAME, "grpc.health.v1.Health"],
+    )
+    .await;
     server.stop().await;
 }
 
@@ -116,8 +125,7 @@ async fn tls_serves_clients_that_trust_the_ca() {
     refused(&server, ClientSecurity::Plaintext).await;
     // The server proves itself with the test CA's certificate, nothing else.
     refused(&server, ClientSecurity::TlsOtherRoots).await;
-    let services = reflected_services(&server).await;
-    assert!(services.iter().any(|s| s == fleet_proto::SERVICE_NAME));
+    assert_reflected(&server, &[fleet_proto::SERVICE_NAME]).await;
     server.stop().await;
 }
 
@@ -125,8 +133,7 @@ async fn tls_serves_clients_that_trust_the_ca() {
 async fn mtls_serves_clients_with_a_certificate_of_the_ca() {
     let server = harness::start(TestBackend::instant(2), ServerSecurity::Mtls).await;
     serves(&server, ClientSecurity::Mtls).await;
-    let services = reflected_services(&server).await;
-    assert!(services.iter().any(|s| s == fleet_proto::SERVICE_NAME));
+    assert_reflected(&server, &[fleet_proto::SERVICE_NAME]).await;
     server.stop().await;
 }
 
