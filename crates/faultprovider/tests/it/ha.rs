@@ -327,6 +327,21 @@ fn start_load(load: &Arc<Load>) -> Vec<tokio::task::JoinHandle<()>> {
         .collect()
 }
 
+/// Starts the load on `replicas` and waits until it has `acks` acknowledgements: the load and
+/// its tasks.
+async fn load_running(
+    replicas: &[Provider],
+    acks: usize,
+) -> (Arc<Load>, Vec<tokio::task::JoinHandle<()>>) {
+    let load = Load::new(replicas);
+    let tasks = start_load(&load);
+    let started = Instant::now();
+    while acks_since(&load, started) < acks {
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    (load, tasks)
+}
+
 /// Waits until a replica other than `excluding` acknowledges a mutation after `since`; the
 /// time it took.
 async fn first_ack_after(
@@ -595,9 +610,24 @@ async fn check(
     }
 }
 
+/// A fresh three-member etcd cluster, its state URL for `prefix`, and three replicas on it, the
+/// first of which leads.
+async fn three_on_a_new_cluster(prefix: &str, ttl: &str) -> (Cluster, String, Vec<Provider>) {
+    let cluster = blocking(|| Cluster::start(3));
+    let state = cluster.state(prefix);
+    let replicas = three(&state, ttl).await;
+    (cluster, state, replicas)
+}
+
 /// Three replicas on `prefix`, the first of which leads.
 async fn three(state: &str, ttl: &str) -> Vec<Provider> {
-    let first = start_replica(state, "replica-0", ttl).await;
+    three_over(state, state, ttl).await
+}
+
+/// Three replicas, the first of which leads on `first_state`, the others on `state` (the same
+/// etcd prefix, reached another way).
+async fn three_over(first_state: &str, state: &str, ttl: &str) -> Vec<Provider> {
+    let first = start_replica(first_state, "replica-0", ttl).await;
     assert_eq!(
         leader(std::slice::from_ref(&first), Duration::from_secs(10)).await,
         0
@@ -611,9 +641,7 @@ async fn three(state: &str, ttl: &str) -> Vec<Provider> {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn kill_9_of_the_leader_under_load_loses_nothing() {
-    let cluster = blocking(|| Cluster::start(3));
-    let state = cluster.state("/bigfleet/ha-kill");
-    let replicas = three(&state, TTL).await;
+    let (cluster, state, replicas) = three_on_a_new_cluster("/bigfleet/ha-kill", TTL).await;
     let _logs = LogsOnFailure(&replicas);
     // Standbys answer UNAVAILABLE to every RPC and fail readiness.
     for standby in &replicas[1..] {
@@ -638,12 +666,7 @@ async fn kill_9_of_the_leader_under_load_loses_nothing() {
             tonic_health::pb::health_check_response::ServingStatus::NotServing
         );
     }
-    let load = Load::new(&replicas);
-    let tasks = start_load(&load);
-    let started = Instant::now();
-    while acks_since(&load, started) < 40 {
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
+    let (load, tasks) = load_running(&replicas, 40).await;
     let killed = Instant::now();
     replicas[0].signal("KILL").expect("kill -9");
     let takeover = first_ack_after(&load, killed, Some(0), Duration::from_secs(15)).await;
@@ -674,16 +697,9 @@ async fn kill_9_of_the_leader_under_load_loses_nothing() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_leader_paused_past_its_lease_commits_nothing_and_steps_down() {
-    let cluster = blocking(|| Cluster::start(3));
-    let state = cluster.state("/bigfleet/ha-stop");
-    let replicas = three(&state, TTL).await;
+    let (cluster, state, replicas) = three_on_a_new_cluster("/bigfleet/ha-stop", TTL).await;
     let _logs = LogsOnFailure(&replicas);
-    let load = Load::new(&replicas);
-    let tasks = start_load(&load);
-    let started = Instant::now();
-    while acks_since(&load, started) < 40 {
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
+    let (load, tasks) = load_running(&replicas, 40).await;
     replicas[0].signal("STOP").expect("SIGSTOP");
     // Taken once `kill` returned, so a request sent later cannot have reached the leader before
     // it stopped.
@@ -761,12 +777,7 @@ async fn etcd_losing_a_member_serves_on_and_losing_all_refuses_then_recovers() {
     let state = cluster.state("/bigfleet/ha-etcd");
     let replicas = three(&state, DEFAULT_TTL).await;
     let _logs = LogsOnFailure(&replicas);
-    let load = Load::new(&replicas);
-    let tasks = start_load(&load);
-    let started = Instant::now();
-    while acks_since(&load, started) < 30 {
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
+    let (load, tasks) = load_running(&replicas, 30).await;
     // One member (the etcd leader, the hardest case) down: service continues.
     let member = cluster.leader().await;
     cluster.members[member].kill();
@@ -869,15 +880,8 @@ async fn etcd_losing_a_member_serves_on_and_losing_all_refuses_then_recovers() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_rolling_restart_of_every_replica_under_load_loses_nothing() {
-    let cluster = blocking(|| Cluster::start(3));
-    let state = cluster.state("/bigfleet/ha-roll");
-    let mut replicas = three(&state, TTL).await;
-    let load = Load::new(&replicas);
-    let tasks = start_load(&load);
-    let started = Instant::now();
-    while acks_since(&load, started) < 20 {
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
+    let (cluster, state, mut replicas) = three_on_a_new_cluster("/bigfleet/ha-roll", TTL).await;
+    let (load, tasks) = load_running(&replicas, 20).await;
     // Standbys first, the leader last, as a Deployment's rolling update may do it.
     let leading = leader(&replicas, Duration::from_secs(5)).await;
     let mut order: Vec<usize> = (0..3).filter(|i| *i != leading).collect();
@@ -967,9 +971,7 @@ impl Drop for Service {
 /// old connection until it ages out.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_client_of_a_leader_that_steps_down_reconnects_to_the_new_leader() {
-    let cluster = blocking(|| Cluster::start(3));
-    let state = cluster.state("/bigfleet/ha-move");
-    let replicas = three(&state, TTL).await;
+    let (cluster, _, replicas) = three_on_a_new_cluster("/bigfleet/ha-move", TTL).await;
     let _logs = LogsOnFailure(&replicas);
     let service = Service::start(replicas[0].grpc).await;
     let channel = wire::endpoint(
@@ -1203,6 +1205,18 @@ impl Drop for Partition {
 }
 
 /// Copies bytes one way until either side closes; drops them once `cut`.
+/// A [`Partition`] in front of each member of `cluster`, and the state `prefix` as reached
+/// through them.
+async fn behind_partitions(cluster: &Cluster, prefix: &str) -> (Vec<Partition>, String) {
+    let mut partitions = Vec::new();
+    for member in &cluster.members {
+        partitions.push(Partition::start(&member.client).await);
+    }
+    let through: Vec<String> = partitions.iter().map(|p| p.addr.to_string()).collect();
+    let cut_off = format!("etcd://{}{prefix}", through.join(","));
+    (partitions, cut_off)
+}
+
 async fn pump(
     mut from: tokio::net::tcp::OwnedReadHalf,
     mut to: tokio::net::tcp::OwnedWriteHalf,
@@ -1232,22 +1246,8 @@ async fn pump(
 async fn a_leader_cut_off_from_etcd_stops_answering_reads_while_another_leads() {
     let cluster = blocking(|| Cluster::start(3));
     let prefix = "/bigfleet/ha-cut";
-    let direct = cluster.state(prefix);
-    let mut partitions = Vec::new();
-    for member in &cluster.members {
-        partitions.push(Partition::start(&member.client).await);
-    }
-    let through: Vec<String> = partitions.iter().map(|p| p.addr.to_string()).collect();
-    let cut_off = format!("etcd://{}{prefix}", through.join(","));
-    let first = start_replica(&cut_off, "replica-0", TTL).await;
-    assert_eq!(
-        leader(std::slice::from_ref(&first), Duration::from_secs(10)).await,
-        0
-    );
-    let mut replicas = vec![first];
-    for i in 1..3 {
-        replicas.push(start_replica(&direct, &format!("replica-{i}"), TTL).await);
-    }
+    let (partitions, cut_off) = behind_partitions(&cluster, prefix).await;
+    let replicas = three_over(&cut_off, &cluster.state(prefix), TTL).await;
     let _logs = LogsOnFailure(&replicas);
     let mut old = client(&replicas[0]);
     let get = || pb::MachineRef {
@@ -1363,9 +1363,7 @@ type Answers = Arc<Mutex<Vec<(String, String, usize, Instant)>>>;
 /// machines.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn retries_across_a_kill_of_the_leader_keep_the_first_acknowledged_operation_id() {
-    let cluster = blocking(|| Cluster::start(3));
-    let state = cluster.state("/bigfleet/ha-retry");
-    let replicas = three(&state, TTL).await;
+    let (cluster, _, replicas) = three_on_a_new_cluster("/bigfleet/ha-retry", TTL).await;
     let _logs = LogsOnFailure(&replicas);
     let clients: Arc<Vec<CapacityProviderClient<Channel>>> =
         Arc::new(replicas.iter().map(client).collect());
@@ -1490,16 +1488,9 @@ async fn retries_across_a_kill_of_the_leader_keep_the_first_acknowledged_operati
 /// full list a cursor of an earlier term yields), never silently skipping one.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_list_cursor_from_before_a_kill_misses_no_change_on_the_new_leader() {
-    let cluster = blocking(|| Cluster::start(3));
-    let state = cluster.state("/bigfleet/ha-cursor");
-    let replicas = three(&state, TTL).await;
+    let (cluster, _, replicas) = three_on_a_new_cluster("/bigfleet/ha-cursor", TTL).await;
     let _logs = LogsOnFailure(&replicas);
-    let load = Load::new(&replicas);
-    let tasks = start_load(&load);
-    let started = Instant::now();
-    while acks_since(&load, started) < 30 {
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
+    let (load, tasks) = load_running(&replicas, 30).await;
     let mut old = client(&replicas[0]);
     let at_cursor = old
         .list(pb::ListFilter::default())
@@ -1586,9 +1577,7 @@ async fn a_list_cursor_from_before_a_kill_misses_no_change_on_the_new_leader() {
 /// search changes nothing.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_configure_at_the_etcd_size_limit_commits_and_one_over_is_invalid_argument() {
-    let cluster = blocking(|| Cluster::start(3));
-    let state = cluster.state("/bigfleet/ha-limit");
-    let replicas = three(&state, DEFAULT_TTL).await;
+    let (cluster, _, replicas) = three_on_a_new_cluster("/bigfleet/ha-limit", DEFAULT_TTL).await;
     let _logs = LogsOnFailure(&replicas);
     let mut leader = client(&replicas[0]);
     let channel = wire::endpoint(
@@ -1737,22 +1726,8 @@ async fn a_configure_at_the_etcd_size_limit_commits_and_one_over_is_invalid_argu
 async fn a_retry_on_a_leader_whose_commit_hangs_is_answered_only_once_durable() {
     let cluster = blocking(|| Cluster::start(3));
     let prefix = "/bigfleet/ha-hang";
-    let direct = cluster.state(prefix);
-    let mut partitions = Vec::new();
-    for member in &cluster.members {
-        partitions.push(Partition::start(&member.client).await);
-    }
-    let through: Vec<String> = partitions.iter().map(|p| p.addr.to_string()).collect();
-    let cut_off = format!("etcd://{}{prefix}", through.join(","));
-    let first = start_replica(&cut_off, "replica-0", TTL).await;
-    assert_eq!(
-        leader(std::slice::from_ref(&first), Duration::from_secs(10)).await,
-        0
-    );
-    let mut replicas = vec![first];
-    for i in 1..3 {
-        replicas.push(start_replica(&direct, &format!("replica-{i}"), TTL).await);
-    }
+    let (partitions, cut_off) = behind_partitions(&cluster, prefix).await;
+    let replicas = three_over(&cut_off, &cluster.state(prefix), TTL).await;
     let _logs = LogsOnFailure(&replicas);
     let id = "fault-spec-000";
     let zero = || (String::new(), 0, 0);

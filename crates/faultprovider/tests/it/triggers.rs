@@ -12,6 +12,7 @@ use tokio::time::Instant;
 use tonic::Code;
 use tonic_health::pb::health_check_response::ServingStatus;
 
+use crate::provider_process::Provider;
 use crate::wire::{self, Caller, acked, expect_status, state_of};
 use crate::{caller, start};
 
@@ -30,6 +31,32 @@ const SLACK: Duration = Duration::from_millis(150);
 async fn idle(caller: &mut Caller, id: &str) -> pb::Machine {
     caller.create(id).await.expect("Create");
     caller.wait_for_state(id, Idle, SETTLE).await.expect("Idle")
+}
+
+/// A provider of its own (`--transition-timeout 1s`) with `id` created and Idle: the provider,
+/// a caller and the Idle record.
+async fn idle_on_a_provider(id: &str) -> (Provider, Caller, pb::Machine) {
+    let provider = start(TIMEOUT_FLAG).await;
+    let mut caller = caller(&provider).await;
+    let machine = idle(&mut caller, id).await;
+    (provider, caller, machine)
+}
+
+/// A Configure of `id` into `cluster` that ends FAILED, with only Configuring seen on the way
+/// (within the deadline and [`SETTLE`]): the FAILED record, when the Configure was accepted and
+/// when it was first seen FAILED.
+async fn configure_until_failed(
+    caller: &mut Caller,
+    id: &str,
+    cluster: &str,
+) -> (pb::Machine, Instant, Instant) {
+    let accepted = Instant::now();
+    caller
+        .configure(id, cluster, HashMap::new())
+        .await
+        .expect("Configure");
+    let (failed, at) = until_failed(caller, id, Configuring, TIMEOUT + SETTLE).await;
+    (failed, accepted, at)
 }
 
 /// Polls Get until FAILED, asserting on the way that the machine only ever shows `allowed`.
@@ -104,10 +131,9 @@ async fn create_fault_fails_the_create() {
 
 #[tokio::test]
 async fn fault_error_fails_the_configure_at_once() {
-    let provider = start(TIMEOUT_FLAG).await;
-    let mut caller = caller(&provider).await;
     let id = "fault-spec-001";
-    let host = idle(&mut caller, id).await.host;
+    let (_provider, mut caller, machine) = idle_on_a_provider(id).await;
+    let host = machine.host;
     let metadata = HashMap::from([("k".to_owned(), "v".to_owned())]);
     let accepted = Instant::now();
     let ack = caller
@@ -134,16 +160,9 @@ async fn fault_error_fails_the_configure_at_once() {
 
 #[tokio::test]
 async fn fault_timeout_fails_the_configure_at_the_deadline() {
-    let provider = start(TIMEOUT_FLAG).await;
-    let mut caller = caller(&provider).await;
     let id = "fault-spec-002";
-    idle(&mut caller, id).await;
-    let accepted = Instant::now();
-    caller
-        .configure(id, "fault-timeout", HashMap::new())
-        .await
-        .unwrap();
-    let (failed, at) = until_failed(&mut caller, id, Configuring, TIMEOUT + SETTLE).await;
+    let (_provider, mut caller, _) = idle_on_a_provider(id).await;
+    let (failed, accepted, at) = configure_until_failed(&mut caller, id, "fault-timeout").await;
     assert!(
         at - accepted >= TIMEOUT - SLACK,
         "failed before the deadline: {:?}",
@@ -155,16 +174,9 @@ async fn fault_timeout_fails_the_configure_at_the_deadline() {
 
 #[tokio::test]
 async fn a_late_success_after_the_deadline_is_discarded() {
-    let provider = start(TIMEOUT_FLAG).await;
-    let mut caller = caller(&provider).await;
     let id = "fault-spec-003";
-    idle(&mut caller, id).await;
-    let accepted = Instant::now();
-    caller
-        .configure(id, "fault-slow-ok", HashMap::new())
-        .await
-        .unwrap();
-    let (failed, _) = until_failed(&mut caller, id, Configuring, TIMEOUT + SETTLE).await;
+    let (_provider, mut caller, _) = idle_on_a_provider(id).await;
+    let (failed, accepted, _) = configure_until_failed(&mut caller, id, "fault-slow-ok").await;
     assert_eq!(failed.last_error, CONFIGURE_TIMED_OUT);
     let head = caller
         .list(pb::ListFilter::default())
@@ -190,17 +202,11 @@ async fn a_late_success_after_the_deadline_is_discarded() {
 
 #[tokio::test]
 async fn readiness_block_holds_configuring_then_fails_never_configured() {
-    let provider = start(TIMEOUT_FLAG).await;
-    let mut caller = caller(&provider).await;
     let id = "fault-spec-004";
-    idle(&mut caller, id).await;
-    let accepted = Instant::now();
-    caller
-        .configure(id, "fault-readiness-block", HashMap::new())
-        .await
-        .unwrap();
+    let (_provider, mut caller, _) = idle_on_a_provider(id).await;
     // until_failed asserts every observation on the way is Configuring, never Configured.
-    let (failed, at) = until_failed(&mut caller, id, Configuring, TIMEOUT + SETTLE).await;
+    let (failed, accepted, at) =
+        configure_until_failed(&mut caller, id, "fault-readiness-block").await;
     assert!(
         at - accepted >= TIMEOUT - SLACK,
         "failed before the deadline: {:?}",
@@ -212,10 +218,8 @@ async fn readiness_block_holds_configuring_then_fails_never_configured() {
 
 #[tokio::test]
 async fn fault_drain_error_fails_the_drain() {
-    let provider = start(TIMEOUT_FLAG).await;
-    let mut caller = caller(&provider).await;
     let id = "fault-spec-005";
-    idle(&mut caller, id).await;
+    let (_provider, mut caller, _) = idle_on_a_provider(id).await;
     caller
         .configure(id, "fault-drain-error", HashMap::new())
         .await
@@ -237,10 +241,8 @@ async fn fault_drain_error_fails_the_drain() {
 
 #[tokio::test]
 async fn mutations_on_failed_are_internal_and_change_nothing() {
-    let provider = start(TIMEOUT_FLAG).await;
-    let mut caller = caller(&provider).await;
     let id = "fault-spec-000";
-    idle(&mut caller, id).await;
+    let (_provider, mut caller, _) = idle_on_a_provider(id).await;
     caller
         .configure(id, "fault-error", HashMap::new())
         .await

@@ -307,15 +307,11 @@ async fn reads_pass_for_an_admin_certificate_and_its_mutations_do_not() {
 async fn the_zero_token_gets_no_exemption() {
     let ca = ClientCa::new();
     let server = harness::start_mtls(TestBackend::instant(2), &ca.path(), None).await;
+    let (id, zero) = (machine_id(0), token("", 0, 0));
     let mut shard = shard_client(&server, &ca).await;
-    let status = mutate(
-        &mut shard,
-        OperationKind::Create,
-        &machine_id(0),
-        token("", 0, 0),
-    )
-    .await
-    .expect_err("refused");
+    let status = mutate(&mut shard, OperationKind::Create, &id, zero.clone())
+        .await
+        .expect_err("refused");
     assert_eq!(status.code(), Code::PermissionDenied, "{status:?}");
     assert!(
         status.message().contains("shard_id \"\""),
@@ -323,13 +319,8 @@ async fn the_zero_token_gets_no_exemption() {
         status.message()
     );
     let mut empty = client_as(&server, ca.client(&["uri:bigfleet://shard/"])).await;
-    mutate(
-        &mut empty,
-        OperationKind::Create,
-        &machine_id(0),
-        token("", 0, 0),
-    )
-    .await
-    .expect("bigfleet://shard/ proves the empty shard id");
+    mutate(&mut empty, OperationKind::Create, &id, zero)
+        .await
+        .expect("bigfleet://shard/ proves the empty shard id");
     server.stop().await;
 }
