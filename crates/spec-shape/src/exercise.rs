@@ -91,6 +91,11 @@ impl Exercise {
         self.call("GET", template, path, None, status).await
     }
 
+    /// [`Exercise::call`] of `DELETE path` without a body.
+    pub async fn delete(&mut self, template: &str, path: &str, status: u16) -> Value {
+        self.call("DELETE", template, path, None, status).await
+    }
+
     /// Asserts that every operation of the document was answered at least once and that no
     /// answer had a problem.
     pub fn assert_complete(&self) {

@@ -23,6 +23,11 @@ impl LogCapture {
     pub fn text(&self) -> String {
         String::from_utf8_lossy(&self.0.lock().unwrap()).into_owned()
     }
+
+    /// How many times `needle` was logged so far.
+    pub fn count(&self, needle: &str) -> usize {
+        self.text().matches(needle).count()
+    }
 }
 
 impl std::io::Write for LogCapture {

@@ -140,11 +140,7 @@ async fn a_region_closed_to_new_droplets_withdraws_its_offerings_until_it_reopen
 async fn a_sold_out_size_and_the_droplet_limit_answer_as_digitalocean_does() {
     let env = Env::start().await;
     env.emulator.set_sold_out("s-2vcpu-4gb", REGION, true);
-    let err = env
-        .cloud
-        .create_host(&machine(0), &ctx(Duration::from_secs(10)))
-        .await
-        .unwrap_err();
+    let err = env.create_fails(&machine(0), 10).await;
     assert!(err.0.contains("422"), "{err}");
     assert!(
         err.0.contains("Size is not available in this region."),
@@ -152,15 +148,8 @@ async fn a_sold_out_size_and_the_droplet_limit_answer_as_digitalocean_does() {
     );
     env.emulator.set_sold_out("s-2vcpu-4gb", REGION, false);
     env.emulator.set_droplet_limit(1);
-    env.cloud
-        .create_host(&machine(1), &ctx(Duration::from_secs(10)))
-        .await
-        .unwrap();
-    let err = env
-        .cloud
-        .create_host(&machine(2), &ctx(Duration::from_secs(10)))
-        .await
-        .unwrap_err();
+    env.create_host(&machine(1), 10).await;
+    let err = env.create_fails(&machine(2), 10).await;
     assert!(err.0.contains("will exceed your droplet limit"), "{err}");
 }
 

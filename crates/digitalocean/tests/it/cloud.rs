@@ -15,11 +15,7 @@ async fn a_create_whose_response_is_lost_adopts_the_droplet() {
     let env = Env::start().await;
     env.emulator.drop_create_responses(1);
     let m = machine(0);
-    let host = env
-        .cloud
-        .create_host(&m, &ctx(Duration::from_secs(20)))
-        .await
-        .unwrap();
+    let host = env.create_host(&m, 20).await;
     assert_eq!(
         env.emulator.create_requests(),
         1,
@@ -28,11 +24,7 @@ async fn a_create_whose_response_is_lost_adopts_the_droplet() {
     assert_eq!(env.emulator.droplets().len(), 1);
     assert_eq!(env.emulator.droplets()[0].id.to_string(), host.id);
     // A re-dispatched create (e.g. after a restart) adopts as well.
-    let again = env
-        .cloud
-        .create_host(&m, &ctx(Duration::from_secs(20)))
-        .await
-        .unwrap();
+    let again = env.create_host(&m, 20).await;
     assert_eq!(again.id, host.id);
     assert_eq!(env.emulator.create_requests(), 1);
 }
@@ -54,11 +46,7 @@ async fn rate_limits_and_server_errors_are_retried_without_double_provisioning()
             retry_after: None,
         },
     );
-    let host = env
-        .cloud
-        .create_host(&machine(0), &ctx(Duration::from_secs(20)))
-        .await
-        .unwrap();
+    let host = env.create_host(&machine(0), 20).await;
     assert_eq!(env.emulator.droplets().len(), 1);
     assert_eq!(env.emulator.droplets()[0].id.to_string(), host.id);
     let requests = env.emulator.requests();
@@ -81,11 +69,7 @@ async fn a_rejected_create_fails_with_the_api_message() {
     let env = Env::start().await;
     let mut m = machine(0);
     m.instance_type = "s-99vcpu-1tb".into();
-    let err = env
-        .cloud
-        .create_host(&m, &ctx(Duration::from_secs(5)))
-        .await
-        .unwrap_err();
+    let err = env.create_fails(&m, 5).await;
     assert_eq!(
         err.0,
         "create droplet s-99vcpu-1tb: POST /v2/droplets: HTTP 422: unprocessable_entity You specified an invalid size for Droplet creation."
@@ -98,11 +82,7 @@ async fn a_foreign_region_is_refused_before_any_api_call() {
     let env = Env::start().await;
     let mut m = machine(0);
     m.zone = "sfo3".into();
-    let err = env
-        .cloud
-        .create_host(&m, &ctx(Duration::from_secs(5)))
-        .await
-        .unwrap_err();
+    let err = env.create_fails(&m, 5).await;
     assert_eq!(
         err.0,
         "create droplet: offering region \"sfo3\" does not match this provider's region \"nyc3\""
@@ -114,11 +94,7 @@ async fn a_foreign_region_is_refused_before_any_api_call() {
 async fn create_waits_for_active_and_fails_fast_when_the_droplet_vanishes() {
     let env = Env::start().await;
     env.emulator.set_active_after_polls(4);
-    let host = env
-        .cloud
-        .create_host(&machine(0), &ctx(Duration::from_secs(20)))
-        .await
-        .unwrap();
+    let host = env.create_host(&machine(0), 20).await;
     assert!(host.running);
     assert_eq!(
         env.emulator
@@ -153,11 +129,7 @@ async fn create_waits_for_active_and_fails_fast_when_the_droplet_vanishes() {
 async fn waiting_for_active_gives_up_at_the_deadline() {
     let env = Env::start().await;
     env.emulator.set_active_after_polls(1_000_000);
-    let err = env
-        .cloud
-        .create_host(&machine(0), &ctx(Duration::from_secs(2)))
-        .await
-        .unwrap_err();
+    let err = env.create_fails(&machine(0), 2).await;
     assert!(
         err.0
             .contains("to become active: context deadline exceeded (last: status \"new\""),

@@ -28,11 +28,7 @@ async fn full_lifecycle_with_the_real_agent() {
     let mut m = machine(0);
 
     // Create: one Droplet in the region, named from the machine id, with the ownership tags.
-    let host = env
-        .cloud
-        .create_host(&m, &ctx(Duration::from_secs(20)))
-        .await
-        .unwrap();
+    let host = env.create_host(&m, 20).await;
     assert!(host.running);
     assert_eq!(host.machine_id, m.id);
     assert_eq!(host.zone, REGION);
@@ -278,11 +274,7 @@ async fn an_agent_restarted_mid_command_never_runs_it_twice() {
     let env = Env::start().await;
     let m = machine(3);
     // The agent enrolls from the machine's Droplet, with the one-time token of its user_data.
-    let host = env
-        .cloud
-        .create_host(&m, &ctx(Duration::from_secs(20)))
-        .await
-        .unwrap();
+    let host = env.create_host(&m, 20).await;
     let droplet = env.emulator.droplet(host.id.parse().unwrap()).unwrap();
     let user_data: serde_json::Value =
         serde_json::from_str(&agent_config_from_user_data(&droplet.user_data)).unwrap();
@@ -390,10 +382,7 @@ async fn engine(
 async fn a_droplet_skipped_by_a_shifting_paged_listing_is_not_declared_vanished() {
     let env = Env::start().await;
     for i in 0..6 {
-        env.cloud
-            .create_host(&machine(i), &ctx(Duration::from_secs(20)))
-            .await
-            .unwrap();
+        env.create_host(&machine(i), 20).await;
     }
     let engine = engine(&env, 6, Duration::from_secs(30)).await;
     let ids: Vec<String> = (0..6).map(|i| machine(i).id).collect();

@@ -111,11 +111,7 @@ async fn the_check_reads_the_actions_since_the_last_one() {
     let env = Env::start().await;
     let mut hosts = Vec::new();
     for i in 0..3 {
-        let host = env
-            .cloud
-            .create_host(&machine(i), &ctx(Duration::from_secs(20)))
-            .await
-            .unwrap();
+        let host = env.create_host(&machine(i), 20).await;
         hosts.push(host.id);
     }
     let check = || async { env.cloud.inventory_changed().await.unwrap() };

@@ -161,10 +161,7 @@ async fn without_settings_the_create_body_is_as_before() {
         profiles["s-2vcpu-4gb"].image,
         digitalocean::api::ImageRef::Slug("ubuntu-24-04-x64".into())
     );
-    env.cloud
-        .create_host(&machine(1), &ctx(Duration::from_secs(20)))
-        .await
-        .unwrap();
+    env.create_host(&machine(1), 20).await;
     let body = &env.emulator.create_bodies()[0];
     assert!(
         body.get("vpc_uuid").is_none() && body.get("ssh_keys").is_none(),

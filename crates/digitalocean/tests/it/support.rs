@@ -15,7 +15,8 @@ use digitalocean::enrollment::EnrollmentSource;
 use digitalocean::setup::channel_tls;
 use digitalocean::token::BootstrapSecret;
 use do_emulator::Emulator;
-use provider_core::backend::TransitionContext;
+use provider_core::backend::{BackendError, TransitionContext};
+use provider_core::cloud::{Cloud as _, OwnedHost};
 use provider_core::machine::Machine;
 use provider_core::retry::Backoff;
 use provider_core::telemetry::Telemetry;
@@ -279,6 +280,18 @@ impl Default for EnvOptions {
 impl Env {
     pub async fn start() -> Env {
         Env::start_with(EnvOptions::default()).await
+    }
+
+    /// Creates `machine`'s Droplet within `seconds`, which must succeed.
+    pub async fn create_host(&self, machine: &Machine, seconds: u64) -> OwnedHost {
+        let within = ctx(Duration::from_secs(seconds));
+        self.cloud.create_host(machine, &within).await.unwrap()
+    }
+
+    /// The error of creating `machine`'s Droplet within `seconds`, which must fail.
+    pub async fn create_fails(&self, machine: &Machine, seconds: u64) -> BackendError {
+        let within = ctx(Duration::from_secs(seconds));
+        self.cloud.create_host(machine, &within).await.unwrap_err()
     }
 
     pub async fn start_with(options: EnvOptions) -> Env {

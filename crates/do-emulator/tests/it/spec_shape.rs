@@ -161,11 +161,9 @@ async fn every_answer_of_every_operation_the_provider_calls_validates_against_th
     );
     c.get("/v2/sizes", "/v2/sizes", 503).await;
 
-    c.call("DELETE", one, &format!("/v2/droplets/{id}"), None, 204)
-        .await;
+    c.delete(one, &format!("/v2/droplets/{id}"), 204).await;
     c.get(one, &format!("/v2/droplets/{id}"), 404).await;
-    c.call("DELETE", one, &format!("/v2/droplets/{id}"), None, 404)
-        .await;
+    c.delete(one, &format!("/v2/droplets/{id}"), 404).await;
 
     // Every operation of the excerpt (which holds those the client calls) was answered.
     c.assert_complete();

@@ -169,37 +169,21 @@ async fn every_answer_of_every_operation_the_provider_calls_validates_against_th
     c.get("/server_types", "/server_types", 503).await;
 
     // Deleting answers with the delete action; a server that is gone is 404.
-    c.call(
-        "DELETE",
-        "/servers/{id}",
-        &format!("/servers/{id}"),
-        None,
-        200,
-    )
-    .await;
+    c.delete("/servers/{id}", &format!("/servers/{id}"), 200)
+        .await;
     emulator.delete_out_of_band(id);
     c.get("/servers/{id}", &format!("/servers/{id}"), 404).await;
-    c.call(
-        "DELETE",
-        "/servers/{id}",
-        &format!("/servers/{id}"),
-        None,
-        404,
-    )
-    .await;
-    c.call(
-        "DELETE",
+    c.delete("/servers/{id}", &format!("/servers/{id}"), 404)
+        .await;
+    c.delete(
         "/placement_groups/{id}",
         &format!("/placement_groups/{group}"),
-        None,
         204,
     )
     .await;
-    c.call(
-        "DELETE",
+    c.delete(
         "/placement_groups/{id}",
         &format!("/placement_groups/{group}"),
-        None,
         404,
     )
     .await;
