@@ -90,7 +90,18 @@ const HETZNER_STEADY_SCALE: f64 = 100.0;
 /// share at 1 x 1 over the default 0.5 x 0.2.
 const DIGITALOCEAN_STEADY_SCALE: f64 = 10.0;
 
-impl Cloud {
+/// What this bench knows of a cloud besides its name.
+trait Facts {
+    fn boot(self) -> Duration;
+    fn hourly_limit(self) -> f64;
+    fn metrics_prefix(self) -> &'static str;
+    fn steady_scale(self) -> f64;
+    fn survey_gap(self) -> Duration;
+    fn steady_flags(self) -> Vec<String>;
+    fn steady_conditions(self) -> String;
+}
+
+impl Facts for Cloud {
     /// How long a new server of the cloud takes to boot.
     fn boot(self) -> Duration {
         match self {

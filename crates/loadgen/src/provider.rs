@@ -401,7 +401,7 @@ async fn health(channel: &Channel) -> Result<ServingStatus, tonic::Status> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::bench::args::split_words;
+    use crate::args::split_words;
 
     #[test]
     fn raw_list_reads_the_wire_form_of_machine_list() {

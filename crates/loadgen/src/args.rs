@@ -1,4 +1,5 @@
-//! The `cargo xtask bench` command line, parsed into [`Options`] before anything starts.
+//! The command line of `bigfleet-loadgen` and `cargo xtask bench`, parsed into [`Options`]
+//! before anything starts.
 //! Pure: no I/O, so every rule here has a unit test.
 
 use std::net::{IpAddr, Ipv4Addr, SocketAddr};
@@ -7,13 +8,15 @@ use std::time::Duration;
 
 use anyhow::{Context, Result, bail, ensure};
 
-pub(crate) const USAGE: &str = "\
-usage: cargo xtask bench (--spawn 'CMD ...' | --target HOST:PORT) [options]
+pub const USAGE: &str = "\
+usage: bigfleet-loadgen (--spawn 'CMD ...' | --target HOST:PORT) [options]
+       cargo xtask bench (--spawn 'CMD ...' | --target HOST:PORT) [options]
        cargo xtask bench --scenario cloud-budget [--cloud NAME[,NAME]] [--hosts N,N,...]
                          [--runs KIND[,KIND]] [--providers DIR] [--json] [--json-out PATH]
 
 A load generator for any bigfleet.v1alpha1.CapacityProvider endpoint on loopback; and, with
---scenario cloud-budget, a count of the cloud API requests the providers' real backends send.
+--scenario cloud-budget (cargo xtask bench only: it needs the repository), a count of the
+cloud API requests the providers' real backends send.
 
 Endpoint (exactly one):
   --spawn 'CMD ...'       start the provider: the tool appends `--addr 127.0.0.1:<free port>`
@@ -78,7 +81,7 @@ Durations take 500ms, 5s, 2m or plain seconds.";
 
 /// A scenario of the benchmark (beyond.md section 10).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
-pub(crate) enum Scenario {
+pub enum Scenario {
     Get,
     List,
     ListFiltered,
@@ -91,7 +94,7 @@ pub(crate) enum Scenario {
 }
 
 impl Scenario {
-    pub(crate) const ALL: [Scenario; 9] = [
+    pub const ALL: [Scenario; 9] = [
         Scenario::Get,
         Scenario::List,
         Scenario::ListFiltered,
@@ -103,7 +106,7 @@ impl Scenario {
         Scenario::Takeover,
     ];
 
-    pub(crate) fn name(self) -> &'static str {
+    pub fn name(self) -> &'static str {
         match self {
             Scenario::Get => "get",
             Scenario::List => "list",
@@ -125,7 +128,7 @@ impl Scenario {
     }
 
     /// Whether the scenario needs to start the provider itself.
-    pub(crate) fn needs_spawn(self) -> bool {
+    pub fn needs_spawn(self) -> bool {
         matches!(
             self,
             Scenario::Durable | Scenario::Startup | Scenario::Etcd | Scenario::Takeover
@@ -133,19 +136,19 @@ impl Scenario {
     }
 
     /// Whether its inventory is `--inventory` (one size) rather than every `--seeds` size.
-    pub(crate) fn uses_inventory(self) -> bool {
+    pub fn uses_inventory(self) -> bool {
         matches!(self, Scenario::Get | Scenario::Mixed)
     }
 
     /// Whether its spawned provider runs with `--state`.
-    pub(crate) fn durable(self) -> bool {
+    pub fn durable(self) -> bool {
         matches!(self, Scenario::Durable | Scenario::Mixed)
     }
 }
 
 /// Client-side TLS material.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
-pub(crate) struct Tls {
+pub struct Tls {
     pub ca: PathBuf,
     pub identity: Option<(PathBuf, PathBuf)>,
     pub domain: String,
@@ -153,7 +156,7 @@ pub(crate) struct Tls {
 
 /// Which provider the load goes to.
 #[derive(Clone, Debug, PartialEq, Eq)]
-pub(crate) enum Endpoint {
+pub enum Endpoint {
     /// A running provider; `pid` enables /proc figures.
     Target { addr: SocketAddr, pid: Option<u32> },
     /// A command line to start (program first), and optionally a second one to compare with.
@@ -164,7 +167,7 @@ pub(crate) enum Endpoint {
 }
 
 #[derive(Clone, Debug, PartialEq)]
-pub(crate) struct Options {
+pub struct Options {
     pub endpoint: Endpoint,
     pub tls: Option<Tls>,
     pub scenarios: Vec<Scenario>,
@@ -187,7 +190,7 @@ pub(crate) struct Options {
 
 /// What the command line asked for: options, or the usage text.
 #[derive(Debug, PartialEq)]
-pub(crate) enum Parsed {
+pub enum Parsed {
     Run(Box<Options>),
     /// `--scenario cloud-budget`, which starts its own emulators and providers.
     CloudBudget(CloudBudget),
@@ -195,11 +198,11 @@ pub(crate) enum Parsed {
 }
 
 /// The name of the scenario that counts cloud API requests ([`CloudBudget`]).
-pub(crate) const CLOUD_BUDGET: &str = "cloud-budget";
+pub const CLOUD_BUDGET: &str = "cloud-budget";
 
 /// What `--scenario cloud-budget` runs.
 #[derive(Clone, Debug, PartialEq, Eq)]
-pub(crate) struct CloudBudget {
+pub struct CloudBudget {
     pub clouds: Vec<Cloud>,
     /// Owned hosts of the steady-state runs, in order.
     pub hosts: Vec<usize>,
@@ -212,11 +215,11 @@ pub(crate) struct CloudBudget {
 }
 
 /// The kinds of run `--runs` names.
-pub(crate) const CLOUD_BUDGET_RUNS: [&str; 5] = ["walk", "burst", "steady", "crowded", "storm"];
+pub const CLOUD_BUDGET_RUNS: [&str; 5] = ["walk", "burst", "steady", "crowded", "storm"];
 
 impl CloudBudget {
     /// Whether runs of `kind` are part of this report.
-    pub(crate) fn runs(&self, kind: &str) -> bool {
+    pub fn runs(&self, kind: &str) -> bool {
         self.runs.is_empty() || self.runs.iter().any(|r| r == kind)
     }
 }
@@ -238,16 +241,16 @@ const MAX_OWNED_HOSTS: usize = 100_000;
 
 /// A cloud whose real backend `cloud-budget` measures.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
-pub(crate) enum Cloud {
+pub enum Cloud {
     Hetzner,
     DigitalOcean,
 }
 
 impl Cloud {
-    pub(crate) const ALL: [Cloud; 2] = [Cloud::Hetzner, Cloud::DigitalOcean];
+    pub const ALL: [Cloud; 2] = [Cloud::Hetzner, Cloud::DigitalOcean];
 
     /// The name of the cloud and of its provider binary.
-    pub(crate) fn name(self) -> &'static str {
+    pub fn name(self) -> &'static str {
         match self {
             Cloud::Hetzner => "hetzner",
             Cloud::DigitalOcean => "digitalocean",
@@ -269,7 +272,7 @@ const MAX_MACHINES: usize = 1_000_000;
 const MAX_IN_FLIGHT: usize = 4096;
 const MAX_WINDOW: Duration = Duration::from_secs(3600);
 
-pub(crate) fn parse(args: &[String]) -> Result<Parsed> {
+pub fn parse(args: &[String]) -> Result<Parsed> {
     let mut target = None;
     let mut target_pid = None;
     let mut spawn = None;
@@ -573,7 +576,7 @@ fn scenario_list(text: &str) -> Result<Vec<Scenario>> {
 }
 
 /// `500ms`, `5s`, `2m`, or plain seconds (fractions allowed).
-pub(crate) fn parse_duration(text: &str) -> Result<Duration> {
+pub fn parse_duration(text: &str) -> Result<Duration> {
     let text = text.trim();
     let (number, unit) = if let Some(n) = text.strip_suffix("ms") {
         (n, 0.001)
@@ -605,7 +608,7 @@ fn window(name: &str, text: &str) -> Result<Duration> {
 
 /// `HOST:PORT` where HOST is a loopback address or `localhost`: the tool never sends load
 /// anywhere else.
-pub(crate) fn loopback_addr(text: &str) -> Result<SocketAddr> {
+pub fn loopback_addr(text: &str) -> Result<SocketAddr> {
     let (host, port) = text
         .rsplit_once(':')
         .with_context(|| format!("{text:?} is not HOST:PORT"))?;
@@ -637,7 +640,7 @@ fn command_line(name: &str, text: &str) -> Result<Vec<String>> {
 /// needs here: blanks separate, single quotes keep everything, double quotes keep everything
 /// but `\"` and `\\`, a backslash outside quotes escapes the next character. `--x=` stays one
 /// word with an empty value.
-pub(crate) fn split_words(text: &str) -> Result<Vec<String>> {
+pub fn split_words(text: &str) -> Result<Vec<String>> {
     let mut words = Vec::new();
     let mut word = String::new();
     let mut in_word = false;
@@ -698,7 +701,7 @@ pub(crate) fn split_words(text: &str) -> Result<Vec<String>> {
 }
 
 /// The value of `--flag VALUE` or `--flag=VALUE` in a command line, if present.
-pub(crate) fn flag_value<'a>(command: &'a [String], flag: &str) -> Option<&'a str> {
+pub fn flag_value<'a>(command: &'a [String], flag: &str) -> Option<&'a str> {
     let mut words = command.iter();
     while let Some(word) = words.next() {
         if word == flag {

@@ -23,19 +23,15 @@ use tonic_prost::ProstCodec;
 use super::provider::{Provider, list_raw};
 
 /// The flag that turns `xtask bench` into the floor server.
-pub(crate) const FLAG: &str = "--floor-server";
+pub const FLAG: &str = "--floor-server";
 
-/// The command line that starts the floor (the bench appends `--addr` and `--seed-count`),
-/// answering with `machine` (one encoded `Machine`).
-pub(crate) fn command(machine: &[u8]) -> Result<Vec<String>> {
-    let exe = std::env::current_exe().context("locate the bench executable")?;
+/// The command line that starts the floor (the bench appends `--addr` and `--seed-count`):
+/// `program`, the one that runs this tool, answering with `machine` (one encoded `Machine`).
+pub(crate) fn command(program: &[String], machine: &[u8]) -> Vec<String> {
     let hex: String = machine.iter().map(|b| format!("{b:02x}")).collect();
-    Ok(vec![
-        exe.display().to_string(),
-        "bench".into(),
-        FLAG.into(),
-        format!("--machine={hex}"),
-    ])
+    let mut command = program.to_vec();
+    command.extend([FLAG.into(), format!("--machine={hex}")]);
+    command
 }
 
 /// One machine as the provider under test encodes it, so the floor's answers have the same
@@ -256,7 +252,9 @@ mod tests {
 
     #[test]
     fn the_machine_travels_as_hex() {
-        let cmd = command(&[0x0a, 0xff, 0x00]).unwrap();
+        let program = ["xtask".to_owned(), "bench".to_owned()];
+        let cmd = command(&program, &[0x0a, 0xff, 0x00]);
+        assert_eq!(cmd[..3], ["xtask", "bench", FLAG]);
         let hex = cmd[3].strip_prefix("--machine=").unwrap();
         assert_eq!(from_hex(hex).unwrap(), vec![0x0a, 0xff, 0x00]);
         assert!(from_hex("0g").is_err());

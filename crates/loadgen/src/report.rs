@@ -167,7 +167,7 @@ pub(crate) fn lines(runs: &[Run]) -> Vec<Line> {
 }
 
 /// A number with three significant digits, no exponent for ordinary magnitudes.
-pub(crate) fn number(v: f64) -> String {
+pub fn number(v: f64) -> String {
     let a = v.abs();
     if a == 0.0 {
         "0".into()

@@ -185,7 +185,7 @@ pub(crate) fn parse_cpu_model(cpuinfo: &str) -> Option<String> {
 
 /// The machine the bench runs on, for the report.
 #[derive(Clone, Debug)]
-pub(crate) struct Machine {
+pub struct Machine {
     pub cpus: usize,
     pub cpu_model: String,
     pub kernel: String,
@@ -193,7 +193,7 @@ pub(crate) struct Machine {
 }
 
 impl Machine {
-    pub(crate) fn describe() -> Machine {
+    pub fn describe() -> Machine {
         let read = |path: &str| std::fs::read_to_string(path).unwrap_or_default();
         let memory_kib = read("/proc/meminfo")
             .lines()
