@@ -1318,7 +1318,11 @@ fn kill_9_loses_no_acknowledged_mutation() {
             break;
         }
         let mut child = Command::new(&exe)
-            .args(["durable::tests::crash_test_child", "--exact", "--nocapture"])
+            .args([
+                "persistence::durable::tests::crash_test_child",
+                "--exact",
+                "--nocapture",
+            ])
             .env(CHILD_DIR, &dir)
             .env(CHILD_ROUND, round.to_string())
             .stdout(Stdio::piped())

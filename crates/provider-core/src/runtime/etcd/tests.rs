@@ -620,7 +620,11 @@ fn kill_9_loses_no_acknowledged_mutation() {
     let rt = runtime();
     for round in 0..4i64 {
         let mut child = Command::new(&exe)
-            .args(["etcd::tests::crash_test_child", "--exact", "--nocapture"])
+            .args([
+                "runtime::etcd::tests::crash_test_child",
+                "--exact",
+                "--nocapture",
+            ])
             .env(CHILD_STATE, &state)
             .env(CHILD_ROUND, round.to_string())
             .stdout(Stdio::piped())
