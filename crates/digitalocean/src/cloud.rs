@@ -392,7 +392,10 @@ impl DigitalOceanCloud {
                 .await
                 .map_err(|e| format!("create droplet {size}: {e}"))?;
         };
-        // Into the machine's record before anything else is asked of the cloud.
+        // Expected by the out-of-band check from now on, whatever becomes of the Create (the
+        // Droplet exists until a delete), and into the machine's record before anything else
+        // is asked of the cloud.
+        self.ledger.created(&created.id.to_string());
         ctx.record_host(&created.id.to_string())
             .await
             .map_err(|e| e.0)?;
@@ -787,9 +790,6 @@ impl Cloud for DigitalOceanCloud {
     ) -> Result<OwnedHost, BackendError> {
         let start = Instant::now();
         let r = self.create(machine, ctx).await;
-        if let Ok(host) = &r {
-            self.ledger.created(&host.id);
-        }
         self.timed("CreateDroplet", start, r)
     }
 

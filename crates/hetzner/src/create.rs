@@ -291,6 +291,15 @@ impl HetznerCloud {
         }
     }
 
+    /// The cloud named `id` as this Create's server: from now on the out-of-band check expects
+    /// it (whatever becomes of the Create, the server exists until a delete of this process or
+    /// of someone else), and it goes into the machine's record before anything else is asked
+    /// of the cloud.
+    async fn host_named(&self, id: &str, ctx: &TransitionContext) -> Result<(), BackendError> {
+        self.ledger.created(id);
+        ctx.record_host(id).await
+    }
+
     pub(crate) async fn create(
         &self,
         machine: &Machine,
@@ -308,7 +317,7 @@ impl HetznerCloud {
             .map_err(|e| err(format!("look up existing servers: {e}")))?
         {
             tracing::info!(machine = %machine.id, server = existing.id, "adopting the server a previous Create made");
-            ctx.record_host(&existing.id.to_string()).await?;
+            self.host_named(&existing.id.to_string(), ctx).await?;
             self.claim_if_legacy(&existing, deadline)
                 .await
                 .map_err(|e| err(format!("claim server {}: {e}", existing.id)))?;
@@ -411,7 +420,7 @@ impl HetznerCloud {
         };
         tracing::info!(machine = %machine.id, server = created.id, name = %name, "server created");
         // Into the machine's record before anything else is asked of the cloud.
-        ctx.record_host(&created.id.to_string()).await?;
+        self.host_named(&created.id.to_string(), ctx).await?;
         let server = self
             .wait_running(&created, &machine.id, Some(Instant::now()), ctx)
             .await?;

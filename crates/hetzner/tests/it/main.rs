@@ -10,6 +10,7 @@ mod binary;
 mod budget;
 mod catalogue;
 mod etcd_state;
+mod expected_hosts;
 mod faults;
 mod harness;
 mod lifecycle;
