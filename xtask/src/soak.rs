@@ -244,6 +244,20 @@ fn panic_lines(log: &str) -> usize {
 }
 
 impl Process {
+    /// The reconcile survey period the running provider reports on its metrics
+    /// (`<prefix>_reconcile_period_seconds`), if it answers.
+    fn survey_period(&self) -> Option<Duration> {
+        let addr = self.provider.as_ref()?.metrics?;
+        let (_, body) =
+            tokio::task::block_in_place(|| crate::e2e::http_get(addr, "/metrics")).ok()?;
+        body.lines()
+            .filter(|l| l.starts_with("bigfleet_"))
+            .find_map(|l| l.split_once("_reconcile_period_seconds ").map(|(_, v)| v))
+            .and_then(|v| v.trim().parse::<f64>().ok())
+            .filter(|v| v.is_finite() && *v >= 0.0)
+            .map(Duration::from_secs_f64)
+    }
+
     async fn start(spec: Spec) -> Result<Process> {
         let provider = provider_process::start(spec.clone()).await?;
         let channel = provider.default_channel().await?;
@@ -351,9 +365,15 @@ async fn soak(root: &Path, cloud: CloudKind, seed: u64, duration: Duration) -> R
         Err(e) => {
             let logs = process.logs();
             let _ = std::fs::write(dir.join("provider.log"), &logs);
+            // The running provider's metrics (its API budget, its reconcile pace) beside it.
+            if let Some(addr) = process.provider.as_ref().and_then(|p| p.metrics)
+                && let Ok((_, body)) = crate::e2e::http_get(addr, "/metrics")
+            {
+                let _ = std::fs::write(dir.join("metrics.txt"), body);
+            }
             eprintln!(
-                "soak: the provider log is in {}",
-                dir.join("provider.log").display()
+                "soak: the provider log and its metrics are in {}",
+                dir.display()
             );
             let tail: Vec<&str> = logs.lines().rev().take(60).collect();
             let tail: Vec<&str> = tail.into_iter().rev().collect();
@@ -447,6 +467,9 @@ async fn drive(
             next_kill = Instant::now() + duration / (restarts as u32 + 1);
             continue;
         }
+        if let Some(period) = process.survey_period() {
+            checker.survey_period_reported(period);
+        }
         let name = emulated.inject_random(&mut chance);
         tally.add(&format!("fault.{name}"));
     }
@@ -483,11 +506,16 @@ async fn settle_and_check(
         .clone()
         .context("no provider channel at the end")?;
     let mut caller = wire::Caller::new(channel, wire::Shard::new("soak-final", 1));
-    let deadline =
-        Instant::now() + CREATE_TIMEOUT + DELETE_TIMEOUT + ORPHAN_GRACE + RECONCILE_INTERVAL * 10;
+    let settling = Instant::now();
     // Everything settles, and stays settled for an orphan grace plus a few passes.
     let mut quiet_since: Option<Instant> = None;
     loop {
+        // Within what the provider's pace promises: surveys at the floor, or paced to the
+        // budget share it reports.
+        if let Some(period) = process.survey_period() {
+            checker.survey_period_reported(period);
+        }
+        let deadline = settling + check::untracked_bound(checker.survey_period());
         let asked = Instant::now();
         let machines = caller.list_all().await.context("final List")?;
         let busy = machines.iter().any(|m| is_transitional(wire::state_of(m)));
@@ -527,7 +555,7 @@ pub(crate) fn provider_spec(root: &Path, binary: &str, args: Vec<String>) -> Spe
         name: format!("{binary} (soak)"),
         binary: provider_process::target_binary(root, "debug", binary),
         args,
-        metrics: false,
+        metrics: true,
         security: ClientSecurity::Plaintext,
         pki: wire::pki_dir(root),
     }
