@@ -244,13 +244,19 @@ fn panic_lines(log: &str) -> usize {
 }
 
 impl Process {
+    /// The running provider's `/metrics` page, if it answers.
+    fn metrics(&self) -> Option<String> {
+        let addr = self.provider.as_ref()?.metrics?;
+        tokio::task::block_in_place(|| crate::e2e::http_get(addr, "/metrics"))
+            .ok()
+            .map(|(_, body)| body)
+    }
+
     /// The reconcile survey period the running provider reports on its metrics
     /// (`<prefix>_reconcile_period_seconds`), if it answers.
     fn survey_period(&self) -> Option<Duration> {
-        let addr = self.provider.as_ref()?.metrics?;
-        let (_, body) =
-            tokio::task::block_in_place(|| crate::e2e::http_get(addr, "/metrics")).ok()?;
-        body.lines()
+        self.metrics()?
+            .lines()
             .filter(|l| l.starts_with("bigfleet_"))
             .find_map(|l| l.split_once("_reconcile_period_seconds ").map(|(_, v)| v))
             .and_then(|v| v.trim().parse::<f64>().ok())
@@ -366,9 +372,7 @@ async fn soak(root: &Path, cloud: CloudKind, seed: u64, duration: Duration) -> R
             let logs = process.logs();
             let _ = std::fs::write(dir.join("provider.log"), &logs);
             // The running provider's metrics (its API budget, its reconcile pace) beside it.
-            if let Some(addr) = process.provider.as_ref().and_then(|p| p.metrics)
-                && let Ok((_, body)) = crate::e2e::http_get(addr, "/metrics")
-            {
+            if let Some(body) = process.metrics() {
                 let _ = std::fs::write(dir.join("metrics.txt"), body);
             }
             eprintln!(

@@ -419,7 +419,6 @@ impl HetznerCloud {
             }
         };
         tracing::info!(machine = %machine.id, server = created.id, name = %name, "server created");
-        // Into the machine's record before anything else is asked of the cloud.
         self.host_named(&created.id.to_string(), ctx).await?;
         let server = self
             .wait_running(&created, &machine.id, Some(Instant::now()), ctx)
