@@ -23,4 +23,5 @@ mod resume;
 mod scale;
 mod secrets;
 mod ssh_delivery;
+mod stockout;
 mod tofu;
