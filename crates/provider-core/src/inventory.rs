@@ -776,12 +776,21 @@ impl Inventory {
             return false;
         }
         let machine = crate::machine::edit(&mut slot.machine);
-        machine.state = if machine.host.is_none() {
-            MachineState::Speculative
-        } else {
-            MachineState::Failed
-        };
-        machine.last_error = message;
+        match &machine.host {
+            None => {
+                machine.state = MachineState::Speculative;
+                machine.last_error = message;
+            }
+            Some(host) => {
+                machine.state = MachineState::Failed;
+                machine.last_error = format!(
+                    "create: host {} is recorded for this Create, so its slot cannot go back to \
+                     Speculative (release it with `admin failed release`); the cloud then \
+                     refused: {message}",
+                    host.id
+                );
+            }
+        }
         drop(slot);
         self.touch(machine_id, changes);
         changes.push(self.counters());

@@ -166,8 +166,13 @@ impl Checker {
                     m.id
                 );
             }
-            // A stockout or the account's limit returns the slot: it never fails a machine.
-            if state == pb::MachineState::Failed && by_capacity(&m.last_error) {
+            // A stockout or the account's limit returns the slot: it never fails a machine
+            // (one holding the host its Create recorded fails for that host, as any Create
+            // that made something).
+            if state == pb::MachineState::Failed
+                && host_of(m).is_none()
+                && by_capacity(&m.last_error)
+            {
                 bail!(
                     "{} is FAILED by a stockout or the account's limit (last_error {:?})",
                     m.id,

@@ -870,9 +870,14 @@ fn a_refused_create_returns_its_slot_to_speculative_only_without_a_host() {
     };
     inv.record_created_host("m-2", &second, host, &mut changes);
     assert!(inv.return_created("m-2", &second, "stockout: y".into(), &mut changes));
-    assert_eq!(
-        inv.get("m-2").expect("slot").machine.state,
-        MachineState::Failed
+    let kept = &inv.get("m-2").expect("slot").machine;
+    assert_eq!(kept.state, MachineState::Failed);
+    assert!(
+        kept.last_error
+            .starts_with("create: host 9 is recorded for this Create")
+            && kept.last_error.ends_with("refused: stockout: y"),
+        "{}",
+        kept.last_error
     );
 }
 
