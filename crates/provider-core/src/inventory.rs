@@ -857,11 +857,11 @@ impl Inventory {
                 hide.insert(id.to_owned());
             }
         }
-        if let Some(cap) = cap {
-            if candidates.len() > cap {
-                candidates.sort_by(|a, b| slot_order(a).cmp(&slot_order(b)));
-                hide.extend(candidates[cap..].iter().map(|id| (*id).to_owned()));
-            }
+        if let Some(cap) = cap
+            && candidates.len() > cap
+        {
+            candidates.sort_by(|a, b| slot_order(a).cmp(&slot_order(b)));
+            hide.extend(candidates[cap..].iter().map(|id| (*id).to_owned()));
         }
         let shown: Vec<String> = self
             .hidden

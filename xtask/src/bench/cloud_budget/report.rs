@@ -496,6 +496,7 @@ mod tests {
                 max: Duration::from_secs(17),
                 requests: counts(&[("create", 60, 10)]),
             }],
+            soldouts: Vec::new(),
             conditions: vec!["walks at real time".into()],
             failures: vec!["digitalocean steady 10000: boom".into()],
         }
