@@ -9,12 +9,17 @@
 //!   replay a stale fence token;
 //! - a seeded fault injector sends 429 storms, 5xx bursts, creates whose response is lost after
 //!   the host exists, requests refused before they take effect, slow boots, out-of-band
-//!   deletions and deletions during paged listings (pages of 3), and `kill -9` restarts;
+//!   deletions and deletions during paged listings (pages of 3), stockouts (the offering sold
+//!   out for seconds) and account limits (at the hosts held plus up to two, for seconds; the
+//!   provider runs with `--stockout-backoff 2s`), and `kill -9` restarts;
 //! - a checker asserts continuously and at the end: at most one live host per machine, no owned
 //!   host untracked for longer than the orphan bound, nothing stuck transitional, every
 //!   acknowledged mutation reflected unless a later one or an injected fault explains it,
-//!   retries of an acknowledged operation return its operation id, stale tokens get
-//!   FAILED_PRECONDITION and nothing else does.
+//!   retries of an acknowledged operation return its operation id (a Create whose slot a
+//!   stockout or the limit returned meanwhile aside: from Speculative a Create is new work),
+//!   stale tokens get FAILED_PRECONDITION and nothing else does, no machine is FAILED by a
+//!   stockout or the account's limit (its `last_error`), and every machine answers Get (one
+//!   a withdrawn offering hides from List included).
 //!
 //! The seed is printed first, and with every failure, so a failing run replays (the fault
 //! schedule and the workers' choices follow from it; thread timing does not).
@@ -216,6 +221,16 @@ impl Tally {
             .unwrap_or_else(|e| e.into_inner())
             .entry(name.to_owned())
             .or_default() += 1;
+    }
+
+    /// How often `name` happened.
+    pub(crate) fn count(&self, name: &str) -> u64 {
+        self.0
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .get(name)
+            .copied()
+            .unwrap_or(0)
     }
 
     fn render(&self) -> String {
@@ -521,7 +536,14 @@ async fn settle_and_check(
         }
         let deadline = settling + check::untracked_bound(checker.survey_period());
         let asked = Instant::now();
-        let machines = caller.list_all().await.context("final List")?;
+        let mut machines = caller.list_all().await.context("final List")?;
+        // Slots of a withdrawn offering, or above the account's headroom, are not listed;
+        // Get still answers them.
+        for id in checker.unlisted(&machines) {
+            if let Ok(m) = caller.get(&id).await {
+                machines.push(m);
+            }
+        }
         let busy = machines.iter().any(|m| is_transitional(wire::state_of(m)));
         let verdict = checker.final_check(&machines, asked);
         match (busy, verdict) {
@@ -578,6 +600,9 @@ pub(crate) fn common_flags(dir: &Path) -> Vec<String> {
         "--drain-timeout=5s".into(),
         "--shutdown-grace=2s".into(),
         "--price-refresh=0".into(),
+        // Capacity faults last seconds: so do the stockout backoffs.
+        "--stockout-backoff=2s".into(),
+        "--stockout-backoff-max=8s".into(),
         "--log-level=info".into(),
     ]
 }

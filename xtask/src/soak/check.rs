@@ -188,6 +188,19 @@ impl Checker {
                     m.id
                 );
             }
+            // A stockout or the account's limit returns the slot: it never fails a machine
+            // (one holding the host its Create recorded fails for that host, as any Create
+            // that made something).
+            if state == pb::MachineState::Failed
+                && host_of(m).is_none()
+                && by_capacity(&m.last_error)
+            {
+                bail!(
+                    "{} is FAILED by a stockout or the account's limit (last_error {:?})",
+                    m.id,
+                    m.last_error
+                );
+            }
             // Nothing stuck transitional.
             if super::is_transitional(state) {
                 let since = inner
@@ -271,8 +284,15 @@ impl Checker {
                 })
                 .count()
         };
+        let returned = machines
+            .iter()
+            .filter(|m| {
+                wire::state_of(m) == pb::MachineState::Speculative && by_capacity(&m.last_error)
+            })
+            .count();
         format!(
-            "hosts_seen={} leaked={leaked} failed_with_host={} failed_without_host={}",
+            "hosts_seen={} leaked={leaked} failed_with_host={} failed_without_host={} \
+             returned_by_capacity={returned}",
             self.inner().seen_hosts.len(),
             failed(true),
             failed(false)
@@ -306,6 +326,17 @@ impl Checker {
     /// The end state, once every machine settled: every live owned host attached to exactly
     /// one machine (so no machine is FAILED without the host that exists for it), every Idle
     /// machine's host alive, the continuous properties too.
+    /// The soak's machines a listing left out (hidden: a withdrawn offering's, or above the
+    /// account's headroom).
+    pub(crate) fn unlisted(&self, machines: &[pb::Machine]) -> Vec<String> {
+        let known: HashSet<&str> = machines.iter().map(|m| m.id.as_str()).collect();
+        self.ids
+            .iter()
+            .filter(|id| !known.contains(id.as_str()))
+            .cloned()
+            .collect()
+    }
+
     pub(crate) fn final_check(&self, machines: &[pb::Machine], asked: Instant) -> Result<()> {
         self.compare(machines, asked)?;
         let live = self.emulated.live_hosts();
@@ -348,4 +379,21 @@ impl Checker {
         }
         Ok(())
     }
+}
+
+/// Whether a `last_error` names a stockout or the account's limit (the provider's own words,
+/// or the clouds' answers).
+fn by_capacity(last_error: &str) -> bool {
+    let e = last_error.to_ascii_lowercase();
+    e.starts_with("stockout:")
+        || e.starts_with("account limit:")
+        || [
+            "resource_unavailable",
+            "resource_limit_exceeded",
+            "placement_error",
+            "droplet limit",
+            "not available in this region",
+        ]
+        .iter()
+        .any(|w| e.contains(w))
 }

@@ -24,4 +24,5 @@ mod resume;
 mod scale;
 mod secrets;
 mod ssh_delivery;
+mod stockout;
 mod tofu;
