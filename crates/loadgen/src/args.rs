@@ -56,8 +56,9 @@ Scenarios and sizes:
   --hosts N,N,...         with cloud-budget: owned hosts of the steady-state runs
                           (default 100,1000,10000)
   --runs KIND[,KIND]      with cloud-budget: walk, burst, steady, crowded, storm (50 Creates
-                          with and without a 10 s 429 storm: their latency, p50 and p99);
-                          default all
+                          with and without a 10 s 429 storm: their latency, p50 and p99),
+                          soldout (a sold-out offering under Creates for an hour of
+                          backoffs scaled 100x: its requests per hour); default all
   --providers DIR         with cloud-budget: take the `hetzner` and `digitalocean` binaries
                           from DIR instead of building them (a release to compare with)
   --repeats N             runs per figure, reported as median and min-max (default 3)
@@ -215,7 +216,8 @@ pub struct CloudBudget {
 }
 
 /// The kinds of run `--runs` names.
-pub const CLOUD_BUDGET_RUNS: [&str; 5] = ["walk", "burst", "steady", "crowded", "storm"];
+pub const CLOUD_BUDGET_RUNS: [&str; 6] =
+    ["walk", "burst", "steady", "crowded", "storm", "soldout"];
 
 impl CloudBudget {
     /// Whether runs of `kind` are part of this report.

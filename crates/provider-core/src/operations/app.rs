@@ -206,9 +206,18 @@ pub async fn run(launch: Launch) -> Result<(), String> {
             }
             _ => warm_up(fleet, telemetry).await?,
         }
-        // Never refuse because some offerings cannot be ordered: serve the rest.
+        // Never refuse because some offerings cannot be ordered: serve the rest. A first start
+        // with none that can be ordered is a configuration to fix; a restart (it saved a
+        // catalogue) serves anyway: its state's machines need it, and a sold-out offering
+        // comes back when the cloud sells it again.
         let withdrawn = crate::provisioning::catalogue_refresh::announce(fleet, telemetry);
-        crate::provisioning::catalogue_refresh::startup_verdict(fleet, &withdrawn)?;
+        match crate::provisioning::catalogue_refresh::startup_verdict(fleet, &withdrawn) {
+            Err(e) if refresh_now => tracing::warn!(
+                err = %e,
+                "catalogue: serving the state's machines although no offering can be ordered now; the offerings come back when the cloud sells them again"
+            ),
+            verdict => verdict?,
+        }
     }
     if !backend.has_readiness_gate() {
         tracing::warn!(

@@ -292,6 +292,13 @@ pub trait Backend: Send + Sync + 'static {
             .map(|offered| offered.into_iter().map(|m| m.id).collect())
     }
 
+    /// The ids of every slot the configured offerings name, offered now or withdrawn: a slot
+    /// outside them is removed, while one of a withdrawn offering stays in the state, hidden
+    /// from List (see [`crate::inventory::Inventory::fit_offered`]).
+    fn configured_ids(&self) -> Option<std::collections::HashSet<String>> {
+        self.offered_ids()
+    }
+
     /// The most Speculative slots to list now (the account's headroom); `None`: no cap beyond
     /// [`Backend::offered`]. The engine keeps the Speculative slots without a host at or below
     /// it.

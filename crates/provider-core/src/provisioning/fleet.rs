@@ -453,6 +453,21 @@ impl Fleet {
         self.slots_of(self.advertised())
     }
 
+    /// The ids of the slots of `offerings`.
+    fn slot_ids<'a>(
+        &self,
+        offerings: impl Iterator<Item = &'a Offering> + Clone,
+    ) -> HashSet<String> {
+        let total = offerings.clone().map(|o| o.count.max(0) as usize).sum();
+        let mut ids = HashSet::with_capacity(total);
+        for o in offerings {
+            for i in 0..o.count.max(0) {
+                ids.insert(slot_id(&self.provider, &o.instance_type, &o.zone, i));
+            }
+        }
+        ids
+    }
+
     /// The Speculative slots of `offerings`.
     fn slots_of<'a>(&self, offerings: impl Iterator<Item = &'a Offering> + Clone) -> Vec<Machine> {
         let total = offerings.clone().map(|o| o.count.max(0) as usize).sum();
@@ -615,14 +630,11 @@ impl Backend for Fleet {
     }
 
     fn offered_ids(&self) -> Option<HashSet<String>> {
-        let total = self.advertised().map(|o| o.count.max(0) as usize).sum();
-        let mut ids = HashSet::with_capacity(total);
-        for o in self.advertised() {
-            for i in 0..o.count.max(0) {
-                ids.insert(slot_id(&self.provider, &o.instance_type, &o.zone, i));
-            }
-        }
-        Some(ids)
+        Some(self.slot_ids(self.advertised()))
+    }
+
+    fn configured_ids(&self) -> Option<HashSet<String>> {
+        Some(self.slot_ids(self.offerings.iter()))
     }
 
     async fn create(

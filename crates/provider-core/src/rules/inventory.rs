@@ -137,6 +137,31 @@ pub struct Inventory {
     next_op: u64,
     /// What reconcile remembers between passes; never persisted.
     upkeep: reconcile::Upkeep,
+    /// Speculative slots without a host that stay in the state but are not listed: their
+    /// offering is withdrawn, or they are above the account's headroom. A Create on one is
+    /// still admitted (a shard that reconciles incrementally may still hold it), and its
+    /// backend answers it without a request. Derived from what the backend offers; never
+    /// persisted.
+    hidden: HashSet<String>,
+}
+
+/// What [`Inventory::fit_offered`] changed.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Fitted {
+    /// Slots removed: their offering is no longer configured.
+    pub removed: usize,
+    /// Slots added: offered, and unknown to the state.
+    pub added: usize,
+    /// Slots now hidden from List (withdrawn, or above the cap).
+    pub hidden: usize,
+    /// Hidden slots listed again.
+    pub shown: usize,
+}
+
+impl Fitted {
+    pub fn changed(&self) -> bool {
+        *self != Fitted::default()
+    }
 }
 
 impl Inventory {
@@ -321,7 +346,10 @@ impl Inventory {
                 let mut found: Vec<usize> = self
                     .slots
                     .changed_after(since)
-                    .filter(|p| wanted[self.slots.at(*p).machine.state.wire() as usize])
+                    .filter(|p| {
+                        let slot = self.slots.at(*p);
+                        wanted[slot.machine.state.wire() as usize] && self.listed(slot)
+                    })
                     .collect();
                 found.sort_unstable_by_key(|p| offset(*p));
                 found.truncate(cap);
@@ -331,7 +359,12 @@ impl Inventory {
                 let mut found = Vec::new();
                 for state in MachineState::ALL {
                     if wanted[state.wire() as usize] {
-                        found.extend(self.slots.in_state_from(state, start).take(cap));
+                        found.extend(
+                            self.slots
+                                .in_state_from(state, start)
+                                .filter(|p| self.listed(self.slots.at(*p)))
+                                .take(cap),
+                        );
                     }
                 }
                 found.sort_unstable_by_key(|p| offset(*p));
@@ -339,15 +372,19 @@ impl Inventory {
                 found
             }
             None => {
-                return Selected {
-                    machines: self
-                        .slots
-                        .rotated(start)
-                        .take(cap)
-                        .map(|slot| slot.machine.clone())
-                        .collect(),
-                    visited: cap.min(n),
-                };
+                let mut machines = Vec::with_capacity(cap.min(n));
+                let mut visited = n;
+                for (walked, slot) in self.slots.rotated(start).enumerate() {
+                    if !self.listed(slot) {
+                        continue;
+                    }
+                    machines.push(slot.machine.clone());
+                    if machines.len() == cap {
+                        visited = walked + 1;
+                        break;
+                    }
+                }
+                return Selected { machines, visited };
             }
         };
         let visited = match positions.last() {
@@ -361,6 +398,25 @@ impl Inventory {
                 .collect(),
             visited,
         }
+    }
+
+    /// Whether List shows `slot`: every slot but the hidden Speculative ones without a host
+    /// (see [`Inventory::fit_offered`]).
+    fn listed(&self, slot: &Slot) -> bool {
+        slot.machine.state != MachineState::Speculative
+            || slot.machine.host.is_some()
+            || !self.hidden.contains(&slot.machine.id)
+    }
+
+    /// Whether machine `id` is kept in the state but not listed (its offering is withdrawn, or
+    /// it is above the account's headroom).
+    pub fn is_hidden(&self, id: &str) -> bool {
+        self.slots.get(id).is_some_and(|slot| !self.listed(slot))
+    }
+
+    /// How many slots are kept but not listed.
+    pub fn hidden_count(&self) -> usize {
+        self.hidden.iter().filter(|id| self.is_hidden(id)).count()
     }
 
     /// How many slots are in `state`, in O(1).
@@ -720,12 +776,21 @@ impl Inventory {
             return false;
         }
         let machine = crate::rules::machine::edit(&mut slot.machine);
-        machine.state = if machine.host.is_none() {
-            MachineState::Speculative
-        } else {
-            MachineState::Failed
-        };
-        machine.last_error = message;
+        match &machine.host {
+            None => {
+                machine.state = MachineState::Speculative;
+                machine.last_error = message;
+            }
+            Some(host) => {
+                machine.state = MachineState::Failed;
+                machine.last_error = format!(
+                    "create: host {} is recorded for this Create, so its slot cannot go back to \
+                     Speculative (release it with `admin failed release`); the cloud then \
+                     refused: {message}",
+                    host.id
+                );
+            }
+        }
         drop(slot);
         self.touch(machine_id, changes);
         changes.push(self.counters());
@@ -733,60 +798,86 @@ impl Inventory {
     }
 
     /// Fits the Speculative slots without a host to what is `offered` now, at most `cap` of
-    /// them: slots no longer offered are removed, then those above the cap (the highest slot
-    /// numbers first), else offered slots the state lacks are added up to the cap (the lowest
-    /// numbers first). Returns how many were removed and added.
+    /// them listed. Slots whose offering is no longer `configured` at all are removed; offered
+    /// slots the state lacks are added; then the spare slots not offered now (a withdrawn
+    /// offering's) and those above the cap (the highest slot numbers first) are hidden: kept in
+    /// the state, so a Create on one from a shard that still holds it is admitted and answered
+    /// without a request, but left out of List. A hidden slot listed again is marked changed,
+    /// so a List since an earlier revision shows it.
     pub fn fit_offered(
         &mut self,
         offered: Vec<Machine>,
+        configured: Option<&HashSet<String>>,
         cap: Option<usize>,
         changes: &mut Vec<Change>,
-    ) -> (usize, usize) {
+    ) -> Fitted {
         let ids: HashSet<String> = offered.iter().map(|m| m.id.clone()).collect();
-        let removed = self.enforce_quota(&ids, changes) + self.trim_speculative(cap, changes);
-        let room = cap.map_or(usize::MAX, |cap| {
-            cap.saturating_sub(self.spare_speculative().count())
-        });
-        let mut fresh: Vec<Machine> = offered
+        let removed = configured.map_or(0, |configured| self.enforce_quota(configured, changes));
+        let fresh: Vec<Machine> = offered
             .into_iter()
             .filter(|m| !self.slots.contains_key(&m.id))
             .collect();
-        if fresh.len() > room {
-            fresh.sort_by(|a, b| slot_order(&a.id).cmp(&slot_order(&b.id)));
-            fresh.truncate(room);
-        }
         let added = self.add_missing(fresh, changes);
-        (removed, added)
+        let (hidden, shown) = self.hide_unoffered(&ids, cap, changes);
+        Fitted {
+            removed,
+            added,
+            hidden,
+            shown,
+        }
     }
 
-    /// The Speculative slots without a host.
+    /// The Speculative slots without a host, listed or not.
     pub fn spare_speculative(&self) -> impl Iterator<Item = &Slot> {
         self.in_state(MachineState::Speculative)
             .filter(|s| s.machine.host.is_none())
     }
 
-    /// Removes Speculative slots without a host above `cap`, the highest slot numbers first.
-    /// Returns how many were removed.
-    pub fn trim_speculative(&mut self, cap: Option<usize>, changes: &mut Vec<Change>) -> usize {
-        let Some(cap) = cap else {
-            return 0;
-        };
-        let mut spare: Vec<String> = self
-            .spare_speculative()
-            .map(|s| s.machine.id.clone())
+    /// The Speculative slots without a host that List shows.
+    pub fn listed_spare(&self) -> impl Iterator<Item = &Slot> {
+        self.spare_speculative().filter(|s| self.listed(s))
+    }
+
+    /// Hides the spare Speculative slots not in `offered` and those above `cap` (the highest
+    /// slot numbers first), and lists again the hidden ones that are neither. Returns how many
+    /// were hidden and shown.
+    pub fn hide_unoffered(
+        &mut self,
+        offered: &HashSet<String>,
+        cap: Option<usize>,
+        changes: &mut Vec<Change>,
+    ) -> (usize, usize) {
+        let mut hide: HashSet<String> = HashSet::new();
+        let mut candidates: Vec<&str> = Vec::new();
+        for slot in self.spare_speculative() {
+            let id = slot.machine.id.as_str();
+            if offered.contains(id) {
+                candidates.push(id);
+            } else {
+                hide.insert(id.to_owned());
+            }
+        }
+        if let Some(cap) = cap
+            && candidates.len() > cap
+        {
+            candidates.sort_by(|a, b| slot_order(a).cmp(&slot_order(b)));
+            hide.extend(candidates[cap..].iter().map(|id| (*id).to_owned()));
+        }
+        let shown: Vec<String> = self
+            .hidden
+            .iter()
+            .filter(|id| !hide.contains(*id) && self.is_hidden(id))
+            .cloned()
             .collect();
-        if spare.len() <= cap {
-            return 0;
+        let hidden = hide.iter().filter(|id| !self.hidden.contains(*id)).count();
+        self.hidden = hide;
+        for id in &shown {
+            self.touch(id, changes);
         }
-        spare.sort_by(|a, b| slot_order(b).cmp(&slot_order(a)));
-        spare.truncate(spare.len() - cap);
-        for id in &spare {
-            self.slots.remove(id);
-            changes.push(Change::RemoveSlot(id.clone()));
+        if !shown.is_empty() {
+            changes.push(self.counters());
         }
-        self.revision += 1;
-        changes.push(self.counters());
-        spare.len()
+        (hidden, shown.len())
     }
 
     /// Adds the records of a first seed. Duplicates are rejected before anything changes.

@@ -20,8 +20,8 @@ use crate::provisioning::backend::{
 use crate::rules::error::CoreError;
 use crate::rules::fence::FenceToken;
 use crate::rules::inventory::{
-    Admission, Binding, Effect, EnrollVerdict, HostRecord, Interrupted, Inventory, ReconcileReport,
-    Selected, Selection, Sighting, Suspect,
+    Admission, Binding, Effect, EnrollVerdict, Fitted, HostRecord, Interrupted, Inventory,
+    ReconcileReport, Selected, Selection, Sighting, Suspect,
 };
 use crate::rules::lifecycle::OperationKind;
 use crate::rules::limits;
@@ -362,13 +362,15 @@ impl Engine {
             seeded.map_err(StartError::Seed)?;
         } else {
             inventory.invalidate_cursors(&mut changes);
-            if let Some(offered) = backend.offered() {
-                let ids: HashSet<String> = offered.iter().map(|m| m.id.clone()).collect();
-                inventory.add_missing(offered, &mut changes);
-                inventory.enforce_quota(&ids, &mut changes);
-            }
             resume = inventory
                 .recover_interrupted(|slot| configure_failure(slot, &opened, keys), &mut changes);
+        }
+        // Before the first List: withdrawn offerings' slots and those above the account's
+        // headroom are hidden, slots of offerings no longer configured removed.
+        if let Some(offered) = backend.offered() {
+            let configured = backend.configured_ids();
+            let cap = backend.speculative_cap();
+            inventory.fit_offered(offered, configured.as_ref(), cap, &mut changes);
         }
         if !store.is_durable() {
             // Without a durable store, ids and cursors of an earlier incarnation must not be
@@ -940,6 +942,7 @@ impl Engine {
                 }
             },
         );
+        let configured: Option<HashSet<String>> = self.backend.configured_ids();
         let offered: Option<HashSet<String>> = self.backend.offered_ids();
         let now = Instant::now();
         // Zero disables orphan deletion: no orphan is ever due.
@@ -952,7 +955,7 @@ impl Engine {
         let (outcome, commit) = self.apply(|inv, changes| {
             if let Some(cap) = cap {
                 // New Speculative slots only up to the cap: none is added to be removed again.
-                let mut room = cap.saturating_sub(inv.spare_speculative().count());
+                let mut room = cap.saturating_sub(inv.listed_spare().count());
                 survey.machines.retain(|m| {
                     if m.host.is_some() || inv.get(&m.id).is_some() {
                         return true;
@@ -962,8 +965,10 @@ impl Engine {
                     fits
                 });
             }
-            let mut outcome = inv.reconcile(survey, offered.as_ref(), since, now, grace, changes);
-            outcome.report.removed += inv.trim_speculative(cap, changes);
+            let outcome = inv.reconcile(survey, configured.as_ref(), since, now, grace, changes);
+            if let Some(offered) = &offered {
+                inv.hide_unoffered(offered, cap, changes);
+            }
             outcome
         });
         self.commit(commit).await?;
@@ -1388,37 +1393,48 @@ impl Engine {
     }
 
     /// A Create refused without a host: the slot goes back to Speculative (see
-    /// [`Inventory::return_created`]), and the slots are fitted to what is offered now, so a
-    /// withdrawn offering's slot leaves List at once.
+    /// [`Inventory::return_created`]), and in the same change the slots are fitted to what is
+    /// offered now, so a withdrawn offering's slot is hidden from List from the moment it is
+    /// Speculative again.
     async fn finish_returned(&self, machine_id: &str, operation_id: &str, message: String) {
-        let (applied, commit) = self
-            .apply(|inv, changes| inv.return_created(machine_id, operation_id, message, changes));
+        let offered = self.backend.offered();
+        let configured = self.backend.configured_ids();
+        let cap = self.backend.speculative_cap();
+        let (applied, commit) = self.apply(|inv, changes| {
+            let applied = inv.return_created(machine_id, operation_id, message, changes);
+            if let Some(offered) = offered {
+                inv.fit_offered(offered, configured.as_ref(), cap, changes);
+            }
+            applied
+        });
         if !applied {
             tracing::debug!(machine_id, operation_id, "discarded stale completion");
         }
-        if self.commit(commit).await.is_ok() {
-            let _ = self.fit_offers().await;
-        }
+        let _ = self.commit(commit).await;
     }
 
     /// Fits the Speculative slots without a host to what the backend offers now and to its cap
-    /// (see [`Inventory::fit_offered`]): a withdrawn offering's slots leave List, those of one
-    /// sold again come back, and no more are listed than the account's headroom. No I/O but
-    /// the commit. Returns how many slots were removed and added.
-    pub async fn fit_offers(&self) -> Result<(usize, usize), CoreError> {
+    /// (see [`Inventory::fit_offered`]): a withdrawn offering's slots are hidden from List, those
+    /// of one sold again are listed again, and no more are listed than the account's headroom.
+    /// No I/O but the commit.
+    pub async fn fit_offers(&self) -> Result<Fitted, CoreError> {
         if self.store_failed.load(Ordering::SeqCst) || !self.is_accepting() {
-            return Ok((0, 0));
+            return Ok(Fitted::default());
         }
         let Some(offered) = self.backend.offered() else {
-            return Ok((0, 0));
+            return Ok(Fitted::default());
         };
+        let configured = self.backend.configured_ids();
         let cap = self.backend.speculative_cap();
-        let (fitted, commit) = self.apply(|inv, changes| inv.fit_offered(offered, cap, changes));
+        let (fitted, commit) =
+            self.apply(|inv, changes| inv.fit_offered(offered, configured.as_ref(), cap, changes));
         self.commit(commit).await?;
-        if fitted != (0, 0) {
+        if fitted.changed() {
             tracing::info!(
-                removed = fitted.0,
-                added = fitted.1,
+                removed = fitted.removed,
+                added = fitted.added,
+                hidden = fitted.hidden,
+                shown = fitted.shown,
                 cap = cap.map_or(-1, |c| c as i64),
                 "offered slots fitted to the offerings sold now and to the account's headroom"
             );

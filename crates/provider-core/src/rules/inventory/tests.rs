@@ -870,14 +870,19 @@ fn a_refused_create_returns_its_slot_to_speculative_only_without_a_host() {
     };
     inv.record_created_host("m-2", &second, host, &mut changes);
     assert!(inv.return_created("m-2", &second, "stockout: y".into(), &mut changes));
-    assert_eq!(
-        inv.get("m-2").expect("slot").machine.state,
-        MachineState::Failed
+    let kept = &inv.get("m-2").expect("slot").machine;
+    assert_eq!(kept.state, MachineState::Failed);
+    assert!(
+        kept.last_error
+            .starts_with("create: host 9 is recorded for this Create")
+            && kept.last_error.ends_with("refused: stockout: y"),
+        "{}",
+        kept.last_error
     );
 }
 
 #[test]
-fn fitting_keeps_the_spare_slots_at_the_cap() {
+fn fitting_hides_the_spare_slots_above_the_cap_and_those_not_offered() {
     let mut inv = Inventory::default();
     let mut changes = Vec::new();
     let offered: Vec<Machine> = (0..6)
@@ -887,32 +892,54 @@ fn fitting_keeps_the_spare_slots_at_the_cap() {
             m
         })
         .collect();
+    let all: HashSet<String> = offered.iter().map(|m| m.id.clone()).collect();
+    let listed = |inv: &Inventory| -> Vec<String> {
+        inv.listed_spare().map(|s| s.machine.id.clone()).collect()
+    };
+    let everything = Selection {
+        states: Vec::new(),
+        since: None,
+        cap: usize::MAX,
+    };
     inv.seed(offered.clone(), &mut changes).expect("seed");
-    assert_eq!(
-        inv.fit_offered(offered.clone(), Some(2), &mut changes),
-        (4, 0)
-    );
-    let kept: Vec<String> = inv
-        .spare_speculative()
-        .map(|s| s.machine.id.clone())
-        .collect();
+    let fitted = inv.fit_offered(offered.clone(), Some(&all), Some(2), &mut changes);
+    assert_eq!((fitted.hidden, fitted.removed), (4, 0));
+    let kept = listed(&inv);
     assert_eq!(kept.len(), 2);
     assert!(
         kept.iter()
             .all(|id| id.ends_with("/000") || id.ends_with("/001")),
         "{kept:?}"
     );
-    assert_eq!(
-        inv.fit_offered(offered.clone(), Some(2), &mut changes),
-        (0, 0)
+    assert_eq!(inv.len(), 6, "hidden slots stay in the state");
+    assert_eq!(inv.select(&everything, 0).machines.len(), 2);
+    assert!(inv.is_hidden("p/OnDemand/a/z/005"));
+    assert!(
+        !inv.fit_offered(offered.clone(), Some(&all), Some(2), &mut changes)
+            .changed()
     );
-    assert_eq!(
-        inv.fit_offered(offered.clone(), Some(3), &mut changes),
-        (0, 1)
-    );
-    assert_eq!(
-        inv.fit_offered(offered[..1].to_vec(), None, &mut changes),
-        (2, 0)
-    );
-    assert_eq!(inv.fit_offered(offered, None, &mut changes), (0, 5));
+    let head = inv.revision();
+    let fitted = inv.fit_offered(offered.clone(), Some(&all), Some(3), &mut changes);
+    assert_eq!((fitted.hidden, fitted.shown), (0, 1));
+    let since = Selection {
+        since: Some(head),
+        ..everything.clone()
+    };
+    let shown = inv.select(&since, 0).machines;
+    assert_eq!(shown.len(), 1, "a slot listed again shows in a delta List");
+    assert!(shown[0].id.ends_with("/002"));
+    // Only one offered now (the rest withdrawn): the others are hidden, not removed.
+    let fitted = inv.fit_offered(offered[..1].to_vec(), Some(&all), None, &mut changes);
+    assert_eq!((fitted.hidden, fitted.removed), (2, 0));
+    assert_eq!(listed(&inv).len(), 1);
+    assert_eq!(inv.hidden_count(), 5);
+    // No longer configured: removed.
+    let one: HashSet<String> = [offered[0].id.clone()].into();
+    let fitted = inv.fit_offered(offered[..1].to_vec(), Some(&one), None, &mut changes);
+    assert_eq!(fitted.removed, 5);
+    assert_eq!(inv.len(), 1);
+    assert_eq!(inv.hidden_count(), 0);
+    let fitted = inv.fit_offered(offered, Some(&all), None, &mut changes);
+    assert_eq!(fitted.added, 5);
+    assert_eq!(listed(&inv).len(), 6);
 }

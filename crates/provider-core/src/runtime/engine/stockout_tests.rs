@@ -1,6 +1,8 @@
 //! A Create refused for a stockout or the account's limit (the fake cloud's knobs) over the
-//! offerings-driven fleet: the slot goes back to Speculative, the offering leaves List at once,
-//! a probe after the backoff brings it back, and the headroom caps what is listed. Paused clock.
+//! offerings-driven fleet: the slot goes back to Speculative, the offering's slots leave List at
+//! once but stay in the state (a Create on one from a shard that still holds it costs nothing),
+//! a probe after the backoff brings them back, and the headroom caps what is listed. Paused
+//! clock.
 
 use std::time::Duration;
 
@@ -51,29 +53,36 @@ fn listed(engine: &Engine, instance_type: &str, zone: &str) -> Vec<Arc<Machine>>
         .collect()
 }
 
-/// The machine once its transition ended; `None` when its slot left the state (a refusal
-/// returned it to Speculative and its offering is withdrawn, or no headroom is left).
-async fn settled(engine: &Engine, id: &str) -> Option<Arc<Machine>> {
+/// The machine once its transition ended (Get answers for a hidden slot too).
+async fn settled(engine: &Engine, id: &str) -> Arc<Machine> {
     for _ in 0..10_000 {
-        let Ok(m) = engine.get(id) else {
-            return None;
-        };
+        let m = engine.get(id).expect("the slot stays in the state");
         if !m.state.is_transitional() {
-            return Some(m);
+            return m;
         }
         tokio::task::yield_now().await;
     }
     panic!("{id} never settled");
 }
 
-/// A refused Create's slot: Speculative with a `last_error` starting with `prefix` while it
-/// is still in the state, and never FAILED.
+/// A refused Create's slot: Speculative with a `last_error` starting with `prefix`, never
+/// FAILED.
 async fn returned(engine: &Engine, id: &str, prefix: &str) {
-    if let Some(m) = settled(engine, id).await {
-        assert_eq!(m.state, MachineState::Speculative, "{m:?}");
-        assert!(m.host.is_none());
-        assert!(m.last_error.starts_with(prefix), "{}", m.last_error);
-    }
+    let m = settled(engine, id).await;
+    assert_eq!(m.state, MachineState::Speculative, "{m:?}");
+    assert!(m.host.is_none());
+    assert!(m.last_error.starts_with(prefix), "{}", m.last_error);
+}
+
+/// The Speculative machines a full List shows.
+fn listed_spare(engine: &Engine) -> Vec<Arc<Machine>> {
+    engine
+        .list(&ListQuery {
+            states: vec![MachineState::Speculative],
+            max_results: 0,
+            since_revision: Vec::new(),
+        })
+        .machines
 }
 
 fn failed(engine: &Engine) -> usize {
@@ -96,7 +105,7 @@ async fn a_stockout_returns_the_slot_withdraws_the_offering_and_a_probe_brings_i
     engine.create(&slots[0].id, zero()).await.expect("accepted");
     returned(&engine, &slots[0].id, "stockout: ").await;
     quiesce().await;
-    assert!(engine.get(&slots[0].id).is_err(), "the slot left the state");
+    assert!(engine.read().is_hidden(&slots[0].id), "kept, not listed");
     assert!(listed(&engine, "a", "z1").is_empty(), "withdrawn at once");
     assert_eq!(listed(&engine, "b", "z1").len(), 4, "other offerings stay");
     assert_eq!(cloud.create_calls(), 1);
@@ -126,7 +135,7 @@ async fn a_stockout_returns_the_slot_withdraws_the_offering_and_a_probe_brings_i
     let back = listed(&engine, "a", "z1");
     assert_eq!(back.len(), 4);
     engine.create(&back[2].id, zero()).await.expect("accepted");
-    let made = settled(&engine, &back[2].id).await.expect("kept");
+    let made = settled(&engine, &back[2].id).await;
     assert_eq!(made.state, MachineState::Idle);
     quiesce().await;
     assert_eq!(listed(&engine, "a", "z1").len(), 3, "the rest stay listed");
@@ -180,45 +189,120 @@ async fn the_account_limit_caps_the_speculative_slots_and_never_fails_a_machine(
     let all = listed(&engine, "a", "z1");
     for slot in &all[..2] {
         engine.create(&slot.id, zero()).await.expect("accepted");
-        let m = settled(&engine, &slot.id).await.expect("kept");
+        let m = settled(&engine, &slot.id).await;
         assert_eq!(m.state, MachineState::Idle);
     }
     cloud.set_host_limit(Some(4));
     fleet.read_account(MIN).await.expect("account read");
     quiesce().await;
-    let spare = engine
-        .list(&ListQuery {
-            states: vec![MachineState::Speculative],
-            max_results: 0,
-            since_revision: Vec::new(),
-        })
-        .machines;
+    let spare = listed_spare(&engine);
     assert_eq!(spare.len(), 2, "{spare:?}");
     for slot in &spare {
         engine.create(&slot.id, zero()).await.expect("accepted");
-        let m = settled(&engine, &slot.id).await.expect("kept");
+        let m = settled(&engine, &slot.id).await;
         assert_eq!(m.state, MachineState::Idle);
     }
     quiesce().await;
-    assert_eq!(engine.read().count_in_state(MachineState::Speculative), 0);
+    assert!(listed_spare(&engine).is_empty());
     // A Delete makes room for one; someone else takes it: the cloud refuses, the slot is not
     // burned.
     engine.delete(&all[0].id, zero()).await.expect("accepted");
-    let m = settled(&engine, &all[0].id).await.expect("kept");
+    let m = settled(&engine, &all[0].id).await;
     assert_eq!(m.state, MachineState::Speculative);
     cloud.set_host_limit(Some(3));
     quiesce().await;
-    let one = engine
-        .list(&ListQuery {
-            states: vec![MachineState::Speculative],
-            max_results: 0,
-            since_revision: Vec::new(),
-        })
-        .machines;
+    let one = listed_spare(&engine);
     assert_eq!(one.len(), 1);
     engine.create(&one[0].id, zero()).await.expect("accepted");
     returned(&engine, &one[0].id, "account limit: ").await;
     quiesce().await;
-    assert_eq!(engine.read().count_in_state(MachineState::Speculative), 0);
+    assert!(listed_spare(&engine).is_empty());
+    // A slot hidden above the headroom, created by a shard that still holds it: no request.
+    let calls = cloud.create_calls();
+    let hidden = &all[3].id;
+    assert!(engine.read().is_hidden(hidden));
+    engine.create(hidden, zero()).await.expect("accepted");
+    returned(&engine, hidden, "account limit: ").await;
+    assert_eq!(cloud.create_calls(), calls, "no request spent");
+    assert_eq!(failed(&engine), 0);
+}
+
+/// A shard that reconciles only incrementally (List since a revision) never learns that a slot
+/// left List (BigFleet ADR-0004) and may Create on it: the Create is admitted, sends nothing
+/// and returns the slot, which stays out of every List (full and delta) until the offering is
+/// sold again; then a delta List shows it Speculative.
+#[tokio::test(start_paused = true)]
+async fn a_withdrawn_slot_is_hidden_from_full_and_delta_lists_and_a_create_on_it_costs_nothing() {
+    let (cloud, _fleet, engine) = engine().await;
+    let slots = listed(&engine, "a", "z1");
+    let cursor = engine
+        .list(&ListQuery {
+            states: Vec::new(),
+            max_results: 0,
+            since_revision: Vec::new(),
+        })
+        .revision;
+    cloud.set_sold_out("a", "z1", true);
+    engine.create(&slots[0].id, zero()).await.expect("accepted");
+    returned(&engine, &slots[0].id, "stockout: ").await;
+    quiesce().await;
+    assert_eq!(cloud.create_calls(), 1);
+    let delta = |since: i64| {
+        engine
+            .list(&ListQuery {
+                states: Vec::new(),
+                max_results: 0,
+                since_revision: since.to_string().into_bytes(),
+            })
+            .machines
+    };
+    assert!(
+        delta(cursor)
+            .iter()
+            .all(|m| m.instance_type != "a" || m.zone != "z1"),
+        "a delta List leaves the withdrawn slots out"
+    );
+    // The incremental shard still holds slots[1] as Speculative and creates it.
+    let ack = engine.create(&slots[1].id, zero()).await.expect("accepted");
+    assert_eq!(ack.machine.state, MachineState::Creating);
+    returned(
+        &engine,
+        &slots[1].id,
+        "stockout: offering a/z1 is withdrawn",
+    )
+    .await;
+    assert_eq!(cloud.create_calls(), 1, "answered without a request");
+    assert!(engine.read().is_hidden(&slots[1].id));
+    let capped = engine.list(&ListQuery {
+        states: Vec::new(),
+        max_results: 1,
+        since_revision: Vec::new(),
+    });
+    assert_eq!(
+        capped.machines.len(),
+        1,
+        "a capped List still fills its page"
+    );
+    let cursor = engine
+        .list(&ListQuery {
+            states: Vec::new(),
+            max_results: 0,
+            since_revision: Vec::new(),
+        })
+        .revision;
+    assert!(delta(cursor).is_empty());
+    // Sold again: after the backoff the slots are listed again, and a delta List shows them.
+    cloud.set_sold_out("a", "z1", false);
+    tokio::time::sleep(5 * MIN).await;
+    quiesce().await;
+    let back = delta(cursor);
+    assert_eq!(
+        back.iter()
+            .filter(|m| m.instance_type == "a" && m.zone == "z1")
+            .count(),
+        4,
+        "{back:?}"
+    );
+    assert!(back.iter().all(|m| m.state == MachineState::Speculative));
     assert_eq!(failed(&engine), 0);
 }
