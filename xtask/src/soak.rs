@@ -9,12 +9,17 @@
 //!   replay a stale fence token;
 //! - a seeded fault injector sends 429 storms, 5xx bursts, creates whose response is lost after
 //!   the host exists, requests refused before they take effect, slow boots, out-of-band
-//!   deletions and deletions during paged listings (pages of 3), and `kill -9` restarts;
+//!   deletions and deletions during paged listings (pages of 3), stockouts (the offering sold
+//!   out for seconds) and account limits (at the hosts held plus up to two, for seconds; the
+//!   provider runs with `--stockout-backoff 2s`), and `kill -9` restarts;
 //! - a checker asserts continuously and at the end: at most one live host per machine, no owned
 //!   host untracked for longer than the orphan bound, nothing stuck transitional, every
 //!   acknowledged mutation reflected unless a later one or an injected fault explains it,
-//!   retries of an acknowledged operation return its operation id, stale tokens get
-//!   FAILED_PRECONDITION and nothing else does.
+//!   retries of an acknowledged operation return its operation id (a Create whose slot a
+//!   stockout or the limit returned meanwhile aside: from Speculative a Create is new work),
+//!   stale tokens get FAILED_PRECONDITION and nothing else does, no machine is FAILED by a
+//!   stockout or the account's limit (its `last_error`), and every machine answers Get (one
+//!   a withdrawn offering hides from List included).
 //!
 //! The seed is printed first, and with every failure, so a failing run replays (the fault
 //! schedule and the workers' choices follow from it; thread timing does not).
@@ -218,6 +223,16 @@ impl Tally {
             .or_default() += 1;
     }
 
+    /// How often `name` happened.
+    pub(crate) fn count(&self, name: &str) -> u64 {
+        self.0
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .get(name)
+            .copied()
+            .unwrap_or(0)
+    }
+
     fn render(&self) -> String {
         self.0
             .lock()
@@ -244,6 +259,26 @@ fn panic_lines(log: &str) -> usize {
 }
 
 impl Process {
+    /// The running provider's `/metrics` page, if it answers.
+    fn metrics(&self) -> Option<String> {
+        let addr = self.provider.as_ref()?.metrics?;
+        tokio::task::block_in_place(|| crate::e2e::http_get(addr, "/metrics"))
+            .ok()
+            .map(|(_, body)| body)
+    }
+
+    /// The reconcile survey period the running provider reports on its metrics
+    /// (`<prefix>_reconcile_period_seconds`), if it answers.
+    fn survey_period(&self) -> Option<Duration> {
+        self.metrics()?
+            .lines()
+            .filter(|l| l.starts_with("bigfleet_"))
+            .find_map(|l| l.split_once("_reconcile_period_seconds ").map(|(_, v)| v))
+            .and_then(|v| v.trim().parse::<f64>().ok())
+            .filter(|v| v.is_finite() && *v >= 0.0)
+            .map(Duration::from_secs_f64)
+    }
+
     async fn start(spec: Spec) -> Result<Process> {
         let provider = provider_process::start(spec.clone()).await?;
         let channel = provider.default_channel().await?;
@@ -351,9 +386,13 @@ async fn soak(root: &Path, cloud: CloudKind, seed: u64, duration: Duration) -> R
         Err(e) => {
             let logs = process.logs();
             let _ = std::fs::write(dir.join("provider.log"), &logs);
+            // The running provider's metrics (its API budget, its reconcile pace) beside it.
+            if let Some(body) = process.metrics() {
+                let _ = std::fs::write(dir.join("metrics.txt"), body);
+            }
             eprintln!(
-                "soak: the provider log is in {}",
-                dir.join("provider.log").display()
+                "soak: the provider log and its metrics are in {}",
+                dir.display()
             );
             let tail: Vec<&str> = logs.lines().rev().take(60).collect();
             let tail: Vec<&str> = tail.into_iter().rev().collect();
@@ -447,6 +486,9 @@ async fn drive(
             next_kill = Instant::now() + duration / (restarts as u32 + 1);
             continue;
         }
+        if let Some(period) = process.survey_period() {
+            checker.survey_period_reported(period);
+        }
         let name = emulated.inject_random(&mut chance);
         tally.add(&format!("fault.{name}"));
     }
@@ -483,13 +525,25 @@ async fn settle_and_check(
         .clone()
         .context("no provider channel at the end")?;
     let mut caller = wire::Caller::new(channel, wire::Shard::new("soak-final", 1));
-    let deadline =
-        Instant::now() + CREATE_TIMEOUT + DELETE_TIMEOUT + ORPHAN_GRACE + RECONCILE_INTERVAL * 10;
+    let settling = Instant::now();
     // Everything settles, and stays settled for an orphan grace plus a few passes.
     let mut quiet_since: Option<Instant> = None;
     loop {
+        // Within what the provider's pace promises: surveys at the floor, or paced to the
+        // budget share it reports.
+        if let Some(period) = process.survey_period() {
+            checker.survey_period_reported(period);
+        }
+        let deadline = settling + check::untracked_bound(checker.survey_period());
         let asked = Instant::now();
-        let machines = caller.list_all().await.context("final List")?;
+        let mut machines = caller.list_all().await.context("final List")?;
+        // Slots of a withdrawn offering, or above the account's headroom, are not listed;
+        // Get still answers them.
+        for id in checker.unlisted(&machines) {
+            if let Ok(m) = caller.get(&id).await {
+                machines.push(m);
+            }
+        }
         let busy = machines.iter().any(|m| is_transitional(wire::state_of(m)));
         let verdict = checker.final_check(&machines, asked);
         match (busy, verdict) {
@@ -527,7 +581,7 @@ pub(crate) fn provider_spec(root: &Path, binary: &str, args: Vec<String>) -> Spe
         name: format!("{binary} (soak)"),
         binary: provider_process::target_binary(root, "debug", binary),
         args,
-        metrics: false,
+        metrics: true,
         security: ClientSecurity::Plaintext,
         pki: wire::pki_dir(root),
     }
@@ -546,6 +600,9 @@ pub(crate) fn common_flags(dir: &Path) -> Vec<String> {
         "--drain-timeout=5s".into(),
         "--shutdown-grace=2s".into(),
         "--price-refresh=0".into(),
+        // Capacity faults last seconds: so do the stockout backoffs.
+        "--stockout-backoff=2s".into(),
+        "--stockout-backoff-max=8s".into(),
         "--log-level=info".into(),
     ]
 }

@@ -363,9 +363,13 @@ impl DigitalOceanCloud {
                 Verdict::Retry { after } => after,
                 Verdict::Fatal if matches!(error, ApiError::Decode { .. }) => None,
                 Verdict::Fatal => {
-                    if let Some(refusal) = refusal_of(&error) {
-                        ctx.refuse(refusal);
-                    }
+                    let Some(refusal) = refusal_of(&error) else {
+                        return Err(match failure_fix(&error) {
+                            Some(fix) => format!("create droplet {size}: {error} ({fix})"),
+                            None => format!("create droplet {size}: {error}"),
+                        });
+                    };
+                    ctx.refuse(refusal);
                     return Err(format!("create droplet {size}: {error}"));
                 }
             };
@@ -392,7 +396,10 @@ impl DigitalOceanCloud {
                 .await
                 .map_err(|e| format!("create droplet {size}: {e}"))?;
         };
-        // Into the machine's record before anything else is asked of the cloud.
+        // Expected by the out-of-band check from now on, whatever becomes of the Create (the
+        // Droplet exists until a delete), and into the machine's record before anything else
+        // is asked of the cloud.
+        self.ledger.created(&created.id.to_string());
         ctx.record_host(&created.id.to_string())
             .await
             .map_err(|e| e.0)?;
@@ -758,6 +765,28 @@ pub(crate) fn refusal_of(error: &ApiError) -> Option<provider_core::backend::Ref
         .then(|| Refusal::stockout("size_unavailable"))
 }
 
+/// What the operator fixes when a create call fails for the settings or the token, not for
+/// capacity (docs/digitalocean/troubleshooting.md, "Create refusals"); `None` when the answer
+/// says enough.
+pub(crate) fn failure_fix(error: &ApiError) -> Option<&'static str> {
+    let ApiError::Status { status, .. } = error else {
+        return None;
+    };
+    match status {
+        422 | 400 => Some(
+            "a Droplet setting is refused (image, ssh_keys, vpc_uuid, tags, name): \
+             `digitalocean check` names the one at fault",
+        ),
+        404 => Some(
+            "the image, VPC or SSH key the offering names is gone: `digitalocean check` names it",
+        ),
+        401 | 403 => Some(
+            "the token may not create Droplets: give it read-write access (droplet:create, tag:create)",
+        ),
+        _ => None,
+    }
+}
+
 #[async_trait]
 impl Cloud for DigitalOceanCloud {
     fn api_budget(&self) -> Option<provider_core::budget::ApiBudget> {
@@ -787,9 +816,6 @@ impl Cloud for DigitalOceanCloud {
     ) -> Result<OwnedHost, BackendError> {
         let start = Instant::now();
         let r = self.create(machine, ctx).await;
-        if let Ok(host) = &r {
-            self.ledger.created(&host.id);
-        }
         self.timed("CreateDroplet", start, r)
     }
 
@@ -1091,6 +1117,68 @@ pub fn agent_cloud_config(agent: &AgentProvisioning, machine_id: &str, token: &s
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    fn answer(status: u16, message: &str) -> ApiError {
+        ApiError::Status {
+            endpoint: "create droplet",
+            status,
+            message: message.into(),
+            retry_after: None,
+        }
+    }
+
+    /// Every answer of the official document a create call can get, with its outcome: a
+    /// stockout or the Droplet limit returns the slot; 429 and 5xx are retried after a look-up;
+    /// the rest fails the machine saying what to fix.
+    #[test]
+    fn each_create_answer_has_a_deliberate_outcome() {
+        use provider_core::backend::RefusalKind::*;
+        use provider_core::retry::Verdict;
+        let refused =
+            |status, message| refusal_of(&answer(status, message)).map(|r| (r.kind, r.code));
+        assert_eq!(
+            refused(422, "Size is not available in this region."),
+            Some((Stockout, "size_unavailable"))
+        );
+        assert_eq!(
+            refused(422, "Region is not available"),
+            Some((Stockout, "size_unavailable"))
+        );
+        assert_eq!(
+            refused(
+                422,
+                "creating this/these droplet(s) will exceed your droplet limit"
+            ),
+            Some((AccountLimit, "droplet_limit"))
+        );
+        for message in [
+            "You specified an invalid image for Droplet creation.",
+            "You specified an invalid SSH key ID",
+            "tag name invalid",
+        ] {
+            assert_eq!(refused(422, message), None, "{message}");
+            let fix = failure_fix(&answer(422, message)).unwrap();
+            assert!(fix.contains("digitalocean check"), "{fix}");
+        }
+        assert!(
+            failure_fix(&answer(401, "unauthorized"))
+                .unwrap()
+                .contains("read-write")
+        );
+        assert!(
+            failure_fix(&answer(403, "forbidden"))
+                .unwrap()
+                .contains("read-write")
+        );
+        assert!(failure_fix(&answer(404, "not found")).is_some());
+        for status in [429, 500, 502, 503, 504] {
+            assert!(
+                matches!(answer(status, "x").verdict(), Verdict::Retry { .. }),
+                "{status}"
+            );
+            assert_eq!(refused(status, "size is not available"), None);
+        }
+    }
 
     #[test]
     fn settings_never_print_the_base_user_data() {

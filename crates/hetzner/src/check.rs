@@ -107,6 +107,12 @@ pub async fn run(report: &mut Report, args: &RealArgs, offerings: &[Offering]) {
             return;
         }
     }
+    report.progress("the project's servers");
+    let slots: i64 = offerings.iter().map(|o| o.count.max(0)).sum();
+    match api.count_servers("", Some(deadline)).await {
+        Ok(servers) => report.ok("server limit", server_headroom(servers, slots)),
+        Err(e) => report.problem("server limit", format!("count the project's servers: {e}")),
+    }
     let mut resolver = Resolver::new(&api, deadline);
     for spec in usable {
         let mut sink = Lines(report);
@@ -118,4 +124,14 @@ pub async fn run(report: &mut Report, args: &RealArgs, offerings: &[Offering]) {
             );
         }
     }
+}
+
+/// The headroom line: Hetzner publishes no server limit, so only the servers held are known.
+fn server_headroom(servers: u64, slots: i64) -> String {
+    format!(
+        "{servers} servers in the project, headroom unknown: Hetzner publishes no server limit; \
+         the provider learns it from the first 403 resource_limit_exceeded and then lists no \
+         more Speculative slots than the headroom (bigfleet_hetzner_account_headroom); the \
+         offerings have {slots} slots"
+    )
 }

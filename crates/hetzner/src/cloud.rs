@@ -793,7 +793,6 @@ impl Cloud for HetznerCloud {
             })
         })
         .await
-        .inspect(|host| self.ledger.created(&host.id))
     }
 
     async fn list_hosts(&self) -> Result<Vec<OwnedHost>, BackendError> {

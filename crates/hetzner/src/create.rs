@@ -91,23 +91,84 @@ pub const STOCKOUT_CODES: [&str; 2] = ["resource_unavailable", "placement_error"
 /// The code of a create call's refusal for the project's limit.
 pub const LIMIT_CODE: &str = "resource_limit_exceeded";
 
+/// What a create call's failed answer means for the Create (the table of
+/// docs/hetzner/troubleshooting.md, "Create refusals", is this function).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum CreateOutcome {
+    /// The type cannot be placed in the location now: the slot is returned, the offering
+    /// withdrawn for a backoff (the code, a metric label).
+    Stockout(&'static str),
+    /// A project limit (servers, or the primary IPs each server takes): the slot is returned
+    /// and the headroom capped (the code, a metric label).
+    Limit(&'static str),
+    /// Nothing was made, or the answer may have been lost: look the server up by its labels,
+    /// adopt it if it exists, else try again while the deadline allows.
+    LookUpAndRetry,
+    /// The settings or the token are at fault: the machine fails with the answer and what to
+    /// fix.
+    Fail(&'static str),
+}
+
+/// See [`CreateOutcome`]. 429s never get here: the client waits for the budget and repeats.
+pub fn create_outcome(e: &ApiError) -> CreateOutcome {
+    if e.is_ambiguous() {
+        // 5xx (`server_error`, `bad_gateway`, `unavailable`, `maintenance`, `timeout`), a
+        // lost or garbled answer: the server may exist.
+        return CreateOutcome::LookUpAndRetry;
+    }
+    let ApiError::Status { code, message, .. } = e else {
+        return CreateOutcome::Fail("");
+    };
+    if let Some(code) = STOCKOUT_CODES.into_iter().find(|c| c == code) {
+        return CreateOutcome::Stockout(code);
+    }
+    match code.as_str() {
+        LIMIT_CODE if message.to_ascii_lowercase().contains("primary_ip") => {
+            CreateOutcome::Limit("primary_ip_limit")
+        }
+        LIMIT_CODE => CreateOutcome::Limit(LIMIT_CODE),
+        // Another action holds a resource the server joins (a network, a firewall, the spread
+        // group), or the name is held: refused without effect, worth another try.
+        "uniqueness_error" | "conflict" | "locked" | "rate_limit_exceeded" | "service_error" => {
+            CreateOutcome::LookUpAndRetry
+        }
+        "placement_group_member_limit_reached" => CreateOutcome::Fail(
+            "the spread group is full and no other could be opened: add offerings or locations, \
+             or use placement none",
+        ),
+        "invalid_input"
+        | "not_found"
+        | "primary_ip_assigned"
+        | "primary_ip_datacenter_mismatch"
+        | "primary_ip_version_mismatch"
+        | "server_not_stopped"
+        | "network_not_found"
+        | "firewall_resource_not_found" => CreateOutcome::Fail(
+            "a server setting is refused (image, network, firewall, SSH key, primary IP): \
+             `hetzner check` names the one at fault",
+        ),
+        "unauthorized" | "forbidden" | "token_readonly" => CreateOutcome::Fail(
+            "the token may not create servers: give --token a read-write API token of the project",
+        ),
+        _ => CreateOutcome::Fail(""),
+    }
+}
+
 impl HetznerCloud {
     /// What a refused create call (an answer, never a lost one) means for the slot: a stockout,
     /// the project's limit (counted: the servers the project holds now), or `None`, a failure
     /// of the machine's own.
     async fn refusal_of(&self, e: &ApiError, deadline: Instant) -> Option<Refusal> {
-        let code = e.code()?;
-        if let Some(code) = STOCKOUT_CODES.into_iter().find(|c| *c == code) {
-            return Some(Refusal::stockout(code));
-        }
-        if code != LIMIT_CODE {
-            return None;
-        }
+        let code = match create_outcome(e) {
+            CreateOutcome::Stockout(code) => return Some(Refusal::stockout(code)),
+            CreateOutcome::Limit(code) => code,
+            CreateOutcome::LookUpAndRetry | CreateOutcome::Fail(_) => return None,
+        };
         let held = self.api.count_servers("", Some(deadline)).await;
         if let Err(ce) = &held {
             tracing::warn!(err = %ce, "counting the project's servers after a limit refusal failed; taking the servers known as the limit");
         }
-        Some(Refusal::account_limit(LIMIT_CODE, held.ok()))
+        Some(Refusal::account_limit(code, held.ok()))
     }
 
     /// One create call: straight, or into a spread group of the offering.
@@ -291,6 +352,15 @@ impl HetznerCloud {
         }
     }
 
+    /// The cloud named `id` as this Create's server: from now on the out-of-band check expects
+    /// it (whatever becomes of the Create, the server exists until a delete of this process or
+    /// of someone else), and it goes into the machine's record before anything else is asked
+    /// of the cloud.
+    async fn host_named(&self, id: &str, ctx: &TransitionContext) -> Result<(), BackendError> {
+        self.ledger.created(id);
+        ctx.record_host(id).await
+    }
+
     pub(crate) async fn create(
         &self,
         machine: &Machine,
@@ -308,7 +378,7 @@ impl HetznerCloud {
             .map_err(|e| err(format!("look up existing servers: {e}")))?
         {
             tracing::info!(machine = %machine.id, server = existing.id, "adopting the server a previous Create made");
-            ctx.record_host(&existing.id.to_string()).await?;
+            self.host_named(&existing.id.to_string(), ctx).await?;
             self.claim_if_legacy(&existing, deadline)
                 .await
                 .map_err(|e| err(format!("claim server {}: {e}", existing.id)))?;
@@ -348,7 +418,7 @@ impl HetznerCloud {
             attempt += 1;
             match self.create_server(&plan, &mut request, deadline).await {
                 Ok(server) => break server,
-                Err(e) if e.code() == Some("uniqueness_error") || e.is_ambiguous() => {
+                Err(e) if create_outcome(&e) == CreateOutcome::LookUpAndRetry => {
                     // The name is taken or the response was lost: the server may exist. Adopt
                     // it only if its labels say it is this machine's. The look-up may outlast
                     // the Create's deadline (a create call cut short by it may still have made
@@ -405,17 +475,123 @@ impl HetznerCloud {
                     if let Some(refusal) = self.refusal_of(&e, deadline).await {
                         ctx.refuse(refusal);
                     }
-                    return Err(err(format!("create server {server_type}: {e}")));
+                    return Err(err(match create_outcome(&e) {
+                        CreateOutcome::Fail(fix) if !fix.is_empty() => {
+                            format!("create server {server_type}: {e} ({fix})")
+                        }
+                        _ => format!("create server {server_type}: {e}"),
+                    }));
                 }
             }
         };
         tracing::info!(machine = %machine.id, server = created.id, name = %name, "server created");
-        // Into the machine's record before anything else is asked of the cloud.
-        ctx.record_host(&created.id.to_string()).await?;
+        self.host_named(&created.id.to_string(), ctx).await?;
         let server = self
             .wait_running(&created, &machine.id, Some(Instant::now()), ctx)
             .await?;
         let server = self.attach_subnets(&plan, server, ctx).await?;
         owned(&server)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn answer(status: u16, code: &str, message: &str) -> ApiError {
+        ApiError::Status {
+            status,
+            code: code.into(),
+            message: message.into(),
+            hint: None,
+        }
+    }
+
+    /// Every code of the official document a create call can answer, with its outcome.
+    #[test]
+    fn each_create_answer_has_a_deliberate_outcome() {
+        use CreateOutcome::*;
+        let cases = [
+            (
+                412,
+                "resource_unavailable",
+                "error during placement",
+                Stockout("resource_unavailable"),
+            ),
+            (
+                422,
+                "placement_error",
+                "error during placement",
+                Stockout("placement_error"),
+            ),
+            (
+                403,
+                "resource_limit_exceeded",
+                "server limit exceeded",
+                Limit("resource_limit_exceeded"),
+            ),
+            (
+                403,
+                "resource_limit_exceeded",
+                "primary_ip_limit",
+                Limit("primary_ip_limit"),
+            ),
+            (
+                409,
+                "uniqueness_error",
+                "server name is already used",
+                LookUpAndRetry,
+            ),
+            (409, "conflict", "resource has changed", LookUpAndRetry),
+            (
+                422,
+                "service_error",
+                "error within a service",
+                LookUpAndRetry,
+            ),
+            (423, "locked", "resource is locked", LookUpAndRetry),
+            (429, "rate_limit_exceeded", "limit reached", LookUpAndRetry),
+            (500, "server_error", "internal", LookUpAndRetry),
+            (502, "bad_gateway", "bad gateway", LookUpAndRetry),
+            (503, "unavailable", "unavailable", LookUpAndRetry),
+            (503, "maintenance", "maintenance", LookUpAndRetry),
+            (504, "timeout", "timeout", LookUpAndRetry),
+        ];
+        for (status, code, message, outcome) in cases {
+            assert_eq!(
+                create_outcome(&answer(status, code, message)),
+                outcome,
+                "{code}"
+            );
+        }
+        for code in [
+            "invalid_input",
+            "not_found",
+            "primary_ip_assigned",
+            "primary_ip_datacenter_mismatch",
+            "primary_ip_version_mismatch",
+        ] {
+            let Fail(fix) = create_outcome(&answer(422, code, "x")) else {
+                panic!("{code}");
+            };
+            assert!(fix.contains("hetzner check"), "{code}: {fix}");
+        }
+        let Fail(fix) = create_outcome(&answer(422, "placement_group_member_limit_reached", "x"))
+        else {
+            panic!("placement_group_member_limit_reached");
+        };
+        assert!(fix.contains("spread group is full"));
+        let Fail(fix) = create_outcome(&answer(403, "forbidden", "x")) else {
+            panic!("forbidden");
+        };
+        assert!(fix.contains("read-write API token"));
+        assert_eq!(
+            create_outcome(&ApiError::Transport("reset".into())),
+            LookUpAndRetry
+        );
+        assert_eq!(create_outcome(&ApiError::Deadline), LookUpAndRetry);
+        for code in ["json_error", "protected", "unsupported_error"] {
+            assert_eq!(create_outcome(&answer(400, code, "x")), Fail(""), "{code}");
+        }
     }
 }

@@ -16,6 +16,9 @@
 //! - [`logs`]: a `tracing` capture of the current thread's log lines, and a child process's
 //!   output collected as it comes.
 //! - [`out_of_band`]: the cloud-neutral steps of the out-of-band check scenario.
+//! - [`stockout`]: the cloud-neutral stockout and account-limit scenarios (a sold-out offering
+//!   and its return, a limit with room for two, bursts on a sold-out offering, a restart while
+//!   withdrawn), each cloud's emulator behind its [`stockout::Knobs`].
 //! - [`metrics`]: one series of this process's Prometheus rendering.
 //! - [`time`]: scaled time: a cloud's seconds at a test's time scale.
 //! - [`relay`]: a loopback TCP relay that counts, cuts and retargets connections.
@@ -45,6 +48,7 @@ pub mod metrics;
 pub mod out_of_band;
 pub mod relay;
 pub mod script;
+pub mod stockout;
 pub mod time;
 pub mod wait;
 

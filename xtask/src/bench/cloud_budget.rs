@@ -14,7 +14,9 @@
 //! - **the steady state**: owned hosts already in the cloud, and nothing for the provider to do
 //!   but reconcile, measured over several survey cycles;
 //! - **crowded bursts** ([`crowd`]): 200 Creates beside 1,000 owned hosts under the cloud's
-//!   limit, alone on the token and beside another user spending half of it.
+//!   limit, alone on the token and beside another user spending half of it;
+//! - **a sold-out offering** ([`soldout`]): a shard creating every listed slot for an hour of
+//!   scaled backoffs, counting the requests the offering costs.
 //!
 //! Walks and bursts run in real time with the real limits and boot times (Hetzner 12 s,
 //! DigitalOcean 30 s): the binary paces its boot polls by its own clock, which no emulator
@@ -28,6 +30,7 @@ mod crowd;
 mod digitalocean;
 mod hetzner;
 mod report;
+mod soldout;
 mod surveys;
 
 use std::collections::HashMap;
@@ -90,7 +93,18 @@ const HETZNER_STEADY_SCALE: f64 = 100.0;
 /// share at 1 x 1 over the default 0.5 x 0.2.
 const DIGITALOCEAN_STEADY_SCALE: f64 = 10.0;
 
-impl Cloud {
+/// What this bench knows of a cloud besides its name.
+trait Facts {
+    fn boot(self) -> Duration;
+    fn hourly_limit(self) -> f64;
+    fn metrics_prefix(self) -> &'static str;
+    fn steady_scale(self) -> f64;
+    fn survey_gap(self) -> Duration;
+    fn steady_flags(self) -> Vec<String>;
+    fn steady_conditions(self) -> String;
+}
+
+impl Facts for Cloud {
     /// How long a new server of the cloud takes to boot.
     fn boot(self) -> Duration {
         match self {
@@ -884,6 +898,7 @@ enum Figures {
     Steady(Steady),
     Crowd(Crowd),
     Storm(Storm),
+    Soldout(soldout::Soldout),
 }
 
 /// Every run at once; the report has what completed and names what failed.
@@ -916,6 +931,9 @@ async fn measure_all(root: PathBuf, binaries: Binaries, options: CloudBudget) ->
                 Job::Storm(cloud, stormy) => storm(&root, &binaries, &dir, cloud, stormy)
                     .await
                     .map(Figures::Storm),
+                Job::Soldout(cloud) => soldout::soldout(&root, &binaries, &dir, cloud)
+                    .await
+                    .map(Figures::Soldout),
             };
             (name, started.elapsed(), result)
         });
@@ -932,6 +950,9 @@ async fn measure_all(root: PathBuf, binaries: Binaries, options: CloudBudget) ->
         }
         if options.runs("walk") {
             spawn(format!("{}-walk", cloud.name()), Job::Walk(cloud));
+        }
+        if options.runs("soldout") {
+            spawn(format!("{}-soldout", cloud.name()), Job::Soldout(cloud));
         }
         for bucket in Bucket::ALL.into_iter().filter(|_| options.runs("burst")) {
             let label = bucket.name().replace(' ', "-");
@@ -980,6 +1001,7 @@ async fn measure_all(root: PathBuf, binaries: Binaries, options: CloudBudget) ->
                     Figures::Steady(s) => report.steady.push(s),
                     Figures::Crowd(c) => report.crowds.push(c),
                     Figures::Storm(s) => report.storms.push(s),
+                    Figures::Soldout(s) => report.soldouts.push(s),
                 }
             }
             Err(e) => {
@@ -995,6 +1017,7 @@ async fn measure_all(root: PathBuf, binaries: Binaries, options: CloudBudget) ->
     report.steady.sort_by_key(|s| (s.cloud, s.hosts));
     report.crowds.sort_by_key(|c| (c.cloud, c.other.is_some()));
     report.storms.sort_by_key(|s| (s.cloud, s.storm));
+    report.soldouts.sort_by_key(|s| s.cloud);
     report.conditions = conditions(&options.clouds);
     Ok(report)
 }
@@ -1008,6 +1031,7 @@ enum Job {
     Crowded(Cloud, bool),
     /// Whether a 429 storm meets the Creates.
     Storm(Cloud, bool),
+    Soldout(Cloud),
 }
 
 fn summary(figures: &Figures) -> String {
@@ -1042,6 +1066,7 @@ fn summary(figures: &Figures) -> String {
             s.p99,
             total(&s.requests)
         ),
+        Figures::Soldout(s) => soldout::summary(s),
     }
 }
 

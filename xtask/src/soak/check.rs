@@ -20,14 +20,19 @@ use crate::e2e::wire;
 const STUCK_AFTER: Duration = Duration::from_secs(CREATE_TIMEOUT.as_secs() + 40);
 
 /// Longest an owned host may stay attached to no machine: a Create in flight, then the
-/// orphan grace, several passes and a restart.
-fn untracked_bound() -> Duration {
+/// orphan grace, several passes (or two of the surveys the provider paces to its budget
+/// share, `survey_period`, when they come less often) and a restart.
+pub(crate) fn untracked_bound(survey_period: Duration) -> Duration {
     CREATE_TIMEOUT
         + DELETE_TIMEOUT
         + ORPHAN_GRACE
-        + RECONCILE_INTERVAL * 10
+        + (RECONCILE_INTERVAL * 10).max(survey_period * 2)
         + Duration::from_secs(30)
 }
+
+/// The longest survey period a provider may report and still be waited for: beyond it the
+/// soak's bounds stop growing (a provider that surveys less often fails them).
+const LONGEST_SURVEY_PERIOD: Duration = Duration::from_secs(300);
 
 /// Where a machine should be while no worker acts on it.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -49,6 +54,11 @@ struct Inner {
     untracked_since: HashMap<String, Instant>,
     /// Every host seen live during the run.
     seen_hosts: HashSet<String>,
+    /// The longest reconcile survey period the provider reported
+    /// (`<prefix>_reconcile_period_seconds`): at the default budget shares surveys are paced
+    /// to their share, and a host deleted out of band is noticed by the next survey (or a
+    /// check between two, where the share leaves room for them).
+    survey_period: Duration,
 }
 
 pub(crate) struct Checker {
@@ -104,6 +114,18 @@ impl Checker {
         if h.len() > 16 {
             h.pop_front();
         }
+    }
+
+    /// The provider reports its reconcile survey period: the soak's bounds on noticing
+    /// changes grow with the longest seen, up to [`LONGEST_SURVEY_PERIOD`].
+    pub(crate) fn survey_period_reported(&self, period: Duration) {
+        let mut inner = self.inner();
+        inner.survey_period = inner.survey_period.max(period.min(LONGEST_SURVEY_PERIOD));
+    }
+
+    /// The longest reconcile survey period the provider reported so far.
+    pub(crate) fn survey_period(&self) -> Duration {
+        self.inner().survey_period
     }
 
     /// The provider was just restarted: the clocks of untracked hosts and transitional
@@ -166,6 +188,19 @@ impl Checker {
                     m.id
                 );
             }
+            // A stockout or the account's limit returns the slot: it never fails a machine
+            // (one holding the host its Create recorded fails for that host, as any Create
+            // that made something).
+            if state == pb::MachineState::Failed
+                && host_of(m).is_none()
+                && by_capacity(&m.last_error)
+            {
+                bail!(
+                    "{} is FAILED by a stockout or the account's limit (last_error {:?})",
+                    m.id,
+                    m.last_error
+                );
+            }
             // Nothing stuck transitional.
             if super::is_transitional(state) {
                 let since = inner
@@ -218,7 +253,7 @@ impl Checker {
             }
         }
         // No owned host untracked for long.
-        let bound = untracked_bound();
+        let bound = untracked_bound(inner.survey_period);
         inner
             .untracked_since
             .retain(|h, _| live_ids.contains(h.as_str()) && !tracked.contains_key(h));
@@ -249,8 +284,15 @@ impl Checker {
                 })
                 .count()
         };
+        let returned = machines
+            .iter()
+            .filter(|m| {
+                wire::state_of(m) == pb::MachineState::Speculative && by_capacity(&m.last_error)
+            })
+            .count();
         format!(
-            "hosts_seen={} leaked={leaked} failed_with_host={} failed_without_host={}",
+            "hosts_seen={} leaked={leaked} failed_with_host={} failed_without_host={} \
+             returned_by_capacity={returned}",
             self.inner().seen_hosts.len(),
             failed(true),
             failed(false)
@@ -284,6 +326,17 @@ impl Checker {
     /// The end state, once every machine settled: every live owned host attached to exactly
     /// one machine (so no machine is FAILED without the host that exists for it), every Idle
     /// machine's host alive, the continuous properties too.
+    /// The soak's machines a listing left out (hidden: a withdrawn offering's, or above the
+    /// account's headroom).
+    pub(crate) fn unlisted(&self, machines: &[pb::Machine]) -> Vec<String> {
+        let known: HashSet<&str> = machines.iter().map(|m| m.id.as_str()).collect();
+        self.ids
+            .iter()
+            .filter(|id| !known.contains(id.as_str()))
+            .cloned()
+            .collect()
+    }
+
     pub(crate) fn final_check(&self, machines: &[pb::Machine], asked: Instant) -> Result<()> {
         self.compare(machines, asked)?;
         let live = self.emulated.live_hosts();
@@ -326,4 +379,21 @@ impl Checker {
         }
         Ok(())
     }
+}
+
+/// Whether a `last_error` names a stockout or the account's limit (the provider's own words,
+/// or the clouds' answers).
+fn by_capacity(last_error: &str) -> bool {
+    let e = last_error.to_ascii_lowercase();
+    e.starts_with("stockout:")
+        || e.starts_with("account limit:")
+        || [
+            "resource_unavailable",
+            "resource_limit_exceeded",
+            "placement_error",
+            "droplet limit",
+            "not available in this region",
+        ]
+        .iter()
+        .any(|w| e.contains(w))
 }

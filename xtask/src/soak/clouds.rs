@@ -199,9 +199,72 @@ impl Emulated {
         self.live_hosts().iter().any(|(h, _)| h == id)
     }
 
+    /// The soak's one offering: `(instance type, zone)`.
+    fn offering(&self) -> (&'static str, &'static str) {
+        match self {
+            Emulated::Hetzner(_) => ("cx23", "nbg1"),
+            Emulated::DigitalOcean { .. } => ("s-1vcpu-2gb", DO_REGION),
+        }
+    }
+
+    /// Sells the offering out (`sold_out`) or sells it again: Hetzner answers a Create 412
+    /// `resource_unavailable`, DigitalOcean 422 "Size is not available in this region.".
+    fn sell_out(&self, sold_out: bool) {
+        let (instance_type, zone) = self.offering();
+        match self {
+            Emulated::Hetzner(e) => e.set_sold_out(instance_type, zone, sold_out),
+            Emulated::DigitalOcean { emulator, .. } => {
+                emulator.set_sold_out(instance_type, zone, sold_out)
+            }
+        }
+    }
+
+    /// The account's host limit (`None`: lifted): Hetzner answers a Create beyond it 403
+    /// `resource_limit_exceeded`, DigitalOcean 422 "… will exceed your droplet limit".
+    fn limit_hosts(&self, limit: Option<usize>) {
+        match self {
+            Emulated::Hetzner(e) => e.set_server_limit(limit),
+            Emulated::DigitalOcean { emulator, .. } => {
+                emulator.set_droplet_limit(limit.map_or(u64::MAX, |l| l as u64))
+            }
+        }
+    }
+
+    /// A capacity fault for `lasting`: the offering sold out, or the account's limit at the
+    /// hosts it holds plus up to two; lifted afterwards by a task of its own.
+    fn capacity_fault(&self, chance: &mut Chance, lasting: Duration) -> &'static str {
+        let stockout = chance.percent(50);
+        if stockout {
+            self.sell_out(true);
+        } else {
+            let room = chance.below(3) as usize;
+            self.limit_hosts(Some(self.live_hosts().len() + room));
+        }
+        let cloud = self.clone();
+        tokio::spawn(async move {
+            tokio::time::sleep(lasting).await;
+            if stockout {
+                cloud.sell_out(false);
+            } else {
+                cloud.limit_hosts(None);
+            }
+        });
+        if stockout {
+            "stockout"
+        } else {
+            "account_limit"
+        }
+    }
+
     /// Injects one fault chosen by `chance`; returns its name for the counts.
     pub(crate) fn inject_random(&self, chance: &mut Chance) -> &'static str {
-        let roll = chance.below(100);
+        let roll = chance.below(110);
+        if roll >= 100 {
+            // A sold-out offering or a full account lasts seconds here, minutes to days in a
+            // real cloud; the provider runs with short stockout backoffs to match.
+            let lasting = chance.millis(2_000, 8_000);
+            return self.capacity_fault(chance, lasting);
+        }
         // A storm or burst lasts a while, however many requests meet it, as a cloud's
         // outages do: queued for a count of requests, it would last longer the fewer requests
         // the provider sends (one polling every booting host in one listing sends few).
@@ -328,6 +391,8 @@ impl Emulated {
 
     /// Faults off for the settling phase (pages stay small).
     pub(crate) fn calm(&self) {
+        self.sell_out(false);
+        self.limit_hosts(None);
         match self {
             Emulated::Hetzner(e) => {
                 e.set_polls_to_running(0);

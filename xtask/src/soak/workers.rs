@@ -297,6 +297,14 @@ impl Worker {
                 fenced.insert(id.to_owned(), sequence);
                 if again.operation_id == operation_id {
                     self.tally.add("rpc.retry_same_operation");
+                } else if kind == Kind::Create
+                    && !settled
+                    && self.tally.count("fault.stockout") + self.tally.count("fault.account_limit")
+                        > 0
+                {
+                    // A Create refused for capacity returned its slot to Speculative before
+                    // the retry came: from Speculative, a Create is new work.
+                    self.tally.add("rpc.retry_after_returned_create");
                 } else {
                     self.checker.violate(format!(
                         "a retry of the acknowledged {} {operation_id} on {id}{} returned operation {} (machine now {:?}, host {:?})",

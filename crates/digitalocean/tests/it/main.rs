@@ -19,4 +19,5 @@ mod profile_cache;
 mod restart;
 mod resume;
 mod scale;
+mod stockout;
 mod support;

@@ -173,3 +173,50 @@ async fn the_check_reads_the_actions_since_the_last_one() {
     );
     assert_eq!(check().await, InventorySignal::Unsupported);
 }
+
+/// A Droplet the cloud named for a Create is expected from that moment, also when the Create
+/// fails afterwards (a boot that outlasts its deadline): its destroy in the console is a
+/// change made behind the provider's back, which the check reports.
+#[tokio::test]
+async fn a_failed_creates_droplet_destroyed_out_of_band_is_a_change() {
+    let env = Env::start().await;
+    let cloud = DigitalOceanCloud::new(
+        api_client(&env.api_url),
+        env.channel.channel.clone(),
+        cloud_settings(&env.channel, &env.pki, None, PROVIDER),
+        Telemetry::new(PREFIX),
+    );
+    cloud
+        .create_host(&machine(0), &ctx(Duration::from_secs(20)))
+        .await
+        .unwrap();
+    assert_eq!(cloud.list_hosts().await.unwrap().len(), 1);
+    // The first check sets where the account's actions are read from.
+    assert!(matches!(
+        cloud.inventory_changed().await.unwrap(),
+        InventorySignal::Unchanged
+    ));
+
+    env.emulator.set_boot_time(Some(Duration::from_secs(3600)));
+    let failed = cloud
+        .create_host(&machine(1), &ctx(Duration::from_secs(1)))
+        .await
+        .unwrap_err();
+    assert!(failed.0.contains("deadline"), "{}", failed.0);
+    let droplet = env
+        .emulator
+        .droplets()
+        .into_iter()
+        .find(|d| d.name == digitalocean::naming::droplet_name(&machine(1).id))
+        .expect("the failed Create's Droplet exists");
+    assert!(matches!(
+        cloud.inventory_changed().await.unwrap(),
+        InventorySignal::Unchanged
+    ));
+    assert!(env.emulator.delete_out_of_band(droplet.id));
+    let signal = cloud.inventory_changed().await.unwrap();
+    assert!(
+        matches!(&signal, InventorySignal::Changed { why } if why.contains(&droplet.id.to_string())),
+        "{signal:?}"
+    );
+}

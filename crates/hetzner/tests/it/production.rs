@@ -276,6 +276,16 @@ async fn check_passes_a_working_configuration_and_names_each_broken_setting() {
     let mut report = Report::quiet(CheckOptions::default());
     hetzner::check::run(&mut report, &good, &[offering("cx23", "nbg1")]).await;
     assert!(report.passed(), "{}", report.render());
+    let rendered = report.render();
+    let headroom = rendered
+        .lines()
+        .find(|l| l.contains("server limit"))
+        .unwrap_or_else(|| panic!("{rendered}"));
+    assert!(
+        headroom.contains("0 servers in the project, headroom unknown")
+            && headroom.contains("the offerings have"),
+        "{headroom}"
+    );
     assert_eq!(env.emulator.count("POST", "/servers"), 0);
     assert!(
         env.emulator.seen().iter().all(|s| s.method == "GET"),

@@ -20,7 +20,7 @@ use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 
 use super::report::{Counts, Crowd};
-use super::{Binaries, DEFAULT_SHARES, Lab, Rig, Setup, Spent, slot};
+use super::{Binaries, DEFAULT_SHARES, Facts, Lab, Rig, Setup, Spent, slot};
 use crate::bench::args::Cloud;
 use crate::e2e::wire::state_of;
 

@@ -233,6 +233,7 @@ pub(crate) struct Report {
     pub steady: Vec<Steady>,
     pub crowds: Vec<Crowd>,
     pub storms: Vec<Storm>,
+    pub soldouts: Vec<super::soldout::Soldout>,
     /// How each kind of run was set up, one line each.
     pub conditions: Vec<String>,
     pub failures: Vec<String>,
@@ -365,6 +366,7 @@ pub(crate) fn tables(report: &Report) -> String {
         }
         out.push('\n');
     }
+    out.push_str(&super::soldout::render(&report.soldouts));
     for line in &report.conditions {
         let _ = writeln!(out, "- {line}");
     }
@@ -436,6 +438,7 @@ pub(crate) fn to_json(report: &Report, machine: &Machine, took: Duration) -> Val
             "seconds": c.wall.as_secs_f64(),
             "budget_seconds": c.budget.as_secs_f64(),
         })).collect::<Vec<_>>(),
+        "soldout": super::soldout::to_json(&report.soldouts),
         "failures": report.failures,
     })
 }
@@ -493,6 +496,7 @@ mod tests {
                 max: Duration::from_secs(17),
                 requests: counts(&[("create", 60, 10)]),
             }],
+            soldouts: Vec::new(),
             conditions: vec!["walks at real time".into()],
             failures: vec!["digitalocean steady 10000: boom".into()],
         }
