@@ -769,10 +769,17 @@ pub(crate) fn refusal_of(error: &ApiError) -> Option<provider_core::backend::Ref
 /// capacity (docs/digitalocean/troubleshooting.md, "Create refusals"); `None` when the answer
 /// says enough.
 pub(crate) fn failure_fix(error: &ApiError) -> Option<&'static str> {
-    let ApiError::Status { status, .. } = error else {
+    let ApiError::Status {
+        status, message, ..
+    } = error
+    else {
         return None;
     };
     match status {
+        422 | 400 if message.to_ascii_lowercase().contains("size") => Some(
+            "the offering's size is refused: use a size slug DigitalOcean sells; \
+             `digitalocean check` checks each offering's size in its region",
+        ),
         422 | 400 => Some(
             "a Droplet setting is refused (image, ssh_keys, vpc_uuid, tags, name): \
              `digitalocean check` names the one at fault",
@@ -1160,6 +1167,12 @@ mod tests {
             let fix = failure_fix(&answer(422, message)).unwrap();
             assert!(fix.contains("digitalocean check"), "{fix}");
         }
+        let fix = failure_fix(&answer(
+            422,
+            "You specified an invalid size for Droplet creation.",
+        ))
+        .unwrap();
+        assert!(fix.starts_with("the offering's size is refused"), "{fix}");
         assert!(
             failure_fix(&answer(401, "unauthorized"))
                 .unwrap()

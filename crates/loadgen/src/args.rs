@@ -216,8 +216,7 @@ pub struct CloudBudget {
 }
 
 /// The kinds of run `--runs` names.
-pub const CLOUD_BUDGET_RUNS: [&str; 6] =
-    ["walk", "burst", "steady", "crowded", "storm", "soldout"];
+pub const CLOUD_BUDGET_RUNS: [&str; 6] = ["walk", "burst", "steady", "crowded", "storm", "soldout"];
 
 impl CloudBudget {
     /// Whether runs of `kind` are part of this report.

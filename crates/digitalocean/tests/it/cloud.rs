@@ -72,7 +72,9 @@ async fn a_rejected_create_fails_with_the_api_message() {
     let err = env.create_fails(&m, 5).await;
     assert_eq!(
         err.0,
-        "create droplet s-99vcpu-1tb: POST /v2/droplets: HTTP 422: unprocessable_entity You specified an invalid size for Droplet creation."
+        "create droplet s-99vcpu-1tb: POST /v2/droplets: HTTP 422: unprocessable_entity You specified an invalid size for Droplet creation. \
+         (the offering's size is refused: use a size slug DigitalOcean sells; \
+         `digitalocean check` checks each offering's size in its region)"
     );
     assert_eq!(env.emulator.create_requests(), 1);
 }

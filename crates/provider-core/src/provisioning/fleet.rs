@@ -840,7 +840,9 @@ impl Fleet {
         let message = match refusal.kind {
             RefusalKind::Stockout => {
                 self.headroom.ended(false, account_probe);
-                let wait = self.withdrawals.stockout(t, z, refusal.code, now, jitter);
+                let wait = self
+                    .withdrawals
+                    .stockout(t, z, refusal.code, now, jitter, probe);
                 let strikes = self
                     .withdrawals
                     .all()

@@ -167,8 +167,14 @@ impl Withdrawals {
         Admission::Probe
     }
 
-    /// A stockout at `now` (`jitter` in `[0, 1)`): the offering is withdrawn for the next
-    /// backoff. Returns the wait.
+    /// A stockout at `now` (`jitter` in `[0, 1)`) of a Create admitted as the probe (`probe`)
+    /// or while the offering was open: the offering is withdrawn for the next backoff. Returns
+    /// the wait.
+    ///
+    /// A refusal of a Create that was sent while the offering was open but arrives while a
+    /// withdrawal is already in force (the rest of a burst sent before the first refusal came
+    /// back) is the same stockout, not another one in a row: it leaves the backoff as it is, so
+    /// a burst of N Creates on a sold-out offering costs one strike, not N.
     pub fn stockout(
         &self,
         instance_type: &str,
@@ -176,6 +182,7 @@ impl Withdrawals {
         code: &'static str,
         now: Instant,
         jitter: f64,
+        probe: bool,
     ) -> Duration {
         let mut entries = self.entries();
         let w = entries
@@ -186,6 +193,9 @@ impl Withdrawals {
                 probing: false,
                 code,
             });
+        if !probe && w.strikes > 0 && (w.probing || now < w.until) {
+            return w.until.saturating_duration_since(now);
+        }
         w.strikes = w.strikes.saturating_add(1);
         let wait = self.backoff.wait(w.strikes, jitter);
         w.until = now + wait;
@@ -285,7 +295,7 @@ mod tests {
         let t0 = Instant::now();
         assert_eq!(w.admit("cx22", "nbg1", t0), Admission::Open);
         assert_eq!(w.withdrawn("cx22", "nbg1", t0), None);
-        let wait = w.stockout("cx22", "nbg1", "resource_unavailable", t0, 0.0);
+        let wait = w.stockout("cx22", "nbg1", "resource_unavailable", t0, 0.0, false);
         assert_eq!(wait, 5 * MIN);
         assert!(w.withdrawn("cx22", "nbg1", t0).is_some());
         assert_eq!(w.withdrawn("cx22", "fsn1", t0), None, "per location");
@@ -309,7 +319,7 @@ mod tests {
         assert_eq!(w.next_change(later), None);
         // Sold out again: a longer backoff.
         assert_eq!(
-            w.stockout("cx22", "nbg1", "resource_unavailable", later, 0.0),
+            w.stockout("cx22", "nbg1", "resource_unavailable", later, 0.0, true),
             10 * MIN
         );
         let after = later + 10 * MIN;
@@ -318,7 +328,7 @@ mod tests {
         assert!(w.sold("cx22", "nbg1"));
         assert_eq!(w.admit("cx22", "nbg1", after), Admission::Open);
         assert_eq!(
-            w.stockout("cx22", "nbg1", "resource_unavailable", after, 0.0),
+            w.stockout("cx22", "nbg1", "resource_unavailable", after, 0.0, false),
             5 * MIN
         );
     }
@@ -327,7 +337,7 @@ mod tests {
     fn an_inconclusive_probe_reopens_the_offering() {
         let w = Withdrawals::new(backoff());
         let t0 = Instant::now();
-        w.stockout("a", "z", "resource_unavailable", t0, 0.0);
+        w.stockout("a", "z", "resource_unavailable", t0, 0.0, false);
         let later = t0 + 5 * MIN;
         assert_eq!(w.admit("a", "z", later), Admission::Probe);
         w.inconclusive("a", "z");
@@ -347,10 +357,11 @@ mod tests {
         for second in 0..3600u64 {
             let now = t0 + Duration::from_secs(second);
             match w.admit("a", "z", now) {
-                Admission::Open | Admission::Probe => {
+                admission @ (Admission::Open | Admission::Probe) => {
                     sent += 1;
                     probes += 1;
-                    w.stockout("a", "z", "resource_unavailable", now, 0.999);
+                    let probe = admission == Admission::Probe;
+                    w.stockout("a", "z", "resource_unavailable", now, 0.999, probe);
                 }
                 Admission::Withdrawn { .. } => {}
             }
@@ -359,5 +370,37 @@ mod tests {
         assert_eq!(sent, probes);
         assert!(probes <= 5, "{probes} probes");
         assert!(probes >= 4, "{probes} probes");
+    }
+
+    /// A burst sent while the offering was open is refused request by request: the first
+    /// refusal withdraws the offering, the rest of the burst adds no strike, so the first probe
+    /// still comes after the first backoff, not after the longest.
+    #[test]
+    fn the_refusals_of_one_burst_are_one_stockout() {
+        let w = Withdrawals::new(backoff());
+        let t0 = Instant::now();
+        for _ in 0..20 {
+            assert_eq!(w.admit("a", "z", t0), Admission::Open);
+        }
+        assert_eq!(
+            w.stockout("a", "z", "resource_unavailable", t0, 0.0, false),
+            5 * MIN
+        );
+        for i in 1..20u64 {
+            let now = t0 + Duration::from_millis(i);
+            let left = w.stockout("a", "z", "resource_unavailable", now, 0.0, false);
+            assert_eq!(left, 5 * MIN - Duration::from_millis(i));
+        }
+        assert_eq!(w.all()[0].1.strikes, 1);
+        let later = t0 + 5 * MIN;
+        assert_eq!(w.admit("a", "z", later), Admission::Probe);
+        // A late refusal of the burst while the probe runs changes nothing either.
+        w.stockout("a", "z", "resource_unavailable", later, 0.0, false);
+        assert!(w.all()[0].1.probing);
+        assert_eq!(
+            w.stockout("a", "z", "resource_unavailable", later, 0.0, true),
+            10 * MIN
+        );
+        assert_eq!(w.all()[0].1.strikes, 2);
     }
 }

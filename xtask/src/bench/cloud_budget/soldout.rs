@@ -15,7 +15,7 @@ use serde_json::{Value, json};
 use tokio::time::Instant;
 
 use super::report::{self, Counts, total};
-use super::{Binaries, Lab, Rig, Setup, Spent, digitalocean, hetzner, transition_flags};
+use super::{Binaries, Facts, Lab, Rig, Setup, Spent, digitalocean, hetzner, transition_flags};
 use crate::bench::args::Cloud;
 use crate::e2e::digitalocean_real::REGION;
 use crate::e2e::wire::state_of;

@@ -155,6 +155,7 @@ async fn a_create_on_a_withdrawn_offering_sends_nothing_and_returns_the_slot() {
         "resource_unavailable",
         tokio::time::Instant::now(),
         0.0,
+        false,
     );
     engine.create(&slots[3].id, zero()).await.expect("accepted");
     returned(&engine, &slots[3].id, "stockout: ").await;
