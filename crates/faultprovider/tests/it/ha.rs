@@ -160,10 +160,14 @@ fn settled(state: pb::MachineState) -> bool {
 /// failures — tonic reports its expired deadline as CANCELLED "Timeout expired" and a request
 /// whose connection closed under it (a killed or stepping-down replica) as CANCELLED "operation
 /// was canceled" — never as a provider's answer: a commit cut off by an etcd election is
-/// UNAVAILABLE.
+/// UNAVAILABLE. INTERNAL likewise only as "h2 protocol error: …": tonic's name for a stream
+/// its HTTP/2 connection ended (a stopping replica's GOAWAY refusing a stream the server never
+/// saw, which grpc-go, BigFleet's client, reports as UNAVAILABLE); the provider's own INTERNAL
+/// answers carry its message and stay wrong.
 fn retryable(status: &Status) -> bool {
     match status.code() {
         Code::Unavailable | Code::DeadlineExceeded | Code::Unknown => true,
+        Code::Internal => status.message().starts_with("h2 protocol error"),
         Code::Cancelled => {
             status.message() == "Timeout expired"
                 || status.message().starts_with("operation was canceled")
