@@ -92,20 +92,56 @@ impl<'a> Scenario<'a> {
     }
 
     /// Four floors in which nothing happens: one request of `check_class` a check (at least
-    /// two), no listing, no early survey. `requests` reads the emulator's count of a class.
-    pub async fn nothing_happens(&self, requests: impl Fn(&str) -> usize, check_class: &str) {
-        let (listings, checks_sent, checked) =
-            (requests("listing"), requests(check_class), self.checks());
+    /// two), no listing, no early survey. `requests` reads the emulator's count of a class;
+    /// `unanswered` is [`Scenario::unanswered`] before the loop started. Both ends are read
+    /// when no check is in flight (the emulator counts a request when it arrives, the client a
+    /// check when its answer is in), so a slow machine cannot put a check's request on one
+    /// side and its count on the other.
+    pub async fn nothing_happens(
+        &self,
+        requests: impl Fn(&str) -> usize,
+        check_class: &str,
+        unanswered: f64,
+    ) {
+        let listings = requests("listing");
+        let (checks_sent, checked) = self.settled(&requests, check_class, unanswered).await;
         tokio::time::sleep(self.floor * 4).await;
-        let made = self.checks() - checked;
+        let (sent, done) = self.settled(&requests, check_class, unanswered).await;
+        let made = done - checked;
         assert!(made >= 2.0, "{made} checks in four floors");
-        assert_eq!(
-            (requests(check_class) - checks_sent) as f64,
-            made,
-            "one request per check"
-        );
+        assert_eq!((sent - checks_sent) as f64, made, "one request per check");
         assert_eq!(requests("listing"), listings, "no survey");
         assert_eq!(metrics::early_surveys(self.prefix), 0.0);
+    }
+
+    /// Requests of the check's class the emulator saw (`sent`) beyond the checks the client
+    /// finished; read before the loop starts, none is in flight.
+    pub fn unanswered(&self, sent: usize) -> f64 {
+        sent as f64 - self.checks()
+    }
+
+    /// Waits for a moment no check is in flight: the requests of `check_class` are again
+    /// `unanswered` more than the checks finished (a check of two requests never gets there).
+    /// Both counts then.
+    async fn settled(
+        &self,
+        requests: &impl Fn(&str) -> usize,
+        check_class: &str,
+        unanswered: f64,
+    ) -> (usize, f64) {
+        let at = std::cell::Cell::new((0, 0.0));
+        until(
+            "one request per check, none in flight",
+            Duration::from_secs(5),
+            || {
+                // The checks first: a request that arrives after is one more, never one less.
+                let checked = self.checks();
+                at.set((requests(check_class), checked));
+                at.get().0 as f64 - checked == unanswered
+            },
+        )
+        .await;
+        at.get()
     }
 
     /// The provider's own Delete of `deleted` and Create of `created`, until they settle.

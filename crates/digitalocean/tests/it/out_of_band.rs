@@ -58,13 +58,16 @@ async fn a_droplet_destroyed_out_of_band_is_noticed_by_the_next_check_not_the_pa
     .await;
     let ids: Vec<String> = (0..=DROPLETS).map(|i| machine(i).id).collect();
     let scenario = Scenario::new(&engine, PREFIX, FLOOR, "ListActions");
+    let requests = |class: &str| classes::count(&env.emulator.requests_by_class(), class);
+    let unanswered = scenario.unanswered(requests("actions"));
     let (stop, _reconcile, period) = scenario
         .start_reconciling(&ids[..DROPLETS as usize], cloud.clone(), telemetry)
         .await;
 
     // Nothing happens: one request a check, and no survey.
-    let requests = |class: &str| classes::count(&env.emulator.requests_by_class(), class);
-    scenario.nothing_happens(requests, "actions").await;
+    scenario
+        .nothing_happens(requests, "actions", unanswered)
+        .await;
 
     // The provider's own Delete and Create are destroy and create actions of its own: no early
     // survey.

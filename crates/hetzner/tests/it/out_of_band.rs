@@ -56,13 +56,16 @@ async fn a_server_deleted_out_of_band_is_noticed_by_the_next_check_not_the_paced
         .map(|i| env.machine("cx23", "nbg1", i).id)
         .collect();
     let scenario = Scenario::new(&engine, PREFIX, FLOOR, "CountManaged");
+    let requests = |class: &str| classes::count(&env.emulator.requests_by_class(), class);
+    let unanswered = scenario.unanswered(requests("count"));
     let (stop, _reconcile, period) = scenario
         .start_reconciling(&ids[..SERVERS as usize], env.cloud.clone(), env.telemetry)
         .await;
 
     // Nothing happens: one request a check, and no survey.
-    let requests = |class: &str| classes::count(&env.emulator.requests_by_class(), class);
-    scenario.nothing_happens(requests, "count").await;
+    scenario
+        .nothing_happens(requests, "count", unanswered)
+        .await;
 
     // The provider's own Delete and Create move what the check expects: no early survey.
     let checked = scenario.checks();
