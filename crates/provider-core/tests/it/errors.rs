@@ -120,16 +120,11 @@ async fn out_of_position_is_internal_with_the_reference_message() {
 
 #[tokio::test]
 async fn failed_is_terminal_on_the_wire() {
-    let server = harness::start(TestBackend::instant(1), ServerSecurity::Insecure).await;
-    let mut caller = server.caller("shard-x").await;
+    let (server, mut caller) = harness::insecure(TestBackend::instant(1), "shard-x").await;
     let id = machine_id(0);
-    caller.create(&id).await.unwrap();
-    caller.wait_for_state(&id, Idle, SETTLE).await.unwrap();
-    caller
-        .configure(&id, FAIL_CONFIGURE, HashMap::new())
-        .await
-        .unwrap();
-    let failed = caller.wait_for_state(&id, Failed, SETTLE).await.unwrap();
+    harness::create_idle(&mut caller, &id).await;
+    let failed =
+        harness::configure_into(&mut caller, &id, FAIL_CONFIGURE, HashMap::new(), Failed).await;
     assert_eq!(
         failed.last_error,
         format!("injected configure failure for {id}")
@@ -175,29 +170,13 @@ async fn failed_is_terminal_on_the_wire() {
 async fn no_unimplemented_and_no_failed_precondition_without_fencing() {
     let backend = TestBackend::instant(4);
     assert!(backend.supports_delete());
-    let server = harness::start(backend, ServerSecurity::Insecure).await;
-    let mut caller = server.caller("shard-u").await;
+    let (server, mut caller) = harness::insecure(backend, "shard-u").await;
     let (idle, configured, failed) = (machine_id(1), machine_id(2), machine_id(3));
     for id in [&idle, &configured, &failed] {
-        caller.create(id).await.unwrap();
-        caller.wait_for_state(id, Idle, SETTLE).await.unwrap();
+        harness::create_idle(&mut caller, id).await;
     }
-    caller
-        .configure(&configured, "c", HashMap::new())
-        .await
-        .unwrap();
-    caller
-        .wait_for_state(&configured, Configured, SETTLE)
-        .await
-        .unwrap();
-    caller
-        .configure(&failed, FAIL_CONFIGURE, HashMap::new())
-        .await
-        .unwrap();
-    caller
-        .wait_for_state(&failed, Failed, SETTLE)
-        .await
-        .unwrap();
+    harness::configure_into(&mut caller, &configured, "c", HashMap::new(), Configured).await;
+    harness::configure_into(&mut caller, &failed, FAIL_CONFIGURE, HashMap::new(), Failed).await;
 
     let mut seen = Vec::new();
     for id in [
@@ -238,8 +217,7 @@ async fn no_unimplemented_and_no_failed_precondition_without_fencing() {
 async fn delete_without_the_capability_is_unimplemented_before_fencing() {
     let backend = TestBackend::without_delete(1);
     assert!(!backend.supports_delete());
-    let server = harness::start(backend, ServerSecurity::Insecure).await;
-    let mut caller = server.caller("unused").await;
+    let (server, mut caller) = harness::insecure(backend, "unused").await;
     let id = machine_id(0);
     let token = || ("s1".to_owned(), 1, 1);
     let unsupported = "this provider does not support Delete (bare-metal free-pool semantics)";
@@ -266,22 +244,16 @@ async fn delete_without_the_capability_is_unimplemented_before_fencing() {
 /// keeps serving.
 #[tokio::test]
 async fn a_backend_panic_fails_the_transition() {
-    let server = harness::start(TestBackend::instant(2), ServerSecurity::Insecure).await;
-    let mut caller = server.caller("shard-panic").await;
+    let (server, mut caller) = harness::insecure(TestBackend::instant(2), "shard-panic").await;
     let id = machine_id(0);
-    caller.create(&id).await.unwrap();
-    caller.wait_for_state(&id, Idle, SETTLE).await.unwrap();
-    caller
-        .configure(&id, crate::harness::PANIC_CONFIGURE, HashMap::new())
-        .await
-        .unwrap();
-    let failed = caller.wait_for_state(&id, Failed, SETTLE).await.unwrap();
+    harness::create_idle(&mut caller, &id).await;
+    let panic = crate::harness::PANIC_CONFIGURE;
+    let failed = harness::configure_into(&mut caller, &id, panic, HashMap::new(), Failed).await;
     assert_eq!(
         failed.last_error,
         "configure transition aborted: the backend panicked"
     );
     let other = machine_id(1);
-    caller.create(&other).await.unwrap();
-    caller.wait_for_state(&other, Idle, SETTLE).await.unwrap();
+    harness::create_idle(&mut caller, &other).await;
     server.stop().await;
 }

@@ -102,8 +102,7 @@ async fn replays_and_older_tokens_are_rejected() {
 
 #[tokio::test]
 async fn first_contact_on_an_unknown_id_is_recorded() {
-    let server = harness::start(TestBackend::instant(1), ServerSecurity::Insecure).await;
-    let mut caller = server.caller("unused").await;
+    let (server, mut caller) = harness::insecure(TestBackend::instant(1), "unused").await;
     let t = token("s1", 1, 1);
     expect_status(
         create(&mut caller, "ghost", t.clone()).await,
@@ -129,8 +128,7 @@ async fn first_contact_on_an_unknown_id_is_recorded() {
 
 #[tokio::test]
 async fn marks_are_per_shard_and_machine() {
-    let server = harness::start(TestBackend::instant(3), ServerSecurity::Insecure).await;
-    let mut caller = server.caller("unused").await;
+    let (server, mut caller) = harness::insecure(TestBackend::instant(3), "unused").await;
     let (a, b) = (machine_id(0), machine_id(1));
     create(&mut caller, &a, token("s1", 9, 9)).await.unwrap();
     // Another machine of the same shard, and another shard on the same machine, start fresh.
@@ -157,8 +155,7 @@ async fn marks_are_per_shard_and_machine() {
 
 #[tokio::test]
 async fn the_mark_advances_even_when_the_request_fails() {
-    let server = harness::start(TestBackend::instant(2), ServerSecurity::Insecure).await;
-    let mut caller = server.caller("unused").await;
+    let (server, mut caller) = harness::insecure(TestBackend::instant(2), "unused").await;
     let id = machine_id(0);
 
     // Out of position (Configure on Speculative): Internal, but the token is spent.
@@ -205,8 +202,7 @@ async fn the_mark_advances_even_when_the_request_fails() {
 #[tokio::test]
 async fn a_rejected_request_leaves_no_trace() {
     let backend = TestBackend::gated(2);
-    let server = harness::start(backend.clone(), ServerSecurity::Insecure).await;
-    let mut caller = server.caller("unused").await;
+    let (server, mut caller) = harness::insecure(backend.clone(), "unused").await;
     let id = machine_id(1);
     // Establish the mark without moving the machine (Drain on Speculative is out of position).
     drain(&mut caller, &id, token("s1", 2, 5))
@@ -245,8 +241,7 @@ async fn a_rejected_request_leaves_no_trace() {
 
 #[tokio::test]
 async fn the_all_zero_token_bypasses_fencing() {
-    let server = harness::start(TestBackend::instant(1), ServerSecurity::Insecure).await;
-    let mut caller = server.caller("unused").await;
+    let (server, mut caller) = harness::insecure(TestBackend::instant(1), "unused").await;
     let id = machine_id(0);
     let zero = token("", 0, 0);
     let first = create(&mut caller, &id, zero.clone()).await.unwrap();

@@ -225,6 +225,35 @@ pub async fn start(backend: Arc<dyn Backend>, security: ServerSecurity) -> TestS
     start_with(backend, security, true).await
 }
 
+/// An insecure server over `backend` (see [`start`]) and a plaintext caller for `shard`.
+pub async fn insecure(backend: Arc<dyn Backend>, shard: &str) -> (TestServer, Caller) {
+    let server = start(backend, ServerSecurity::Insecure).await;
+    let caller = server.caller(shard).await;
+    (server, caller)
+}
+
+/// Creates `id` through `caller` and waits until it is Idle.
+pub async fn create_idle(caller: &mut Caller, id: &str) {
+    caller.create(id).await.unwrap();
+    caller
+        .wait_for_state(id, fleet_proto::v1alpha1::MachineState::Idle, SETTLE)
+        .await
+        .unwrap();
+}
+
+/// Configures `id` into `cluster` with `metadata` through `caller` and waits until it is in
+/// `state` (Configured, or Failed for a cluster whose Configure fails): the machine then.
+pub async fn configure_into(
+    caller: &mut Caller,
+    id: &str,
+    cluster: &str,
+    metadata: std::collections::HashMap<String, String>,
+    state: fleet_proto::v1alpha1::MachineState,
+) -> fleet_proto::v1alpha1::Machine {
+    caller.configure(id, cluster, metadata).await.unwrap();
+    caller.wait_for_state(id, state, SETTLE).await.unwrap()
+}
+
 /// Like [`start`], with reflection registered or not (`--reflection`).
 pub async fn start_with(
     backend: Arc<dyn Backend>,

@@ -209,20 +209,11 @@ async fn binding_is_echoed_byte_for_byte_and_cleared_by_drain() {
 #[tokio::test]
 async fn a_failed_drain_keeps_the_binding() {
     let backend = TestBackend::instant(1);
-    let server = harness::start(backend, ServerSecurity::Insecure).await;
-    let mut caller = server.caller("shard-f").await;
+    let (server, mut caller) = harness::insecure(backend, "shard-f").await;
     let id = machine_id(0);
     let metadata = awkward_metadata();
-    caller.create(&id).await.unwrap();
-    caller.wait_for_state(&id, Idle, SETTLE).await.unwrap();
-    caller
-        .configure(&id, FAIL_DRAIN, metadata.clone())
-        .await
-        .unwrap();
-    caller
-        .wait_for_state(&id, Configured, SETTLE)
-        .await
-        .unwrap();
+    harness::create_idle(&mut caller, &id).await;
+    harness::configure_into(&mut caller, &id, FAIL_DRAIN, metadata.clone(), Configured).await;
     caller.drain(&id).await.unwrap();
     let failed = caller.wait_for_state(&id, Failed, SETTLE).await.unwrap();
     assert_eq!(
@@ -240,8 +231,7 @@ async fn a_failed_drain_keeps_the_binding() {
 #[tokio::test]
 async fn retries_return_the_same_operation_and_new_cycles_a_new_one() {
     let backend = TestBackend::gated(1);
-    let server = harness::start(backend.clone(), ServerSecurity::Insecure).await;
-    let mut caller = server.caller("shard-i").await;
+    let (server, mut caller) = harness::insecure(backend.clone(), "shard-i").await;
     let id = machine_id(0);
 
     // Create: a retry while Creating and after Idle returns the same id and no new work.

@@ -73,7 +73,10 @@ struct Served {
     _stop: tokio_util::sync::DropGuard,
 }
 
-async fn serve(limits: GrpcLimits) -> Served {
+/// Serves with the default limits as `set` changes them.
+async fn serve(set: impl FnOnce(&mut GrpcLimits)) -> Served {
+    let mut limits = GrpcLimits::default();
+    set(&mut limits);
     serve_with(limits, None).await
 }
 
@@ -170,11 +173,7 @@ async fn eventually_served(addr: SocketAddr) {
 
 #[tokio::test]
 async fn connections_beyond_the_cap_are_closed_at_once_and_slots_come_back() {
-    let server = serve(GrpcLimits {
-        max_connections: 2,
-        ..GrpcLimits::default()
-    })
-    .await;
+    let server = serve(|l| l.max_connections = 2).await;
     let mut held = Vec::new();
     for _ in 0..2 {
         let mut conn = TcpStream::connect(server.addr).await.expect("connect");
@@ -198,10 +197,9 @@ async fn connections_beyond_the_cap_are_closed_at_once_and_slots_come_back() {
 
 #[tokio::test]
 async fn a_silent_connection_is_closed_after_the_handshake_timeout() {
-    let server = serve(GrpcLimits {
-        max_connections: 1,
-        handshake_timeout: Duration::from_millis(300),
-        ..GrpcLimits::default()
+    let server = serve(|l| {
+        l.max_connections = 1;
+        l.handshake_timeout = Duration::from_millis(300);
     })
     .await;
     let mut silent = TcpStream::connect(server.addr).await.expect("connect");
@@ -212,11 +210,7 @@ async fn a_silent_connection_is_closed_after_the_handshake_timeout() {
 
 #[tokio::test]
 async fn streams_per_connection_are_capped() {
-    let server = serve(GrpcLimits {
-        max_concurrent_streams: 2,
-        ..GrpcLimits::default()
-    })
-    .await;
+    let server = serve(|l| l.max_concurrent_streams = 2).await;
     let c = client(server.addr).await;
     // One answered RPC: the client has the server's SETTINGS and knows the limit.
     c.clone()
@@ -260,11 +254,7 @@ async fn streams_per_connection_are_capped() {
 
 #[tokio::test]
 async fn a_request_that_does_not_finish_in_time_is_cancelled() {
-    let server = serve(GrpcLimits {
-        request_timeout: Duration::from_millis(300),
-        ..GrpcLimits::default()
-    })
-    .await;
+    let server = serve(|l| l.request_timeout = Duration::from_millis(300)).await;
     server.store.hold.store(true, Ordering::SeqCst);
     let mut c = client(server.addr).await;
     let status = tokio::time::timeout(BOUND, c.create(create(1)))
@@ -281,10 +271,9 @@ async fn a_request_that_does_not_finish_in_time_is_cancelled() {
 
 #[tokio::test]
 async fn an_old_connection_is_sent_away_and_then_closed() {
-    let server = serve(GrpcLimits {
-        max_connection_age: Duration::from_millis(300),
-        request_timeout: Duration::from_millis(100),
-        ..GrpcLimits::default()
+    let server = serve(|l| {
+        l.max_connection_age = Duration::from_millis(300);
+        l.request_timeout = Duration::from_millis(100);
     })
     .await;
     let mut conn = TcpStream::connect(server.addr).await.expect("connect");

@@ -7,7 +7,7 @@ use std::collections::BTreeSet;
 use fleet_proto::v1alpha1 as pb;
 use pb::MachineState::{Configured, Failed, Idle, Speculative, Unspecified};
 
-use crate::harness::{self, SETTLE, ServerSecurity, TestBackend, machine_id};
+use crate::harness::{self, SETTLE, TestBackend, machine_id};
 use crate::wire::{Caller, state_of};
 
 const SEEDS: usize = 6;
@@ -38,15 +38,13 @@ fn head(list: &pb::MachineList) -> i64 {
 
 async fn with_one_idle(caller: &mut Caller) -> String {
     let id = machine_id(0);
-    caller.create(&id).await.unwrap();
-    caller.wait_for_state(&id, Idle, SETTLE).await.unwrap();
+    harness::create_idle(caller, &id).await;
     id
 }
 
 #[tokio::test]
 async fn state_filters_and_caps() {
-    let server = harness::start(TestBackend::instant(SEEDS), ServerSecurity::Insecure).await;
-    let mut caller = server.caller("shard-l").await;
+    let (server, mut caller) = harness::insecure(TestBackend::instant(SEEDS), "shard-l").await;
     let idle = with_one_idle(&mut caller).await;
 
     let list = |states: &'static [pb::MachineState], max: i32| filter(states, max, b"");
@@ -91,8 +89,7 @@ async fn state_filters_and_caps() {
 
 #[tokio::test]
 async fn cursors_give_deltas() {
-    let server = harness::start(TestBackend::instant(SEEDS), ServerSecurity::Insecure).await;
-    let mut caller = server.caller("shard-c").await;
+    let (server, mut caller) = harness::insecure(TestBackend::instant(SEEDS), "shard-c").await;
     let full = caller.list(filter(&[], 0, b"")).await.unwrap();
     assert_eq!(ids(&full), all_ids());
     let h0 = full.revision.clone();
@@ -137,8 +134,7 @@ async fn cursors_give_deltas() {
 
 #[tokio::test]
 async fn a_cursor_from_before_an_in_memory_restart_yields_the_full_list() {
-    let first = harness::start(TestBackend::instant(SEEDS), ServerSecurity::Insecure).await;
-    let mut caller = first.caller("shard-r").await;
+    let (first, mut caller) = harness::insecure(TestBackend::instant(SEEDS), "shard-r").await;
     let old_op = caller.create(&machine_id(0)).await.unwrap().operation_id;
     caller
         .wait_for_state(&machine_id(0), Idle, SETTLE)
@@ -147,8 +143,7 @@ async fn a_cursor_from_before_an_in_memory_restart_yields_the_full_list() {
     let cursor = caller.list(filter(&[], 0, b"")).await.unwrap().revision;
     first.stop().await;
 
-    let second = harness::start(TestBackend::instant(SEEDS), ServerSecurity::Insecure).await;
-    let mut caller = second.caller("shard-r").await;
+    let (second, mut caller) = harness::insecure(TestBackend::instant(SEEDS), "shard-r").await;
     let list = caller.list(filter(&[], 0, &cursor)).await.unwrap();
     assert_eq!(
         ids(&list),

@@ -18,8 +18,7 @@ const PARITY: &str = "differs from the reference provider";
 /// `serve::serve_grpc` rewrites tonic's refusal to RESOURCE_EXHAUSTED.
 #[tokio::test]
 async fn oversized_requests_are_resource_exhausted() {
-    let server = harness::start(TestBackend::instant(1), ServerSecurity::Insecure).await;
-    let mut caller = server.caller("shard-big").await;
+    let (server, mut caller) = harness::insecure(TestBackend::instant(1), "shard-big").await;
     let id = machine_id(0);
     caller.create(&id).await.unwrap();
     caller
