@@ -19,6 +19,7 @@
 //! - [`stockout`]: the cloud-neutral stockout and account-limit scenarios (a sold-out offering
 //!   and its return, a limit with room for two, bursts on a sold-out offering, a restart while
 //!   withdrawn), each cloud's emulator behind its [`stockout::Knobs`].
+//! - [`json`]: entries of the JSON documents a test reads back (state exports, reports).
 //! - [`metrics`]: one series of this process's Prometheus rendering.
 //! - [`time`]: scaled time: a cloud's seconds at a test's time scale.
 //! - [`relay`]: a loopback TCP relay that counts, cuts and retargets connections.
@@ -42,6 +43,7 @@ pub mod provider_process;
 pub mod classes;
 pub mod cli;
 pub mod engine;
+pub mod json;
 pub mod listing;
 pub mod logs;
 pub mod metrics;

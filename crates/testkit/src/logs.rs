@@ -30,6 +30,11 @@ impl LogCapture {
     }
 }
 
+/// How many of the recorded `lines` (requests, commands) are exactly `line`.
+pub fn occurrences(lines: &[impl AsRef<str>], line: &str) -> usize {
+    lines.iter().filter(|l| l.as_ref() == line).count()
+}
+
 impl std::io::Write for LogCapture {
     fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
         self.0.lock().unwrap().extend_from_slice(buf);

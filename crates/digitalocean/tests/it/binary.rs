@@ -230,15 +230,19 @@ impl Provider {
         self.sequence
     }
 
-    pub async fn speculative(&mut self, n: usize) -> Vec<String> {
-        let list = self
-            .client
+    /// Every machine the provider lists.
+    pub async fn listed(&mut self) -> Vec<pb::Machine> {
+        self.client
             .list(pb::ListFilter::default())
             .await
             .unwrap()
-            .into_inner();
-        let mut ids: Vec<String> = list
+            .into_inner()
             .machines
+    }
+
+    pub async fn speculative(&mut self, n: usize) -> Vec<String> {
+        let machines = self.listed().await;
+        let mut ids: Vec<String> = machines
             .iter()
             .filter(|m| m.state == pb::MachineState::Speculative as i32)
             .map(|m| m.id.clone())

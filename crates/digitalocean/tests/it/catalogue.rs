@@ -7,7 +7,6 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use fleet_proto::v1alpha1 as pb;
 use provider_core::catalogue_refresh::{self as catalogue, Refresh};
 use provider_core::cloud::Cloud;
 use provider_core::fleet::{CapacityBook, Fleet, PriceBook};
@@ -44,6 +43,27 @@ fn fleet_over(cloud: Arc<dyn Cloud>, offerings: Vec<Offering>) -> Fleet {
     )
 }
 
+/// Sells s-4vcpu-8gb in the region and s-2vcpu-4gb at all (`sold`) or neither, then reads
+/// the catalogue of two slots of each through a fresh cloud (its size cache, a minute long,
+/// empty): that fleet.
+async fn sold(env: &Env, sold: bool) -> Fleet {
+    env.emulator.set_sold_out("s-4vcpu-8gb", REGION, !sold);
+    env.emulator.set_size_available("s-2vcpu-4gb", sold);
+    let fresh = Arc::new(cloud_for(
+        &env.api_url,
+        &env.channel,
+        &env.pki,
+        None,
+        PROVIDER,
+    ));
+    let fleet = fleet_over(
+        fresh,
+        vec![offering("s-2vcpu-4gb", 2), offering("s-4vcpu-8gb", 2)],
+    );
+    catalogue::refresh(&fleet, Duration::from_secs(10)).await;
+    fleet
+}
+
 #[tokio::test]
 async fn a_size_no_table_knows_takes_its_resources_and_price_from_the_api() {
     let env = Env::start().await;
@@ -76,21 +96,8 @@ async fn sizes_digitalocean_does_not_sell_leave_the_offered_set_and_come_back() 
     );
     catalogue::refresh(&fleet, Duration::from_secs(10)).await;
     assert_eq!(fleet.offered_ids().unwrap().len(), 4);
-    env.emulator.set_sold_out("s-4vcpu-8gb", REGION, true);
-    env.emulator.set_size_available("s-2vcpu-4gb", false);
     // The cloud's size cache lives a minute: a fresh cloud reads the change at once.
-    let fresh = Arc::new(cloud_for(
-        &env.api_url,
-        &env.channel,
-        &env.pki,
-        None,
-        PROVIDER,
-    ));
-    let fleet = fleet_over(
-        fresh,
-        vec![offering("s-2vcpu-4gb", 2), offering("s-4vcpu-8gb", 2)],
-    );
-    catalogue::refresh(&fleet, Duration::from_secs(10)).await;
+    let fleet = sold(&env, false).await;
     let withdrawn = catalogue::announce(&fleet, telemetry());
     let why: Vec<&str> = withdrawn.iter().map(|w| w.why.as_str()).collect();
     assert_eq!(
@@ -102,20 +109,7 @@ async fn sizes_digitalocean_does_not_sell_leave_the_offered_set_and_come_back() 
     );
     assert!(fleet.offered_ids().unwrap().is_empty());
     // Sold again: the slots come back.
-    env.emulator.set_sold_out("s-4vcpu-8gb", REGION, false);
-    env.emulator.set_size_available("s-2vcpu-4gb", true);
-    let fresh = Arc::new(cloud_for(
-        &env.api_url,
-        &env.channel,
-        &env.pki,
-        None,
-        PROVIDER,
-    ));
-    let fleet = fleet_over(
-        fresh,
-        vec![offering("s-2vcpu-4gb", 2), offering("s-4vcpu-8gb", 2)],
-    );
-    catalogue::refresh(&fleet, Duration::from_secs(10)).await;
+    let fleet = sold(&env, true).await;
     assert!(catalogue::announce(&fleet, telemetry()).is_empty());
     assert_eq!(fleet.offered_ids().unwrap().len(), 4);
 }
@@ -166,13 +160,7 @@ async fn the_binary_serves_the_sizes_digitalocean_sells_and_names_the_withdrawn_
     .unwrap();
     let flag = format!("--offerings={}", offerings.display());
     let mut p = Provider::start_on(site, &[&flag]).await;
-    let listed = p
-        .client
-        .list(pb::ListFilter::default())
-        .await
-        .unwrap()
-        .into_inner()
-        .machines;
+    let listed = p.listed().await;
     assert_eq!(listed.len(), 2, "{listed:?}");
     assert!(listed.iter().all(|m| m.instance_type == "s-2vcpu-4gb"));
     let logs = p.process.logs();
@@ -189,13 +177,7 @@ async fn the_default_mix_takes_the_successor_of_a_size_not_sold_in_the_region() 
     site.emulator.set_sold_out("s-2vcpu-4gb", REGION, true);
     // No --offerings: the built-in default mix in --region.
     let mut p = Provider::start_on(site, &["--offerings=", "--seed-count=4"]).await;
-    let listed = p
-        .client
-        .list(pb::ListFilter::default())
-        .await
-        .unwrap()
-        .into_inner()
-        .machines;
+    let listed = p.listed().await;
     let mut sizes: Vec<&str> = listed.iter().map(|m| m.instance_type.as_str()).collect();
     sizes.sort();
     sizes.dedup();

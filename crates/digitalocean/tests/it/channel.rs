@@ -124,8 +124,7 @@ async fn unauthenticated_and_cross_machine_requests_get_401() {
 
 #[tokio::test]
 async fn methods_paths_and_bodies() {
-    let pki = pki();
-    let ch = RunningChannel::start(&pki, Duration::from_millis(200), AuthLimit::default()).await;
+    let (pki, ch) = RunningChannel::with_fresh_pki(Duration::from_millis(200)).await;
     let client = channel_client(&pki.ca_pem);
     let endpoint = ch.endpoint();
     // The method is checked before authentication.
@@ -169,8 +168,7 @@ async fn methods_paths_and_bodies() {
 
 #[tokio::test]
 async fn the_poll_is_held_until_a_command_arrives() {
-    let pki = pki();
-    let ch = RunningChannel::start(&pki, Duration::from_secs(20), AuthLimit::default()).await;
+    let (pki, ch) = RunningChannel::with_fresh_pki(Duration::from_secs(20)).await;
     let client = channel_client(&pki.ca_pem);
     let endpoint = ch.endpoint();
     let m = "digitalocean/OnDemand/s-2vcpu-4gb/nyc3/007";
@@ -230,8 +228,7 @@ async fn the_poll_is_held_until_a_command_arrives() {
 /// transition and different ids for different transitions; a newer command supersedes.
 #[tokio::test]
 async fn command_ids_follow_the_transition_across_channel_instances_and_newer_commands_supersede() {
-    let pki = pki();
-    let one = RunningChannel::start(&pki, Duration::from_millis(100), AuthLimit::default()).await;
+    let (pki, one) = RunningChannel::with_fresh_pki(Duration::from_millis(100)).await;
     let two = RunningChannel::start(&pki, Duration::from_millis(100), AuthLimit::default()).await;
     let client = channel_client(&pki.ca_pem);
     let m = "m-9";
@@ -313,8 +310,7 @@ async fn failed_authentications_are_throttled_per_source_and_machine_never_for_a
 
 #[tokio::test]
 async fn tls_1_2_clients_are_refused() {
-    let pki = pki();
-    let ch = RunningChannel::start(&pki, Duration::from_millis(100), AuthLimit::default()).await;
+    let (pki, ch) = RunningChannel::with_fresh_pki(Duration::from_millis(100)).await;
     let tls12 = reqwest::Client::builder()
         .use_rustls_tls()
         .tls_built_in_root_certs(false)
@@ -548,8 +544,7 @@ fn process_gone(pid: &str) -> bool {
 /// configure is acked as failed; the agent then serves the next command.
 #[tokio::test]
 async fn a_hook_that_sleeps_forever_is_killed_and_acked_as_failed() {
-    let pki = pki();
-    let ch = RunningChannel::start(&pki, Duration::from_secs(5), AuthLimit::default()).await;
+    let (pki, ch) = RunningChannel::with_fresh_pki(Duration::from_secs(5)).await;
     let dir = tempfile::tempdir().unwrap();
     let hook = dir.path().join("bootstrap");
     write_executable(

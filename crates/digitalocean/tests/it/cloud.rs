@@ -7,6 +7,7 @@ use std::time::Duration;
 use digitalocean::naming::{MANAGED_TAG, machine_tag, provider_tag};
 use do_emulator::Fault;
 use provider_core::cloud::{Capacity, Cloud};
+use testkit::logs::occurrences;
 
 use crate::support::*;
 
@@ -178,12 +179,7 @@ async fn inventory_is_this_instance_in_this_region_across_every_page() {
             .iter()
             .all(|h| h.zone == REGION && h.machine_id.starts_with("m-") && h.running)
     );
-    let pages = env
-        .emulator
-        .requests()
-        .iter()
-        .filter(|r| *r == "GET /v2/droplets")
-        .count();
+    let pages = occurrences(&env.emulator.requests(), "GET /v2/droplets");
     assert_eq!(pages, 3, "200 per page");
 
     env.emulator.set_bad_next_link(true);

@@ -94,12 +94,7 @@ async fn export(state: &Path) -> serde_json::Value {
 }
 
 fn machine_in<'a>(export: &'a serde_json::Value, id: &str) -> &'a serde_json::Value {
-    export["machines"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .find(|m| m["id"] == id)
-        .unwrap()
+    testkit::json::entry(export, "machines", "id", id)
 }
 
 async fn metric(port: u16, name: &str) -> Option<f64> {

@@ -8,9 +8,9 @@ use digitalocean::naming::{
     ENROLLMENT_TOKEN_TAG, MANAGED_TAG, cluster_tag, droplet_name, machine_tag, provider_tag,
 };
 use digitalocean::token::{BootstrapSecret, UserDataToken};
-use provider_core::backend::{BootstrapBlob, ConfigureOrder};
+use provider_core::backend::{BackendError, BootstrapBlob, ConfigureOrder};
 use provider_core::cloud::Cloud;
-use provider_core::machine::HostRef;
+use provider_core::machine::{HostRef, Machine};
 
 use crate::support::*;
 
@@ -181,6 +181,18 @@ async fn full_lifecycle_with_the_real_agent() {
     }
 }
 
+/// Configure of `m` on the Droplet `host` into cluster c1 within `timeout`, which must fail.
+async fn configure_fails(env: &Env, m: &Machine, host: &str, timeout: Duration) -> BackendError {
+    let order = ConfigureOrder {
+        cluster_id: "c1".into(),
+        blob: BootstrapBlob(b"x".to_vec()),
+    };
+    env.cloud
+        .configure_host(m, host, &order, &ctx(timeout))
+        .await
+        .unwrap_err()
+}
+
 fn base64_standard(bytes: &[u8]) -> String {
     use base64::Engine as _;
     base64::engine::general_purpose::STANDARD.encode(bytes)
@@ -200,15 +212,7 @@ async fn a_failing_hook_fails_configure_with_the_agents_error() {
         drain_command: "true".into(),
         readiness_command: None,
     });
-    let order = ConfigureOrder {
-        cluster_id: "c1".into(),
-        blob: BootstrapBlob(b"x".to_vec()),
-    };
-    let err = env
-        .cloud
-        .configure_host(&m, &host.id, &order, &ctx(Duration::from_secs(20)))
-        .await
-        .unwrap_err();
+    let err = configure_fails(&env, &m, &host.id, Duration::from_secs(20)).await;
     assert_eq!(
         err.0,
         format!(
@@ -228,15 +232,7 @@ async fn an_agent_that_never_answers_times_out() {
     let env = Env::start().await;
     let mut m = machine(2);
     let host = create_bound(&env.cloud, &mut m).await;
-    let order = ConfigureOrder {
-        cluster_id: "c1".into(),
-        blob: BootstrapBlob(b"x".to_vec()),
-    };
-    let err = env
-        .cloud
-        .configure_host(&m, &host.id, &order, &ctx(Duration::from_millis(600)))
-        .await
-        .unwrap_err();
+    let err = configure_fails(&env, &m, &host.id, Duration::from_millis(600)).await;
     assert_eq!(
         err.0,
         format!(

@@ -313,12 +313,7 @@ async fn run_check(args: &[String], token: &str) -> (bool, Value, String) {
 
 /// The check named `name` in the report.
 fn check<'a>(doc: &'a Value, name: &str) -> &'a Value {
-    doc["checks"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .find(|c| c["check"] == name)
-        .unwrap_or_else(|| panic!("no check {name:?} in {doc}"))
+    testkit::json::entry(doc, "checks", "check", name)
 }
 
 fn problems(doc: &Value) -> Vec<(String, String)> {

@@ -90,12 +90,7 @@ async fn export(state: &Path) -> serde_json::Value {
 
 /// Whether the export shows a sealed Configure waiting for machine `id`.
 fn sealed_configure(export: &serde_json::Value, id: &str) -> bool {
-    let machine = export["machines"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .find(|m| m["id"] == id)
-        .unwrap_or_else(|| panic!("{id} not in the export: {export}"));
+    let machine = testkit::json::entry(export, "machines", "id", id);
     machine.get("sealed_configure").is_some()
 }
 

@@ -361,8 +361,7 @@ async fn readiness_resumed_by_a_new_process_is_answered_and_a_lost_not_ready_is_
 /// starts, runs a new command, and keeps the old entries beside the new one.
 #[tokio::test]
 async fn an_agent_state_file_of_the_earlier_release_still_loads() {
-    let pki = pki();
-    let channel = RunningChannel::start(&pki, Duration::from_secs(2), AuthLimit::default()).await;
+    let (pki, channel) = RunningChannel::with_fresh_pki(Duration::from_secs(2)).await;
     let dir = tempfile::tempdir().unwrap();
     std::fs::create_dir_all(dir.path().join("state")).unwrap();
     let old = r#"{"executed":[{"id":"9f2c4a1b7e30-1","outcome":{"Ok":null}},{"id":"9f2c4a1b7e30-2","outcome":{"Err":"bootstrap hook failed: exit status: 3"}},{"id":"9f2c4a1b7e30-3","outcome":null}]}"#;
@@ -405,8 +404,7 @@ async fn an_agent_state_file_of_the_earlier_release_still_loads() {
 /// could not be told from a command never run), answers why, and runs it once it can.
 #[tokio::test]
 async fn an_agent_that_cannot_record_a_command_does_not_run_it() {
-    let pki = pki();
-    let channel = RunningChannel::start(&pki, Duration::from_secs(2), AuthLimit::default()).await;
+    let (pki, channel) = RunningChannel::with_fresh_pki(Duration::from_secs(2)).await;
     let dir = tempfile::tempdir().unwrap();
     // The state file is written through `executed.tmp`; a directory there makes every write
     // fail while the (missing) state file itself loads.

@@ -155,6 +155,14 @@ pub struct RunningChannel {
 }
 
 impl RunningChannel {
+    /// A fresh test PKI, and a channel on it holding commands for `hold` under the default
+    /// authentication limits.
+    pub async fn with_fresh_pki(hold: Duration) -> (Pki, RunningChannel) {
+        let pki = pki();
+        let channel = RunningChannel::start(&pki, hold, AuthLimit::default()).await;
+        (pki, channel)
+    }
+
     pub async fn start(pki: &Pki, hold: Duration, limit: AuthLimit) -> RunningChannel {
         let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
         RunningChannel::start_on(listener, pki, hold, limit)
