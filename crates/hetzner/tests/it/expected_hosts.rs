@@ -4,15 +4,11 @@
 
 use provider_core::cloud::{Cloud, InventorySignal};
 
-use crate::harness::{Env, Options, ctx};
+use crate::harness::{Env, ctx};
 
 #[tokio::test]
 async fn a_failed_creates_server_does_not_hide_a_server_deleted_out_of_band() {
-    let env = Env::new(Options {
-        ssh: false,
-        ..Options::default()
-    })
-    .await;
+    let env = Env::without_ssh().await;
     env.emulator.set_polls_to_running(0);
     let first = env
         .cloud

@@ -241,12 +241,14 @@ async fn servers_deleted_out_of_band_or_being_deleted_leave_the_inventory() {
     assert!(env.cloud.list_hosts().await.unwrap().is_empty());
 }
 
-#[tokio::test]
-async fn the_token_never_shows_in_errors_or_debug_output() {
-    let env = Env::new(Options::default()).await;
-    assert!(!format!("{:?}", env.cloud).contains(TOKEN));
-    let cloud = hetzner::cloud::HetznerCloud::new(hetzner::cloud::HetznerConfig {
-        token: provider_core::config::Secret::new("wrong-token-value-123"),
+/// A backend of `env`'s emulator without SSH, authenticating with `token`, with `timing`.
+fn cloud_without_ssh(
+    env: &Env,
+    token: &str,
+    timing: hetzner::cloud::Timing,
+) -> hetzner::cloud::HetznerCloud {
+    hetzner::cloud::HetznerCloud::new(hetzner::cloud::HetznerConfig {
+        token: provider_core::config::Secret::new(token),
         endpoint: env.emulator.endpoint(),
         provider_instance: PROVIDER.into(),
         server: hetzner::settings::ServerSpec {
@@ -261,9 +263,17 @@ async fn the_token_never_shows_in_errors_or_debug_output() {
         readiness_command: None,
         eur_usd: 1.08,
         telemetry: env.telemetry,
-        timing: crate::harness::fast_timing(Duration::from_secs(5)),
+        timing,
     })
-    .unwrap();
+    .unwrap()
+}
+
+#[tokio::test]
+async fn the_token_never_shows_in_errors_or_debug_output() {
+    let env = Env::new(Options::default()).await;
+    assert!(!format!("{:?}", env.cloud).contains(TOKEN));
+    let timing = crate::harness::fast_timing(Duration::from_secs(5));
+    let cloud = cloud_without_ssh(&env, "wrong-token-value-123", timing);
     let err = cloud.list_hosts().await.unwrap_err();
     assert_eq!(
         err.0,
@@ -418,25 +428,7 @@ async fn a_server_error_is_retried_without_waiting_for_the_rate_limit_reset() {
     let env = Env::new(Options::default()).await;
     let mut timing = crate::harness::fast_timing(Duration::from_secs(5));
     timing.client.backoff = provider_core::retry::Backoff::default();
-    let cloud = hetzner::cloud::HetznerCloud::new(hetzner::cloud::HetznerConfig {
-        token: provider_core::config::Secret::new(TOKEN),
-        endpoint: env.emulator.endpoint(),
-        provider_instance: PROVIDER.into(),
-        server: hetzner::settings::ServerSpec {
-            image: "ubuntu-24.04".into(),
-            ..Default::default()
-        },
-        offerings: Vec::new(),
-        locations: vec!["nbg1".into()],
-        ssh: None,
-        bootstrap_hook: "/opt/bigfleet/bootstrap".into(),
-        base_user_data: None,
-        readiness_command: None,
-        eur_usd: 1.08,
-        telemetry: env.telemetry,
-        timing,
-    })
-    .unwrap();
+    let cloud = cloud_without_ssh(&env, TOKEN, timing);
     env.emulator.inject([Fault::ServerError(503)]);
     let started = std::time::Instant::now();
     let hosts = cloud.list_hosts().await.unwrap();

@@ -76,6 +76,15 @@ pub async fn until(what: &str, condition: impl Fn() -> bool) {
     until_every(what, Duration::from_millis(10), condition).await
 }
 
+/// `machine` bound to the server `id` (its host reference set to it).
+pub fn bound(mut machine: Machine, id: &str) -> Machine {
+    machine.host = Some(provider_core::machine::HostRef {
+        provider: PROVIDER.into(),
+        id: id.into(),
+    });
+    machine
+}
+
 /// Log lines captured from `tracing`.
 pub use testkit::logs::LogCapture as Logs;
 /// A TCP relay in front of an SSH server: counts connections and can cut every open one, as a
@@ -239,6 +248,15 @@ pub fn new_key() -> PrivateKey {
 use testkit::script::write_executable as executable;
 
 impl Env {
+    /// An env with the default options but no SSH key (no SSH listener, no delivery).
+    pub async fn without_ssh() -> Env {
+        Env::new(Options {
+            ssh: false,
+            ..Options::default()
+        })
+        .await
+    }
+
     pub async fn new(options: Options) -> Env {
         let logs = Logs::default();
         let guard = logs.install();
@@ -370,6 +388,20 @@ impl Env {
         let mut m = Machine::speculative(id, server_type);
         m.zone = zone.into();
         m
+    }
+
+    /// Machine slot `index` of cx23 in nbg1, its server created (30 s at most): the machine,
+    /// bound to it, and the server's id.
+    pub async fn created(&self, index: i64) -> (Machine, i64) {
+        let machine = self.machine("cx23", "nbg1", index);
+        let host = self.create_host(&machine, 30).await;
+        (bound(machine, &host.id), host.id.parse().unwrap())
+    }
+
+    /// Starts the SSH server on the reserved port with the host key injected into `server`.
+    pub fn start_sshd_of(&mut self, server: i64, drop_first: usize) -> Sshd {
+        let key = self.injected_host_key(server);
+        self.start_sshd(key, drop_first)
     }
 
     /// Starts the SSH server on the reserved port with `host_key`.

@@ -9,7 +9,7 @@ use hcloud_emulator::RateLimit;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::time::Instant;
 
-use crate::harness::{Env, Options, TOKEN, process_spec};
+use crate::harness::{Env, TOKEN, process_spec};
 
 /// The value of the series `name` (without labels) on the metrics endpoint at `addr`.
 async fn metric(addr: std::net::SocketAddr, name: &str) -> Option<f64> {
@@ -33,11 +33,7 @@ fn listings(env: &Env) -> usize {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn reconcile_surveys_are_paced_to_their_share_of_the_budget() {
-    let env = Env::new(Options {
-        ssh: false,
-        ..Options::default()
-    })
-    .await;
+    let env = Env::without_ssh().await;
     env.emulator.set_rate_limit(RateLimit::HETZNER);
     let dir = env.dir.path();
     let (ssh_key, offerings) =

@@ -12,11 +12,11 @@ use hetzner::settings::{NetworkRef, OfferingSpec, Overrides, Placement, ServerSp
 use provider_core::backend::{BootstrapBlob, ConfigureOrder};
 use provider_core::check::{CheckOptions, Report};
 use provider_core::cloud::Cloud;
-use provider_core::machine::{HostRef, StringMap};
+use provider_core::machine::StringMap;
 use provider_core::offerings::Offering;
 use serde_json::json;
 
-use crate::harness::{Env, Options, PROVIDER, TOKEN, ctx};
+use crate::harness::{Env, Options, PROVIDER, TOKEN, bound, ctx};
 
 fn production_spec() -> ServerSpec {
     ServerSpec {
@@ -182,12 +182,9 @@ async fn ipv6_only_servers_are_configured_over_ipv6() {
     })
     .await;
     env.emulator.set_new_server_ipv6_net("::/64");
-    let mut machine = env.machine("cx23", "nbg1", 0);
+    let machine = env.machine("cx23", "nbg1", 0);
     let host = env.create_host(&machine, 20).await;
-    machine.host = Some(HostRef {
-        provider: PROVIDER.into(),
-        id: host.id.clone(),
-    });
+    let machine = bound(machine, &host.id);
     assert_eq!(host.public_ipv4, None);
     env.listen_on_ipv6().await;
     let sshd = env.start_emulator_sshd();

@@ -266,13 +266,7 @@ impl Rig {
     /// The exported machine `id`.
     fn exported(&self, id: &str) -> serde_json::Value {
         let export = state_export(&self.state).unwrap();
-        export["machines"]
-            .as_array()
-            .unwrap()
-            .iter()
-            .find(|m| m["id"] == id)
-            .unwrap_or_else(|| panic!("{id} missing from {export}"))
-            .clone()
+        testkit::json::entry(&export, "machines", "id", id).clone()
     }
 }
 
@@ -317,6 +311,38 @@ async fn kill_9(provider: Provider) {
 /// A caller for the new incarnation, stamping on from where the last one stopped.
 async fn reconnect(provider: &Provider, caller: Caller) -> Caller {
     Caller::new(provider.default_channel().await.unwrap(), caller.shard)
+}
+
+/// Creates `id`'s server with a hook that holds until released (and readiness that passes),
+/// sends its Configure into `cluster` and waits until the hook started: the host and the
+/// accepted Configure.
+async fn hook_started(
+    rig: &Rig,
+    caller: &mut Caller,
+    id: &str,
+    cluster: &str,
+) -> (String, Accepted) {
+    let host = rig.create(caller, id).await;
+    rig.install_hook(&host, false, true);
+    let accepted = configure(caller, id, &host, cluster).await;
+    until("the hook started", || rig.hook_runs(&host) == 1).await;
+    (host, accepted)
+}
+
+/// Kills `provider` (SIGKILL) with the Configure `accepted` sealed in its state, then starts a
+/// new one with the state key `key` and reconnects `caller` to it.
+async fn killed_and_restarted(
+    rig: &Rig,
+    provider: Provider,
+    caller: Caller,
+    key: &Path,
+    accepted: &Accepted,
+) -> (Provider, Caller) {
+    kill_9(provider).await;
+    assert_sealed(rig, accepted);
+    let provider = rig.start(Some(key)).await;
+    let caller = reconnect(&provider, caller).await;
+    (provider, caller)
 }
 
 /// The killed provider's Configure is in the state, sealed: its blob is there, never in the
@@ -423,23 +449,14 @@ async fn a_configure_killed_at_each_moment_resumes_and_runs_the_hook_once() {
         },
     )
     .await;
-    kill_9(provider).await;
-    assert_sealed(&rig, &accepted);
-    provider = rig.start(Some(&key)).await;
-    caller = reconnect(&provider, caller).await;
+    (provider, caller) = killed_and_restarted(&rig, provider, caller, &key, &accepted).await;
     rig.release_hook(&host);
     assert_resumed(&rig, &mut caller, &accepted).await;
     blobs.push(accepted.request.bootstrap_blob);
 
     // (c) Killed while the hook runs: the new process waits for that run.
-    let host = rig.create(&mut caller, &ids[2]).await;
-    rig.install_hook(&host, false, true);
-    let accepted = configure(&mut caller, &ids[2], &host, "hook-running").await;
-    until("the hook started", || rig.hook_runs(&host) == 1).await;
-    kill_9(provider).await;
-    assert_sealed(&rig, &accepted);
-    provider = rig.start(Some(&key)).await;
-    caller = reconnect(&provider, caller).await;
+    let (host, accepted) = hook_started(&rig, &mut caller, &ids[2], "hook-running").await;
+    (provider, caller) = killed_and_restarted(&rig, provider, caller, &key, &accepted).await;
     until("the resumed Configure waits for the run", || {
         provider.logs().contains(WAITING)
     })
@@ -452,18 +469,12 @@ async fn a_configure_killed_at_each_moment_resumes_and_runs_the_hook_once() {
 
     // (d) The hook finishes while the provider is stopped (so it cannot have read the record),
     // then the provider is killed: the new process takes the recorded outcome.
-    let host = rig.create(&mut caller, &ids[3]).await;
-    rig.install_hook(&host, false, true);
-    let accepted = configure(&mut caller, &ids[3], &host, "hook-finished").await;
-    until("the hook started", || rig.hook_runs(&host) == 1).await;
+    let (host, accepted) = hook_started(&rig, &mut caller, &ids[3], "hook-finished").await;
     provider.signal("STOP").unwrap();
     rig.release_hook(&host);
     let record = rig.run_dir(&host, &accepted.operation).join("record");
     until("the run recorded its outcome", || record.exists()).await;
-    kill_9(provider).await;
-    assert_sealed(&rig, &accepted);
-    provider = rig.start(Some(&key)).await;
-    caller = reconnect(&provider, caller).await;
+    (provider, caller) = killed_and_restarted(&rig, provider, caller, &key, &accepted).await;
     assert_resumed(&rig, &mut caller, &accepted).await;
     blobs.push(accepted.request.bootstrap_blob);
 

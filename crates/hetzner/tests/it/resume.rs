@@ -11,9 +11,8 @@ use std::time::Duration;
 use hetzner::labels;
 use provider_core::backend::{BootstrapBlob, ConfigureOrder, TransitionContext};
 use provider_core::cloud::Cloud;
-use provider_core::machine::{HostRef, Machine};
 
-use crate::harness::{Env, Options, PROVIDER, deliveries, until};
+use crate::harness::{Env, Options, deliveries, until};
 
 fn order(cluster: &str) -> ConfigureOrder {
     ConfigureOrder {
@@ -34,16 +33,6 @@ fn nonced(operation: &str, nonce: &str) -> TransitionContext {
     ctx
 }
 
-async fn created(env: &Env) -> (Machine, i64) {
-    let mut machine = env.machine("cx23", "nbg1", 0);
-    let host = env.create_host(&machine, 30).await;
-    machine.host = Some(HostRef {
-        provider: PROVIDER.into(),
-        id: host.id.clone(),
-    });
-    (machine, host.id.parse().unwrap())
-}
-
 fn record(env: &Env, run: &str) -> PathBuf {
     PathBuf::from(format!("{}.runs/{run}/record", env.hook.display()))
 }
@@ -51,9 +40,8 @@ fn record(env: &Env, run: &str) -> PathBuf {
 #[tokio::test]
 async fn configure_again_with_the_same_operation_takes_the_recorded_outcome() {
     let mut env = Env::new(Options::default()).await;
-    let (machine, server) = created(&env).await;
-    let key = env.injected_host_key(server);
-    let sshd = env.start_sshd(key, 0);
+    let (machine, server) = env.created(0).await;
+    let sshd = env.start_sshd_of(server, 0);
     let host = server.to_string();
 
     env.cloud
@@ -91,9 +79,8 @@ async fn a_configure_cancelled_while_the_hook_runs_is_resumed_by_waiting_for_tha
         ..Options::default()
     })
     .await;
-    let (machine, server) = created(&env).await;
-    let key = env.injected_host_key(server);
-    let sshd = env.start_sshd(key, 0);
+    let (machine, server) = env.created(0).await;
+    let sshd = env.start_sshd_of(server, 0);
     let host = server.to_string();
 
     let first = op("op-b");
@@ -132,9 +119,8 @@ async fn a_hook_that_finished_after_its_configure_was_dropped_is_not_run_again()
         ..Options::default()
     })
     .await;
-    let (machine, server) = created(&env).await;
-    let key = env.injected_host_key(server);
-    let sshd = env.start_sshd(key, 0);
+    let (machine, server) = env.created(0).await;
+    let sshd = env.start_sshd_of(server, 0);
     let host = server.to_string();
 
     // The provider dies right after the start: the future is dropped mid-poll.
@@ -167,9 +153,8 @@ async fn a_failed_hooks_recorded_outcome_is_taken_on_resume() {
         ..Options::default()
     })
     .await;
-    let (machine, server) = created(&env).await;
-    let key = env.injected_host_key(server);
-    let _sshd = env.start_sshd(key, 0);
+    let (machine, server) = env.created(0).await;
+    let _sshd = env.start_sshd_of(server, 0);
     let host = server.to_string();
 
     let (first, c4) = (op("op-d"), order("c4"));
@@ -209,7 +194,7 @@ async fn a_connection_dropped_mid_hook_neither_fails_configure_nor_repeats_the_h
         ..Options::default()
     })
     .await;
-    let (machine, server) = created(&env).await;
+    let (machine, server) = env.created(0).await;
     let key = env.injected_host_key(server);
     let (sshd, relay) = env.start_sshd_behind_relay(key).await;
     let host = server.to_string();
@@ -244,7 +229,7 @@ async fn readiness_survives_a_dropped_connection() {
         ..Options::default()
     })
     .await;
-    let (machine, server) = created(&env).await;
+    let (machine, server) = env.created(0).await;
     let key = env.injected_host_key(server);
     let (_sshd, relay) = env.start_sshd_behind_relay(key).await;
     let host = server.to_string();
@@ -294,7 +279,7 @@ fn drains(env: &Env) -> usize {
 #[tokio::test]
 async fn a_drain_resumed_with_the_same_operation_drains_once() {
     let mut env = Env::new(Options::default()).await;
-    let (machine, server) = created(&env).await;
+    let (machine, server) = env.created(0).await;
     let key = env.injected_host_key(server);
     let (_sshd, relay) = env.start_sshd_behind_relay(key).await;
     let host = server.to_string();
@@ -340,9 +325,8 @@ async fn a_drain_resumed_with_the_same_operation_drains_once() {
 #[tokio::test]
 async fn a_failed_drains_outcome_is_taken_on_resume() {
     let mut env = Env::new(Options::default()).await;
-    let (machine, server) = created(&env).await;
-    let key = env.injected_host_key(server);
-    let _sshd = env.start_sshd(key, 0);
+    let (machine, server) = env.created(0).await;
+    let _sshd = env.start_sshd_of(server, 0);
     let host = server.to_string();
     env.cloud
         .configure_host(&machine, &host, &order("c8"), &op("op-g0"))
@@ -388,9 +372,8 @@ async fn a_failed_drains_outcome_is_taken_on_resume() {
 #[tokio::test]
 async fn after_a_state_loss_no_earlier_run_under_the_same_operation_id_answers_a_new_configure() {
     let mut env = Env::new(Options::default()).await;
-    let (machine, server) = created(&env).await;
-    let key = env.injected_host_key(server);
-    let sshd = env.start_sshd(key, 0);
+    let (machine, server) = env.created(0).await;
+    let sshd = env.start_sshd_of(server, 0);
     let host = server.to_string();
 
     // Before the loss: a release before nonces, then this one.

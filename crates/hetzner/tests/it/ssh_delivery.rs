@@ -9,9 +9,10 @@ use hetzner::hostkey;
 use hetzner::labels;
 use provider_core::backend::{BootstrapBlob, ConfigureOrder};
 use provider_core::cloud::Cloud;
-use provider_core::machine::{HostRef, Machine};
 
-use crate::harness::{Env, Options, PROVIDER, ctx, new_key};
+use testkit::logs::occurrences;
+
+use crate::harness::{Env, Options, PROVIDER, bound, ctx, new_key};
 
 fn order(cluster: &str) -> ConfigureOrder {
     ConfigureOrder {
@@ -20,21 +21,10 @@ fn order(cluster: &str) -> ConfigureOrder {
     }
 }
 
-/// Creates a server for slot `index` and returns the machine (with its host) and server id.
-async fn created(env: &Env, index: i64) -> (Machine, i64) {
-    let mut machine = env.machine("cx23", "nbg1", index);
-    let host = env.create_host(&machine, 30).await;
-    machine.host = Some(HostRef {
-        provider: PROVIDER.into(),
-        id: host.id.clone(),
-    });
-    (machine, host.id.parse().unwrap())
-}
-
 #[tokio::test]
 async fn a_host_presenting_another_key_never_receives_the_blob() {
     let mut env = Env::new(Options::default()).await;
-    let (machine, server) = created(&env, 0).await;
+    let (machine, server) = env.created(0).await;
     let pinned = env.labels(server)[labels::HOST_KEY_FP].clone();
     let impostor = new_key();
     let presented = hostkey::fingerprint(impostor.public_key());
@@ -87,11 +77,7 @@ async fn an_adopted_server_without_a_pin_is_pinned_on_first_use() {
     let host_key = new_key();
     let expected = hostkey::fingerprint(host_key.public_key());
     let _sshd = env.start_sshd(host_key, 0);
-    let mut machine = env.machine("cx23", "nbg1", 7);
-    machine.host = Some(HostRef {
-        provider: PROVIDER.into(),
-        id: server.to_string(),
-    });
+    let machine = bound(env.machine("cx23", "nbg1", 7), &server.to_string());
     env.configure(&machine, server, &order("c2"), 10)
         .await
         .unwrap();
@@ -119,7 +105,7 @@ async fn an_adopted_server_without_a_pin_is_pinned_on_first_use() {
 #[tokio::test]
 async fn after_first_use_the_pin_is_enforced() {
     let mut env = Env::new(Options::default()).await;
-    let (machine, server) = created(&env, 0).await;
+    let (machine, server) = env.created(0).await;
     // Forget the pin, as if the server had been made before pinning existed.
     let mut l = env.labels(server);
     l.remove(labels::HOST_KEY_FP);
@@ -150,9 +136,8 @@ async fn after_first_use_the_pin_is_enforced() {
 #[tokio::test]
 async fn ssh_is_retried_until_the_server_accepts_connections() {
     let mut env = Env::new(Options::default()).await;
-    let (machine, server) = created(&env, 0).await;
-    let key = env.injected_host_key(server);
-    let sshd = env.start_sshd(key, 3);
+    let (machine, server) = env.created(0).await;
+    let sshd = env.start_sshd_of(server, 3);
     env.configure(&machine, server, &order("c4"), 20)
         .await
         .unwrap();
@@ -164,7 +149,7 @@ async fn ssh_is_retried_until_the_server_accepts_connections() {
 async fn a_server_that_never_answers_fails_at_the_deadline() {
     // The port accepts TCP (the kernel's backlog) but no SSH server ever speaks.
     let env = Env::new(Options::default()).await;
-    let (machine, server) = created(&env, 0).await;
+    let (machine, server) = env.created(0).await;
     let started = std::time::Instant::now();
     let err = env
         .configure(&machine, server, &order("c5"), 1)
@@ -177,7 +162,7 @@ async fn a_server_that_never_answers_fails_at_the_deadline() {
 #[tokio::test]
 async fn a_refused_port_is_retried_until_the_deadline() {
     let mut env = Env::new(Options::default()).await;
-    let (machine, server) = created(&env, 0).await;
+    let (machine, server) = env.created(0).await;
     env.refuse_ssh();
     let err = env
         .configure(&machine, server, &order("c5"), 1)
@@ -196,9 +181,8 @@ async fn a_failing_hook_fails_configure_with_the_exit_status() {
         ..Options::default()
     })
     .await;
-    let (machine, server) = created(&env, 0).await;
-    let key = env.injected_host_key(server);
-    let _sshd = env.start_sshd(key, 0);
+    let (machine, server) = env.created(0).await;
+    let _sshd = env.start_sshd_of(server, 0);
     let err = env
         .configure(&machine, server, &order("c6"), 10)
         .await
@@ -222,9 +206,8 @@ async fn readiness_that_never_comes_fails_at_the_deadline() {
     })
     .await;
     assert!(env.cloud.has_readiness_gate());
-    let (machine, server) = created(&env, 0).await;
-    let key = env.injected_host_key(server);
-    let sshd = env.start_sshd(key, 0);
+    let (machine, server) = env.created(0).await;
+    let sshd = env.start_sshd_of(server, 0);
     let ctx = ctx(2);
     env.cloud
         .configure_host(&machine, &server.to_string(), &order("c7"), &ctx)
@@ -239,12 +222,7 @@ async fn readiness_that_never_comes_fails_at_the_deadline() {
         err.0,
         "readiness: --readiness-command did not succeed on 127.0.0.1 before the Configure deadline (last exit status 1)"
     );
-    let runs = sshd
-        .observed
-        .commands()
-        .iter()
-        .filter(|c| *c == "exit 1")
-        .count();
+    let runs = occurrences(&sshd.observed.commands(), "exit 1");
     assert!(runs >= 2, "polled until the deadline ({runs} runs)");
     assert_eq!(
         sshd.observed.connections.load(Ordering::SeqCst),
@@ -262,9 +240,8 @@ async fn readiness_confirms_once_the_command_succeeds() {
         ..Options::default()
     })
     .await;
-    let (machine, server) = created(&env, 0).await;
-    let key = env.injected_host_key(server);
-    let sshd = env.start_sshd(key, 0);
+    let (machine, server) = env.created(0).await;
+    let sshd = env.start_sshd_of(server, 0);
     let ctx = ctx(10);
     env.cloud
         .configure_host(&machine, &server.to_string(), &order("c8"), &ctx)
@@ -287,13 +264,9 @@ async fn readiness_confirms_once_the_command_succeeds() {
 
 #[tokio::test]
 async fn without_an_ssh_key_configure_and_drain_refuse_honestly() {
-    let env = Env::new(Options {
-        ssh: false,
-        ..Options::default()
-    })
-    .await;
+    let env = Env::without_ssh().await;
     assert!(!env.cloud.ssh_enabled());
-    let (machine, server) = created(&env, 0).await;
+    let (machine, server) = env.created(0).await;
     let err = env
         .configure(&machine, server, &order("c9"), 5)
         .await
@@ -327,9 +300,8 @@ async fn without_an_ssh_key_configure_and_drain_refuse_honestly() {
 #[tokio::test]
 async fn a_cluster_id_outside_label_syntax_is_encoded_and_read_back() {
     let mut env = Env::new(Options::default()).await;
-    let (machine, server) = created(&env, 0).await;
-    let key = env.injected_host_key(server);
-    let _sshd = env.start_sshd(key, 0);
+    let (machine, server) = env.created(0).await;
+    let _sshd = env.start_sshd_of(server, 0);
     let cluster = "team a/cluster 'prod' #1";
     env.configure(&machine, server, &order(cluster), 10)
         .await
@@ -355,7 +327,7 @@ async fn ssh_can_go_over_the_private_network_only() {
     // The public address refuses connections; only the private one reaches the SSH server.
     env.emulator.set_new_server_ipv4("127.0.0.2");
     env.emulator.set_new_server_private_ip("127.0.0.1");
-    let (machine, server) = created(&env, 0).await;
+    let (machine, server) = env.created(0).await;
     let stored = env.emulator.server(server).unwrap();
     assert_eq!(stored.private_net.len(), 1);
     assert_eq!(
@@ -363,8 +335,7 @@ async fn ssh_can_go_over_the_private_network_only() {
         Some(9001),
         "attached to --network at create"
     );
-    let key = env.injected_host_key(server);
-    let _sshd = env.start_sshd(key, 0);
+    let _sshd = env.start_sshd_of(server, 0);
     env.configure(&machine, server, &order("c10"), 10)
         .await
         .unwrap();
@@ -389,7 +360,7 @@ async fn an_unknown_network_fails_create_before_any_server_exists() {
 #[tokio::test]
 async fn a_login_the_server_refuses_fails_after_a_few_tries() {
     let mut env = Env::new(Options::default()).await;
-    let (machine, server) = created(&env, 0).await;
+    let (machine, server) = env.created(0).await;
     let key = env.injected_host_key(server);
     let stranger = new_key().public_key().clone();
     let sshd = env.start_sshd_authorizing(key, stranger, 0);
@@ -413,14 +384,9 @@ async fn a_login_the_server_refuses_fails_after_a_few_tries() {
 #[tokio::test]
 async fn another_machines_server_is_never_configured() {
     let mut env = Env::new(Options::default()).await;
-    let (_, server) = created(&env, 0).await;
-    let mut other = env.machine("cx23", "nbg1", 1);
-    other.host = Some(HostRef {
-        provider: PROVIDER.into(),
-        id: server.to_string(),
-    });
-    let key = env.injected_host_key(server);
-    let sshd = env.start_sshd(key, 0);
+    let (_, server) = env.created(0).await;
+    let other = bound(env.machine("cx23", "nbg1", 1), &server.to_string());
+    let sshd = env.start_sshd_of(server, 0);
     let err = env
         .configure(&other, server, &order("c12"), 10)
         .await
@@ -438,7 +404,7 @@ async fn another_machines_server_is_never_configured() {
 #[tokio::test]
 async fn the_emulators_sshd_plays_each_server_with_its_injected_key_and_own_root() {
     let mut env = Env::new(Options::default()).await;
-    let (machine, server) = created(&env, 0).await;
+    let (machine, server) = env.created(0).await;
     let sshd = env.start_emulator_sshd();
     env.configure(&machine, server, &order("c13"), 10)
         .await

@@ -20,12 +20,14 @@ use hetzner::ssh::SshConfig;
 use provider_core::backend::{BootstrapBlob, ConfigureOrder};
 use provider_core::cloud::Cloud;
 use provider_core::config::Secret;
-use provider_core::machine::{HostRef, Machine};
+use provider_core::machine::Machine;
 use russh::keys::PrivateKey;
 use russh::keys::ssh_key::LineEnding;
 use tokio::net::TcpListener;
 
-use crate::harness::{Env, Options, PROVIDER, TOKEN, configure_server, ctx, fast_timing, new_key};
+use crate::harness::{
+    Env, Options, PROVIDER, TOKEN, bound, configure_server, ctx, fast_timing, new_key,
+};
 
 const BLOB: &[u8] = b"tofu-join-secret-material";
 
@@ -181,12 +183,9 @@ fn cloud(env: &Env, endpoint: String, ssh_port: u16) -> HetznerCloud {
 /// A server of machine slot 0 made by `cloud` whose pin label was then removed (as if it had
 /// been made before pinning existed).
 async fn unpinned_server(env: &Env, cloud: &HetznerCloud) -> (Machine, i64) {
-    let mut machine = env.machine("cx23", "nbg1", 0);
+    let machine = env.machine("cx23", "nbg1", 0);
     let host = cloud.create_host(&machine, &ctx(30)).await.unwrap();
-    machine.host = Some(HostRef {
-        provider: PROVIDER.into(),
-        id: host.id.clone(),
-    });
+    let machine = bound(machine, &host.id);
     let server: i64 = host.id.parse().unwrap();
     let mut l: HashMap<String, String> = env.labels(server);
     l.remove(labels::HOST_KEY_FP);
@@ -194,15 +193,22 @@ async fn unpinned_server(env: &Env, cloud: &HetznerCloud) -> (Machine, i64) {
     (machine, server)
 }
 
-#[tokio::test]
-async fn a_first_use_pin_that_cannot_be_recorded_stops_delivery_at_the_deadline() {
-    let env = Env::new(Options::default()).await;
+/// An unpinned server behind an SSH server of a fresh key (its fingerprint given), with a
+/// backend talking to the API through label-write faults (none armed yet).
+async fn pin_writes(env: &Env) -> (LabelWriteFaults, String, Sshd, HetznerCloud, (Machine, i64)) {
     let (proxy, endpoint) = LabelWriteFaults::start(env.emulator.addr(), 0).await;
     let host_key = new_key();
     let observed = hostkey::fingerprint(host_key.public_key());
-    let sshd = sshd(&env, host_key).await;
-    let cloud = cloud(&env, endpoint, sshd.addr().port());
-    let (machine, server) = unpinned_server(&env, &cloud).await;
+    let sshd = sshd(env, host_key).await;
+    let cloud = cloud(env, endpoint, sshd.addr().port());
+    let server = unpinned_server(env, &cloud).await;
+    (proxy, observed, sshd, cloud, server)
+}
+
+#[tokio::test]
+async fn a_first_use_pin_that_cannot_be_recorded_stops_delivery_at_the_deadline() {
+    let env = Env::new(Options::default()).await;
+    let (proxy, observed, sshd, cloud, (machine, server)) = pin_writes(&env).await;
     proxy.fail.store(usize::MAX, Ordering::SeqCst);
 
     let err = configure_server(&cloud, &machine, server, &order("c1"), 2)
@@ -240,12 +246,7 @@ async fn a_first_use_pin_that_cannot_be_recorded_stops_delivery_at_the_deadline(
 #[tokio::test]
 async fn a_pin_recorded_after_failed_writes_is_verified_on_a_fresh_connection() {
     let env = Env::new(Options::default()).await;
-    let (proxy, endpoint) = LabelWriteFaults::start(env.emulator.addr(), 0).await;
-    let host_key = new_key();
-    let observed = hostkey::fingerprint(host_key.public_key());
-    let sshd = sshd(&env, host_key).await;
-    let cloud = cloud(&env, endpoint, sshd.addr().port());
-    let (machine, server) = unpinned_server(&env, &cloud).await;
+    let (proxy, observed, sshd, cloud, (machine, server)) = pin_writes(&env).await;
     // More than one label update's worth of API retries (8 attempts each in the tests).
     proxy.fail.store(10, Ordering::SeqCst);
 
