@@ -45,6 +45,9 @@ impl Lab {
         let emulator = Emulator::new(TOKEN);
         emulator.set_rate_limit(RateLimit::DIGITALOCEAN.time_scaled(setup.scale));
         emulator.set_boot_time(Some(setup.boot));
+        // An account whose Droplet limit leaves room for every slot: the runs measure the
+        // budget, not the account's headroom (the emulator's own default is a new account's).
+        emulator.set_droplet_limit((setup.owned + setup.slots) as u64);
         let (managed, provider) = ("bigfleet-managed", provider_tag());
         for index in 0..setup.owned {
             let machine_id = super::slot_id(PROVIDER, SIZE, REGION, index);
