@@ -591,7 +591,12 @@ impl ApiBudget {
             counter!(self.inner.names.rate_limited).increment(1);
             // Someone else spent the token's budget: nothing is left until the cloud says so.
             state.main.hold_above(0.0);
-            if let Some(burst) = &mut state.burst {
+            // The headers describe the main limit. A 429 that shows it spent was that limit's,
+            // held above and handed back by the first answer that shows room again; one that
+            // shows room left in it (or no headers) was the shorter limit's, whose window no
+            // header describes: spent, refilled at its rate.
+            let main_spent = remaining.is_some_and(|r| r < 1.0);
+            if let Some(burst) = state.burst.as_mut().filter(|_| !main_spent) {
                 burst.tokens = burst.tokens.min(0.0);
             }
             if let Some(after) = retry_after {

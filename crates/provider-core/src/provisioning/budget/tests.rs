@@ -289,6 +289,62 @@ async fn after_a_storm_the_pace_returns_to_the_share_at_the_first_healthy_answer
     );
 }
 
+/// DigitalOcean's headers describe its hourly limit only. A storm of 429s that show the hour
+/// spent (another user took it) leaves the per-minute window alone: the first healthy answer
+/// gives the share back at once, as on Hetzner, and a storm of T seconds costs about T.
+#[tokio::test(start_paused = true)]
+async fn a_429_of_the_spent_hour_leaves_the_minute_window_alone() {
+    let budget = ApiBudget::new(
+        Limits::DIGITALOCEAN,
+        Shares::default(),
+        "bigfleet_budget_test",
+    );
+    budget.observe(200, &headers(&[("ratelimit-remaining", "4999".into())]));
+    let hour_spent = headers(&[
+        ("ratelimit-limit", "5000".into()),
+        ("ratelimit-remaining", "0".into()),
+        ("retry-after", "1".into()),
+    ]);
+    for _ in 0..5 {
+        budget.acquire(None).await.unwrap();
+        budget.observe(429, &hour_spent);
+    }
+    // The storm ends; the next request goes after the last Retry-After.
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    budget.observe(200, &headers(&[("ratelimit-remaining", "4990".into())]));
+    let started = Instant::now();
+    for _ in 0..100 {
+        budget.acquire(None).await.unwrap();
+    }
+    assert_eq!(
+        started.elapsed(),
+        Duration::ZERO,
+        "the minute's share (125) was never spent"
+    );
+}
+
+/// A 429 whose headers show room left in the hour was the per-minute limit's: its window is
+/// full, and the provider goes at its share of the minute's refill (250 a minute, half ours).
+#[tokio::test(start_paused = true)]
+async fn a_429_with_the_hour_left_spends_the_minute_window() {
+    let budget = ApiBudget::new(
+        Limits::DIGITALOCEAN,
+        Shares::default(),
+        "bigfleet_budget_test",
+    );
+    budget.observe(200, &headers(&[("ratelimit-remaining", "4999".into())]));
+    budget.acquire(None).await.unwrap();
+    budget.observe(429, &headers(&[("ratelimit-remaining", "4000".into())]));
+    let started = Instant::now();
+    for _ in 0..10 {
+        budget.acquire(None).await.unwrap();
+        budget.observe(200, &headers(&[("ratelimit-remaining", "3999".into())]));
+    }
+    // The hour has room, so its bucket is back; the minute's ten tokens at 125 a minute: 4.8 s.
+    let took = started.elapsed().as_secs_f64();
+    assert!((4.7..=4.9).contains(&took), "{took} s");
+}
+
 #[tokio::test(start_paused = true)]
 async fn limit_and_reset_correct_capacity_and_refill_rate() {
     let budget = ApiBudget::new(Limits::HETZNER, Shares::default(), "bigfleet_budget_test");
