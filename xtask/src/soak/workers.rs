@@ -271,6 +271,10 @@ impl Worker {
         let state = wire::state_of(&settled);
         self.tally
             .add(&format!("settled.{}.{state:?}", kind.name()));
+        if state == pb::MachineState::Failed {
+            let cause = failure_cause(&settled.last_error);
+            self.tally.add(&format!("failed.{}.{cause}", kind.name()));
+        }
         if kind == Kind::Delete && state == pb::MachineState::Speculative {
             *sequence += 1;
             if let Some(mut client) = self.client() {
@@ -327,5 +331,20 @@ impl Worker {
                 self.tally.add("rpc.retry_after_failure");
             }
         }
+    }
+}
+
+/// What a FAILED machine's `last_error` blames, in a word, for the run's figures: its deadline,
+/// the cloud's refusal, an interrupted run, or something else.
+fn failure_cause(last_error: &str) -> &'static str {
+    let e = last_error.to_ascii_lowercase();
+    if e.contains("timed out") || e.contains("deadline") {
+        "deadline"
+    } else if e.contains("restart") || e.contains("interrupted") || e.contains("takeover") {
+        "interrupted"
+    } else if e.contains("refused") || e.contains("rejected") {
+        "refused"
+    } else {
+        "other"
     }
 }
