@@ -168,6 +168,28 @@ impl<'a> Scenario<'a> {
         );
     }
 
+    /// A storm passes: `storm` makes the cloud answer every request 429 for `lasting` (another
+    /// user of the token spent it all). Once it has, the checks come at the floor again (two
+    /// within five seconds, however long the storm held the bucket back), and the storm
+    /// started no early survey: a check that failed is not a change.
+    pub async fn storm_passes(&self, lasting: Duration, storm: impl FnOnce(Duration)) {
+        let limited = format!("{}_api_rate_limited_total", self.prefix);
+        let before = metrics::metric(&limited);
+        storm(lasting);
+        tokio::time::sleep(lasting).await;
+        assert!(metrics::metric(&limited) > before, "requests met the storm");
+        let after = self.checks();
+        until("two checks after the storm", Duration::from_secs(5), || {
+            self.checks() >= after + 2.0
+        })
+        .await;
+        assert_eq!(
+            metrics::early_surveys(self.prefix),
+            0.0,
+            "a storm is not an out-of-band change"
+        );
+    }
+
     /// Waits for the next survey to finish.
     pub async fn next_survey(&self) {
         let done = metrics::surveys(self.prefix);

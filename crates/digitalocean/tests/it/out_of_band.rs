@@ -2,7 +2,8 @@
 //! loop over the real client and the emulator: one `GET /v2/actions` a floor while nothing
 //! happens (no survey), none started by the destroy and create actions of the provider's own
 //! Deletes and Creates, and a Droplet destroyed behind the provider's back (as in the console)
-//! noticed by the next check, not by the paced survey.
+//! noticed by the next check, not by the paced survey, also right after a rate-limit storm has
+//! passed.
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -84,8 +85,23 @@ async fn a_droplet_destroyed_out_of_band_is_noticed_by_the_next_check_not_the_pa
         "the own Delete was recorded as a destroy action"
     );
 
+    // Another user of the token spends it for ten floors: every request is answered 429. The
+    // checks and surveys wait it out, and once it has passed they keep their pace.
+    scenario
+        .storm_passes(FLOOR * 10, |lasting| {
+            env.emulator.fail_for(
+                lasting,
+                do_emulator::Fault {
+                    status: 429,
+                    retry_after: Some(1),
+                },
+            );
+        })
+        .await;
+
     // Right after a survey (the next paced one is seconds away), a Droplet is destroyed in the
-    // console: the next check notices it and the survey that follows proves it gone.
+    // console: the next check notices it, as soon as before the storm, and the survey that
+    // follows proves it gone.
     let delete = |host: &str| env.emulator.delete_out_of_band(host.parse().unwrap());
     let droplet = scenario
         .host_deleted_out_of_band(

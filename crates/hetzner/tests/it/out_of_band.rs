@@ -2,10 +2,11 @@
 //! loop over the real client and the emulator: one `GET /servers?label_selector=…&per_page=1`
 //! a floor while nothing happens (no survey), none after the provider's own Creates and
 //! Deletes, and a server deleted behind the provider's back (as in the console) noticed by the
-//! next check, not by the paced survey.
+//! next check, not by the paced survey, also right after a rate-limit storm has passed.
 
 use std::time::Duration;
 
+use hcloud_emulator::Fault;
 use hetzner::catalog;
 use provider_core::StringMap;
 use provider_core::fleet::{CapacityBook, PriceBook};
@@ -74,8 +75,23 @@ async fn a_server_deleted_out_of_band_is_noticed_by_the_next_check_not_the_paced
         .await;
     scenario.two_more_checks_start_no_survey(checked).await;
 
+    // Another user of the token spends it for ten floors: every request is answered 429. The
+    // checks and surveys wait it out, and once it has passed they keep their pace.
+    scenario
+        .storm_passes(FLOOR * 10, |lasting| {
+            env.emulator.inject_for(
+                lasting,
+                Fault::RateLimited {
+                    retry_after: Some(1),
+                    reset_in: None,
+                },
+            );
+        })
+        .await;
+
     // Right after a survey (the next paced one is seconds away), a server is deleted in the
-    // console: the next check notices it and the survey that follows proves it gone.
+    // console: the next check notices it, as soon as before the storm, and the survey that
+    // follows proves it gone.
     let delete = |host: &str| env.emulator.delete_out_of_band(host.parse().unwrap());
     scenario
         .host_deleted_out_of_band("the machine of the deleted server", &ids[1], period, delete)

@@ -403,6 +403,8 @@ struct Inner {
     names: Names,
     /// Requests handed a token so far, by class (in [`Class::ALL`] order).
     served: [std::sync::atomic::AtomicU64; 4],
+    /// Of those, the ones the cloud answered 429, by class.
+    limited: [std::sync::atomic::AtomicU64; 4],
 }
 
 impl std::fmt::Debug for ApiBudget {
@@ -439,6 +441,7 @@ impl ApiBudget {
                 limits,
                 names: Names::for_prefix(prefix),
                 served: Default::default(),
+                limited: Default::default(),
             }),
         };
         budget.publish(&budget.lock());
@@ -589,6 +592,8 @@ impl ApiBudget {
         }
         if status == 429 {
             counter!(self.inner.names.rate_limited).increment(1);
+            self.inner.limited[current() as usize]
+                .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
             // Someone else spent the token's budget: nothing is left until the cloud says so.
             state.main.hold_above(0.0);
             // The headers describe the main limit. A 429 that shows it spent was that limit's,
@@ -659,6 +664,14 @@ impl ApiBudget {
     /// How many requests of `class` were handed a token since the budget was made.
     pub fn served(&self, class: Class) -> u64 {
         self.inner.served[class as usize].load(std::sync::atomic::Ordering::Relaxed)
+    }
+
+    /// How many requests of `class` the cloud answered: those handed a token, less those
+    /// answered 429 (what a piece of work costs when the cloud has room, whatever a storm
+    /// made it retry).
+    pub fn answered(&self, class: Class) -> u64 {
+        let limited = self.inner.limited[class as usize].load(std::sync::atomic::Ordering::Relaxed);
+        self.served(class).saturating_sub(limited)
     }
 }
 

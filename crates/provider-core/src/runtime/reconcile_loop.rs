@@ -73,10 +73,13 @@ impl ReconcileLoop {
         let budget = cloud.as_ref().and_then(|c| c.api_budget());
         // The cloud's check, until it says it has none.
         let mut signal = cloud;
+        // What a survey or a check costs: the requests the cloud answered. The 429s of a storm
+        // are not its cost; counted, one storm would pace the surveys down and turn the checks
+        // off for good (a check that is not run is never measured again).
         let spent = || {
-            budget
-                .as_ref()
-                .map_or(0, |b| b.served(Class::Reconcile) + b.served(Class::Proof))
+            budget.as_ref().map_or(0, |b| {
+                b.answered(Class::Reconcile) + b.answered(Class::Proof)
+            })
         };
         telemetry.reconcile_period(floor, None);
         // A replica that leads from the start reconciled before it served.
@@ -255,16 +258,52 @@ mod tests {
     }
 
     /// A cloud whose survey costs `SURVEY_PAGES` requests of its budget and whose check costs
-    /// one and answers from a script; it records when each happened.
+    /// one and answers from a script; it records when each happened. Within `storm` (from, to)
+    /// every request is answered 429 (`Retry-After: 1`): a check retries it `STORM_TRIES`
+    /// times, as the clients do, and fails; a survey fails at its first page.
     struct Scripted {
         budget: ApiBudget,
         answers: Mutex<VecDeque<Result<InventorySignal, BackendError>>>,
         events: Mutex<Vec<(&'static str, Instant)>>,
+        storm: Option<(Instant, Instant)>,
     }
 
     const SURVEY_PAGES: usize = 40;
+    const STORM_TRIES: usize = 8;
 
     impl Scripted {
+        fn new(budget: ApiBudget, answers: Vec<Result<InventorySignal, BackendError>>) -> Self {
+            Scripted {
+                budget,
+                answers: Mutex::new(answers.into()),
+                events: Mutex::new(Vec::new()),
+                storm: None,
+            }
+        }
+
+        /// Sends one request: `false` when the storm answered it 429.
+        async fn send(&self) -> bool {
+            self.budget.acquire(None).await.unwrap();
+            let now = Instant::now();
+            let stormy = self
+                .storm
+                .is_some_and(|(from, to)| (from..to).contains(&now));
+            let (status, headers) = if stormy {
+                (429, [("ratelimit-remaining", "0"), ("retry-after", "1")])
+            } else {
+                (
+                    200,
+                    [("ratelimit-remaining", "1000"), ("ratelimit-limit", "1000")],
+                )
+            };
+            let headers = headers
+                .into_iter()
+                .map(|(k, v)| (http::HeaderName::from_static(k), v.parse().unwrap()))
+                .collect();
+            self.budget.observe(status, &headers);
+            !stormy
+        }
+
         fn events(&self) -> Vec<(&'static str, Duration)> {
             let events = self.events.lock().unwrap();
             let start = events[0].1;
@@ -287,14 +326,22 @@ mod tests {
 
         async fn list_hosts(&self) -> Result<Vec<OwnedHost>, BackendError> {
             for _ in 0..SURVEY_PAGES {
-                self.budget.acquire(None).await.unwrap();
+                if !self.send().await {
+                    return Err(BackendError::new("429 rate_limit_exceeded"));
+                }
             }
             self.events.lock().unwrap().push(("survey", Instant::now()));
             Ok(Vec::new())
         }
 
         async fn inventory_changed(&self) -> Result<InventorySignal, BackendError> {
-            self.budget.acquire(None).await.unwrap();
+            let mut tries = 1;
+            while !self.send().await {
+                if tries == STORM_TRIES {
+                    return Err(BackendError::new("429 rate_limit_exceeded"));
+                }
+                tries += 1;
+            }
             self.events.lock().unwrap().push(("check", Instant::now()));
             self.answers
                 .lock()
@@ -347,45 +394,8 @@ mod tests {
         }
     }
 
-    fn near(got: Duration, want: f64) -> bool {
-        (got.as_secs_f64() - want).abs() < 0.01
-    }
-
-    /// Between paced surveys the loop checks every floor; an unchanged or failed check starts
-    /// nothing, a changed one starts the survey at once (counted), and a cloud without a check
-    /// is not asked again.
-    #[tokio::test(start_paused = true)]
-    async fn the_loop_checks_between_paced_surveys_and_surveys_early_on_a_change() {
-        let handle = crate::observability::telemetry::recorder();
-        let telemetry = Telemetry::new("bigfleet_reconcile_loop_test");
-        // 10 background requests a second: a 40-request survey alone every 4 s; with a
-        // one-request check a second, 40 / 9 = 4.44 s (spread by up to 5%).
-        let limits = Limits {
-            main: Bucket {
-                capacity: 1000.0,
-                per_second: 10.0,
-            },
-            burst: None,
-            reset: ResetMeaning::Full,
-        };
-        let shares = Shares {
-            share: 1.0,
-            reconcile: 1.0,
-        };
-        let budget = ApiBudget::new(limits, shares, "bigfleet_reconcile_loop_test");
-        budget.observe(200, &http::HeaderMap::new());
-        let cloud = Arc::new(Scripted {
-            budget,
-            answers: Mutex::new(VecDeque::from([
-                Ok(InventorySignal::Unchanged),
-                Err(BackendError::new("the check's request failed")),
-                Ok(InventorySignal::Changed {
-                    why: "a host went away".into(),
-                }),
-                Ok(InventorySignal::Unsupported),
-            ])),
-            events: Mutex::new(Vec::new()),
-        });
+    /// Runs the reconcile loop at a floor of a second over an engine of `cloud` for `lasting`.
+    async fn run_loop(cloud: &Arc<Scripted>, telemetry: Telemetry, lasting: Duration) {
         let fleet = crate::provisioning::fleet::Fleet::new(
             cloud.clone(),
             "p",
@@ -403,7 +413,6 @@ mod tests {
         .unwrap();
         cloud.events.lock().unwrap().clear();
         let stop = CancellationToken::new();
-        let started = Instant::now();
         let task = tokio::spawn(
             ReconcileLoop {
                 replica: Replica::single(engine),
@@ -413,9 +422,57 @@ mod tests {
             }
             .run(stop.clone()),
         );
-        tokio::time::sleep(Duration::from_secs(15)).await;
+        tokio::time::sleep(lasting).await;
         stop.cancel();
         task.await.unwrap();
+    }
+
+    /// 10 background requests a second, the whole of them this provider's.
+    fn ten_a_second(prefix: &str) -> ApiBudget {
+        let limits = Limits {
+            main: Bucket {
+                capacity: 1000.0,
+                per_second: 10.0,
+            },
+            burst: None,
+            reset: ResetMeaning::Full,
+        };
+        let shares = Shares {
+            share: 1.0,
+            reconcile: 1.0,
+        };
+        let budget = ApiBudget::new(limits, shares, prefix);
+        budget.observe(200, &http::HeaderMap::new());
+        budget
+    }
+
+    fn near(got: Duration, want: f64) -> bool {
+        (got.as_secs_f64() - want).abs() < 0.01
+    }
+
+    /// Between paced surveys the loop checks every floor; an unchanged or failed check starts
+    /// nothing, a changed one starts the survey at once (counted), and a cloud without a check
+    /// is not asked again.
+    #[tokio::test(start_paused = true)]
+    async fn the_loop_checks_between_paced_surveys_and_surveys_early_on_a_change() {
+        let handle = crate::observability::telemetry::recorder();
+        let telemetry = Telemetry::new("bigfleet_reconcile_loop_test");
+        // 10 background requests a second: a 40-request survey alone every 4 s; with a
+        // one-request check a second, 40 / 9 = 4.44 s (spread by up to 5%).
+        let budget = ten_a_second("bigfleet_reconcile_loop_test");
+        let cloud = Arc::new(Scripted::new(
+            budget,
+            vec![
+                Ok(InventorySignal::Unchanged),
+                Err(BackendError::new("the check's request failed")),
+                Ok(InventorySignal::Changed {
+                    why: "a host went away".into(),
+                }),
+                Ok(InventorySignal::Unsupported),
+            ],
+        ));
+        let started = Instant::now();
+        run_loop(&cloud, telemetry, Duration::from_secs(15)).await;
         let events = cloud.events();
         let what: Vec<&str> = events.iter().map(|(w, _)| *w).collect();
         assert_eq!(
@@ -451,6 +508,44 @@ mod tests {
                 .render()
                 .contains("bigfleet_reconcile_loop_test_reconcile_early_surveys_total 1"),
             "one early survey"
+        );
+    }
+
+    /// A storm of 429s makes a check retry several times and fail, and the surveys in it fail
+    /// at their first page. Once it has passed, the checks come every floor between paced
+    /// surveys again: what the storm made them retry is not what they cost.
+    #[tokio::test(start_paused = true)]
+    async fn after_a_storm_the_checks_come_between_paced_surveys_again() {
+        let telemetry = Telemetry::new("bigfleet_reconcile_loop_storm_test");
+        let mut cloud = Scripted::new(
+            ten_a_second("bigfleet_reconcile_loop_storm_test"),
+            Vec::new(),
+        );
+        // The first survey at 1 s, checks at 2 s and on; the storm takes the 2 s check and
+        // ends at 12 s.
+        let now = Instant::now();
+        cloud.storm = Some((now + S * 3 / 2, now + S * 12));
+        let cloud = Arc::new(cloud);
+        run_loop(&cloud, telemetry, Duration::from_secs(30)).await;
+        let events = cloud.events();
+        // Events are timed from the first survey, a second after the loop started.
+        let within = |what: &str, from: f64, to: f64| {
+            events
+                .iter()
+                .filter(|(w, at)| *w == what && (from..to).contains(&at.as_secs_f64()))
+                .count()
+        };
+        assert_eq!(
+            within("check", 0.5, 11.0) + within("survey", 0.5, 11.0),
+            0,
+            "nothing got through the storm: {events:?}"
+        );
+        // From 11 s to 29 s: surveys 40 / 9 = 4.44 s apart (spread by up to 5%), checks every
+        // floor between them.
+        assert!(within("survey", 11.0, 30.0) >= 3, "{events:?}");
+        assert!(
+            within("check", 11.0, 30.0) >= 10,
+            "the checks came back after the storm: {events:?}"
         );
     }
 }
