@@ -157,15 +157,8 @@ impl<'a> Scenario<'a> {
 
     /// Waits for two checks after `checked` of them; no early survey came of them.
     pub async fn two_more_checks_start_no_survey(&self, checked: f64) {
-        until("two more checks", Duration::from_secs(10), || {
-            self.checks() >= checked + 2.0
-        })
-        .await;
-        assert_eq!(
-            metrics::early_surveys(self.prefix),
-            0.0,
-            "own changes are not out-of-band ones"
-        );
+        self.two_checks_without_a_survey(checked, Duration::from_secs(10), "own changes")
+            .await;
     }
 
     /// A storm passes: `storm` makes the cloud answer every request 429 for `lasting` (another
@@ -179,14 +172,18 @@ impl<'a> Scenario<'a> {
         tokio::time::sleep(lasting).await;
         assert!(metrics::metric(&limited) > before, "requests met the storm");
         let after = self.checks();
-        until("two checks after the storm", Duration::from_secs(5), || {
-            self.checks() >= after + 2.0
-        })
-        .await;
+        self.two_checks_without_a_survey(after, Duration::from_secs(5), "a storm")
+            .await;
+    }
+
+    /// Waits up to `within` for two checks after `checked` of them; `what` came before them
+    /// and started no early survey.
+    async fn two_checks_without_a_survey(&self, checked: f64, within: Duration, what: &str) {
+        until("two more checks", within, || self.checks() >= checked + 2.0).await;
         assert_eq!(
             metrics::early_surveys(self.prefix),
             0.0,
-            "a storm is not an out-of-band change"
+            "{what}: not an out-of-band change"
         );
     }
 
