@@ -254,6 +254,7 @@ impl CommandRef<'_> {
 /// enrollment.
 #[derive(Debug, Default, Serialize, Deserialize)]
 struct AgentState {
+    #[serde(deserialize_with = "entries_as_written")]
     executed: VecDeque<Executed>,
     /// Absent in the state of an agent that never enrolled (or predates enrollment).
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -285,6 +286,21 @@ fn token_digest(token: &str) -> String {
     sha2::Sha256::digest(token.as_bytes())
         .iter()
         .map(|b| format!("{b:02x}"))
+        .collect()
+}
+
+/// The record's entries, each an object as the agent writes it: serde would also take an
+/// entry written as an array (`["op-7.drain", null]`), a form no agent wrote, so a damaged or
+/// hand-made file of that shape is refused like any other damage.
+fn entries_as_written<'de, D: serde::Deserializer<'de>>(
+    deserializer: D,
+) -> Result<VecDeque<Executed>, D::Error> {
+    Vec::<serde_json::Map<String, serde_json::Value>>::deserialize(deserializer)?
+        .into_iter()
+        .map(|entry| {
+            serde_json::from_value(serde_json::Value::Object(entry))
+                .map_err(serde::de::Error::custom)
+        })
         .collect()
 }
 
@@ -1019,6 +1035,26 @@ mod tests {
                 .executed
                 .is_empty()
         );
+    }
+
+    /// An entry is an object, as the agent writes it; one written as an array is refused,
+    /// naming the file.
+    #[test]
+    fn an_entry_written_as_an_array_is_refused() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("state.json");
+        std::fs::write(&path, br#"{"executed":[["op-9.drain",null]]}"#).unwrap();
+        let err = AgentState::load(&path).unwrap_err();
+        assert!(
+            err.starts_with(&format!("parse state {}: ", path.display())),
+            "{err}"
+        );
+        std::fs::write(
+            &path,
+            br#"{"executed":[{"id":"op-9.drain","outcome":null}]}"#,
+        )
+        .unwrap();
+        assert_eq!(AgentState::load(&path).unwrap().executed.len(), 1);
     }
 
     /// A state file as the release before transition-derived command ids wrote it (ids
