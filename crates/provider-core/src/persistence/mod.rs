@@ -3,3 +3,6 @@
 
 pub mod durable;
 pub mod store;
+
+#[cfg(test)]
+pub(crate) mod test_support;

@@ -1564,7 +1564,7 @@ async fn run_backend(
 mod tests;
 
 #[cfg(test)]
-mod instant_backend;
+pub(crate) mod test_support;
 
 #[cfg(test)]
 mod list_tests;

@@ -7,20 +7,13 @@ use std::time::Duration;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
 use super::*;
-use crate::observability::telemetry::Telemetry;
 use crate::provisioning::offerings::default_mix;
-use crate::runtime::engine::EngineOptions;
 
 async fn engine() -> Arc<Engine> {
     let (_, fleet) =
         crate::provisioning::fleet::test_fleet(default_mix(2, ["a", "b"], ["z1", "z2"]));
-    Engine::start(
-        Arc::new(fleet),
-        Arc::new(crate::persistence::store::MemoryStore),
-        EngineOptions::new(Telemetry::new("bigfleet_admintest")),
-    )
-    .await
-    .expect("engine")
+    crate::runtime::engine::test_support::start_in_memory(Arc::new(fleet), "bigfleet_admintest")
+        .await
 }
 
 #[tokio::test]

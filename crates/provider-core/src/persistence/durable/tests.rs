@@ -4,9 +4,8 @@
 
 use std::collections::BTreeMap;
 use std::fs::{self, OpenOptions};
-use std::io::{BufRead, BufReader, Write};
+use std::io::Write;
 use std::path::{Path, PathBuf};
-use std::process::{Command, Stdio};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -15,6 +14,7 @@ use super::layout;
 use super::writer::{self, Tuning};
 use super::{DurableStore, export_json};
 use crate::persistence::store::Store;
+use crate::persistence::test_support::{self, counters, fence, mark_of};
 use crate::rules::fence::HighWaterMark;
 use crate::rules::lifecycle::OperationKind;
 use crate::rules::machine::{CapacityType, HostRef, Machine, MachineState, StringMap};
@@ -138,18 +138,6 @@ fn rich_slot(id: &str) -> Slot {
     }
 }
 
-fn fence(shard: &str, machine: &str, epoch: i64, sequence: i64) -> Change {
-    Change::PutFence {
-        shard_id: shard.into(),
-        machine_id: machine.into(),
-        mark: HighWaterMark { epoch, sequence },
-    }
-}
-
-fn counters(revision: i64, next_op: u64) -> Change {
-    Change::Counters { revision, next_op }
-}
-
 fn open(dir: &Path) -> DurableStore {
     DurableStore::open(dir).unwrap_or_else(|e| panic!("open {}: {e}", dir.display()))
 }
@@ -169,11 +157,7 @@ fn reload(dir: &Path) -> Snapshot {
 }
 
 fn runtime() -> tokio::runtime::Runtime {
-    tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(4)
-        .enable_all()
-        .build()
-        .expect("runtime")
+    crate::runtime::engine::test_support::runtime(4)
 }
 
 /// Submits each batch and waits for it; returns the model of what was committed.
@@ -377,22 +361,43 @@ fn concurrent_mutations_share_fsyncs_and_all_commit() {
     let (_tmp, dir) = state_dir();
     let store = Arc::new(open(&dir));
     store.load().expect("load");
-    let model = Arc::new(Mutex::new(Model::default()));
     let tasks = 64;
     let per_task = 40;
-    let rt = runtime();
-    rt.block_on(async {
+    let model = commit_concurrently(&store, tasks, per_task, |t, k| {
+        vec![
+            Change::PutSlot(slot(&format!("t{t}-{}", k % 3), k)),
+            fence(&format!("shard-{}", t % 4), "shared", t, k),
+            counters(t * 1000 + k, (t * 1000 + k) as u64),
+        ]
+    });
+    let commits = (tasks * per_task) as u64;
+    let groups = store.groups_committed();
+    assert!(
+        groups < commits / 2,
+        "{commits} commits took {groups} fsyncs: no group commit"
+    );
+    let expected = model.snapshot();
+    drop(store);
+    assert_eq!(reload(&dir), expected);
+}
+
+/// Runs `tasks` tasks that each commit `batch(task, k)` for k below `per_task`, waiting for
+/// each commit, and returns the model of what they submitted, applied in submission order.
+fn commit_concurrently(
+    store: &Arc<DurableStore>,
+    tasks: i64,
+    per_task: i64,
+    batch: fn(i64, i64) -> Vec<Change>,
+) -> Model {
+    let model = Arc::new(Mutex::new(Model::default()));
+    runtime().block_on(async {
         let mut handles = Vec::new();
         for t in 0..tasks {
             let store = store.clone();
             let model = model.clone();
             handles.push(tokio::spawn(async move {
                 for k in 0..per_task {
-                    let batch = vec![
-                        Change::PutSlot(slot(&format!("t{t}-{}", k % 3), k)),
-                        fence(&format!("shard-{}", t % 4), "shared", t, k),
-                        counters(t * 1000 + k, (t * 1000 + k) as u64),
-                    ];
+                    let batch = batch(t, k);
                     // Submission order is durable order: record the model in the same order,
                     // as the engine does under its write lock.
                     let commit = {
@@ -408,15 +413,11 @@ fn concurrent_mutations_share_fsyncs_and_all_commit() {
             h.await.expect("task");
         }
     });
-    let commits = (tasks * per_task) as u64;
-    let groups = store.groups_committed();
-    assert!(
-        groups < commits / 2,
-        "{commits} commits took {groups} fsyncs: no group commit"
-    );
-    let expected = model.lock().expect("model").snapshot();
-    drop(store);
-    assert_eq!(reload(&dir), expected);
+    Arc::try_unwrap(model)
+        .ok()
+        .expect("the tasks ended")
+        .into_inner()
+        .expect("model")
 }
 
 #[test]
@@ -638,41 +639,22 @@ fn compaction_under_concurrent_writes_keeps_every_commit() {
     let (_tmp, dir) = state_dir();
     let store = Arc::new(open_tuned(&dir, 16 << 10));
     store.load().expect("load");
-    let model = Arc::new(Mutex::new(Model::default()));
-    let rt = runtime();
-    rt.block_on(async {
-        let mut handles = Vec::new();
-        for t in 0..16i64 {
-            let store = store.clone();
-            let model = model.clone();
-            handles.push(tokio::spawn(async move {
-                for k in 0..150i64 {
-                    let mut batch = vec![
-                        Change::PutSlot(if k % 10 == 0 {
-                            rich_slot(&format!("t{t}-{}", k % 13))
-                        } else {
-                            slot(&format!("t{t}-{}", k % 13), k)
-                        }),
-                        fence("shard", &format!("t{t}"), 1, k),
-                        counters(t * 1000 + k, k as u64),
-                    ];
-                    if k % 7 == 0 {
-                        batch.push(Change::RemoveSlot(format!("t{t}-{}", (k + 5) % 13)));
-                    }
-                    let commit = {
-                        let mut model = model.lock().expect("model");
-                        model.apply(&batch);
-                        store.submit(batch)
-                    };
-                    commit.wait().await.expect("commit");
-                }
-            }));
+    let model = commit_concurrently(&store, 16, 150, |t, k| {
+        let mut batch = vec![
+            Change::PutSlot(if k % 10 == 0 {
+                rich_slot(&format!("t{t}-{}", k % 13))
+            } else {
+                slot(&format!("t{t}-{}", k % 13), k)
+            }),
+            fence("shard", &format!("t{t}"), 1, k),
+            counters(t * 1000 + k, k as u64),
+        ];
+        if k % 7 == 0 {
+            batch.push(Change::RemoveSlot(format!("t{t}-{}", (k + 5) % 13)));
         }
-        for h in handles {
-            h.await.expect("task");
-        }
+        batch
     });
-    let expected = model.lock().expect("model").snapshot();
+    let expected = model.snapshot();
     drop(store);
     let listing = layout::list(&dir).expect("list");
     assert!(
@@ -884,14 +866,6 @@ fn machine_of<'a>(snapshot: &'a Snapshot, id: &str) -> &'a Slot {
         .iter()
         .find(|s| s.machine.id == id)
         .unwrap_or_else(|| panic!("no machine {id}"))
-}
-
-fn mark_of(snapshot: &Snapshot, shard: &str, machine: &str) -> Option<HighWaterMark> {
-    snapshot
-        .fences
-        .iter()
-        .find(|f| f.shard_id == shard && f.machine_id == machine)
-        .map(|f| f.mark)
 }
 
 #[test]
@@ -1201,26 +1175,6 @@ const CHILD_DIR: &str = "BIGFLEET_DURABLE_CRASH_DIR";
 const CHILD_ROUND: &str = "BIGFLEET_DURABLE_CRASH_ROUND";
 const CHILD_TASKS: i64 = 8;
 
-fn crash_slot_id(round: i64, task: i64, n: i64) -> String {
-    format!("r{round}-t{task}-{}", n % 4)
-}
-
-/// One mutation of the crash test: atomic as a batch, so the checks can see a half-applied one.
-fn crash_batch(round: i64, task: i64, n: i64) -> Vec<Change> {
-    let mut batch = vec![
-        Change::PutSlot(slot(&crash_slot_id(round, task, n), n)),
-        fence(&format!("r{round}-t{task}"), "m", 1, n),
-        Change::PutSlot(slot(&format!("r{round}-t{task}-latest-{n}"), n)),
-    ];
-    if n > 0 {
-        batch.push(Change::RemoveSlot(format!(
-            "r{round}-t{task}-latest-{}",
-            n - 1
-        )));
-    }
-    batch
-}
-
 /// The child side of the crash test: started by [`kill_9_loses_no_acknowledged_mutation`] with
 /// the environment set; otherwise there is nothing to do. It mutates until killed and prints
 /// every acknowledged mutation.
@@ -1233,153 +1187,59 @@ fn crash_test_child() {
     // Small compactions, so kills also land while the log rotates and snapshots are written.
     let store = Arc::new(open_tuned(Path::new(&dir), 8 << 10));
     store.load().expect("load");
-    let rt = runtime();
-    rt.block_on(async {
-        let mut handles = Vec::new();
-        for task in 0..CHILD_TASKS {
-            let store = store.clone();
-            handles.push(tokio::spawn(async move {
-                for n in 0.. {
-                    store
-                        .submit(crash_batch(round, task, n))
-                        .wait()
-                        .await
-                        .expect("commit");
-                    let mut out = std::io::stdout().lock();
-                    writeln!(out, "ACK {round} {task} {n}").expect("stdout");
-                    out.flush().expect("flush");
-                }
-            }));
-        }
-        for h in handles {
-            let _ = h.await;
-        }
-    });
+    runtime().block_on(test_support::commit_until_killed(
+        round,
+        CHILD_TASKS,
+        move |task, n| {
+            let commit = store.submit(test_support::batch(round, task, n, slot, None));
+            async move { commit.wait().await.expect("commit") }
+        },
+    ));
 }
 
 /// Checks every acknowledged mutation of every round against the reloaded state.
-fn check_crash_state(s: &Snapshot, acked: &BTreeMap<(i64, i64), i64>) {
-    let slots: BTreeMap<&str, &Slot> = s
-        .slots
-        .iter()
-        .map(|slot| (slot.machine.id.as_str(), slot))
-        .collect();
-    for (&(round, task), &last_acked) in acked {
-        let mark = mark_of(s, &format!("r{round}-t{task}"), "m")
-            .unwrap_or_else(|| panic!("round {round} task {task}: fence mark lost"));
-        let newest = mark.sequence;
-        assert!(
-            newest >= last_acked,
-            "round {round} task {task}: acknowledged mutation {last_acked} lost (state has {newest})"
-        );
-        // Each task waits for its commit before the next, so at most one more is durable.
-        assert!(
-            newest <= last_acked + 1,
-            "round {round} task {task}: {newest} after {last_acked}"
-        );
-        // The newest batch in the state is whole.
-        let latest = format!("r{round}-t{task}-latest-{newest}");
-        assert!(
-            slots.contains_key(latest.as_str()),
-            "{latest} missing: batch torn"
-        );
-        if newest > 0 {
-            let previous = format!("r{round}-t{task}-latest-{}", newest - 1);
-            assert!(
-                !slots.contains_key(previous.as_str()),
-                "{previous} present: batch torn"
-            );
-        }
+fn check_crash_state(s: &Snapshot, acked: &test_support::Acked) {
+    test_support::check_acknowledged(s, acked, |t| {
         // Every acknowledged slot write is there or overwritten by a later one.
-        for n in (last_acked - 3).max(0)..=last_acked {
-            let id = crash_slot_id(round, task, n);
-            let slot = slots
+        for n in (t.last_acked - 3).max(0)..=t.last_acked {
+            let id = test_support::slot_id(t.round, t.task, n);
+            let slot = t
+                .slots
                 .get(id.as_str())
                 .unwrap_or_else(|| panic!("{id} lost"));
             assert!(
                 slot.last_change >= n
                     && slot.last_change % 4 == n % 4
-                    && slot.last_change <= newest,
+                    && slot.last_change <= t.newest,
                 "{id}: last_change {} after acknowledged {n}",
                 slot.last_change
             );
         }
-    }
+    });
 }
 
 #[test]
 fn kill_9_loses_no_acknowledged_mutation() {
     let (_tmp, dir) = state_dir();
-    let exe = std::env::current_exe().expect("current exe");
-    let mut acked: BTreeMap<(i64, i64), i64> = BTreeMap::new();
+    let dir_env = dir.to_str().expect("utf-8 state dir");
+    let mut acked = test_support::Acked::new();
     let deadline = Instant::now() + Duration::from_secs(12);
     for round in 0..20i64 {
         if Instant::now() > deadline && round >= 5 {
             break;
         }
-        let mut child = Command::new(&exe)
-            .args([
-                "persistence::durable::tests::crash_test_child",
-                "--exact",
-                "--nocapture",
-            ])
-            .env(CHILD_DIR, &dir)
-            .env(CHILD_ROUND, round.to_string())
-            .stdout(Stdio::piped())
-            .stderr(Stdio::piped())
-            .spawn()
-            .expect("spawn child");
-        let stdout = child.stdout.take().expect("stdout");
-        let lines: Arc<Mutex<Vec<String>>> = Arc::default();
-        let reader = {
-            let lines = lines.clone();
-            std::thread::spawn(move || {
-                let mut reader = BufReader::new(stdout);
-                let mut buf = Vec::new();
-                while reader.read_until(b'\n', &mut buf).is_ok_and(|n| n > 0) {
-                    // A line without its newline was cut off by the kill: not an acknowledgement.
-                    if buf.ends_with(b"\n") {
-                        let line = String::from_utf8_lossy(&buf).trim_end().to_owned();
-                        lines.lock().expect("lines").push(line);
-                    }
-                    buf.clear();
-                }
-            })
-        };
         // Wait for the first acknowledgement, then kill at a random moment.
-        let started = Instant::now();
-        while !lines
-            .lock()
-            .expect("lines")
-            .iter()
-            .any(|l| l.starts_with("ACK "))
-        {
-            if started.elapsed() > Duration::from_secs(15)
-                || child.try_wait().ok().flatten().is_some()
-            {
-                let _ = child.kill();
-                let output = child.wait_with_output().expect("child output");
-                panic!(
-                    "round {round}: the child acknowledged nothing: {}",
-                    String::from_utf8_lossy(&output.stderr)
-                );
-            }
-            std::thread::sleep(Duration::from_millis(2));
+        test_support::Round {
+            test: "persistence::durable::tests::crash_test_child",
+            env: (CHILD_DIR, dir_env),
+            round_var: CHILD_ROUND,
+            round,
+            enough: |lines| lines.iter().any(|l| l.starts_with("ACK ")),
+            within: Duration::from_secs(15),
+            short: "nothing",
+            max_pause: Duration::from_millis(120),
         }
-        std::thread::sleep(Duration::from_millis(rand::random_range(0..120)));
-        child.kill().expect("kill -9");
-        child.wait().expect("wait");
-        reader.join().expect("reader");
-
-        for line in lines.lock().expect("lines").iter() {
-            let mut parts = line.split_whitespace();
-            if parts.next() != Some("ACK") {
-                continue;
-            }
-            let nums: Vec<i64> = parts.map(|p| p.parse().expect("number")).collect();
-            let entry = acked.entry((nums[0], nums[1])).or_insert(-1);
-            *entry = (*entry).max(nums[2]);
-        }
+        .kill_child(&mut acked);
         let store = open(&dir);
         let s = store.load().expect("load after kill -9");
         check_crash_state(&s, &acked);
@@ -1416,83 +1276,16 @@ fn a_large_snapshot_of_many_records_round_trips() {
 // --- the engine over the durable store ----------------------------------------------------
 
 mod engine_restart {
-    use std::collections::HashSet;
     use std::sync::Arc;
     use std::time::Duration;
 
-    use async_trait::async_trait;
-
-    use crate::observability::telemetry::Telemetry;
     use crate::persistence::durable::DurableStore;
     use crate::persistence::store::SharedStore;
-    use crate::provisioning::backend::{Backend, BackendError, ConfigureOrder, TransitionContext};
     use crate::rules::error::CoreError;
     use crate::rules::fence::FenceToken;
-    use crate::rules::inventory::Effect;
-    use crate::rules::machine::{HostRef, Machine, MachineState, StringMap};
-    use crate::runtime::engine::{Engine, EngineOptions};
-
-    /// Seeds three slots; creates of the `held` ids never finish on their own.
-    struct Scripted {
-        held: HashSet<String>,
-    }
-
-    #[async_trait]
-    impl Backend for Scripted {
-        async fn describe(&self) -> Result<Vec<Machine>, BackendError> {
-            Ok((0..3)
-                .map(|i| {
-                    let mut m = Machine::speculative(format!("m-{i}"), "cx22");
-                    m.zone = "fsn1".into();
-                    m
-                })
-                .collect())
-        }
-
-        async fn create(
-            &self,
-            machine: &Machine,
-            ctx: &TransitionContext,
-        ) -> Result<Effect, BackendError> {
-            if self.held.contains(&machine.id) {
-                ctx.cancel.cancelled().await;
-                return Err(BackendError::new("cancelled"));
-            }
-            Ok(Effect {
-                host: Some(HostRef {
-                    provider: "test".into(),
-                    id: format!("host-{}", machine.id),
-                }),
-                ..Effect::default()
-            })
-        }
-
-        async fn configure(
-            &self,
-            _machine: &Machine,
-            _order: &ConfigureOrder,
-            _ctx: &TransitionContext,
-        ) -> Result<(), BackendError> {
-            Ok(())
-        }
-
-        async fn drain(
-            &self,
-            _machine: &Machine,
-            _grace_period_seconds: i64,
-            _ctx: &TransitionContext,
-        ) -> Result<(), BackendError> {
-            Ok(())
-        }
-
-        async fn delete(
-            &self,
-            _machine: &Machine,
-            _ctx: &TransitionContext,
-        ) -> Result<(), BackendError> {
-            Ok(())
-        }
-    }
+    use crate::rules::machine::{MachineState, StringMap};
+    use crate::runtime::engine::Engine;
+    use crate::runtime::engine::test_support::{self, SlotBackend, settle};
 
     fn token(shard: &str, epoch: i64, sequence: i64) -> FenceToken {
         FenceToken {
@@ -1504,27 +1297,13 @@ mod engine_restart {
 
     async fn start(dir: &std::path::Path, held: &[&str]) -> Arc<Engine> {
         let store: SharedStore = Arc::new(DurableStore::open(dir).expect("open"));
-        let backend = Arc::new(Scripted {
-            held: held.iter().map(|s| (*s).to_owned()).collect(),
-        });
-        Engine::start(
-            backend,
-            store,
-            EngineOptions::new(Telemetry::new("durable_test")),
-        )
-        .await
-        .expect("start")
-    }
-
-    async fn settle(engine: &Engine, id: &str, state: MachineState) -> Arc<Machine> {
-        for _ in 0..500 {
-            let m = engine.get(id).expect("get");
-            if m.state == state {
-                return m;
-            }
-            tokio::time::sleep(Duration::from_millis(10)).await;
-        }
-        panic!("{id} never reached {state}");
+        // Three slots; creates of the `held` ids never finish on their own.
+        let backend = Arc::new(
+            SlotBackend::new(test_support::slots("m", 3, "fsn1"))
+                .provider("test")
+                .holding(held),
+        );
+        test_support::start_on(store, backend, "durable_test").await
     }
 
     #[test]
@@ -1567,7 +1346,7 @@ mod engine_restart {
             assert_eq!(m0.state, MachineState::Configured);
             assert_eq!(m0.cluster, "cluster-1");
             assert_eq!(m0.shard_metadata, metadata);
-            assert_eq!(m0.host.as_ref().map(|h| h.id.as_str()), Some("host-m-0"));
+            assert_eq!(m0.host.as_ref().map(|h| h.id.as_str()), Some("h-m-0"));
             // The interrupted create is resumed under its original operation id.
             settle(&engine, "m-1", MachineState::Idle).await;
             let retry = engine

@@ -6,6 +6,7 @@ use std::sync::Mutex;
 
 use tokio::sync::oneshot;
 
+use super::test_support::{SlotBackend, zero};
 use super::*;
 use crate::persistence::store::{Store, StoreError};
 
@@ -36,19 +37,11 @@ impl Store for HangingStore {
     }
 }
 
-fn zero() -> FenceToken {
-    FenceToken {
-        shard_id: String::new(),
-        epoch: 0,
-        sequence: 0,
-    }
-}
-
 #[tokio::test(start_paused = true)]
 async fn reads_answer_from_the_acknowledged_state_once_the_store_stopped() {
     let store = Arc::new(HangingStore::default());
     let engine = Engine::start(
-        Arc::new(crate::runtime::engine::instant_backend::InstantBackend(2)),
+        Arc::new(SlotBackend::numbered(2)),
         store.clone(),
         EngineOptions::new(Telemetry::new("test_acknowledged")),
     )

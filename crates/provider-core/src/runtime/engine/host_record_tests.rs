@@ -9,10 +9,11 @@ use std::sync::Mutex;
 
 use async_trait::async_trait;
 
+use super::test_support::{self, Stub, zero};
 use super::*;
 use crate::persistence::store::MemoryStore;
 use crate::rules::inventory::{Sighting, Survey};
-use crate::rules::machine::{CapacityType, HostRef};
+use crate::rules::machine::HostRef;
 
 /// What the backend's Create does once it has the host.
 #[derive(Clone, Copy, Debug, PartialEq)]
@@ -42,25 +43,16 @@ impl Booting {
 }
 
 fn host_of(machine_id: &str) -> HostRef {
-    HostRef {
-        provider: "p".into(),
-        id: format!("h-{machine_id}"),
-    }
+    test_support::host_of("p", machine_id)
 }
 
 #[async_trait]
-impl Backend for Booting {
-    async fn describe(&self) -> Result<Vec<Machine>, BackendError> {
-        let mut m = Machine::speculative("m-0", "cx22");
-        m.zone = "z".into();
-        m.capacity_type = CapacityType::OnDemand;
-        Ok(vec![m])
+impl Stub for Booting {
+    fn slots(&self) -> Vec<Machine> {
+        vec![test_support::slot("m-0", "z")]
     }
-    async fn survey(&self) -> Result<Survey, BackendError> {
-        Ok(Survey {
-            machines: self.describe().await?,
-            hosts: Some(self.hosts.lock().unwrap().clone()),
-        })
+    fn hosts(&self) -> Option<Vec<Sighting>> {
+        Some(self.hosts.lock().unwrap().clone())
     }
     async fn create(
         &self,
@@ -83,37 +75,15 @@ impl Backend for Booting {
             }
             Then::AnswerLate { late } => {
                 tokio::time::sleep(late).await;
-                Ok(Effect {
-                    host: Some(host),
-                    ..Effect::default()
-                })
+                Ok(test_support::hosted(host))
             }
         }
-    }
-    async fn configure(
-        &self,
-        _: &Machine,
-        _: &ConfigureOrder,
-        _: &TransitionContext,
-    ) -> Result<(), BackendError> {
-        Ok(())
-    }
-    async fn drain(&self, _: &Machine, _: i64, _: &TransitionContext) -> Result<(), BackendError> {
-        Ok(())
     }
     async fn delete(&self, machine: &Machine, _: &TransitionContext) -> Result<(), BackendError> {
         let host = machine.host.clone().expect("delete names the host");
         self.hosts.lock().unwrap().retain(|s| s.host != host);
         self.deleted.lock().unwrap().push(host.id);
         Ok(())
-    }
-}
-
-fn zero() -> FenceToken {
-    FenceToken {
-        shard_id: String::new(),
-        epoch: 0,
-        sequence: 0,
     }
 }
 

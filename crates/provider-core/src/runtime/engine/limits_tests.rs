@@ -6,10 +6,10 @@ use std::path::Path;
 
 use tonic::Code;
 
-use super::instant_backend::InstantBackend;
+use super::test_support::{SlotBackend, start_in_memory};
 use super::*;
 use crate::persistence::durable::DurableStore;
-use crate::persistence::store::{MemoryStore, Store};
+use crate::persistence::store::Store;
 use crate::rules::limits::{MAX_ID_BYTES, MAX_METADATA_ENTRIES};
 
 fn token(shard: &str, sequence: i64) -> FenceToken {
@@ -31,13 +31,7 @@ fn invalid_argument(result: Result<Ack, CoreError>, field: &str) {
 
 #[tokio::test]
 async fn oversized_fields_are_invalid_argument_naming_the_field_and_record_nothing() {
-    let engine = Engine::start(
-        Arc::new(InstantBackend(2)),
-        Arc::new(MemoryStore),
-        EngineOptions::new(Telemetry::new("test_limits")),
-    )
-    .await
-    .expect("start");
+    let engine = start_in_memory(Arc::new(SlotBackend::numbered(2)), "test_limits").await;
     let long = "x".repeat(MAX_ID_BYTES + 1);
     invalid_argument(engine.create(&long, token("s", 1)).await, "machine_id");
     invalid_argument(engine.create("m-00000", token(&long, 1)).await, "shard_id");
@@ -127,7 +121,7 @@ async fn a_million_creates_on_random_unknown_ids_leave_memory_and_state_bounded(
     let dir = tmp.path().join("state");
     let store = Arc::new(DurableStore::open(&dir).expect("open state"));
     let engine = Engine::start(
-        Arc::new(InstantBackend(10)),
+        Arc::new(SlotBackend::numbered(10)),
         store,
         EngineOptions::new(Telemetry::new("test_limits")),
     )

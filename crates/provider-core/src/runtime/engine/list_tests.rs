@@ -3,26 +3,11 @@
 
 use std::collections::{BTreeSet, HashSet};
 
-use super::instant_backend::InstantBackend;
+use super::test_support::{SlotBackend, start_in_memory, zero};
 use super::*;
-use crate::persistence::store::MemoryStore;
 
 async fn engine(machines: usize) -> Arc<Engine> {
-    Engine::start(
-        Arc::new(InstantBackend(machines)),
-        Arc::new(MemoryStore),
-        EngineOptions::new(Telemetry::new("test_list")),
-    )
-    .await
-    .expect("engine starts")
-}
-
-fn zero() -> FenceToken {
-    FenceToken {
-        shard_id: String::new(),
-        epoch: 0,
-        sequence: 0,
-    }
+    start_in_memory(Arc::new(SlotBackend::numbered(machines)), "test_list").await
 }
 
 fn query(states: &[MachineState], max_results: i32, since: &[u8]) -> ListQuery {

@@ -6,10 +6,10 @@ use std::sync::Mutex;
 
 use async_trait::async_trait;
 
+use super::test_support::{self, Stub, start_in_memory};
 use super::*;
-use crate::persistence::store::MemoryStore;
-use crate::rules::inventory::Survey;
-use crate::rules::machine::{CapacityType, HostRef};
+use crate::rules::inventory::Sighting;
+use crate::rules::machine::HostRef;
 
 /// One machine whose Create fails after its host exists; the survey misses that host, the
 /// per-machine read sees it.
@@ -26,18 +26,12 @@ fn leftover() -> HostRef {
 }
 
 #[async_trait]
-impl Backend for LeftoverBackend {
-    async fn describe(&self) -> Result<Vec<Machine>, BackendError> {
-        let mut m = Machine::speculative("m-0", "cx22");
-        m.zone = "z".into();
-        m.capacity_type = CapacityType::OnDemand;
-        Ok(vec![m])
+impl Stub for LeftoverBackend {
+    fn slots(&self) -> Vec<Machine> {
+        vec![test_support::slot("m-0", "z")]
     }
-    async fn survey(&self) -> Result<Survey, BackendError> {
-        Ok(Survey {
-            machines: self.describe().await?,
-            hosts: Some(Vec::new()),
-        })
+    fn hosts(&self) -> Option<Vec<Sighting>> {
+        Some(Vec::new())
     }
     async fn machine_hosts(&self, machine_id: &str) -> Result<Option<Vec<HostRef>>, BackendError> {
         assert_eq!(machine_id, "m-0");
@@ -49,17 +43,6 @@ impl Backend for LeftoverBackend {
             "waiting for the host to become active: deadline exceeded",
         ))
     }
-    async fn configure(
-        &self,
-        _: &Machine,
-        _: &ConfigureOrder,
-        _: &TransitionContext,
-    ) -> Result<(), BackendError> {
-        Ok(())
-    }
-    async fn drain(&self, _: &Machine, _: i64, _: &TransitionContext) -> Result<(), BackendError> {
-        Ok(())
-    }
     async fn delete(&self, machine: &Machine, _: &TransitionContext) -> Result<(), BackendError> {
         let host = machine.host.as_ref().expect("delete names the host");
         self.deleted.lock().expect("lock").push(host.id.clone());
@@ -70,13 +53,7 @@ impl Backend for LeftoverBackend {
 #[tokio::test]
 async fn release_deletes_a_leftover_host_that_a_survey_missed() {
     let backend = Arc::new(LeftoverBackend::default());
-    let engine = Engine::start(
-        backend.clone(),
-        Arc::new(MemoryStore),
-        EngineOptions::new(Telemetry::new("test_release")),
-    )
-    .await
-    .expect("engine starts");
+    let engine = start_in_memory(backend.clone(), "test_release").await;
     let zero = FenceToken {
         shard_id: String::new(),
         epoch: 0,

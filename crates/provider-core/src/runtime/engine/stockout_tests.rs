@@ -6,22 +6,14 @@
 
 use std::time::Duration;
 
+use super::test_support::{start_in_memory, zero};
 use super::*;
-use crate::persistence::store::MemoryStore;
 use crate::provisioning::fake::FakeCloud;
 use crate::provisioning::fleet::{Fleet, test_fleet};
 use crate::provisioning::offerings::default_mix;
 use crate::provisioning::stockout::StockoutBackoff;
 
 const MIN: Duration = Duration::from_secs(60);
-
-fn zero() -> FenceToken {
-    FenceToken {
-        shard_id: String::new(),
-        epoch: 0,
-        sequence: 0,
-    }
-}
 
 /// 16 slots: 4 of each of a/z1, b/z1, a/z2, b/z2.
 async fn engine() -> (Arc<FakeCloud>, Arc<Fleet>, Arc<Engine>) {
@@ -30,24 +22,12 @@ async fn engine() -> (Arc<FakeCloud>, Arc<Fleet>, Arc<Engine>) {
         first: 5 * MIN,
         max: 30 * MIN,
     }));
-    let engine = Engine::start(
-        fleet.clone(),
-        Arc::new(MemoryStore),
-        EngineOptions::new(Telemetry::new("test_stockout")),
-    )
-    .await
-    .expect("engine starts");
+    let engine = start_in_memory(fleet.clone(), "test_stockout").await;
     (cloud, fleet, engine)
 }
 
 fn listed(engine: &Engine, instance_type: &str, zone: &str) -> Vec<Arc<Machine>> {
-    engine
-        .list(&ListQuery {
-            states: vec![MachineState::Speculative],
-            max_results: 0,
-            since_revision: Vec::new(),
-        })
-        .machines
+    listed_spare(engine)
         .into_iter()
         .filter(|m| m.instance_type == instance_type && m.zone == zone)
         .collect()

@@ -6,10 +6,10 @@ use std::sync::atomic::AtomicUsize;
 
 use async_trait::async_trait;
 
+use super::test_support::{self, SlotBackend, Stub, zero};
 use super::*;
 use crate::observability::telemetry::Telemetry;
 use crate::persistence::store::{Store, StoreError};
-use crate::rules::machine::{CapacityType, HostRef};
 use crate::rules::records::{FenceRecord, Slot};
 
 /// A scriptable backend: each call waits `delay` (or forever), then succeeds or fails.
@@ -52,16 +52,9 @@ impl Scripted {
 }
 
 #[async_trait]
-impl Backend for Scripted {
-    async fn describe(&self) -> Result<Vec<Machine>, BackendError> {
-        Ok((0..self.machines)
-            .map(|i| {
-                let mut m = Machine::speculative(format!("m-{i}"), "cx22");
-                m.zone = "z".into();
-                m.capacity_type = CapacityType::OnDemand;
-                m
-            })
-            .collect())
+impl Stub for Scripted {
+    fn slots(&self) -> Vec<Machine> {
+        test_support::slots("m", self.machines, "z")
     }
     async fn create(
         &self,
@@ -69,13 +62,10 @@ impl Backend for Scripted {
         ctx: &TransitionContext,
     ) -> Result<Effect, BackendError> {
         self.act(ctx).await?;
-        Ok(Effect {
-            host: Some(HostRef {
-                provider: "p".into(),
-                id: format!("h-{}", machine.id),
-            }),
-            ..Effect::default()
-        })
+        Ok(test_support::hosted(test_support::host_of(
+            "p",
+            &machine.id,
+        )))
     }
     async fn configure(
         &self,
@@ -175,12 +165,15 @@ fn options() -> EngineOptions {
     o
 }
 
-fn zero() -> FenceToken {
-    FenceToken {
-        shard_id: String::new(),
-        epoch: 0,
-        sequence: 0,
-    }
+/// An engine over `backend` on an in-memory store, with the tests' timeouts.
+async fn in_memory(backend: Arc<Scripted>) -> Arc<Engine> {
+    Engine::start(
+        backend,
+        Arc::new(crate::persistence::store::MemoryStore),
+        options(),
+    )
+    .await
+    .unwrap()
 }
 
 async fn settle(engine: &Engine, id: &str, want: MachineState) {
@@ -196,13 +189,7 @@ async fn settle(engine: &Engine, id: &str, want: MachineState) {
 #[tokio::test(start_paused = true)]
 async fn the_ack_shows_the_transitional_state_and_work_settles_later() {
     let backend = Scripted::with(2, Some(Duration::from_secs(1)));
-    let engine = Engine::start(
-        backend.clone(),
-        Arc::new(crate::persistence::store::MemoryStore),
-        options(),
-    )
-    .await
-    .unwrap();
+    let engine = in_memory(backend.clone()).await;
     let ack = engine.create("m-0", zero()).await.unwrap();
     assert!(ack.accepted);
     assert_eq!(ack.machine.state, MachineState::Creating);
@@ -227,13 +214,7 @@ async fn the_ack_shows_the_transitional_state_and_work_settles_later() {
 async fn a_timeout_fails_the_machine_and_a_late_success_is_discarded() {
     let backend = Scripted::with(1, Some(Duration::from_secs(30)));
     backend.ignore_cancel.store(true, Ordering::SeqCst);
-    let engine = Engine::start(
-        backend.clone(),
-        Arc::new(crate::persistence::store::MemoryStore),
-        options(),
-    )
-    .await
-    .unwrap();
+    let engine = in_memory(backend.clone()).await;
     engine.create("m-0", zero()).await.unwrap();
     settle(&engine, "m-0", MachineState::Failed).await;
     assert_eq!(
@@ -256,13 +237,7 @@ async fn a_backend_failing_at_its_deadline_is_counted_as_a_timeout() {
     // The backend gives up at the deadline itself, as a backend waiting on its own clock does.
     let backend = Scripted::with(1, Some(Duration::from_secs(10)));
     *backend.fail.lock().unwrap() = Some("agent did not apply: context deadline exceeded".into());
-    let engine = Engine::start(
-        backend,
-        Arc::new(crate::persistence::store::MemoryStore),
-        options(),
-    )
-    .await
-    .unwrap();
+    let engine = in_memory(backend).await;
     engine.create("m-0", zero()).await.unwrap();
     settle(&engine, "m-0", MachineState::Failed).await;
     let body = metrics.render();
@@ -276,13 +251,7 @@ async fn a_backend_failing_at_its_deadline_is_counted_as_a_timeout() {
 async fn a_backend_error_becomes_last_error() {
     let backend = Scripted::with(1, Some(Duration::from_millis(5)));
     *backend.fail.lock().unwrap() = Some("create server cx22: quota exceeded".into());
-    let engine = Engine::start(
-        backend,
-        Arc::new(crate::persistence::store::MemoryStore),
-        options(),
-    )
-    .await
-    .unwrap();
+    let engine = in_memory(backend).await;
     engine.create("m-0", zero()).await.unwrap();
     settle(&engine, "m-0", MachineState::Failed).await;
     assert_eq!(
@@ -349,23 +318,11 @@ async fn list_cursors_filters_and_caps() {
 #[tokio::test]
 async fn an_in_memory_restart_never_reuses_ids_or_cursors() {
     let backend = Scripted::with(2, Some(Duration::ZERO));
-    let first = Engine::start(
-        backend.clone(),
-        Arc::new(crate::persistence::store::MemoryStore),
-        options(),
-    )
-    .await
-    .unwrap();
+    let first = in_memory(backend.clone()).await;
     let op1 = first.create("m-0", zero()).await.unwrap().operation_id;
     let cursor = first.list(&ListQuery::default()).revision;
     drop(first);
-    let second = Engine::start(
-        backend,
-        Arc::new(crate::persistence::store::MemoryStore),
-        options(),
-    )
-    .await
-    .unwrap();
+    let second = in_memory(backend).await;
     let op2 = second.create("m-0", zero()).await.unwrap().operation_id;
     assert_ne!(op1, op2);
     let n = |op: &str| op.trim_start_matches("op-").parse::<u64>().unwrap();
@@ -524,37 +481,8 @@ async fn release_deletes_the_host_and_returns_the_slot() {
 
 #[tokio::test]
 async fn invalid_seed_records_fail_startup_naming_them() {
-    struct Bad;
-    #[async_trait]
-    impl Backend for Bad {
-        async fn describe(&self) -> Result<Vec<Machine>, BackendError> {
-            Ok(vec![Machine::speculative("bad-1", "")])
-        }
-        async fn create(&self, _: &Machine, _: &TransitionContext) -> Result<Effect, BackendError> {
-            unreachable!()
-        }
-        async fn configure(
-            &self,
-            _: &Machine,
-            _: &ConfigureOrder,
-            _: &TransitionContext,
-        ) -> Result<(), BackendError> {
-            unreachable!()
-        }
-        async fn drain(
-            &self,
-            _: &Machine,
-            _: i64,
-            _: &TransitionContext,
-        ) -> Result<(), BackendError> {
-            unreachable!()
-        }
-        async fn delete(&self, _: &Machine, _: &TransitionContext) -> Result<(), BackendError> {
-            unreachable!()
-        }
-    }
     let err = Engine::start(
-        Arc::new(Bad),
+        Arc::new(SlotBackend::new(vec![Machine::speculative("bad-1", "")])),
         Arc::new(crate::persistence::store::MemoryStore),
         options(),
     )

@@ -19,11 +19,7 @@ use crate::runtime::engine::{Engine, EngineOptions};
 use crate::runtime::replica::{Leading, Replica, Role};
 
 fn runtime() -> tokio::runtime::Runtime {
-    tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(2)
-        .enable_all()
-        .build()
-        .expect("runtime")
+    crate::runtime::engine::test_support::runtime(2)
 }
 
 fn token(sequence: i64) -> FenceToken {
@@ -214,13 +210,7 @@ fn a_takeover_on_the_fake_cloud_finds_the_recorded_hosts() {
 async fn memory_engine() -> Arc<Engine> {
     let (_, fleet) =
         crate::provisioning::fleet::test_fleet(default_mix(4, ["a", "b"], ["z1", "z2"]));
-    Engine::start(
-        Arc::new(fleet),
-        Arc::new(crate::persistence::store::MemoryStore),
-        EngineOptions::new(Telemetry::new("etcd_ha_test")),
-    )
-    .await
-    .expect("engine")
+    crate::runtime::engine::test_support::start_in_memory(Arc::new(fleet), "etcd_ha_test").await
 }
 
 async fn http_status(addr: std::net::SocketAddr, path: &str) -> u16 {

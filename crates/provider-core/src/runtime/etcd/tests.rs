@@ -2,24 +2,18 @@
 //! guard, export/import both ways, a killed etcd member, and `kill -9` of a child process
 //! committing through the store.
 
-use std::collections::BTreeMap;
-use std::io::{BufRead, BufReader, Write};
-use std::process::{Command, Stdio};
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use super::testing::{Cluster, args};
 use super::*;
+use crate::persistence::test_support::{self, counters, fence, mark_of};
 use crate::rules::fence::HighWaterMark;
 use crate::rules::machine::{Machine, MachineState};
 use crate::rules::records::Slot;
 
 fn runtime() -> tokio::runtime::Runtime {
-    tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(2)
-        .enable_all()
-        .build()
-        .expect("runtime")
+    crate::runtime::engine::test_support::runtime(2)
 }
 
 fn slot(id: &str, last_change: i64) -> Slot {
@@ -32,25 +26,6 @@ fn slot(id: &str, last_change: i64) -> Slot {
         sealed: None,
         enrollment: None,
     }
-}
-
-fn fence(shard: &str, machine: &str, epoch: i64, sequence: i64) -> Change {
-    Change::PutFence {
-        shard_id: shard.into(),
-        machine_id: machine.into(),
-        mark: HighWaterMark { epoch, sequence },
-    }
-}
-
-fn counters(revision: i64, next_op: u64) -> Change {
-    Change::Counters { revision, next_op }
-}
-
-fn mark_of(s: &Snapshot, shard: &str, machine: &str) -> Option<HighWaterMark> {
-    s.fences
-        .iter()
-        .find(|f| f.shard_id == shard && f.machine_id == machine)
-        .map(|f| f.mark)
 }
 
 /// The claim on `/bigfleet/test`, if any.
@@ -563,20 +538,10 @@ const CHILD_STATE: &str = "BIGFLEET_ETCD_CRASH_STATE";
 const CHILD_ROUND: &str = "BIGFLEET_ETCD_CRASH_ROUND";
 const CHILD_TASKS: i64 = 6;
 
+/// Mutation `n` of a task, with the counters moved along.
 fn crash_batch(round: i64, task: i64, n: i64) -> Vec<Change> {
-    let mut batch = vec![
-        Change::PutSlot(slot(&format!("r{round}-t{task}-{}", n % 4), n)),
-        fence(&format!("r{round}-t{task}"), "m", 1, n),
-        Change::PutSlot(slot(&format!("r{round}-t{task}-latest-{n}"), n)),
-        counters(round * 1_000_000 + n, (round * 1_000_000 + n) as u64),
-    ];
-    if n > 0 {
-        batch.push(Change::RemoveSlot(format!(
-            "r{round}-t{task}-latest-{}",
-            n - 1
-        )));
-    }
-    batch
+    let counters = counters(round * 1_000_000 + n, (round * 1_000_000 + n) as u64);
+    test_support::batch(round, task, n, slot, Some(counters))
 }
 
 /// The child side of the crash test: started by [`kill_9_loses_no_acknowledged_mutation`]
@@ -587,27 +552,18 @@ fn crash_test_child() {
         return;
     };
     let round: i64 = round.parse().expect("round");
-    let rt = runtime();
-    rt.block_on(async {
+    runtime().block_on(async {
         let store = Arc::new(EtcdStore::open(&state, &args()).await.expect("open"));
         store.load().expect("load");
-        let mut handles = Vec::new();
-        for task in 0..CHILD_TASKS {
+        test_support::commit_until_killed(round, CHILD_TASKS, move |task, n| {
             let store = store.clone();
-            handles.push(tokio::spawn(async move {
-                for n in 0.. {
-                    commit(&store, crash_batch(round, task, n))
-                        .await
-                        .expect("commit");
-                    let mut out = std::io::stdout().lock();
-                    writeln!(out, "ACK {round} {task} {n}").expect("stdout");
-                    out.flush().expect("flush");
-                }
-            }));
-        }
-        for h in handles {
-            let _ = h.await;
-        }
+            async move {
+                commit(&store, crash_batch(round, task, n))
+                    .await
+                    .expect("commit")
+            }
+        })
+        .await;
     });
 }
 
@@ -615,101 +571,32 @@ fn crash_test_child() {
 fn kill_9_loses_no_acknowledged_mutation() {
     let cluster = Cluster::start(1);
     let state = cluster.state("/bigfleet/crash");
-    let exe = std::env::current_exe().expect("current exe");
-    let mut acked: BTreeMap<(i64, i64), i64> = BTreeMap::new();
+    let mut acked = test_support::Acked::new();
     let rt = runtime();
     for round in 0..4i64 {
-        let mut child = Command::new(&exe)
-            .args([
-                "runtime::etcd::tests::crash_test_child",
-                "--exact",
-                "--nocapture",
-            ])
-            .env(CHILD_STATE, &state)
-            .env(CHILD_ROUND, round.to_string())
-            .stdout(Stdio::piped())
-            .stderr(Stdio::piped())
-            .spawn()
-            .expect("spawn child");
-        let stdout = child.stdout.take().expect("stdout");
-        let lines: Arc<Mutex<Vec<String>>> = Arc::default();
-        let reader = {
-            let lines = lines.clone();
-            std::thread::spawn(move || {
-                let mut reader = BufReader::new(stdout);
-                let mut buf = Vec::new();
-                while reader.read_until(b'\n', &mut buf).is_ok_and(|n| n > 0) {
-                    if buf.ends_with(b"\n") {
-                        lines
-                            .lock()
-                            .expect("lines")
-                            .push(String::from_utf8_lossy(&buf).trim_end().to_owned());
-                    }
-                    buf.clear();
-                }
-            })
-        };
         // The child claims the prefix once the killed one's lease ran out (about 1 s).
-        let started = Instant::now();
-        while lines.lock().expect("lines").len() < 20 {
-            if started.elapsed() > Duration::from_secs(20)
-                || child.try_wait().ok().flatten().is_some()
-            {
-                let _ = child.kill();
-                let output = child.wait_with_output().expect("child output");
-                panic!(
-                    "round {round}: the child acknowledged too little: {}",
-                    String::from_utf8_lossy(&output.stderr)
-                );
-            }
-            std::thread::sleep(Duration::from_millis(5));
+        test_support::Round {
+            test: "runtime::etcd::tests::crash_test_child",
+            env: (CHILD_STATE, &state),
+            round_var: CHILD_ROUND,
+            round,
+            enough: |lines| lines.len() >= 20,
+            within: Duration::from_secs(20),
+            short: "too little",
+            max_pause: Duration::from_millis(200),
         }
-        std::thread::sleep(Duration::from_millis(rand::random_range(0..200)));
-        child.kill().expect("kill -9");
-        child.wait().expect("wait");
-        reader.join().expect("reader");
-        for line in lines.lock().expect("lines").iter() {
-            let mut parts = line.split_whitespace();
-            if parts.next() != Some("ACK") {
-                continue;
-            }
-            let nums: Vec<i64> = parts.map(|p| p.parse().expect("number")).collect();
-            let entry = acked.entry((nums[0], nums[1])).or_insert(-1);
-            *entry = (*entry).max(nums[2]);
-        }
+        .kill_child(&mut acked);
         // Read what etcd holds (without claiming: the killed child's lease is still alive).
         let s = rt
             .block_on(async { read_state(&cluster.client(), &Keys::new("/bigfleet/crash")).await })
             .expect("read");
-        let slots: BTreeMap<&str, &Slot> =
-            s.slots.iter().map(|x| (x.machine.id.as_str(), x)).collect();
-        for (&(r, task), &last) in &acked {
-            let newest = mark_of(&s, &format!("r{r}-t{task}"), "m")
-                .unwrap_or_else(|| panic!("round {r} task {task}: fence lost"))
-                .sequence;
-            assert!(
-                newest >= last,
-                "round {r} task {task}: acknowledged {last} lost (state has {newest})"
+        test_support::check_acknowledged(&s, &acked, |t| {
+            let id = test_support::slot_id(t.round, t.task, t.newest);
+            assert_eq!(
+                t.slots.get(id.as_str()).map(|x| x.last_change),
+                Some(t.newest)
             );
-            assert!(
-                newest <= last + 1,
-                "round {r} task {task}: {newest} after {last}"
-            );
-            let latest = format!("r{r}-t{task}-latest-{newest}");
-            assert!(
-                slots.contains_key(latest.as_str()),
-                "{latest} missing: batch torn"
-            );
-            if newest > 0 {
-                let previous = format!("r{r}-t{task}-latest-{}", newest - 1);
-                assert!(
-                    !slots.contains_key(previous.as_str()),
-                    "{previous} present: batch torn"
-                );
-            }
-            let id = format!("r{r}-t{task}-{}", newest % 4);
-            assert_eq!(slots.get(id.as_str()).map(|x| x.last_change), Some(newest));
-        }
+        });
         assert!(
             s.next_op >= (round * 1_000_000) as u64,
             "counters went back"
@@ -721,84 +608,17 @@ fn kill_9_loses_no_acknowledged_mutation() {
 // --- the engine over the etcd store ---------------------------------------------------------
 
 mod engine_restart {
-    use std::collections::HashSet;
     use std::sync::Arc;
     use std::time::Duration;
 
-    use async_trait::async_trait;
-
     use super::super::testing::{Cluster, args};
     use super::super::{EtcdStore, pb};
-    use crate::observability::telemetry::Telemetry;
     use crate::persistence::store::SharedStore;
-    use crate::provisioning::backend::{Backend, BackendError, ConfigureOrder, TransitionContext};
     use crate::rules::error::CoreError;
     use crate::rules::fence::FenceToken;
-    use crate::rules::inventory::Effect;
-    use crate::rules::machine::{HostRef, Machine, MachineState};
-    use crate::runtime::engine::{Engine, EngineOptions};
-
-    /// Four slots; a Create of a machine in `stuck` waits until cancelled.
-    struct Backend4 {
-        stuck: HashSet<String>,
-    }
-
-    #[async_trait]
-    impl Backend for Backend4 {
-        async fn describe(&self) -> Result<Vec<Machine>, BackendError> {
-            Ok((0..4)
-                .map(|i| {
-                    let mut m = Machine::speculative(format!("e-{i}"), "cx22");
-                    m.zone = "fsn1".into();
-                    m
-                })
-                .collect())
-        }
-
-        async fn create(
-            &self,
-            machine: &Machine,
-            ctx: &TransitionContext,
-        ) -> Result<Effect, BackendError> {
-            if self.stuck.contains(&machine.id) {
-                ctx.cancel.cancelled().await;
-                return Err(BackendError::new("cancelled"));
-            }
-            Ok(Effect {
-                host: Some(HostRef {
-                    provider: "etcd-test".into(),
-                    id: format!("h-{}", machine.id),
-                }),
-                ..Effect::default()
-            })
-        }
-
-        async fn configure(
-            &self,
-            _machine: &Machine,
-            _order: &ConfigureOrder,
-            _ctx: &TransitionContext,
-        ) -> Result<(), BackendError> {
-            Ok(())
-        }
-
-        async fn drain(
-            &self,
-            _machine: &Machine,
-            _grace: i64,
-            _ctx: &TransitionContext,
-        ) -> Result<(), BackendError> {
-            Ok(())
-        }
-
-        async fn delete(
-            &self,
-            _machine: &Machine,
-            _ctx: &TransitionContext,
-        ) -> Result<(), BackendError> {
-            Ok(())
-        }
-    }
+    use crate::rules::machine::MachineState;
+    use crate::runtime::engine::Engine;
+    use crate::runtime::engine::test_support::{self, SlotBackend, settle};
 
     fn token(epoch: i64, sequence: i64) -> FenceToken {
         FenceToken {
@@ -810,26 +630,13 @@ mod engine_restart {
 
     async fn start(state: &str, stuck: &[&str]) -> Arc<Engine> {
         let store: SharedStore = Arc::new(EtcdStore::open(state, &args()).await.expect("open"));
-        let backend = Arc::new(Backend4 {
-            stuck: stuck.iter().map(|s| (*s).to_owned()).collect(),
-        });
-        Engine::start(
-            backend,
-            store,
-            EngineOptions::new(Telemetry::new("etcd_test")),
-        )
-        .await
-        .expect("start")
-    }
-
-    async fn settle(engine: &Engine, id: &str, state: MachineState) {
-        for _ in 0..500 {
-            if engine.get(id).expect("get").state == state {
-                return;
-            }
-            tokio::time::sleep(Duration::from_millis(10)).await;
-        }
-        panic!("{id} never reached {state}");
+        // Four slots; a Create of a machine in `stuck` waits until cancelled.
+        let backend = Arc::new(
+            SlotBackend::new(test_support::slots("e", 4, "fsn1"))
+                .provider("etcd-test")
+                .holding(stuck),
+        );
+        test_support::start_on(store, backend, "etcd_test").await
     }
 
     fn number(op: &str) -> u64 {

@@ -8,16 +8,14 @@
 use std::collections::BTreeMap;
 use std::sync::Arc;
 
-use async_trait::async_trait;
 use proptest::prelude::*;
 use prost::Message;
 
 use super::*;
-use crate::provisioning::backend::{Backend, BackendError, ConfigureOrder, TransitionContext};
 use crate::rules::inventory::{Binding, Effect, Inventory, Survey, Suspect};
 use crate::rules::lifecycle::OperationKind;
 use crate::rules::machine::{CapacityType, HostRef};
-use crate::runtime::engine::{Engine, EngineOptions};
+use crate::runtime::engine::test_support::{self, SlotBackend};
 
 /// What Get puts on the wire for `m`: the codec encodes the reply message.
 fn get_reply(m: &Machine) -> pb::Machine {
@@ -244,60 +242,32 @@ proptest! {
     }
 }
 
-/// Transitions finish at once; Create reports a host and resources.
-struct Instant3;
-
-#[async_trait]
-impl Backend for Instant3 {
-    async fn describe(&self) -> Result<Vec<Machine>, BackendError> {
-        Ok((0..3)
-            .map(|i| {
-                let mut m = Machine::speculative(format!("m-{i}"), "cx22");
-                m.zone = "fsn1".into();
-                m.price_per_hour = 0.0123;
-                m.labels.insert("tier".into(), "general".into());
-                m.resources.insert("cpu".into(), "2".into());
-                m
-            })
-            .collect())
-    }
-    async fn create(&self, m: &Machine, _: &TransitionContext) -> Result<Effect, BackendError> {
-        Ok(Effect {
-            host: Some(HostRef {
-                provider: "p".into(),
-                id: format!("h-{}", m.id),
-            }),
-            allocatable: [("cpu".to_owned(), "1900m".to_owned())].into(),
-            ..Effect::default()
+/// Three slots with a price, a label and resources; transitions finish at once, a Create
+/// reports a host and allocatable resources, a Drain is refused.
+fn instant3() -> SlotBackend {
+    let slots = (0..3)
+        .map(|i| {
+            let mut m = test_support::slot(format!("m-{i}"), "fsn1");
+            m.price_per_hour = 0.0123;
+            m.labels.insert("tier".into(), "general".into());
+            m.resources.insert("cpu".into(), "2".into());
+            m
         })
-    }
-    async fn configure(
-        &self,
-        _: &Machine,
-        _: &ConfigureOrder,
-        _: &TransitionContext,
-    ) -> Result<(), BackendError> {
-        Ok(())
-    }
-    async fn drain(&self, _: &Machine, _: i64, _: &TransitionContext) -> Result<(), BackendError> {
-        Err(BackendError::new("drain refused"))
-    }
-    async fn delete(&self, _: &Machine, _: &TransitionContext) -> Result<(), BackendError> {
-        Ok(())
-    }
+        .collect();
+    SlotBackend::new(slots)
+        .allocatable([("cpu".to_owned(), "1900m".to_owned())].into())
+        .refusing_drains("drain refused")
 }
 
 /// The served Get (cached bytes) and the generated one (built message) give the same answer
 /// for every machine after each RPC of a walk, and the same error for unknown and bad ids.
 #[tokio::test]
 async fn served_get_answers_what_the_generated_get_answers() {
-    let engine = Engine::start(
-        Arc::new(Instant3),
-        Arc::new(crate::persistence::store::MemoryStore),
-        EngineOptions::new(Telemetry::new("bigfleet_wiretest")),
+    let engine = crate::runtime::engine::test_support::start_in_memory(
+        Arc::new(instant3()),
+        "bigfleet_wiretest",
     )
-    .await
-    .expect("engine");
+    .await;
     let service = Service::new(
         Replica::single(engine.clone()),
         crate::security::identity::ShardIdentity::Off,
