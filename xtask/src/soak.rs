@@ -19,13 +19,17 @@
 //!   stockout or the limit returned meanwhile aside: from Speculative a Create is new work),
 //!   stale tokens get FAILED_PRECONDITION and nothing else does, no machine is FAILED by a
 //!   stockout or the account's limit (its `last_error`), and every machine answers Get (one
-//!   a withdrawn offering hides from List included).
+//!   a withdrawn offering hides from List included);
+//! - after every 429 storm or 5xx burst, the provider's API budget (read from its metrics)
+//!   comes back within a few requests (module `pace`): one storm never leaves it slower than its
+//!   share.
 //!
 //! The seed is printed first, and with every failure, so a failing run replays (the fault
 //! schedule and the workers' choices follow from it; thread timing does not).
 
 mod check;
 mod clouds;
+mod pace;
 mod workers;
 
 use std::collections::BTreeMap;
@@ -45,6 +49,7 @@ use crate::repo;
 
 use self::check::Checker;
 use self::clouds::{CloudKind, Emulated};
+use self::pace::{Budget, StormWatch};
 
 /// Machines per run (one offering).
 const MACHINES: usize = 24;
@@ -267,16 +272,10 @@ impl Process {
             .map(|(_, body)| body)
     }
 
-    /// The reconcile survey period the running provider reports on its metrics
-    /// (`<prefix>_reconcile_period_seconds`), if it answers.
+    /// The reconcile survey period the running provider reports on its metrics, if it
+    /// answers.
     fn survey_period(&self) -> Option<Duration> {
-        self.metrics()?
-            .lines()
-            .filter(|l| l.starts_with("bigfleet_"))
-            .find_map(|l| l.split_once("_reconcile_period_seconds ").map(|(_, v)| v))
-            .and_then(|v| v.trim().parse::<f64>().ok())
-            .filter(|v| v.is_finite() && *v >= 0.0)
-            .map(Duration::from_secs_f64)
+        survey_period(&self.metrics()?)
     }
 
     async fn start(spec: Spec) -> Result<Process> {
@@ -330,6 +329,16 @@ impl Process {
     }
 }
 
+/// The reconcile survey period a metrics page reports (`<prefix>_reconcile_period_seconds`).
+fn survey_period(page: &str) -> Option<Duration> {
+    page.lines()
+        .filter(|l| l.starts_with("bigfleet_"))
+        .find_map(|l| l.split_once("_reconcile_period_seconds ").map(|(_, v)| v))
+        .and_then(|v| v.trim().parse::<f64>().ok())
+        .filter(|v| v.is_finite() && *v >= 0.0)
+        .map(Duration::from_secs_f64)
+}
+
 /// Where the run keeps its files.
 fn work_dir(cloud: CloudKind, seed: u64) -> Result<PathBuf> {
     let dir = std::env::temp_dir().join(format!(
@@ -362,9 +371,22 @@ async fn soak(root: &Path, cloud: CloudKind, seed: u64, duration: Duration) -> R
         binary: provider_process::target_binary(root, "debug", emulated.binary()),
         socket: dir.join("admin.sock"),
     };
-    let outcome = drive(&mut process, &emulated, &checker, &tally, &admin, seed, end).await;
+    let mut storms = StormWatch::default();
+    let outcome = drive(
+        &mut process,
+        &emulated,
+        &checker,
+        &tally,
+        &admin,
+        &mut storms,
+        seed,
+        end,
+    )
+    .await;
     let outcome = match outcome {
-        Ok(()) => settle_and_check(&process, &emulated, &checker).await,
+        Ok(()) => settle_and_check(&process, &emulated, &checker)
+            .await
+            .map(|figures| format!("{figures} {}", storms.figures())),
         Err(e) => Err(e),
     };
     // A panic in any run of the provider (each restart's log is read before its kill) fails
@@ -429,13 +451,16 @@ fn machine_ids(emulated: &Emulated) -> Vec<String> {
         .collect()
 }
 
-/// Runs workers, faults and the continuous checker until `end`.
+/// Runs workers, faults and the continuous checker until `end`; `storms` follows the API
+/// budget across the 429 storms and 5xx bursts.
+#[allow(clippy::too_many_arguments)]
 async fn drive(
     process: &mut Process,
     emulated: &Emulated,
     checker: &Arc<Checker>,
     tally: &Tally,
     admin: &workers::AdminCommand,
+    storms: &mut StormWatch,
     seed: u64,
     end: Instant,
 ) -> Result<()> {
@@ -483,13 +508,24 @@ async fn drive(
                 break;
             }
             checker.restarted();
+            storms.restarted();
             next_kill = Instant::now() + duration / (restarts as u32 + 1);
             continue;
         }
-        if let Some(period) = process.survey_period() {
+        let metrics = process.metrics();
+        if let Some(period) = metrics.as_deref().and_then(survey_period) {
             checker.survey_period_reported(period);
         }
-        let name = emulated.inject_random(&mut chance);
+        // The budget is back after the last storms, or is getting there.
+        let budget = metrics.as_deref().and_then(Budget::read);
+        if let Err(e) = storms.look(budget, Instant::now()) {
+            failure = Some(e);
+            break;
+        }
+        let (name, lasting) = emulated.inject_random(&mut chance);
+        if let Some(lasting) = lasting {
+            storms.storm(budget, Instant::now() + lasting);
+        }
         tally.add(&format!("fault.{name}"));
     }
     emulated.calm();

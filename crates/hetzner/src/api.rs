@@ -884,9 +884,11 @@ impl Request<'_> {
             }
         };
         let status = response.status();
+        // The budget learns from the answer before the answer is counted: an answer on the
+        // metrics has been weighed by the budget they show.
+        api.budget.observe(status.as_u16(), response.headers());
         api.telemetry
             .api_http(self.endpoint, status_class(status.as_u16()));
-        api.budget.observe(status.as_u16(), response.headers());
         // After a 429 the retry waits in the budget: for the `Retry-After` if there was one,
         // else for the next token of the bucket, never for `RateLimit-Reset` (that is when the
         // bucket is full again, up to an hour away).

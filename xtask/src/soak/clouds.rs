@@ -256,20 +256,29 @@ impl Emulated {
         }
     }
 
-    /// Injects one fault chosen by `chance`; returns its name for the counts.
-    pub(crate) fn inject_random(&self, chance: &mut Chance) -> &'static str {
+    /// Injects one fault chosen by `chance`; returns its name for the counts and, for a 429
+    /// storm or a 5xx burst, how long every request is answered with an error.
+    pub(crate) fn inject_random(&self, chance: &mut Chance) -> (&'static str, Option<Duration>) {
+        let (name, lasting) = self.inject_one(chance);
+        let storm = matches!(name, "rate_limit_storm" | "server_error_burst");
+        (name, storm.then_some(lasting))
+    }
+
+    /// Injects one fault; returns its name and the time drawn for it (how long it lasts, for
+    /// storms, bursts and capacity faults).
+    fn inject_one(&self, chance: &mut Chance) -> (&'static str, Duration) {
         let roll = chance.below(110);
         if roll >= 100 {
             // A sold-out offering or a full account lasts seconds here, minutes to days in a
             // real cloud; the provider runs with short stockout backoffs to match.
             let lasting = chance.millis(2_000, 8_000);
-            return self.capacity_fault(chance, lasting);
+            return (self.capacity_fault(chance, lasting), lasting);
         }
         // A storm or burst lasts a while, however many requests meet it, as a cloud's
         // outages do: queued for a count of requests, it would last longer the fewer requests
         // the provider sends (one polling every booting host in one listing sends few).
         let lasting = chance.millis(100, 1000);
-        match self {
+        let name = match self {
             Emulated::Hetzner(e) => {
                 use hcloud_emulator::{CreateFault, Fault};
                 match roll {
@@ -366,7 +375,8 @@ impl Emulated {
                     }
                 }
             }
-        }
+        };
+        (name, lasting)
     }
 
     fn delete_random(&self, chance: &mut Chance) {

@@ -321,6 +321,13 @@ impl State {
         self.background.refill(elapsed);
     }
 
+    /// Tokens of the share held back until an answer shows the cloud has room for them: those
+    /// an answer took away (a 429, a low `-Remaining`), and at start those waiting for the
+    /// probe's answer.
+    fn held_back(&self) -> f64 {
+        self.main.held + self.held.unwrap_or(0.0).max(0.0)
+    }
+
     /// How long `class` must wait for its tokens; zero when it may go now.
     fn wait(&self, class: Class, now: Instant) -> Duration {
         let mut wait = self.main.wait_for_one();
@@ -358,6 +365,7 @@ impl State {
 struct Names {
     capacity: &'static str,
     remaining: &'static str,
+    held: &'static str,
     cloud_remaining: &'static str,
     requests: &'static str,
     wait: &'static str,
@@ -380,6 +388,7 @@ impl Names {
         let names = Names {
             capacity: leak("api_budget_capacity"),
             remaining: leak("api_budget_remaining"),
+            held: leak("api_budget_held"),
             cloud_remaining: leak("api_budget_cloud_remaining"),
             requests: leak("api_budget_requests_total"),
             wait: leak("api_budget_wait_seconds"),
@@ -456,6 +465,7 @@ impl ApiBudget {
         let names = &self.inner.names;
         gauge!(names.capacity).set(state.main.capacity);
         gauge!(names.remaining).set(state.main.tokens.max(0.0));
+        gauge!(names.held).set(state.held_back());
         // Every series exists from the first publish (the budget may be built before the
         // metrics recorder, which then misses what was set once): the dashboard and the alert
         // read them.
@@ -648,6 +658,14 @@ impl ApiBudget {
         let mut state = self.lock();
         state.refill(Instant::now());
         state.main.tokens
+    }
+
+    /// Tokens of this provider's share held back until the cloud's answers show room for them
+    /// (for tests and the metrics).
+    pub fn held(&self) -> f64 {
+        let mut state = self.lock();
+        state.refill(Instant::now());
+        state.held_back()
     }
 
     /// The refill rate this provider's share runs at now, in requests per second.
