@@ -490,8 +490,9 @@ async fn drive(
         tokio::spawn(async move { checker.watch(channel, end).await })
     };
     let duration = end.saturating_duration_since(Instant::now());
-    // Restarts spread over the run: at least two, one more per three minutes.
-    let restarts = 2 + duration.as_secs() / 180;
+    // Restarts spread over the run: at least two, one more per three minutes (of the run's
+    // length in whole seconds: the start of the provider took a moment off `duration`).
+    let restarts = 2 + duration.as_secs_f64().round() as u64 / 180;
     let mut next_kill = Instant::now() + duration / (restarts as u32 + 1);
     let mut kills = 0;
     let mut failure = None;
