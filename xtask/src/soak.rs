@@ -371,22 +371,11 @@ async fn soak(root: &Path, cloud: CloudKind, seed: u64, duration: Duration) -> R
         binary: provider_process::target_binary(root, "debug", emulated.binary()),
         socket: dir.join("admin.sock"),
     };
-    let mut storms = StormWatch::default();
-    let outcome = drive(
-        &mut process,
-        &emulated,
-        &checker,
-        &tally,
-        &admin,
-        &mut storms,
-        seed,
-        end,
-    )
-    .await;
+    let outcome = drive(&mut process, &emulated, &checker, &tally, &admin, seed, end).await;
     let outcome = match outcome {
-        Ok(()) => settle_and_check(&process, &emulated, &checker)
+        Ok(storms) => settle_and_check(&process, &emulated, &checker)
             .await
-            .map(|figures| format!("{figures} {}", storms.figures())),
+            .map(|figures| format!("{figures} {storms}")),
         Err(e) => Err(e),
     };
     // A panic in any run of the provider (each restart's log is read before its kill) fails
@@ -451,19 +440,17 @@ fn machine_ids(emulated: &Emulated) -> Vec<String> {
         .collect()
 }
 
-/// Runs workers, faults and the continuous checker until `end`; `storms` follows the API
-/// budget across the 429 storms and 5xx bursts.
-#[allow(clippy::too_many_arguments)]
+/// Runs workers, faults and the continuous checker until `end`, following the API budget
+/// across the 429 storms and 5xx bursts; returns the storms' figures ([`StormWatch::figures`]).
 async fn drive(
     process: &mut Process,
     emulated: &Emulated,
     checker: &Arc<Checker>,
     tally: &Tally,
     admin: &workers::AdminCommand,
-    storms: &mut StormWatch,
     seed: u64,
     end: Instant,
-) -> Result<()> {
+) -> Result<String> {
     let mut chance = Chance::new(seed);
     let ids = machine_ids(emulated);
     let mut handles = Vec::new();
@@ -496,6 +483,7 @@ async fn drive(
     let mut next_kill = Instant::now() + duration / (restarts as u32 + 1);
     let mut kills = 0;
     let mut failure = None;
+    let mut storms = StormWatch::default();
     while Instant::now() < end {
         tokio::time::sleep(chance.millis(300, 1500)).await;
         if checker.failed() {
@@ -543,7 +531,7 @@ async fn drive(
     }
     match failure {
         Some(e) => Err(e),
-        None => Ok(()),
+        None => Ok(storms.figures()),
     }
 }
 
