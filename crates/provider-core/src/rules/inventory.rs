@@ -371,6 +371,17 @@ impl Inventory {
                 found.truncate(cap);
                 found
             }
+            // Nothing hidden: a List of everything pays nothing per machine for the filter.
+            None if self.hidden.is_empty() => {
+                let machines: Vec<Arc<Machine>> = self
+                    .slots
+                    .rotated(start)
+                    .take(cap)
+                    .map(|slot| slot.machine.clone())
+                    .collect();
+                let visited = if machines.len() == cap { cap } else { n };
+                return Selected { machines, visited };
+            }
             None => {
                 let mut machines = Vec::with_capacity(cap.min(n));
                 let mut visited = n;
@@ -403,7 +414,8 @@ impl Inventory {
     /// Whether List shows `slot`: every slot but the hidden Speculative ones without a host
     /// (see [`Inventory::fit_offered`]).
     fn listed(&self, slot: &Slot) -> bool {
-        slot.machine.state != MachineState::Speculative
+        self.hidden.is_empty()
+            || slot.machine.state != MachineState::Speculative
             || slot.machine.host.is_some()
             || !self.hidden.contains(&slot.machine.id)
     }
