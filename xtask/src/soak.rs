@@ -360,18 +360,25 @@ async fn soak(root: &Path, cloud: CloudKind, seed: u64, duration: Duration) -> R
     let spec = emulated.spec(root, &dir, MACHINES)?;
     let mut process = Process::start(spec).await?;
     let tally = Tally::default();
-    let checker = Arc::new(Checker::new(
-        emulated.clone(),
-        tally.clone(),
-        machine_ids(&emulated),
-    ));
+    let ids = machine_ids(&process).await?;
+    let checker = Arc::new(Checker::new(emulated.clone(), tally.clone(), ids.clone()));
     let started = Instant::now();
     let end = started + duration;
     let admin = workers::AdminCommand {
         binary: provider_process::target_binary(root, "debug", emulated.binary()),
         socket: dir.join("admin.sock"),
     };
-    let outcome = drive(&mut process, &emulated, &checker, &tally, &admin, seed, end).await;
+    let outcome = drive(
+        &mut process,
+        &emulated,
+        &checker,
+        &tally,
+        &admin,
+        seed,
+        end,
+        &ids,
+    )
+    .await;
     let outcome = match outcome {
         Ok(storms) => settle_and_check(&process, &emulated, &checker)
             .await
@@ -434,14 +441,33 @@ fn tally_value(tally: &Tally, name: &str) -> u64 {
         .unwrap_or(0)
 }
 
-fn machine_ids(emulated: &Emulated) -> Vec<String> {
-    (0..MACHINES)
-        .map(|i| emulated.machine_id(i as i64))
-        .collect()
+/// The machines the provider lists at the start, which the workers share out: the ids are
+/// the state's own (BigFleet takes them from List).
+async fn machine_ids(process: &Process) -> Result<Vec<String>> {
+    let channel = process
+        .channel
+        .borrow()
+        .clone()
+        .context("no provider channel at the start")?;
+    let mut caller = wire::Caller::new(channel, wire::Shard::new("soak-start", 1));
+    let ids: Vec<String> = caller
+        .list_all()
+        .await
+        .context("the first List")?
+        .into_iter()
+        .map(|m| m.id)
+        .collect();
+    ensure!(
+        ids.len() == MACHINES,
+        "the provider lists {} machines at the start, not the {MACHINES} offered",
+        ids.len()
+    );
+    Ok(ids)
 }
 
 /// Runs workers, faults and the continuous checker until `end`, following the API budget
 /// across the 429 storms and 5xx bursts; returns the storms' figures ([`StormWatch::figures`]).
+#[allow(clippy::too_many_arguments)]
 async fn drive(
     process: &mut Process,
     emulated: &Emulated,
@@ -450,9 +476,9 @@ async fn drive(
     admin: &workers::AdminCommand,
     seed: u64,
     end: Instant,
+    ids: &[String],
 ) -> Result<String> {
     let mut chance = Chance::new(seed);
-    let ids = machine_ids(emulated);
     let mut handles = Vec::new();
     for w in 0..WORKERS {
         let owned: Vec<String> = ids
@@ -570,7 +596,19 @@ async fn settle_and_check(
             }
         }
         let busy = machines.iter().any(|m| is_transitional(wire::state_of(m)));
-        let verdict = checker.final_check(&machines, asked);
+        let mut verdict = checker.final_check(&machines, asked);
+        if verdict.is_ok() && !busy {
+            // BigFleet's shard, in both reconcile modes, holds every machine in the state the
+            // provider reports for it.
+            checker.reconcile_shards(&mut caller).await;
+            let mut reported = std::collections::HashMap::new();
+            for id in checker.held_by_shards() {
+                if let Ok(m) = caller.get(&id).await {
+                    reported.insert(id, check::model_state(&m));
+                }
+            }
+            verdict = checker.shard_verdict(&reported);
+        }
         match (busy, verdict) {
             (false, Ok(())) => {
                 let since = *quiet_since.get_or_insert_with(Instant::now);

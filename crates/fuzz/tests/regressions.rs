@@ -47,6 +47,7 @@ fn a_slot_whose_map_keys_are_out_of_order_is_refused() {
         operations: Default::default(),
         sealed: None,
         enrollment: None,
+        retired: None,
     };
     let mut encoded = Vec::new();
     codec::encode_slot(&slot, &mut encoded);

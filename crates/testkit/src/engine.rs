@@ -161,8 +161,36 @@ pub async fn release_failed_with_host(engine: &Engine, id: &str, host_id: &str) 
     let m = engine.get(id).unwrap();
     assert_eq!(m.host.as_ref().map(|h| h.id.as_str()), Some(host_id));
     assert_eq!(engine.census().failed_with_host, 1);
-    engine.release(id).await.unwrap();
+    let mut shards = crate::shard::EngineShards::new();
+    shards.reconcile(engine);
+    shards.timeline(engine, "FAILED with its host", &[id]);
+    let answer = engine.release(id).await.unwrap();
+    let successor = assert_released(engine, id, &answer);
+    shards.reconcile(engine);
+    shards.timeline(engine, "released: the host deleted", &[id, &successor]);
+    shards.verdict(engine).unwrap();
     m
+}
+
+/// What a release leaves, as BigFleet's shard can follow it: the released id stays FAILED
+/// without a host, and its capacity is a Speculative slot under the id `answer` names.
+/// Returns that id.
+pub fn assert_released(engine: &Engine, id: &str, answer: &str) -> String {
+    let old = engine.get(id).unwrap();
+    assert_eq!(
+        old.state,
+        MachineState::Failed,
+        "Failed has no way out: {old:?}"
+    );
+    assert!(old.host.is_none(), "{old:?}");
+    let successor = answer
+        .rsplit_once("comes back as machine ")
+        .map(|(_, id)| id.to_owned())
+        .unwrap_or_else(|| panic!("no new id named: {answer}"));
+    assert!(old.last_error.ends_with(&successor), "{}", old.last_error);
+    let next = engine.get(&successor).unwrap();
+    assert_eq!(next.state, MachineState::Speculative, "{next:?}");
+    successor
 }
 
 /// Request counts by class, as the emulators keep them (`requests_by_class`).

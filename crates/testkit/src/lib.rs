@@ -50,6 +50,7 @@ pub mod metrics;
 pub mod out_of_band;
 pub mod relay;
 pub mod script;
+pub mod shard;
 pub mod stockout;
 pub mod time;
 pub mod wait;

@@ -11,6 +11,7 @@
 use std::sync::Arc;
 use std::time::Duration;
 
+use crate::shard::EngineShards;
 use provider_core::catalogue_refresh::Refresh;
 use provider_core::cloud::Cloud;
 use provider_core::fleet::{CapacityBook, Fleet, PriceBook};
@@ -113,30 +114,39 @@ pub async fn settled(engine: &Engine, id: &str) -> Arc<Machine> {
     engine.get(id).unwrap()
 }
 
-/// Asserts `id` came back Speculative without a host, its `last_error` starting `prefix`.
-pub async fn returned(engine: &Engine, id: &str, prefix: &str) {
+/// Asserts the refused Create of `id` ended as BigFleet's shard can follow: FAILED (Creating ->
+/// Failed), retired, without a host, its `last_error` starting `prefix` and naming the id its
+/// capacity came back under, a Speculative slot of the same offering. Returns that id.
+pub async fn returned(engine: &Engine, id: &str, prefix: &str) -> String {
     let m = settled(engine, id).await;
-    assert_eq!(m.state, MachineState::Speculative, "{m:?}");
+    assert_eq!(m.state, MachineState::Failed, "{m:?}");
     assert!(m.host.is_none(), "{m:?}");
     assert!(m.last_error.starts_with(prefix), "{}", m.last_error);
+    let successor = m
+        .last_error
+        .rsplit_once("comes back as machine ")
+        .map(|(_, id)| id.to_owned())
+        .unwrap_or_else(|| panic!("no successor named: {}", m.last_error));
+    let next = engine.get(&successor).expect("the successor exists");
+    assert_eq!(next.state, MachineState::Speculative, "{next:?}");
+    assert_eq!(
+        (next.instance_type.as_str(), next.zone.as_str()),
+        (m.instance_type.as_str(), m.zone.as_str())
+    );
+    successor
 }
 
-/// FAILED machines.
+/// FAILED machines that cost capacity (the retired records of refused Creates gave theirs back
+/// under new ids and are left out).
 pub fn failed(engine: &Engine) -> Vec<Arc<Machine>> {
-    engine
-        .list(&ListQuery {
-            states: vec![MachineState::Failed],
-            max_results: 0,
-            since_revision: Vec::new(),
-        })
-        .machines
+    engine.failed()
 }
 
 fn ms(t0: Instant) -> u128 {
     t0.elapsed().as_millis()
 }
 
-/// A stockout: the Create's slot comes back Speculative with no host, the offering leaves List
+/// A stockout: the Create's machine ends FAILED and its capacity comes back under a new id, the offering leaves List
 /// at once (the other stays), a Create on a withdrawn slot sends nothing; after the backoff a
 /// probe (still sold out) withdraws it again; sold again, the next probe makes a host. Prints
 /// the timeline and the requests it cost.
@@ -153,26 +163,37 @@ pub async fn a_stockout_and_its_return(
         telemetry,
     )
     .await;
+    let mut shards = EngineShards::new();
+    shards.reconcile(&engine);
     knobs.sell_out(sold.0, sold.1, true);
     let slots = listed(&engine, Some(sold));
     assert_eq!(slots.len(), 4);
     let (creates, requests) = (knobs.create_requests(), knobs.requests());
     let t0 = Instant::now();
-    engine.create(&slots[0].id, zero_token()).await.unwrap();
-    returned(&engine, &slots[0].id, "stockout: ").await;
+    let all: Vec<&str> = slots.iter().map(|m| m.id.as_str()).collect();
+    shards.timeline(&engine, "start", &all);
+    shards.create(&engine, &slots[0].id).await.unwrap();
+    shards.timeline(&engine, "Create of the first, answered", &all[..1]);
+    let first_successor = returned(&engine, &slots[0].id, "stockout: ").await;
+    shards.reconcile(&engine);
+    let mut tracked = all.clone();
+    tracked.push(&first_successor);
+    shards.timeline(&engine, "refused: withdrawn, a new id hidden", &tracked);
     let refused_at = ms(t0);
     assert!(listed(&engine, Some(sold)).is_empty(), "withdrawn at once");
     assert_eq!(listed(&engine, Some(other)).len(), 2, "the other stays");
     assert_eq!(knobs.create_requests() - creates, 1);
     let first_cost = knobs.requests() - requests;
     // A shard that still holds another slot creates it: no request, no machine lost.
-    engine.create(&slots[1].id, zero_token()).await.unwrap();
+    shards.create(&engine, &slots[1].id).await.unwrap();
     returned(&engine, &slots[1].id, "stockout: offering").await;
     assert_eq!(knobs.create_requests() - creates, 1, "nothing sent");
-    assert_eq!(
-        engine.get(&slots[1].id).unwrap().state,
-        MachineState::Speculative,
-        "Get still answers"
+    shards.get(&engine, &slots[1].id);
+    shards.reconcile(&engine);
+    shards.timeline(
+        &engine,
+        "a Create on a hidden slot, answered without a request",
+        &tracked,
     );
 
     // After the backoff the slots come back; the probe is refused again.
@@ -181,9 +202,18 @@ pub async fn a_stockout_and_its_return(
     })
     .await;
     let back_at = ms(t0);
+    shards.reconcile(&engine);
+    let back: Vec<String> = listed(&engine, Some(sold))
+        .iter()
+        .map(|m| m.id.clone())
+        .collect();
+    let back_ids: Vec<&str> = back.iter().map(String::as_str).collect();
+    shards.timeline(&engine, "the backoff ended: listed again", &back_ids);
     let probe = listed(&engine, Some(sold)).remove(2);
-    engine.create(&probe.id, zero_token()).await.unwrap();
+    shards.create(&engine, &probe.id).await.unwrap();
     returned(&engine, &probe.id, "stockout: ").await;
+    shards.reconcile(&engine);
+    shards.timeline(&engine, "the probe refused again", &[probe.id.as_str()]);
     let probed_at = ms(t0);
     assert!(listed(&engine, Some(sold)).is_empty(), "withdrawn again");
     assert_eq!(knobs.create_requests() - creates, 2);
@@ -197,13 +227,23 @@ pub async fn a_stockout_and_its_return(
     )
     .await;
     let returned_at = ms(t0);
+    shards.reconcile(&engine);
+    let restocked: Vec<String> = listed(&engine, Some(sold))
+        .iter()
+        .map(|m| m.id.clone())
+        .collect();
+    let restocked_ids: Vec<&str> = restocked.iter().map(String::as_str).collect();
+    shards.timeline(&engine, "sold again: restocked", &restocked_ids);
     let slot = listed(&engine, Some(sold)).remove(0);
-    engine.create(&slot.id, zero_token()).await.unwrap();
+    shards.create(&engine, &slot.id).await.unwrap();
     let made = settled(&engine, &slot.id).await;
     assert_eq!(made.state, MachineState::Idle, "{made:?}");
     assert!(made.host.is_some());
     assert_eq!(listed(&engine, Some(sold)).len(), 3);
     assert!(failed(&engine).is_empty());
+    shards.reconcile(&engine);
+    shards.timeline(&engine, "the next Create made a host", &restocked_ids);
+    shards.verdict(&engine).unwrap();
     eprintln!(
         "stockout timeline: Create at t0; refused and withdrawn at +{refused_at} ms ({first_cost} \
          requests); backoff ended at +{back_at} ms; probe refused at +{probed_at} ms; sold again, \
@@ -231,10 +271,13 @@ pub async fn the_catalogue_flag_ends_a_withdrawal(
         StockoutBackoff::default(),
     )
     .await;
+    let mut shards = EngineShards::new();
+    shards.reconcile(&engine);
     knobs.sell_out(sold.0, sold.1, true);
     let slot = listed(&engine, Some(sold)).remove(0);
-    engine.create(&slot.id, zero_token()).await.unwrap();
+    shards.create(&engine, &slot.id).await.unwrap();
     returned(&engine, &slot.id, "stockout: ").await;
+    shards.reconcile(&engine);
     assert!(listed(&engine, Some(sold)).is_empty());
     // The catalogue says so too; then it sells the type again.
     let refresh = || provider_core::catalogue_refresh::refresh(&fleet, Duration::from_secs(10));
@@ -250,6 +293,7 @@ pub async fn the_catalogue_flag_ends_a_withdrawal(
     .await;
     assert!(fleet.stockouts().all().is_empty());
     assert!(failed(&engine).is_empty());
+    shards.verdict(&engine).unwrap();
 }
 
 /// An account limit of `n` with `n - 2` hosts held: no Create ends FAILED, and once the limit
@@ -263,9 +307,11 @@ pub async fn an_account_limit_with_room_for_two(
     telemetry: Telemetry,
 ) {
     let (fleet, engine) = start(knobs, vec![offering(at.0, at.1, 8)], memory(), telemetry).await;
+    let mut shards = EngineShards::new();
+    shards.reconcile(&engine);
     let slots = listed(&engine, Some(at));
     for slot in &slots[..(n - 2) as usize] {
-        engine.create(&slot.id, zero_token()).await.unwrap();
+        shards.create(&engine, &slot.id).await.unwrap();
         assert_eq!(settled(&engine, &slot.id).await.state, MachineState::Idle);
     }
     knobs.set_limit(Some(n));
@@ -280,15 +326,15 @@ pub async fn an_account_limit_with_room_for_two(
     let spare = listed(&engine, None);
     assert!(knobs.limit_api() == (spare.len() == 2), "{}", spare.len());
     for slot in &spare {
-        engine.create(&slot.id, zero_token()).await.unwrap();
+        shards.create(&engine, &slot.id).await.unwrap();
     }
     let mut idle = 0;
     for slot in &spare {
         let m = settled(&engine, &slot.id).await;
         match m.state {
             MachineState::Idle => idle += 1,
-            MachineState::Speculative => {
-                assert!(m.last_error.starts_with("account limit: "), "{m:?}")
+            MachineState::Failed => {
+                returned(&engine, &slot.id, "account limit: ").await;
             }
             _ => panic!("{m:?}"),
         }
@@ -299,16 +345,18 @@ pub async fn an_account_limit_with_room_for_two(
     })
     .await;
     assert_eq!(fleet.headroom().headroom(), Some(0));
+    shards.reconcile(&engine);
     // A slot above the headroom, created by a shard that still holds it: nothing is sent.
     let creates = knobs.create_requests();
-    let hidden = slots.last().unwrap();
-    engine.create(&hidden.id, zero_token()).await.unwrap();
-    returned(&engine, &hidden.id, "account limit: ").await;
+    let hidden = engine.hidden().pop().expect("a slot above the headroom");
+    shards.create(&engine, &hidden).await.unwrap();
+    returned(&engine, &hidden, "account limit: ").await;
     assert_eq!(knobs.create_requests(), creates);
     assert!(failed(&engine).is_empty(), "{:?}", failed(&engine));
     // A Delete makes room for one.
     let idle_one = slots[0].id.clone();
-    engine.delete(&idle_one, zero_token()).await.unwrap();
+    let answer = engine.delete(&idle_one, zero_token()).await;
+    shards.answer(false, &idle_one, &answer);
     assert_eq!(
         settled(&engine, &idle_one).await.state,
         MachineState::Speculative
@@ -317,6 +365,23 @@ pub async fn an_account_limit_with_room_for_two(
         listed(&engine, None).len() == 1
     })
     .await;
+    assert_eq!(
+        listed(&engine, None)[0].id,
+        idle_one,
+        "the slot the Delete gave back is the one listed, under its id (Deleting -> Speculative)"
+    );
+    shards.verdict(&engine).unwrap();
+}
+
+/// Creates every slot of `slots` as a shard does, then waits for each refusal.
+async fn burst(engine: &Arc<Engine>, shards: &mut EngineShards, slots: Vec<Arc<Machine>>) {
+    for slot in &slots {
+        shards.create(engine, &slot.id).await.unwrap();
+    }
+    for slot in &slots {
+        returned(engine, &slot.id, "stockout: ").await;
+    }
+    shards.reconcile(engine);
 }
 
 /// A burst of 50 Creates on a sold-out offering, then a burst on every slot listed each time
@@ -336,35 +401,27 @@ pub async fn repeated_bursts_on_a_sold_out_offering(
     )
     .await;
     knobs.sell_out(sold.0, sold.1, true);
+    let mut shards = EngineShards::new();
+    shards.reconcile(&engine);
     let creates = knobs.create_requests();
-    let burst = |slots: Vec<Arc<Machine>>| {
-        let engine = engine.clone();
-        async move {
-            let ids: Vec<String> = slots.iter().map(|m| m.id.clone()).collect();
-            for id in &ids {
-                engine.create(id, zero_token()).await.unwrap();
-            }
-            for id in &ids {
-                returned(&engine, id, "stockout: ").await;
-            }
-        }
-    };
     let slots = listed(&engine, Some(sold));
     assert_eq!(slots.len(), 50);
-    burst(slots).await;
+    burst(&engine, &mut shards, slots).await;
     let first = knobs.create_requests() - creates;
     for round in 1..=rounds {
         until("listed after the backoff", Duration::from_secs(30), || {
             listed(&engine, Some(sold)).len() == 50
         })
         .await;
-        burst(listed(&engine, Some(sold))).await;
+        shards.reconcile(&engine);
+        burst(&engine, &mut shards, listed(&engine, Some(sold))).await;
         assert_eq!(
             knobs.create_requests() - creates,
             first + round,
             "one probe per backoff"
         );
     }
+    shards.verdict(&engine).unwrap();
     assert!(failed(&engine).is_empty());
     eprintln!(
         "burst of 50 Creates on a sold-out offering: {first} create requests; {rounds} later \
@@ -377,8 +434,8 @@ pub async fn repeated_bursts_on_a_sold_out_offering(
 
 /// A restart while the offering is withdrawn, on a durable state: the withdrawal is kept in
 /// memory only, so the restarted provider lists the slots again and learns the stockout again
-/// from one refused Create, with no machine FAILED; the machine refused before the restart is
-/// Speculative in the state it loaded.
+/// from one refused Create, with no machine losing capacity; the machine refused before the
+/// restart is FAILED (retired) in the state it loaded, its capacity under a new id.
 pub async fn a_restart_while_withdrawn(
     knobs: &dyn Knobs,
     sold: (&str, &str),
@@ -388,9 +445,11 @@ pub async fn a_restart_while_withdrawn(
     let store =
         || -> SharedStore { Arc::new(provider_core::durable::DurableStore::open(state).unwrap()) };
     let (fleet, engine) = start(knobs, vec![offering(sold.0, sold.1, 3)], store(), telemetry).await;
+    let mut shards = EngineShards::new();
+    shards.reconcile(&engine);
     knobs.sell_out(sold.0, sold.1, true);
     let slot = listed(&engine, Some(sold)).remove(0);
-    engine.create(&slot.id, zero_token()).await.unwrap();
+    shards.create(&engine, &slot.id).await.unwrap();
     returned(&engine, &slot.id, "stockout: ").await;
     assert!(listed(&engine, Some(sold)).is_empty());
     engine.shutdown(Duration::from_secs(5)).await;
@@ -400,11 +459,16 @@ pub async fn a_restart_while_withdrawn(
     let (_fleet, engine) =
         start(knobs, vec![offering(sold.0, sold.1, 3)], store(), telemetry).await;
     let before = engine.get(&slot.id).unwrap();
-    assert_eq!(before.state, MachineState::Speculative);
+    assert_eq!(
+        before.state,
+        MachineState::Failed,
+        "the refused id stays FAILED"
+    );
     assert!(before.last_error.starts_with("stockout: "));
+    shards.reconcile(&engine);
     let again = listed(&engine, Some(sold));
     assert_eq!(again.len(), 3, "not remembered: listed again");
-    engine.create(&again[1].id, zero_token()).await.unwrap();
+    shards.create(&engine, &again[1].id).await.unwrap();
     returned(&engine, &again[1].id, "stockout: ").await;
     assert!(listed(&engine, Some(sold)).is_empty(), "learned again");
     assert_eq!(
@@ -413,4 +477,5 @@ pub async fn a_restart_while_withdrawn(
         "one request to learn it"
     );
     assert!(failed(&engine).is_empty());
+    shards.verdict(&engine).unwrap();
 }

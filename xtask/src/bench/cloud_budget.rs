@@ -584,22 +584,26 @@ impl Transition {
     }
 }
 
-/// The slot of `index` of the run's one offering.
-fn slot(cloud: Cloud, index: usize) -> String {
-    match cloud {
-        Cloud::Hetzner => slot_id(
-            hetzner::PROVIDER,
-            hetzner::SERVER_TYPE,
-            hetzner::LOCATION,
-            index,
-        ),
-        Cloud::DigitalOcean => slot_id(
-            digitalocean::PROVIDER,
-            digitalocean::SIZE,
-            crate::e2e::digitalocean_real::REGION,
-            index,
-        ),
-    }
+/// The Speculative slots the provider lists, the oldest id first (the ids are the state's
+/// own; BigFleet takes them from List).
+async fn spare_slots(caller: &mut Caller) -> Result<Vec<String>> {
+    let mut ids: Vec<(u64, String)> = caller
+        .list_all()
+        .await
+        .context("List the slots")?
+        .into_iter()
+        .filter(|m| m.state == pb::MachineState::Speculative as i32 && m.host.is_none())
+        .map(|m| {
+            let n =
+                m.id.rsplit('/')
+                    .next()
+                    .and_then(|n| n.parse().ok())
+                    .unwrap_or(u64::MAX);
+            (n, m.id)
+        })
+        .collect();
+    ids.sort();
+    Ok(ids.into_iter().map(|(_, id)| id).collect())
 }
 
 /// One machine alone through Create, Configure, Drain and Delete, then a second machine's
@@ -627,7 +631,8 @@ async fn walk(
 
 async fn walk_on(rig: &mut Rig, binaries: &Binaries) -> Result<Vec<Operation>> {
     use Transition::*;
-    let (first, second) = (slot(rig.cloud, 0), slot(rig.cloud, 1));
+    let spare = spare_slots(&mut rig.caller).await?;
+    let (first, second) = (spare[0].clone(), spare[1].clone());
     let mut operations = Vec::new();
     let (idle, create) = rig.step("Create", Create, &first).await?;
     operations.push(create);
@@ -709,7 +714,7 @@ async fn burst(
 }
 
 async fn burst_on(rig: &mut Rig, bucket: Bucket) -> Result<Burst> {
-    let ids: Vec<String> = (0..CREATES).map(|i| slot(rig.cloud, i)).collect();
+    let ids: Vec<String> = spare_slots(&mut rig.caller).await?[..CREATES].to_vec();
     let mut before = rig.quiet().await?;
     if bucket == Bucket::Emptied {
         rig.lab.empty_bucket();
@@ -761,7 +766,7 @@ async fn storm(
 }
 
 async fn storm_on(rig: &mut Rig, stormy: bool) -> Result<Storm> {
-    let ids: Vec<String> = (0..CREATES).map(|i| slot(rig.cloud, i)).collect();
+    let ids: Vec<String> = spare_slots(&mut rig.caller).await?[..CREATES].to_vec();
     let before = rig.quiet().await?;
     if stormy {
         rig.lab.storm(STORM);
@@ -1195,6 +1200,5 @@ mod tests {
         );
         assert_eq!(Cloud::Hetzner.survey_gap(), Duration::from_millis(400));
         assert_eq!(Cloud::DigitalOcean.survey_gap(), Duration::from_secs(4));
-        assert_eq!(slot(Cloud::Hetzner, 3), "hetzner/OnDemand/cx23/nbg1/003");
     }
 }

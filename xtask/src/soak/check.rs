@@ -12,6 +12,8 @@ use tokio::sync::watch;
 use tokio::time::Instant;
 use tonic::transport::Channel;
 
+use shard_model::{Shards, State};
+
 use super::clouds::Emulated;
 use super::{CREATE_TIMEOUT, DELETE_TIMEOUT, ORPHAN_GRACE, RECONCILE_INTERVAL, Tally};
 use crate::e2e::wire;
@@ -64,8 +66,30 @@ struct Inner {
 pub(crate) struct Checker {
     emulated: Emulated,
     tally: Tally,
-    ids: Vec<String>,
+    /// Every machine id a worker owned: the ones listed at the start, and the new ids the
+    /// capacity of retired machines came back under.
+    ids: Mutex<Vec<String>>,
     inner: Mutex<Inner>,
+    /// BigFleet's shard, as a full-reconcile model and an incremental one, fed every List the
+    /// checker reads and every answer and Get the workers see.
+    shards: Mutex<Shards>,
+    /// Held across every call whose answer the models read and its reading: the models see
+    /// answers in the order the provider gave them, as a shard whose reconcile and actions
+    /// run one after another does.
+    order: tokio::sync::Mutex<()>,
+}
+
+/// The id a retired machine's capacity came back under, as its `last_error` names it.
+pub(crate) fn successor(m: &pb::Machine) -> Option<String> {
+    (wire::state_of(m) == pb::MachineState::Failed)
+        .then(|| m.last_error.rsplit_once("comes back as machine "))
+        .flatten()
+        .map(|(_, id)| id.to_owned())
+}
+
+/// A wire state as the models keep it.
+pub(crate) fn model_state(m: &pb::Machine) -> State {
+    State::from_wire(m.state)
 }
 
 fn host_of(m: &pb::Machine) -> Option<String> {
@@ -80,9 +104,109 @@ impl Checker {
         Checker {
             emulated,
             tally,
-            ids,
+            ids: Mutex::new(ids),
             inner: Mutex::default(),
+            shards: Mutex::new(Shards::new()),
+            order: tokio::sync::Mutex::new(()),
         }
+    }
+
+    /// Taken before a call whose answer the models read, dropped after they read it.
+    pub(crate) async fn in_order(&self) -> tokio::sync::MutexGuard<'_, ()> {
+        self.order.lock().await
+    }
+
+    fn shards(&self) -> std::sync::MutexGuard<'_, Shards> {
+        self.shards.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// A worker takes over `id`, the new id of retired machine `old`'s capacity (which may
+    /// leave the inventory after its retention).
+    pub(crate) fn track(&self, old: &str, id: &str) {
+        let mut ids = self.ids.lock().unwrap_or_else(|e| e.into_inner());
+        ids.retain(|known| known != old);
+        if !ids.iter().any(|known| known == id) {
+            ids.push(id.to_owned());
+        }
+        self.tally.add("check.retired_with_a_new_id");
+    }
+
+    /// Both shard models take a mutation's answer. A call no handler answered (the provider
+    /// down or restarting) is left out: BigFleet marks such a machine Failed on its side,
+    /// which no answer of a provider can change.
+    pub(crate) fn answered(
+        &self,
+        create: bool,
+        id: &str,
+        answer: Result<&pb::TransitionAck, &tonic::Status>,
+    ) {
+        let mut shards = self.shards();
+        match answer {
+            Ok(ack) => {
+                if let Some(m) = &ack.machine {
+                    shards.apply(id, model_state(m), "ack");
+                }
+            }
+            Err(_) if create => shards.create_refused(id),
+            Err(_) => {}
+        }
+    }
+
+    /// Both shard models read a Get.
+    pub(crate) fn got(&self, m: &pb::Machine) {
+        self.shards().apply(&m.id, model_state(m), "Get");
+    }
+
+    /// Both shard models reconcile over `caller`: the full one a full List, the incremental
+    /// one a List since its cursor. Returns the full List's machines.
+    pub(crate) async fn reconcile_shards(
+        &self,
+        caller: &mut wire::Caller,
+    ) -> Option<Vec<pb::Machine>> {
+        let _order = self.in_order().await;
+        let full = caller.list(pb::ListFilter::default()).await.ok()?;
+        let since = self.shards().incremental.since();
+        let delta = caller
+            .list(pb::ListFilter {
+                since_revision: since,
+                ..pb::ListFilter::default()
+            })
+            .await
+            .ok()?;
+        let pairs = |list: &pb::MachineList| -> Vec<(String, State)> {
+            list.machines
+                .iter()
+                .map(|m| (m.id.clone(), model_state(m)))
+                .collect()
+        };
+        let mut shards = self.shards();
+        shards.full.read_list(&pairs(&full), full.revision.clone());
+        shards
+            .incremental
+            .read_list(&pairs(&delta), delta.revision.clone());
+        drop(shards);
+        let mut machines = full.machines;
+        machines.sort_by(|a, b| a.id.cmp(&b.id));
+        Some(machines)
+    }
+
+    /// The models' verdict against what the provider reports now (`reported`: a Get of each
+    /// id they hold, `None` where it has no such machine).
+    pub(crate) fn shard_verdict(&self, reported: &HashMap<String, State>) -> Result<()> {
+        if let Err(e) = self.shards().verdict_with(|id| reported.get(id).copied()) {
+            bail!("BigFleet's shard could not follow the provider: {e}");
+        }
+        Ok(())
+    }
+
+    /// Every id either shard model holds.
+    pub(crate) fn held_by_shards(&self) -> Vec<String> {
+        self.shards().held()
+    }
+
+    /// Reports either shard model refused so far, for the figures.
+    fn refused_edges(&self) -> usize {
+        self.shards().refused()
     }
 
     fn inner(&self) -> std::sync::MutexGuard<'_, Inner> {
@@ -188,15 +312,16 @@ impl Checker {
                     m.id
                 );
             }
-            // A stockout or the account's limit returns the slot: it never fails a machine
-            // (one holding the host its Create recorded fails for that host, as any Create
-            // that made something).
+            // A stockout or the account's limit never costs a machine: the refused id ends
+            // FAILED with its capacity under a new id (one holding the host its Create
+            // recorded fails for that host, as any Create that made something).
             if state == pb::MachineState::Failed
                 && host_of(m).is_none()
                 && by_capacity(&m.last_error)
+                && successor(m).is_none()
             {
                 bail!(
-                    "{} is FAILED by a stockout or the account's limit (last_error {:?})",
+                    "{} is FAILED by a stockout or the account's limit without a new id for its capacity (last_error {:?})",
                     m.id,
                     m.last_error
                 );
@@ -230,14 +355,12 @@ impl Checker {
                 | (Expect::Failed, pb::MachineState::Failed) => {}
                 (Expect::Idle { host }, pb::MachineState::Idle)
                     if host_of(m).as_ref() == Some(host) => {}
-                (Expect::Idle { host }, pb::MachineState::Speculative)
+                (Expect::Idle { host }, pb::MachineState::Idle)
                     if !live_ids.contains(host.as_str()) =>
                 {
-                    // Its host was deleted out of band (a fault): reconcile noticed.
-                    self.tally.add("check.vanished_after_out_of_band_delete");
-                    inner
-                        .expect
-                        .insert(m.id.clone(), (Expect::Speculative, now));
+                    // Its host was deleted out of band (a fault): the machine stays Idle, as
+                    // BigFleet's shard has no edge to say so, until a worker acts on it.
+                    self.tally.add("check.idle_after_out_of_band_delete");
                 }
                 _ => bail!(
                     "{} settled as {expect:?} after an acknowledged mutation, now {state:?} on host {:?} (last_error {:?}) with no mutation or fault to explain it; its history:\n{}",
@@ -284,18 +407,14 @@ impl Checker {
                 })
                 .count()
         };
-        let returned = machines
-            .iter()
-            .filter(|m| {
-                wire::state_of(m) == pb::MachineState::Speculative && by_capacity(&m.last_error)
-            })
-            .count();
+        let retired = machines.iter().filter(|m| successor(m).is_some()).count();
         format!(
             "hosts_seen={} leaked={leaked} failed_with_host={} failed_without_host={} \
-             returned_by_capacity={returned}",
+             retired_with_a_new_id={retired} shard_refused_edges={}",
             self.inner().seen_hosts.len(),
             failed(true),
-            failed(false)
+            failed(false) - retired,
+            self.refused_edges()
         )
     }
 
@@ -312,7 +431,7 @@ impl Checker {
             };
             let mut caller = wire::Caller::new(ch, wire::Shard::new("soak-checker", 1));
             let asked = Instant::now();
-            let Ok(machines) = caller.list_all().await else {
+            let Some(machines) = self.reconcile_shards(&mut caller).await else {
                 continue;
             };
             self.tally.add("check.passes");
@@ -331,6 +450,8 @@ impl Checker {
     pub(crate) fn unlisted(&self, machines: &[pb::Machine]) -> Vec<String> {
         let known: HashSet<&str> = machines.iter().map(|m| m.id.as_str()).collect();
         self.ids
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
             .iter()
             .filter(|id| !known.contains(id.as_str()))
             .cloned()
@@ -365,16 +486,20 @@ impl Checker {
                 pb::MachineState::Idle | pb::MachineState::Configured
             ) && let Some(host) = host_of(m)
                 && !self.emulated.is_live(&host)
+                && !self.inner().seen_hosts.contains(&host)
             {
+                // A host deleted out of band leaves its machine as it was (BigFleet's shard has
+                // no edge to say so); one that never lived is a record of nothing.
                 bail!(
-                    "{} is {:?} on host {host}, which does not exist",
+                    "{} is {:?} on host {host}, which never existed",
                     m.id,
                     wire::state_of(m)
                 );
             }
         }
         let known: HashSet<&str> = machines.iter().map(|m| m.id.as_str()).collect();
-        if let Some(missing) = self.ids.iter().find(|id| !known.contains(id.as_str())) {
+        let ids = self.ids.lock().unwrap_or_else(|e| e.into_inner()).clone();
+        if let Some(missing) = ids.iter().find(|id| !known.contains(id.as_str())) {
             bail!("machine {missing} is missing from the inventory");
         }
         Ok(())

@@ -95,17 +95,6 @@ impl Emulated {
         }
     }
 
-    pub(crate) fn machine_id(&self, index: i64) -> String {
-        let (instance_type, zone) = match self {
-            Emulated::Hetzner(_) => ("cx23", "nbg1"),
-            Emulated::DigitalOcean { .. } => ("s-1vcpu-2gb", DO_REGION),
-        };
-        format!(
-            "{}/OnDemand/{instance_type}/{zone}/{index:03}",
-            self.provider()
-        )
-    }
-
     /// The provider process for this cloud, with its offerings written into `dir`.
     pub(crate) fn spec(&self, root: &Path, dir: &Path, machines: usize) -> Result<Spec> {
         let offerings = dir.join("offerings.json");

@@ -15,7 +15,7 @@ use tokio::time::Instant;
 use tonic::transport::Channel;
 use tonic::{Code, Status};
 
-use super::check::Checker;
+use super::check::{Checker, successor};
 use super::{CREATE_TIMEOUT, Chance, Tally};
 use crate::e2e::wire;
 
@@ -95,9 +95,26 @@ impl Worker {
                 Kind::Delete => client.delete(wire::delete_request(id, token)).await,
             }
         };
-        match tokio::time::timeout(wire::RPC_TIMEOUT, call).await {
+        let _order = self.checker.in_order().await;
+        let answer = match tokio::time::timeout(wire::RPC_TIMEOUT, call).await {
             Ok(r) => r.map(tonic::Response::into_inner),
             Err(_) => Err(Status::deadline_exceeded("soak: RPC timed out")),
+        };
+        match &answer {
+            Err(status) if unanswered(status) => {}
+            answer => self
+                .checker
+                .answered(kind == Kind::Create, id, answer.as_ref()),
+        }
+        answer
+    }
+
+    /// `id` is retired: its capacity came back as `next`, which the worker owns from now on.
+    fn take_over(&mut self, id: &str, next: String) {
+        self.checker.track(id, &next);
+        self.checker.note(&next, format!("the capacity of {id}"));
+        if let Some(slot) = self.machines.iter_mut().find(|m| m.as_str() == id) {
+            *slot = next;
         }
     }
 
@@ -105,17 +122,29 @@ impl Worker {
     async fn settle(&self, id: &str) -> Option<pb::Machine> {
         let deadline = Instant::now() + CREATE_TIMEOUT + Duration::from_secs(60);
         while Instant::now() < deadline && !self.checker.failed() {
-            if let Some(mut client) = self.client()
-                && let Ok(Ok(m)) = tokio::time::timeout(
-                    wire::RPC_TIMEOUT,
-                    client.get(pb::MachineRef { id: id.to_owned() }),
-                )
-                .await
-            {
-                let m = m.into_inner();
-                if !super::is_transitional(wire::state_of(&m)) {
-                    return Some(m);
+            let got = match self.client() {
+                Some(mut client) => {
+                    let _order = self.checker.in_order().await;
+                    match tokio::time::timeout(
+                        wire::RPC_TIMEOUT,
+                        client.get(pb::MachineRef { id: id.to_owned() }),
+                    )
+                    .await
+                    {
+                        Ok(Ok(m)) => {
+                            let m = m.into_inner();
+                            self.checker.got(&m);
+                            Some(m)
+                        }
+                        _ => None,
+                    }
                 }
+                None => None,
+            };
+            if let Some(m) = got
+                && !super::is_transitional(wire::state_of(&m))
+            {
+                return Some(m);
             }
             tokio::time::sleep(Duration::from_millis(100)).await;
         }
@@ -162,6 +191,7 @@ impl Worker {
                 }
                 continue;
             }
+            let order = self.checker.in_order().await;
             let Ok(Ok(machine)) = tokio::time::timeout(
                 wire::RPC_TIMEOUT,
                 client.get(pb::MachineRef { id: id.clone() }),
@@ -171,10 +201,18 @@ impl Worker {
                 continue;
             };
             let machine = machine.into_inner();
+            self.checker.got(&machine);
+            drop(order);
             let kind = match wire::state_of(&machine) {
                 pb::MachineState::Speculative => Kind::Create,
                 pb::MachineState::Idle if self.chance.percent(15) => Kind::Configure,
                 pb::MachineState::Idle if self.chance.percent(80) => Kind::Delete,
+                pb::MachineState::Failed if successor(&machine).is_some() => {
+                    // Retired: its capacity is a new id (a refused Create, a release).
+                    let next = successor(&machine).expect("checked");
+                    self.take_over(&id, next);
+                    continue;
+                }
                 pb::MachineState::Failed => {
                     self.checker.begin(&id);
                     let released = self.release(&id).await;
@@ -189,6 +227,9 @@ impl Worker {
                         None
                     };
                     self.checker.end(&id, settled.as_ref());
+                    if let Some(next) = settled.as_ref().and_then(successor) {
+                        self.take_over(&id, next);
+                    }
                     continue;
                 }
                 _ => continue,
@@ -248,6 +289,9 @@ impl Worker {
                 ),
             );
             self.checker.end(&id, settled.as_ref());
+            if let Some(next) = settled.as_ref().and_then(successor) {
+                self.take_over(&id, next);
+            }
         }
         Ok(())
     }

@@ -595,3 +595,64 @@ async fn the_per_slot_token_speaks_only_for_droplets_created_before_enrollment()
         BLOB
     );
 }
+
+/// A state lost with `--bootstrap-enrollment-source any`: the state after it counts operations
+/// again, but its series differs, so no identity of the lost state repeats. The first Create
+/// after the loss names another machine id and another operation, its Droplet's user_data token
+/// is new, and whoever kept the user_data of the Droplet the lost state made (deleted since)
+/// can enroll neither under that machine nor under the new one; the new Droplet's own agent
+/// enrolls and alone receives its Configure's blob.
+#[tokio::test]
+async fn after_a_state_loss_no_token_or_id_of_the_lost_state_repeats() {
+    let site_dir = tempfile::tempdir().unwrap();
+    let state = site_dir.path().join("state");
+    let state_flag = format!("--state={}", state.display());
+    let mut p = Provider::start(&[&state_flag, "--configure-timeout=30s"]).await;
+    let old_id = p.idle_machine().await;
+    let (_, old_config) = p.droplet_of(&old_id);
+    let old_token = user_data_token(&old_config);
+    p.delete(&old_id).await;
+    p.wait_for(&old_id, pb::MachineState::Speculative).await;
+    assert!(p.site.emulator.droplets().is_empty(), "the Droplet is gone");
+
+    // The state is lost: the directory goes, the process starts on a fresh one.
+    p.kill_9().await;
+    std::fs::remove_dir_all(&state).unwrap();
+    p.restart(&[&state_flag, "--configure-timeout=30s"]).await;
+    let ids = p.speculative(4).await;
+    assert!(
+        !ids.contains(&old_id),
+        "a machine id of the lost state is listed again: {ids:?}"
+    );
+    let new_id = ids[0].clone();
+    p.create(&new_id).await;
+    p.wait_for(&new_id, pb::MachineState::Idle).await;
+    let (new_dir, new_config) = p.droplet_of(&new_id);
+    let new_token = user_data_token(&new_config);
+    assert_ne!(
+        new_token, old_token,
+        "the token of the lost state's Droplet repeats"
+    );
+
+    // The old user_data's holder tries it under the new machine and under the old id.
+    let mut thief = Outsider::new(&p.site.pki.ca_pem, &new_config);
+    let stolen = digitalocean::token::new_credential().expose().to_owned();
+    assert_eq!(thief.enroll(&old_token, &stolen).await, 401);
+    let mut old_thief = Outsider::new(&p.site.pki.ca_pem, &old_config);
+    assert_eq!(old_thief.enroll(&old_token, &stolen).await, 401);
+    assert_eq!(thief.poll(&stolen).await, 401);
+
+    // The new Droplet's agent enrolls and is the one handed the blob.
+    let agent = boot(&new_dir, new_config);
+    agent
+        .expect_output(
+            "enrolled; the user_data token is spent",
+            Duration::from_secs(15),
+        )
+        .await;
+    configure(&mut p, &new_id).await;
+    p.wait_for(&new_id, pb::MachineState::Configured).await;
+    assert_eq!(std::fs::read(new_dir.join("hook.blob.copy")).unwrap(), BLOB);
+    thief.saw_no_blob();
+    old_thief.saw_no_blob();
+}

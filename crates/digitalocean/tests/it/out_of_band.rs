@@ -57,7 +57,10 @@ async fn a_droplet_destroyed_out_of_band_is_noticed_by_the_next_check_not_the_pa
         provider_core::EngineOptions::new(telemetry),
     )
     .await;
-    let ids: Vec<String> = (0..=DROPLETS).map(|i| machine(i).id).collect();
+    // The Droplets made above keep their ids; the offering's one spare slot has a new one.
+    let mut ids: Vec<String> = (0..DROPLETS).map(|i| machine(i).id).collect();
+    ids.extend(engine.spare_of("s-2vcpu-4gb", REGION));
+    assert_eq!(ids.len(), DROPLETS as usize + 1);
     let scenario = Scenario::new(&engine, PREFIX, FLOOR, "ListActions");
     let requests = |class: &str| classes::count(&env.emulator.requests_by_class(), class);
     let unanswered = scenario.unanswered(requests("actions"));

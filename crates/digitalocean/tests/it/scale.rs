@@ -122,7 +122,9 @@ async fn two_hundred_creates_beside_a_thousand_owned_droplets_meet_no_429_with_o
             engine.reconcile().await
         }))
     };
-    let ids: Vec<String> = (1_000..1_200).map(slot).collect();
+    // The owned Droplets keep their ids; the 200 spare slots have this state's.
+    let ids: Vec<String> = engine.spare_of(SIZE, REGION);
+    assert_eq!(ids.len(), 200);
     for id in &ids {
         engine.create(id, zero_token()).await.unwrap();
     }

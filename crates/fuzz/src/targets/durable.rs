@@ -131,6 +131,7 @@ pub(crate) fn slot(u: &mut Unstructured<'_>) -> Result<Slot> {
         } else {
             None
         },
+        retired: None,
     })
 }
 

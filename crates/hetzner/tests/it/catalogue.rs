@@ -116,12 +116,7 @@ async fn offerings_hetzner_does_not_sell_leave_list_and_come_back() {
         ["cpx42/fsn1", "cpx42/fsn1", "cx23/nbg1", "cx23/nbg1"]
     );
     // A server for one cx23 slot before Hetzner stops selling cx23 in nbg1.
-    let hosted = fleet
-        .offered()
-        .unwrap()
-        .into_iter()
-        .find(|m| m.instance_type == "cx23")
-        .unwrap();
+    let hosted = engine.get(&engine.spare_of("cx23", "nbg1")[0]).unwrap();
     let token = provider_core::FenceToken {
         shard_id: String::new(),
         epoch: 0,

@@ -317,14 +317,15 @@ async fn a_server_skipped_by_a_shifting_paged_listing_is_not_declared_vanished()
     for id in &ids {
         assert_eq!(engine.get(id).unwrap().state, MachineState::Idle, "{id}");
     }
-    // The next pass sees the deletion, proves it, and changes exactly that machine.
+    // The next pass sees the deletion and proves it; BigFleet's shard has no edge from Idle to
+    // say so, so the machine stays Idle (its next Configure fails, a Delete gives it back).
     let report = engine.reconcile().await.unwrap();
     assert_eq!(report.vanished, 1, "{report:?}");
     let states: Vec<MachineState> = ids.iter().map(|id| engine.get(id).unwrap().state).collect();
     assert_eq!(
         states,
         [
-            MachineState::Speculative, // its server is gone
+            MachineState::Idle, // its server is gone: the shard's next action ends it
             MachineState::Idle,
             MachineState::Idle,
             MachineState::Idle, // skipped by the first listing, alive
@@ -349,7 +350,7 @@ async fn a_server_left_by_a_failed_create_is_recorded_and_released() {
         std::time::Duration::from_secs(600),
     )
     .await;
-    let id = env.machine("cx23", "nbg1", 0).id;
+    let id = engine.spare_of("cx23", "nbg1")[0].clone();
     engine.create(&id, zero_token()).await.unwrap();
     let failed = settled(&engine, &id).await;
     assert_eq!(failed.state, MachineState::Failed, "{failed:?}");
@@ -368,7 +369,7 @@ async fn a_server_left_by_a_failed_create_is_recorded_and_released() {
             .all(|s| s.status == hcloud::models::server::Status::Deleting),
         "released: the server is deleted"
     );
-    assert_eq!(engine.get(&id).unwrap().state, MachineState::Speculative);
+    assert_eq!(engine.get(&id).unwrap().state, MachineState::Failed);
 }
 
 /// A second server carrying one machine's labels (attached to no record) is deleted as an
@@ -430,7 +431,7 @@ async fn releasing_a_failed_create_deletes_the_server_it_left_before_reconcile_s
         std::time::Duration::from_secs(600),
     )
     .await;
-    let id = env.machine("cx23", "nbg1", 0).id;
+    let id = engine.spare_of("cx23", "nbg1")[0].clone();
     engine.create(&id, zero_token()).await.unwrap();
     let failed = settled(&engine, &id).await;
     assert_eq!(failed.state, MachineState::Failed, "{failed:?}");
@@ -441,7 +442,8 @@ async fn releasing_a_failed_create_deletes_the_server_it_left_before_reconcile_s
         assert_eq!(servers.len(), 1, "{servers:?}");
         assert_eq!(host.id, servers[0].id.to_string());
     }
-    engine.release(&id).await.unwrap();
+    let answer = engine.release(&id).await.unwrap();
+    let successor = testkit::engine::assert_released(&engine, &id, &answer);
     assert!(
         env.emulator
             .servers()
@@ -452,5 +454,9 @@ async fn releasing_a_failed_create_deletes_the_server_it_left_before_reconcile_s
     env.emulator.set_polls_to_running(0);
     let report = engine.reconcile().await.unwrap();
     assert_eq!(report.adopted, 0, "{report:?}");
-    assert_eq!(engine.get(&id).unwrap().state, MachineState::Speculative);
+    assert_eq!(engine.get(&id).unwrap().state, MachineState::Failed);
+    assert_eq!(
+        engine.get(&successor).unwrap().state,
+        MachineState::Speculative
+    );
 }

@@ -53,9 +53,12 @@ async fn a_server_deleted_out_of_band_is_noticed_by_the_next_check_not_the_paced
         provider_core::EngineOptions::new(env.telemetry),
     )
     .await;
-    let ids: Vec<String> = (0..=SERVERS)
+    // The servers made above keep their ids; the offering's one spare slot has a new one.
+    let mut ids: Vec<String> = (0..SERVERS)
         .map(|i| env.machine("cx23", "nbg1", i).id)
         .collect();
+    ids.extend(engine.spare_of("cx23", "nbg1"));
+    assert_eq!(ids.len(), SERVERS as usize + 1);
     let scenario = Scenario::new(&engine, PREFIX, FLOOR, "CountManaged");
     let requests = |class: &str| classes::count(&env.emulator.requests_by_class(), class);
     let unanswered = scenario.unanswered(requests("count"));

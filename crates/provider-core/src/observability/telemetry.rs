@@ -34,6 +34,7 @@ pub struct Telemetry {
     pub transition_duration: &'static str,
     pub machines: &'static str,
     pub failed_with_host: &'static str,
+    pub retired_machines: &'static str,
     pub store_commit_duration: &'static str,
     pub store_commit_failures: &'static str,
     pub admin_actions: &'static str,
@@ -141,6 +142,7 @@ impl Telemetry {
             transition_duration: leak(prefix, "transition_duration_seconds"),
             machines: leak(prefix, "machines"),
             failed_with_host: leak(prefix, "failed_machines_with_host"),
+            retired_machines: leak(prefix, "retired_machines"),
             store_commit_duration: leak(prefix, "store_commit_duration_seconds"),
             store_commit_failures: leak(prefix, "store_commit_failures_total"),
             admin_actions: leak(prefix, "admin_actions_total"),
@@ -310,11 +312,19 @@ impl Telemetry {
         counter!(self.admin_actions, "action" => action, "outcome" => outcome).increment(1);
     }
 
-    pub fn census(&self, by_state: &[(&'static str, usize)], failed_with_host: usize) {
+    pub fn census(
+        &self,
+        by_state: &[(&'static str, usize)],
+        failed_with_host: usize,
+        retired: &[(&'static str, usize)],
+    ) {
         for (state, n) in by_state {
             gauge!(self.machines, "state" => *state).set(*n as f64);
         }
         gauge!(self.failed_with_host).set(failed_with_host as f64);
+        for (reason, n) in retired {
+            gauge!(self.retired_machines, "reason" => *reason).set(*n as f64);
+        }
     }
 
     /// Marks the build this process runs (`<prefix>_build_info{version} 1`).

@@ -75,7 +75,7 @@ async fn handle(engine: &Engine, request: AdminRequest) -> AdminResponse {
                 tracing::info!(
                     machine_id,
                     done = message,
-                    "admin: released FAILED machine back to Speculative"
+                    "admin: released a FAILED machine; its capacity comes back under a new machine id"
                 );
                 telemetry.admin("release", "success");
                 AdminResponse {
@@ -296,11 +296,9 @@ mod tests {
     use crate::runtime::engine::EngineOptions;
     use crate::{FenceToken, MachineState, StringMap};
 
-    const ID: &str = "p/OnDemand/a/z1/000";
-
-    async fn wait_for(engine: &Engine, state: MachineState) {
+    async fn wait_for(engine: &Engine, id: &str, state: MachineState) {
         for _ in 0..500 {
-            if engine.get(ID).unwrap().state == state {
+            if engine.get(id).unwrap().state == state {
                 return;
             }
             tokio::time::sleep(Duration::from_millis(5)).await;
@@ -325,16 +323,18 @@ mod tests {
             epoch: 0,
             sequence: 0,
         };
-        engine.create(ID, zero()).await.unwrap();
-        wait_for(&engine, MachineState::Idle).await;
+        let id = engine.spare_of("a", "z1")[0].clone();
+        let other = engine.spare_of("b", "z1")[0].clone();
+        engine.create(&id, zero()).await.unwrap();
+        wait_for(&engine, &id, MachineState::Idle).await;
         // The host vanishes behind the provider's back, so Configure fails: FAILED with a host.
-        let host = engine.get(ID).unwrap().host.clone().unwrap();
+        let host = engine.get(&id).unwrap().host.clone().unwrap();
         assert!(cloud.remove_out_of_band(&host.id));
         engine
-            .configure(ID, "c".into(), b"blob".to_vec(), StringMap::new(), zero())
+            .configure(&id, "c".into(), b"blob".to_vec(), StringMap::new(), zero())
             .await
             .unwrap();
-        wait_for(&engine, MachineState::Failed).await;
+        wait_for(&engine, &id, MachineState::Failed).await;
 
         let dir = tempfile::tempdir().unwrap();
         let socket = dir.path().join("admin.sock");
@@ -349,7 +349,7 @@ mod tests {
         let listed = call(&socket, &AdminRequest::FailedList).await.unwrap();
         assert!(listed.ok);
         assert_eq!(listed.failed.len(), 1);
-        assert_eq!(listed.failed[0].id, ID);
+        assert_eq!(listed.failed[0].id, id);
         assert_eq!(listed.failed[0].host.as_deref(), Some(host.id.as_str()));
         assert!(
             listed.failed[0]
@@ -362,7 +362,7 @@ mod tests {
         let refused = call(
             &socket,
             &AdminRequest::Release {
-                machine_id: "p/OnDemand/b/z1/000".into(),
+                machine_id: other.clone(),
             },
         )
         .await
@@ -373,15 +373,31 @@ mod tests {
         let released = call(
             &socket,
             &AdminRequest::Release {
-                machine_id: ID.into(),
+                machine_id: id.clone(),
             },
         )
         .await
         .unwrap();
         assert!(released.ok, "{}", released.error);
-        let m = engine.get(ID).unwrap();
-        assert_eq!(m.state, MachineState::Speculative);
-        assert!(m.host.is_none() && m.last_error.is_empty());
+        let m = engine.get(&id).unwrap();
+        assert_eq!(
+            m.state,
+            MachineState::Failed,
+            "the released id stays FAILED"
+        );
+        assert!(m.host.is_none());
+        let successor = m.last_error.rsplit(' ').next().unwrap().to_owned();
+        assert!(
+            released
+                .message
+                .ends_with(&format!("comes back as machine {successor}")),
+            "{}",
+            released.message
+        );
+        assert_eq!(
+            engine.get(&successor).unwrap().state,
+            MachineState::Speculative
+        );
         assert!(
             call(&socket, &AdminRequest::FailedList)
                 .await

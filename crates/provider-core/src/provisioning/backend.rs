@@ -299,6 +299,14 @@ pub trait Backend: Send + Sync + 'static {
         self.offered_ids()
     }
 
+    /// Every configured offering with the shape of its Speculative slots, how many machines
+    /// it holds and whether it is sold now, computed without any I/O; the engine fits the
+    /// slots to it (see [`crate::inventory::Inventory::fit_offered`]), minting the ids of new
+    /// slots itself. `None` means the backend has no offerings: its Describe names every slot.
+    fn offer(&self) -> Option<Vec<crate::rules::inventory::OfferGroup>> {
+        None
+    }
+
     /// The most Speculative slots to list now (the account's headroom); `None`: no cap beyond
     /// [`Backend::offered`]. The engine keeps the Speculative slots without a host at or below
     /// it.

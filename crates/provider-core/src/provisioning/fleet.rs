@@ -21,7 +21,7 @@ use crate::provisioning::cloud::{Capacity, Cloud, OwnedHost};
 use crate::provisioning::headroom::{AccountHosts, Headroom};
 use crate::provisioning::offerings::Offering;
 use crate::provisioning::stockout::{Admission, StockoutBackoff, Withdrawals};
-use crate::rules::inventory::{Effect, Sighting, Survey};
+use crate::rules::inventory::{Effect, OfferGroup, Sighting, Survey};
 use crate::rules::machine::{CapacityType, HostRef, Machine, MachineState, StringMap};
 
 /// The slot id of offering slot `index`: `<provider>/OnDemand/<type>/<zone>/<NNN>`.
@@ -474,12 +474,7 @@ impl Fleet {
         let mut out = Vec::with_capacity(total);
         for o in offerings {
             // One shape per offering, shared by all of its slots.
-            let mut shape = self.machine(String::new(), &o.instance_type, &o.zone);
-            shape.resources = self.offering_resources(&o.resources, &o.instance_type);
-            shape.labels = o.labels.clone();
-            shape
-                .labels
-                .extend(self.node_labels(&o.instance_type, &o.zone));
+            let shape = self.shape(o);
             for i in 0..o.count.max(0) {
                 let mut m = shape.clone();
                 m.id = slot_id(&self.provider, &o.instance_type, &o.zone, i);
@@ -487,6 +482,19 @@ impl Fleet {
             }
         }
         out
+    }
+
+    /// The Speculative slot of offering `o`, named as its first slot (the prefix of the ids
+    /// its slots get).
+    fn shape(&self, o: &Offering) -> Machine {
+        let id = slot_id(&self.provider, &o.instance_type, &o.zone, 0);
+        let mut shape = self.machine(id, &o.instance_type, &o.zone);
+        shape.resources = self.offering_resources(&o.resources, &o.instance_type);
+        shape.labels = o.labels.clone();
+        shape
+            .labels
+            .extend(self.node_labels(&o.instance_type, &o.zone));
+        shape
     }
 
     fn host_ref(&self, host: &OwnedHost) -> HostRef {
@@ -567,10 +575,28 @@ impl Fleet {
             .collect();
         extra.sort_by(|a, b| host_order(a).cmp(&host_order(b)));
         for host in extra {
-            let mut m = self.machine(host.machine_id.clone(), &host.instance_type, &host.zone);
+            // A host of a configured offering (its machine id one of this or an earlier
+            // state's) takes that offering's shape; any other is recovered as the reference
+            // does, without labels.
+            let offering = self
+                .offerings
+                .iter()
+                .find(|o| o.instance_type == host.instance_type && o.zone == host.zone);
+            let mut m = match offering {
+                Some(o) => {
+                    let mut m = self.shape(o);
+                    m.id = host.machine_id.clone();
+                    m
+                }
+                None => {
+                    let mut m =
+                        self.machine(host.machine_id.clone(), &host.instance_type, &host.zone);
+                    m.resources = self.recovered_resources(&host.instance_type, &host.zone);
+                    m
+                }
+            };
             m.state = MachineState::Idle;
             m.host = Some(self.host_ref(host));
-            m.resources = self.recovered_resources(&host.instance_type, &host.zone);
             out.push(m);
         }
         out
@@ -637,6 +663,19 @@ impl Backend for Fleet {
         Some(self.slot_ids(self.offerings.iter()))
     }
 
+    fn offer(&self) -> Option<Vec<OfferGroup>> {
+        Some(
+            self.offerings
+                .iter()
+                .map(|o| OfferGroup {
+                    shape: self.shape(o),
+                    count: o.count.max(0) as usize,
+                    advertised: self.withdrawn(&o.instance_type, &o.zone).is_none(),
+                })
+                .collect(),
+        )
+    }
+
     async fn create(
         &self,
         machine: &Machine,
@@ -649,7 +688,7 @@ impl Backend for Fleet {
                 machine,
                 Refusal::stockout("withdrawn"),
                 format!(
-                    "offering {t}/{z} is withdrawn ({why}): the cloud does not sell it there now; nothing was sent and the slot is Speculative again"
+                    "offering {t}/{z} is withdrawn ({why}): the cloud does not sell it there now; nothing was sent"
                 ),
             ));
         }
@@ -675,7 +714,7 @@ impl Backend for Fleet {
                     machine,
                     Refusal::stockout("withdrawn"),
                     format!(
-                        "stockout: offering {t}/{z} is withdrawn since the cloud refused it ({code}); nothing was sent, the slot is Speculative again and the offering comes back {when}"
+                        "stockout: offering {t}/{z} is withdrawn since the cloud refused it ({code}); nothing was sent and the offering comes back {when}"
                     ),
                 ));
             }
@@ -694,7 +733,7 @@ impl Backend for Fleet {
                     machine,
                     Refusal::account_limit("no_headroom", None),
                     format!(
-                        "account limit: the cloud account holds as many hosts as its limit ({limit}) allows; nothing was sent and the slot is Speculative again (raise the limit, or delete hosts)"
+                        "account limit: the cloud account holds as many hosts as its limit ({limit}) allows; nothing was sent (raise the limit, or delete hosts)"
                     ),
                 ));
             }
@@ -851,12 +890,12 @@ impl Fleet {
                     .map_or(1, |(_, w)| w.strikes);
                 let wait =
                     crate::observability::duration::format(Duration::from_secs(wait.as_secs()));
-                tracing::warn!(instance_type = t, zone = z, machine_id = %machine.id, code = refusal.code, strikes, backoff = wait, err = %error, "stockout: the cloud cannot place this offering now; its Speculative slots are withdrawn for the backoff, then one Create probes it; the machine is Speculative again");
+                tracing::warn!(instance_type = t, zone = z, machine_id = %machine.id, code = refusal.code, strikes, backoff = wait, err = %error, "stockout: the cloud cannot place this offering now; its Speculative slots are withdrawn for the backoff, then one Create probes it; the machine's capacity comes back under a new machine id");
                 if let Some(tel) = self.telemetry {
                     tel.offering_stockout(t, z, true);
                 }
                 format!(
-                    "stockout: {error}; offering {t}/{z} is withdrawn for {wait} (stockout {strikes} in a row), then one Create probes it; nothing was created and the slot is Speculative again"
+                    "stockout: {error}; offering {t}/{z} is withdrawn for {wait} (stockout {strikes} in a row), then one Create probes it; nothing was created"
                 )
             }
             RefusalKind::AccountLimit => {
@@ -866,9 +905,9 @@ impl Fleet {
                 self.headroom
                     .refused(refusal.account_hosts, account_probe, now, jitter);
                 let limit = self.headroom.limit().map_or(0, |(l, _)| l);
-                tracing::warn!(instance_type = t, zone = z, machine_id = %machine.id, code = refusal.code, limit, err = %error, "account limit: the cloud account holds as many hosts as its limit allows; Speculative slots are capped to the headroom; the machine is Speculative again");
+                tracing::warn!(instance_type = t, zone = z, machine_id = %machine.id, code = refusal.code, limit, err = %error, "account limit: the cloud account holds as many hosts as its limit allows; Speculative slots are capped to the headroom; the machine's capacity comes back under a new machine id");
                 format!(
-                    "account limit: {error}; the account holds {limit} hosts, its limit; nothing was created and the slot is Speculative again (raise the limit, or delete hosts)"
+                    "account limit: {error}; the account holds {limit} hosts, its limit; nothing was created (raise the limit, or delete hosts)"
                 )
             }
         };

@@ -11,7 +11,10 @@ use crate::rules::fence::unknown_ids::{self, UnknownIdMarks};
 use crate::rules::fence::{self, FenceDecision, FenceToken, HighWaterMark};
 use crate::rules::lifecycle::OperationKind;
 use crate::rules::machine::{HostRef, Machine, MachineState, StringMap};
-use crate::rules::records::{Change, Enrollment, FenceRecord, SealedConfigure, Slot, Snapshot};
+use crate::rules::records::{
+    Change, Enrollment, FenceRecord, RETIRED_RETENTION_SECONDS, RetireReason, Retired,
+    SealedConfigure, Slot, Snapshot,
+};
 
 mod slot_table;
 
@@ -145,6 +148,31 @@ pub struct Inventory {
     hidden: HashSet<String>,
 }
 
+/// One configured offering, as the slots are fitted to it: the shape of its Speculative slots
+/// (type, zone, price, resources, labels; the id names the offering's first slot and so the
+/// prefix new ids get), how many machines it holds, and whether the cloud sells it now.
+#[derive(Clone, Debug)]
+pub struct OfferGroup {
+    pub shape: Machine,
+    pub count: usize,
+    pub advertised: bool,
+}
+
+/// Machine ids of a state are `<prefix>/<n>`, `n` drawn from the operation counter, whose high
+/// bits are the state's series (see [`Inventory::ensure_series`]): no id repeats within a state,
+/// nor, but for a one in 2^24 chance that the check against the project's hosts also misses,
+/// between two states.
+const SERIES_SHIFT: u32 = 32;
+const SERIES_BITS: u32 = 24;
+
+/// The series of a machine id or operation id minted by this scheme (its trailing number's high
+/// bits), if it has one.
+pub fn id_series(id: &str) -> Option<u64> {
+    let tail = id.rsplit(['/', '-']).next()?;
+    let n: u64 = tail.parse().ok()?;
+    Some(n >> SERIES_SHIFT).filter(|s| *s != 0)
+}
+
 /// What [`Inventory::fit_offered`] changed.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct Fitted {
@@ -156,6 +184,10 @@ pub struct Fitted {
     pub hidden: usize,
     /// Hidden slots listed again.
     pub shown: usize,
+    /// Spare slots whose shape (price, resources, labels) followed their offering's.
+    pub refreshed: usize,
+    /// Retired records that left the state after their retention.
+    pub pruned: usize,
 }
 
 impl Fitted {
@@ -371,7 +403,6 @@ impl Inventory {
                 found.truncate(cap);
                 found
             }
-            // Nothing hidden: a List of everything pays nothing per machine for the filter.
             None if self.hidden.is_empty() => {
                 let machines: Vec<Arc<Machine>> = self
                     .slots
@@ -768,75 +799,336 @@ impl Inventory {
 
     /// Ends the Create `operation_id` of `machine_id` without a host: the substrate refused it
     /// without making anything, for a reason that is not the machine's (a stockout, the
-    /// account's limit). The slot goes back to Speculative with `message` as its `last_error`,
-    /// ready for another Create (the recorded operation id no longer matches its position, so
-    /// a repeated Create is new work). Only a slot still Creating under that operation id with no
-    /// host recorded goes back; one holding a host (the substrate did make something) goes
-    /// FAILED instead, as any failed Create. Returns whether the outcome was applied.
+    /// account's limit). The machine id ends on an edge BigFleet's shard has, Creating ->
+    /// FAILED, with `message` and the new id in its `last_error`, and its capacity comes back
+    /// as a Speculative slot under a machine id never listed before (see
+    /// [`Inventory::retire`]). One holding a host (the substrate did make something) goes
+    /// FAILED without a successor, as any failed Create: the host is the operator's to release.
+    /// Returns the successor's id when the outcome was applied (`Some("")` for a FAILED record
+    /// that keeps its host), `None` when it was stale.
     pub fn return_created(
         &mut self,
         machine_id: &str,
         operation_id: &str,
+        reason: RetireReason,
         message: String,
+        now_unix: u64,
         changes: &mut Vec<Change>,
-    ) -> bool {
+    ) -> Option<String> {
         let kind = OperationKind::Create;
-        let Some(mut slot) = self.slots.get_mut(machine_id) else {
-            return false;
-        };
+        let slot = self.slots.get(machine_id)?;
         if slot.machine.state != kind.transitional() || slot.operation(kind) != Some(operation_id) {
+            return None;
+        }
+        if let Some(host) = slot.machine.host.clone() {
+            let mut slot = self.slots.get_mut(machine_id).expect("present");
+            let machine = crate::rules::machine::edit(&mut slot.machine);
+            machine.state = MachineState::Failed;
+            machine.last_error = format!(
+                "create: host {} is recorded for this Create, so the machine cannot give its \
+                 capacity back (release it with `admin failed release`); the cloud then \
+                 refused: {message}",
+                host.id
+            );
+            drop(slot);
+            self.touch(machine_id, changes);
+            changes.push(self.counters());
+            return Some(String::new());
+        }
+        let successor = self.retire(machine_id, reason, &message, now_unix, changes);
+        changes.push(self.counters());
+        Some(successor)
+    }
+
+    /// Ends machine `id` as a retired FAILED record without a host and gives its capacity back
+    /// under a new machine id: a Speculative slot of the same shape (type, zone, price,
+    /// resources, labels). The old record's `last_error` is `message` and the successor's id;
+    /// it stays listed, as FAILED, for [`RETIRED_RETENTION_SECONDS`] so every shard can read
+    /// how it ended, then leaves the state ([`Inventory::prune_retired`]). Returns the
+    /// successor's id.
+    pub(crate) fn retire(
+        &mut self,
+        id: &str,
+        reason: RetireReason,
+        message: &str,
+        now_unix: u64,
+        changes: &mut Vec<Change>,
+    ) -> String {
+        let shape = self.slots[id].machine.clone();
+        let successor = self.mint_machine_id(id);
+        let mut fresh = Machine::speculative(successor.clone(), &shape.instance_type);
+        fresh.zone = shape.zone.clone();
+        fresh.capacity_type = shape.capacity_type;
+        fresh.price_per_hour = shape.price_per_hour;
+        fresh.interruption_probability = shape.interruption_probability;
+        fresh.resources = shape.resources.clone();
+        fresh.allocatable = shape.allocatable.clone();
+        fresh.labels = shape.labels.clone();
+        {
+            let mut slot = self.slots.get_mut(id).expect("present");
+            let machine = crate::rules::machine::edit(&mut slot.machine);
+            machine.state = MachineState::Failed;
+            if let Some(host) = machine.host.take() {
+                self.upkeep.remember_deleted(&host.id);
+            }
+            machine.cluster.clear();
+            machine.shard_metadata.clear();
+            machine.last_error =
+                format!("{message}; its capacity comes back as machine {successor}");
+            slot.retired = Some(Retired {
+                reason,
+                unix_seconds: now_unix,
+                successor: successor.clone(),
+            });
+        }
+        self.touch(id, changes);
+        self.insert_new(fresh, Some(&mut *changes));
+        successor
+    }
+
+    /// A machine id never used in this state, nor (see [`Inventory::ensure_series`]) by another
+    /// state: `like`'s prefix (up to its last `/`, the offering's
+    /// `<provider>/OnDemand/<type>/<zone>`) and the next number of the operation counter.
+    pub fn mint_machine_id(&mut self, like: &str) -> String {
+        let n = self.next_op.max(1);
+        self.next_op = n + 1;
+        match like.rsplit_once('/') {
+            Some((prefix, _)) => format!("{prefix}/{n}"),
+            None => format!("{like}-{n}"),
+        }
+    }
+
+    /// The state's series: the high bits of its operation counter, drawn at random when the
+    /// state was made, so operation ids, the names and tokens derived from them and new machine
+    /// ids differ between two states even when their counters coincide.
+    pub fn series(&self) -> u64 {
+        self.next_op >> SERIES_SHIFT
+    }
+
+    /// Gives a state without a series (a new one, one an older version wrote, a reference
+    /// import) one: drawn at random, never one of `taken` (the series the project's hosts
+    /// carry in their machine ids), and kept with the state from then on. Counts already
+    /// issued stay below the new counter, so nothing repeats. Returns whether it drew one.
+    pub fn ensure_series(&mut self, taken: &HashSet<u64>, changes: &mut Vec<Change>) -> bool {
+        if self.series() != 0 {
             return false;
         }
-        let machine = crate::rules::machine::edit(&mut slot.machine);
-        match &machine.host {
-            None => {
-                machine.state = MachineState::Speculative;
-                machine.last_error = message;
+        let series = loop {
+            let drawn = rand::random_range(1..(1u64 << SERIES_BITS));
+            if !taken.contains(&drawn) {
+                break drawn;
             }
-            Some(host) => {
-                machine.state = MachineState::Failed;
-                machine.last_error = format!(
-                    "create: host {} is recorded for this Create, so its slot cannot go back to \
-                     Speculative (release it with `admin failed release`); the cloud then \
-                     refused: {message}",
-                    host.id
-                );
-            }
-        }
-        drop(slot);
-        self.touch(machine_id, changes);
+        };
+        self.next_op = (series << SERIES_SHIFT) | self.next_op.max(1);
         changes.push(self.counters());
         true
     }
 
-    /// Fits the Speculative slots without a host to what is `offered` now, at most `cap` of
-    /// them listed. Slots whose offering is no longer `configured` at all are removed; offered
-    /// slots the state lacks are added; then the spare slots not offered now (a withdrawn
-    /// offering's) and those above the cap (the highest slot numbers first) are hidden: kept in
-    /// the state, so a Create on one from a shard that still holds it is admitted and answered
-    /// without a request, but left out of List. A hidden slot listed again is marked changed,
-    /// so a List since an earlier revision shows it.
+    /// Removes slot `id` from the state; the fence marks it held move to the bounded table of
+    /// unknown ids, so an old token stays refused without the id's marks growing the state for
+    /// good.
+    fn forget_slot(&mut self, id: &str, changes: &mut Vec<Change>) {
+        if self.slots.remove(id).is_none() {
+            return;
+        }
+        changes.push(Change::RemoveSlot(id.to_owned()));
+        self.hidden.remove(id);
+        let mut marks = Vec::new();
+        for (shard, by_machine) in self.fences.iter_mut() {
+            if let Some(mark) = by_machine.remove(id) {
+                marks.push((shard.clone(), mark));
+            }
+        }
+        for (shard, mark) in marks {
+            for gone in self.unknown_marks.put(&shard, id, mark) {
+                self.unknown_marks_evicted += 1;
+                changes.push(Change::RemoveFence {
+                    shard_id: gone.shard_id,
+                    machine_id: gone.machine_id,
+                });
+            }
+        }
+    }
+
+    /// Removes the retired records older than [`RETIRED_RETENTION_SECONDS`] as of `now_unix`.
+    /// Returns how many left.
+    pub fn prune_retired(&mut self, now_unix: u64, changes: &mut Vec<Change>) -> usize {
+        let due: Vec<String> = self
+            .in_state(MachineState::Failed)
+            .filter(|s| {
+                s.retired.as_ref().is_some_and(|r| {
+                    now_unix.saturating_sub(r.unix_seconds) >= RETIRED_RETENTION_SECONDS
+                })
+            })
+            .map(|s| s.machine.id.clone())
+            .collect();
+        for id in &due {
+            self.forget_slot(id, changes);
+        }
+        if !due.is_empty() {
+            self.revision += 1;
+            changes.push(self.counters());
+        }
+        due.len()
+    }
+
+    /// The retired records held, by reason.
+    pub fn retired_by_reason(&self) -> Vec<(RetireReason, usize)> {
+        let mut counts: HashMap<RetireReason, usize> = HashMap::new();
+        for slot in self.in_state(MachineState::Failed) {
+            if let Some(r) = &slot.retired {
+                *counts.entry(r.reason).or_default() += 1;
+            }
+        }
+        RetireReason::ALL
+            .into_iter()
+            .map(|r| (r, counts.get(&r).copied().unwrap_or(0)))
+            .collect()
+    }
+
+    /// Fits the slots to the configured offerings `offer`: each offering holds `count`
+    /// machines, counting every slot of its type and zone but the retired records (hosts and
+    /// FAILED records hold theirs); missing Speculative slots are added under new machine ids,
+    /// spare ones (Speculative, no host) beyond the count removed, the newest first, as are
+    /// the spare slots of offerings no longer configured. Spare slots take their offering's
+    /// shape (price, resources, labels). Then the spare slots of offerings not sold now and
+    /// those above `cap` (the newest first) are hidden: kept in the state, so a Create on one
+    /// from a shard that still holds it is admitted and answered without a request, but left
+    /// out of List. A hidden slot listed again is marked changed, so a List since an earlier
+    /// revision shows it. Retired records older than their retention leave (`now_unix`).
     pub fn fit_offered(
         &mut self,
-        offered: Vec<Machine>,
-        configured: Option<&HashSet<String>>,
+        offer: &[OfferGroup],
         cap: Option<usize>,
+        now_unix: u64,
         changes: &mut Vec<Change>,
     ) -> Fitted {
-        let ids: HashSet<String> = offered.iter().map(|m| m.id.clone()).collect();
-        let removed = configured.map_or(0, |configured| self.enforce_quota(configured, changes));
-        let fresh: Vec<Machine> = offered
-            .into_iter()
-            .filter(|m| !self.slots.contains_key(&m.id))
+        let pruned = self.prune_retired(now_unix, changes);
+        let groups: HashMap<(&str, &str), usize> = offer
+            .iter()
+            .enumerate()
+            .map(|(g, o)| ((o.shape.instance_type.as_str(), o.shape.zone.as_str()), g))
             .collect();
-        let added = self.add_missing(fresh, changes);
-        let (hidden, shown) = self.hide_unoffered(&ids, cap, changes);
-        Fitted {
+        let mut occupied = vec![0usize; offer.len()];
+        let mut spare: Vec<Vec<String>> = vec![Vec::new(); offer.len()];
+        let mut unconfigured = Vec::new();
+        let mut stale_shape = Vec::new();
+        for slot in self.slots.values() {
+            if slot.retired.is_some() {
+                continue;
+            }
+            let m = &slot.machine;
+            let group = groups
+                .get(&(m.instance_type.as_str(), m.zone.as_str()))
+                .copied();
+            let is_spare = m.state == MachineState::Speculative && m.host.is_none();
+            match (group, is_spare) {
+                (Some(g), true) => {
+                    if !same_shape(m, &offer[g].shape) {
+                        stale_shape.push((m.id.clone(), g));
+                    }
+                    spare[g].push(m.id.clone());
+                }
+                (Some(g), false) => occupied[g] += 1,
+                (None, true) => unconfigured.push(m.id.clone()),
+                (None, false) => {}
+            }
+        }
+        let mut removed = 0;
+        let mut added = 0;
+        for (g, group) in offer.iter().enumerate() {
+            let want = group.count.saturating_sub(occupied[g]);
+            let ids = &mut spare[g];
+            ids.sort_by(|a, b| slot_order(a).cmp(&slot_order(b)));
+            if ids.len() > want {
+                for id in ids.split_off(want) {
+                    self.forget_slot(&id, changes);
+                    removed += 1;
+                }
+            }
+            while ids.len() < want {
+                let id = self.mint_machine_id(&group.shape.id);
+                let mut fresh = group.shape.clone();
+                fresh.id = id.clone();
+                self.insert_new(fresh, Some(&mut *changes));
+                ids.push(id);
+                added += 1;
+            }
+        }
+        for id in unconfigured {
+            self.forget_slot(&id, changes);
+            removed += 1;
+        }
+        let mut refreshed = 0;
+        for (id, g) in stale_shape {
+            let Some(mut slot) = self.slots.get_mut(&id) else {
+                continue;
+            };
+            let shape = &offer[g].shape;
+            let m = crate::rules::machine::edit(&mut slot.machine);
+            m.price_per_hour = shape.price_per_hour;
+            m.interruption_probability = shape.interruption_probability;
+            m.resources = shape.resources.clone();
+            m.allocatable = shape.allocatable.clone();
+            m.labels = shape.labels.clone();
+            drop(slot);
+            self.touch(&id, changes);
+            refreshed += 1;
+        }
+        // Hidden: the spare slots of offerings not sold now, and those above the cap.
+        let mut hide: HashSet<String> = HashSet::new();
+        let mut candidates: Vec<&String> = Vec::new();
+        // A slot a Delete gave back stays listed: a shard holds it Deleting until a List shows
+        // it Speculative (an incremental one would never see it leave).
+        let given_back = |id: &String| {
+            self.slots
+                .get(id)
+                .is_some_and(|s| s.operation(OperationKind::Delete).is_some())
+        };
+        let mut kept = 0;
+        for (g, group) in offer.iter().enumerate() {
+            kept += spare[g].iter().filter(|id| given_back(id)).count();
+            let hideable = spare[g].iter().filter(|id| !given_back(id));
+            if group.advertised {
+                candidates.extend(hideable);
+            } else {
+                hide.extend(hideable.cloned());
+            }
+        }
+        // The slots a Delete gave back count against the cap first.
+        let cap = cap.map(|cap| cap.saturating_sub(kept));
+        if let Some(cap) = cap
+            && candidates.len() > cap
+        {
+            candidates.sort_by(|a, b| slot_order(a).cmp(&slot_order(b)));
+            hide.extend(candidates[cap..].iter().map(|id| (*id).clone()));
+        }
+        let shown: Vec<String> = self
+            .hidden
+            .iter()
+            .filter(|id| !hide.contains(*id) && self.slots.contains_key(id.as_str()))
+            .cloned()
+            .collect();
+        let hidden = hide.iter().filter(|id| !self.hidden.contains(*id)).count();
+        self.hidden = hide;
+        for id in &shown {
+            self.touch(id, changes);
+        }
+        let fitted = Fitted {
             removed,
             added,
             hidden,
-            shown,
+            shown: shown.len(),
+            refreshed,
+            pruned,
+        };
+        if removed + added + refreshed + shown.len() > 0 {
+            if removed > 0 {
+                self.revision += 1;
+            }
+            changes.push(self.counters());
         }
+        fitted
     }
 
     /// The Speculative slots without a host, listed or not.
@@ -848,48 +1140,6 @@ impl Inventory {
     /// The Speculative slots without a host that List shows.
     pub fn listed_spare(&self) -> impl Iterator<Item = &Slot> {
         self.spare_speculative().filter(|s| self.listed(s))
-    }
-
-    /// Hides the spare Speculative slots not in `offered` and those above `cap` (the highest
-    /// slot numbers first), and lists again the hidden ones that are neither. Returns how many
-    /// were hidden and shown.
-    pub fn hide_unoffered(
-        &mut self,
-        offered: &HashSet<String>,
-        cap: Option<usize>,
-        changes: &mut Vec<Change>,
-    ) -> (usize, usize) {
-        let mut hide: HashSet<String> = HashSet::new();
-        let mut candidates: Vec<&str> = Vec::new();
-        for slot in self.spare_speculative() {
-            let id = slot.machine.id.as_str();
-            if offered.contains(id) {
-                candidates.push(id);
-            } else {
-                hide.insert(id.to_owned());
-            }
-        }
-        if let Some(cap) = cap
-            && candidates.len() > cap
-        {
-            candidates.sort_by(|a, b| slot_order(a).cmp(&slot_order(b)));
-            hide.extend(candidates[cap..].iter().map(|id| (*id).to_owned()));
-        }
-        let shown: Vec<String> = self
-            .hidden
-            .iter()
-            .filter(|id| !hide.contains(*id) && self.is_hidden(id))
-            .cloned()
-            .collect();
-        let hidden = hide.iter().filter(|id| !self.hidden.contains(*id)).count();
-        self.hidden = hide;
-        for id in &shown {
-            self.touch(id, changes);
-        }
-        if !shown.is_empty() {
-            changes.push(self.counters());
-        }
-        (hidden, shown.len())
     }
 
     /// Adds the records of a first seed. Duplicates are rejected before anything changes.
@@ -950,6 +1200,7 @@ impl Inventory {
             operations: Default::default(),
             sealed: None,
             enrollment: None,
+            retired: None,
         };
         if let Some(changes) = changes {
             changes.push(Change::PutSlot(slot.clone()));
@@ -1009,9 +1260,18 @@ impl Inventory {
 /// The items of `items` in order, handing the vector's memory back as it empties (a 100,000
 /// machine seed would otherwise hold its whole buffer until the last slot is built, next to the
 /// slots built from it).
+/// Whether spare slot `m` already has `shape`'s price, resources and labels.
+fn same_shape(m: &Machine, shape: &Machine) -> bool {
+    m.price_per_hour.to_bits() == shape.price_per_hour.to_bits()
+        && m.interruption_probability.to_bits() == shape.interruption_probability.to_bits()
+        && m.resources == shape.resources
+        && m.allocatable == shape.allocatable
+        && m.labels == shape.labels
+}
+
 /// Orders slot ids by their trailing slot number (`.../007`), then by id: the order in which
 /// a cap keeps them.
-fn slot_order(id: &str) -> (u64, &str) {
+pub fn slot_order(id: &str) -> (u64, &str) {
     let number = id
         .rsplit_once('/')
         .and_then(|(_, n)| n.parse().ok())

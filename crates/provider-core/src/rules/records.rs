@@ -22,6 +22,64 @@ pub struct Slot {
     /// Which credential speaks for the agent on the slot's host, once it enrolled (the
     /// DigitalOcean bootstrap channel): kept while the slot holds that host, forgotten with it.
     pub enrollment: Option<Arc<Enrollment>>,
+    /// Set on a FAILED record whose capacity came back under a new machine id (a Create the
+    /// cloud refused without a host, an admin release): the record stays to end the old id on
+    /// an edge BigFleet's shard has, holds no host, and leaves the state after
+    /// [`RETIRED_RETENTION_SECONDS`].
+    pub retired: Option<Retired>,
+}
+
+/// How long a retired record stays listed (FAILED, no host) before it leaves the state: long
+/// enough for any shard, reconciling every few seconds, to read how the old id ended.
+pub const RETIRED_RETENTION_SECONDS: u64 = 600;
+
+/// Why a machine id was retired and its capacity given a new id.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum RetireReason {
+    /// The cloud could not place the offering (a stockout, or the offering withdrawn).
+    Stockout,
+    /// The cloud account holds as many hosts as its limit allows.
+    AccountLimit,
+    /// `admin failed release` deleted the FAILED machine's host.
+    Released,
+}
+
+impl RetireReason {
+    pub const ALL: [RetireReason; 3] = [
+        RetireReason::Stockout,
+        RetireReason::AccountLimit,
+        RetireReason::Released,
+    ];
+
+    /// The label value and the state's code.
+    pub fn name(self) -> &'static str {
+        match self {
+            RetireReason::Stockout => "stockout",
+            RetireReason::AccountLimit => "account_limit",
+            RetireReason::Released => "released",
+        }
+    }
+
+    pub fn code(self) -> u8 {
+        match self {
+            RetireReason::Stockout => 1,
+            RetireReason::AccountLimit => 2,
+            RetireReason::Released => 3,
+        }
+    }
+
+    pub fn from_code(code: u8) -> Option<RetireReason> {
+        RetireReason::ALL.into_iter().find(|r| r.code() == code)
+    }
+}
+
+/// A retired record's facts: why, when (seconds since the Unix epoch) and the id its capacity
+/// came back under.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Retired {
+    pub reason: RetireReason,
+    pub unix_seconds: u64,
+    pub successor: String,
 }
 
 /// An on-host agent's enrollment, as the state keeps it: the host it was made on, a digest of

@@ -15,7 +15,8 @@ use crate::observability::duration;
 use crate::observability::telemetry::Telemetry;
 use crate::persistence::store::{Commit, SharedStore};
 use crate::provisioning::backend::{
-    Backend, BackendError, BootstrapBlob, ConfigureOrder, HostLog, TransitionContext, validate,
+    Backend, BackendError, BootstrapBlob, ConfigureOrder, HostLog, RefusalKind, TransitionContext,
+    validate,
 };
 use crate::rules::error::CoreError;
 use crate::rules::fence::FenceToken;
@@ -26,7 +27,7 @@ use crate::rules::inventory::{
 use crate::rules::lifecycle::OperationKind;
 use crate::rules::limits;
 use crate::rules::machine::{CapacityType, Machine, MachineState, StringMap};
-use crate::rules::records::{Change, Enrollment, SealedConfigure, Slot, Snapshot};
+use crate::rules::records::{Change, Enrollment, RetireReason, SealedConfigure, Slot, Snapshot};
 use crate::security::seal::{KEY_FILE_FLAG, StateKeys};
 
 mod durability;
@@ -187,6 +188,8 @@ pub struct Ack {
 pub struct Census {
     pub by_state: Vec<(&'static str, usize)>,
     pub failed_with_host: usize,
+    /// FAILED records without a host whose capacity came back under a new id, by reason.
+    pub retired: Vec<(&'static str, usize)>,
     pub total: usize,
 }
 
@@ -242,6 +245,10 @@ fn unix_micros() -> u64 {
         .duration_since(UNIX_EPOCH)
         .map(|d| d.as_micros() as u64)
         .unwrap_or(1)
+}
+
+fn unix_seconds() -> u64 {
+    unix_micros() / 1_000_000
 }
 
 fn unix_millis() -> u64 {
@@ -354,6 +361,20 @@ impl Engine {
             for machine in &described {
                 validate(machine, options.require_zone).map_err(StartError::InvalidRecord)?;
             }
+            // Machine ids of this state must be new to the project: the series its ids and
+            // operation ids carry is none of those the hosts' machine ids carry.
+            let taken: HashSet<u64> = described
+                .iter()
+                .filter(|m| m.host.is_some())
+                .filter_map(|m| crate::rules::inventory::id_series(&m.id))
+                .collect();
+            inventory.ensure_series(&taken, &mut changes);
+            let mut described = described;
+            if backend.offer().is_some() {
+                // The offerings' Speculative slots get ids of this state's series when the
+                // slots are fitted below, so no id an earlier state listed is listed again.
+                described.retain(|m| m.host.is_some() || m.state != MachineState::Speculative);
+            }
             let seeded = if store.is_durable() {
                 inventory.seed(described, &mut changes)
             } else {
@@ -365,18 +386,21 @@ impl Engine {
             resume = inventory
                 .recover_interrupted(|slot| configure_failure(slot, &opened, keys), &mut changes);
         }
-        // Before the first List: withdrawn offerings' slots and those above the account's
-        // headroom are hidden, slots of offerings no longer configured removed.
-        if let Some(offered) = backend.offered() {
-            let configured = backend.configured_ids();
+        // A state an older version wrote, or a reference import, gets its series now.
+        inventory.ensure_series(&HashSet::new(), &mut changes);
+        // Before the first List: the offerings' slots are fitted (new ones under new ids),
+        // withdrawn offerings' slots and those above the account's headroom hidden, slots of
+        // offerings no longer configured removed.
+        if let Some(offer) = backend.offer() {
             let cap = backend.speculative_cap();
-            inventory.fit_offered(offered, configured.as_ref(), cap, &mut changes);
+            inventory.fit_offered(&offer, cap, unix_seconds(), &mut changes);
         }
         if !store.is_durable() {
-            // Without a durable store, ids and cursors of an earlier incarnation must not be
-            // reused: start the counters from the clock, far above anything issued before.
+            // Without a durable store, cursors of an earlier incarnation must not be reused:
+            // start the revision from the clock, far above anything issued before (ids and
+            // operation ids differ by the state's series).
             let floor = unix_micros();
-            inventory.raise_counters(floor, floor as i64);
+            inventory.raise_counters(0, floor as i64);
             inventory.invalidate_cursors(&mut changes);
         }
         if !changes.is_empty() {
@@ -555,6 +579,7 @@ impl Engine {
                 operations: Default::default(),
                 sealed: None,
                 enrollment: None,
+                retired: None,
             },
         };
         let machine = crate::rules::machine::edit(&mut slot.machine);
@@ -906,14 +931,51 @@ impl Engine {
                 .map(|s| (s.name(), inventory.count_in_state(*s)))
                 .collect(),
             failed_with_host,
+            retired: inventory
+                .retired_by_reason()
+                .into_iter()
+                .map(|(reason, n)| (reason.name(), n))
+                .collect(),
             total: inventory.len(),
         }
     }
 
-    /// FAILED machines, for the admin interface.
+    /// The ids of the listed Speculative slots without a host of `instance_type` in `zone`,
+    /// the oldest first: the ones a Create would take next.
+    pub fn spare_of(&self, instance_type: &str, zone: &str) -> Vec<String> {
+        let inventory = self.read();
+        let mut ids: Vec<String> = inventory
+            .listed_spare()
+            .filter(|s| s.machine.instance_type == instance_type && s.machine.zone == zone)
+            .map(|s| s.machine.id.clone())
+            .collect();
+        ids.sort_by(|a, b| {
+            crate::rules::inventory::slot_order(a).cmp(&crate::rules::inventory::slot_order(b))
+        });
+        ids
+    }
+
+    /// The ids of the Speculative slots kept in the state but not listed (a withdrawn
+    /// offering's, those above the account's headroom), the oldest first.
+    pub fn hidden(&self) -> Vec<String> {
+        let inventory = self.read();
+        let mut ids: Vec<String> = inventory
+            .spare_speculative()
+            .filter(|s| inventory.is_hidden(&s.machine.id))
+            .map(|s| s.machine.id.clone())
+            .collect();
+        ids.sort_by(|a, b| {
+            crate::rules::inventory::slot_order(a).cmp(&crate::rules::inventory::slot_order(b))
+        });
+        ids
+    }
+
+    /// FAILED machines an operator can release, for the admin interface: every FAILED record
+    /// but the retired ones (their capacity came back already).
     pub fn failed(&self) -> Vec<Arc<Machine>> {
         self.read()
             .in_state(MachineState::Failed)
+            .filter(|s| s.retired.is_none())
             .map(|s| s.machine.clone())
             .collect()
     }
@@ -942,8 +1004,14 @@ impl Engine {
                 }
             },
         );
-        let configured: Option<HashSet<String>> = self.backend.configured_ids();
-        let offered: Option<HashSet<String>> = self.backend.offered_ids();
+        let offer = self.backend.offer();
+        if offer.is_some() {
+            // The offerings' Speculative slots are fitted below, by offering, under this
+            // state's ids: the listing's slot records only carry their shapes.
+            survey
+                .machines
+                .retain(|m| m.host.is_some() || m.state != MachineState::Speculative);
+        }
         let now = Instant::now();
         // Zero disables orphan deletion: no orphan is ever due.
         let grace = if self.options.orphan_grace.is_zero() {
@@ -952,22 +1020,13 @@ impl Engine {
             self.options.orphan_grace
         };
         let cap = self.backend.speculative_cap();
+        let now_unix = unix_seconds();
         let (outcome, commit) = self.apply(|inv, changes| {
-            if let Some(cap) = cap {
-                // New Speculative slots only up to the cap: none is added to be removed again.
-                let mut room = cap.saturating_sub(inv.listed_spare().count());
-                survey.machines.retain(|m| {
-                    if m.host.is_some() || inv.get(&m.id).is_some() {
-                        return true;
-                    }
-                    let fits = room > 0;
-                    room = room.saturating_sub(1);
-                    fits
-                });
-            }
-            let outcome = inv.reconcile(survey, configured.as_ref(), since, now, grace, changes);
-            if let Some(offered) = &offered {
-                inv.hide_unoffered(offered, cap, changes);
+            let outcome = inv.reconcile(survey, None, since, now, grace, changes);
+            if let Some(offer) = &offer {
+                inv.fit_offered(offer, cap, now_unix, changes);
+            } else {
+                inv.prune_retired(now_unix, changes);
             }
             outcome
         });
@@ -1148,14 +1207,27 @@ impl Engine {
             self.write().remember_deleted_host(&host.id);
             deleted.push(host.id.clone());
         }
-        let (result, commit) = self.apply(|inv, changes| inv.release(machine_id, changes));
+        let offer = self.backend.offer();
+        let cap = self.backend.speculative_cap();
+        let now = unix_seconds();
+        let (result, commit) = self.apply(|inv, changes| {
+            let result = inv.release(machine_id, now, changes);
+            if result.is_ok()
+                && let Some(offer) = &offer
+            {
+                inv.fit_offered(offer, cap, now, changes);
+            }
+            result
+        });
         self.commit(commit).await?;
-        result?;
+        let successor = result?;
         Ok(match deleted.as_slice() {
-            [] => format!("released {machine_id}: it held no host"),
+            [] => format!(
+                "released {machine_id}: it held no host; its capacity comes back as machine {successor}"
+            ),
             ids => format!(
                 "released {machine_id}: deleted host {} in {} (deadline {}, the wait for the \
-                 cloud API budget included)",
+                 cloud API budget included); its capacity comes back as machine {successor}",
                 ids.join(", host "),
                 duration::format(started.elapsed()),
                 duration::format(limit)
@@ -1265,11 +1337,12 @@ impl Engine {
             }
             let timed_out = pending.is_some() || (outcome.is_err() && Instant::now() >= ctx.deadline);
             // A Create the substrate refused without making anything gives its slot back.
-            let refused = kind == OperationKind::Create && !timed_out && outcome.is_err() && ctx.refusal().is_some();
+            let refusal = ctx.refusal().filter(|_| kind == OperationKind::Create && !timed_out && outcome.is_err());
+            let refused = refusal.is_some();
             let ok = outcome.is_ok();
             match &outcome {
                 Err(message) if refused => {
-                    tracing::warn!(machine_id, kind = kind.name(), operation_id, error = %message, "create refused by the cloud without a host; the machine is Speculative again");
+                    tracing::warn!(machine_id, kind = kind.name(), operation_id, error = %message, "create refused by the cloud without a host; the machine id ends FAILED and its capacity comes back under a new one");
                 }
                 Err(message) => {
                     tracing::warn!(machine_id, kind = kind.name(), operation_id, error = %message, "providerkit: transition failed");
@@ -1283,7 +1356,11 @@ impl Engine {
             );
             match outcome {
                 Err(message) if refused => {
-                    engine.finish_returned(&machine_id, &operation_id, message).await;
+                    let reason = match refusal.map(|r| r.kind) {
+                        Some(RefusalKind::AccountLimit) => RetireReason::AccountLimit,
+                        _ => RetireReason::Stockout,
+                    };
+                    engine.finish_returned(&machine_id, &operation_id, reason, message).await;
                 }
                 outcome => {
                     engine.finish(&machine_id, kind, &operation_id, outcome).await;
@@ -1392,23 +1469,40 @@ impl Engine {
         let _ = self.commit(commit).await;
     }
 
-    /// A Create refused without a host: the slot goes back to Speculative (see
-    /// [`Inventory::return_created`]), and in the same change the slots are fitted to what is
-    /// offered now, so a withdrawn offering's slot is hidden from List from the moment it is
-    /// Speculative again.
-    async fn finish_returned(&self, machine_id: &str, operation_id: &str, message: String) {
-        let offered = self.backend.offered();
-        let configured = self.backend.configured_ids();
+    /// A Create refused without a host: the machine id ends FAILED and its capacity comes
+    /// back under a new id (see [`Inventory::return_created`]), and in the same change the
+    /// slots are fitted to what is offered now, so the new slot of a withdrawn offering is
+    /// hidden from List from the moment it exists.
+    async fn finish_returned(
+        &self,
+        machine_id: &str,
+        operation_id: &str,
+        reason: RetireReason,
+        message: String,
+    ) {
+        let offer = self.backend.offer();
         let cap = self.backend.speculative_cap();
+        let now = unix_seconds();
         let (applied, commit) = self.apply(|inv, changes| {
-            let applied = inv.return_created(machine_id, operation_id, message, changes);
-            if let Some(offered) = offered {
-                inv.fit_offered(offered, configured.as_ref(), cap, changes);
+            let applied =
+                inv.return_created(machine_id, operation_id, reason, message, now, changes);
+            if let Some(offer) = &offer {
+                inv.fit_offered(offer, cap, now, changes);
             }
             applied
         });
-        if !applied {
-            tracing::debug!(machine_id, operation_id, "discarded stale completion");
+        match applied {
+            None => tracing::debug!(machine_id, operation_id, "discarded stale completion"),
+            Some(successor) if !successor.is_empty() => {
+                tracing::info!(
+                    machine_id,
+                    operation_id,
+                    successor,
+                    reason = reason.name(),
+                    "the refused Create's capacity comes back under a new machine id"
+                )
+            }
+            Some(_) => {}
         }
         let _ = self.commit(commit).await;
     }
@@ -1421,13 +1515,13 @@ impl Engine {
         if self.store_failed.load(Ordering::SeqCst) || !self.is_accepting() {
             return Ok(Fitted::default());
         }
-        let Some(offered) = self.backend.offered() else {
+        let Some(offer) = self.backend.offer() else {
             return Ok(Fitted::default());
         };
-        let configured = self.backend.configured_ids();
         let cap = self.backend.speculative_cap();
+        let now = unix_seconds();
         let (fitted, commit) =
-            self.apply(|inv, changes| inv.fit_offered(offered, configured.as_ref(), cap, changes));
+            self.apply(|inv, changes| inv.fit_offered(&offer, cap, now, changes));
         self.commit(commit).await?;
         if fitted.changed() {
             tracing::info!(
@@ -1583,3 +1677,6 @@ mod acknowledged_tests;
 
 #[cfg(test)]
 mod stockout_tests;
+
+#[cfg(test)]
+mod shard_model_tests;

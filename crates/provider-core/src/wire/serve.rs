@@ -360,7 +360,7 @@ async fn metrics(
         let census = engine.census();
         state
             .telemetry
-            .census(&census.by_state, census.failed_with_host);
+            .census(&census.by_state, census.failed_with_host, &census.retired);
     }
     state.handle.run_upkeep();
     let mut body = state.handle.render();
@@ -491,9 +491,10 @@ mod tests {
         ready.set(true);
         assert_eq!(get("/readyz").await, (200, "ready\n".into()));
         assert_eq!(get("/readyz/replica").await, (200, "ready\n".into()));
+        let id = engine.spare_of("a", "z1")[0].clone();
         engine
             .create(
-                "p/OnDemand/a/z1/000",
+                &id,
                 crate::FenceToken {
                     shard_id: String::new(),
                     epoch: 0,

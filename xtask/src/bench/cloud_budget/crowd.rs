@@ -20,7 +20,7 @@ use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 
 use super::report::{Counts, Crowd};
-use super::{Binaries, DEFAULT_SHARES, Facts, Lab, Rig, Setup, Spent, slot};
+use super::{Binaries, DEFAULT_SHARES, Facts, Lab, Rig, Setup, Spent, spare_slots};
 use crate::bench::args::Cloud;
 use crate::e2e::wire::state_of;
 
@@ -183,7 +183,8 @@ pub(super) async fn crowded(
 
 async fn crowded_on(rig: &mut Rig, shared: bool) -> Result<Crowd> {
     let cloud = rig.cloud;
-    let ids: Vec<String> = (OWNED..OWNED + CREATES).map(|i| slot(cloud, i)).collect();
+    // The owned hosts keep their ids; the Creates take the spare slots, under the state's ids.
+    let ids: Vec<String> = spare_slots(&mut rig.caller).await?[..CREATES].to_vec();
     let owned = rig
         .caller
         .list_all()

@@ -83,6 +83,7 @@ pub(crate) fn sample_slot(i: usize) -> Slot {
         operations: Default::default(),
         sealed: None,
         enrollment: None,
+        retired: None,
     }
 }
 

@@ -8,7 +8,7 @@ use std::sync::Arc;
 use crate::rules::fence::HighWaterMark;
 use crate::rules::lifecycle::OperationKind;
 use crate::rules::machine::{CapacityType, HostRef, Machine, MachineState, StringMap};
-use crate::rules::records::{Change, Enrollment, SealedConfigure, Slot};
+use crate::rules::records::{Change, Enrollment, RetireReason, Retired, SealedConfigure, Slot};
 
 /// The first eight bytes of every state file.
 pub(crate) const MAGIC: [u8; 8] = *b"BFSTATE\0";
@@ -261,6 +261,9 @@ const SEALED_TRAILER: u8 = 1;
 /// Its last byte holds flags: [`ENROLLMENT_CONFLICT`] (all a trailer held before confirmation
 /// existed, so older trailers read unchanged) and [`ENROLLMENT_CONFIRMED`].
 const ENROLLMENT_TRAILER: u8 = 2;
+/// Marks the optional trailer of a retired FAILED record (after the others): the reason's code,
+/// the time it retired and its successor's id. A slot without one encodes as before.
+const RETIRED_TRAILER: u8 = 3;
 /// Flag of the enrollment trailer: a second enrollment cut the machine off.
 const ENROLLMENT_CONFLICT: u8 = 1;
 /// Flag of the enrollment trailer: the enrolled agent acknowledged a Configure's blob.
@@ -320,6 +323,12 @@ pub fn encode_slot(slot: &Slot, out: &mut Vec<u8>) {
             flags |= ENROLLMENT_CONFIRMED;
         }
         out.push(flags);
+    }
+    if let Some(retired) = &slot.retired {
+        out.push(RETIRED_TRAILER);
+        out.push(retired.reason.code());
+        put_u64(out, retired.unix_seconds);
+        put_str(out, &retired.successor);
     }
 }
 
@@ -470,6 +479,7 @@ pub fn decode_slot(encoded: &[u8]) -> Result<Slot, String> {
     }
     let mut sealed = None;
     let mut enrollment = None;
+    let mut retired = None;
     // Trailers come in marker order, each at most once.
     let mut last_marker = 0;
     while r.remaining() != 0 {
@@ -504,6 +514,16 @@ pub fn decode_slot(encoded: &[u8]) -> Result<Slot, String> {
                     confirmed: flags & ENROLLMENT_CONFIRMED != 0,
                 }));
             }
+            RETIRED_TRAILER => {
+                let code = r.u8()?;
+                let reason = RetireReason::from_code(code)
+                    .ok_or_else(|| format!("slot {id}: bad retirement reason {code}"))?;
+                retired = Some(Retired {
+                    reason,
+                    unix_seconds: r.u64()?,
+                    successor: r.string()?,
+                });
+            }
             other => return Err(format!("slot {id}: bad trailer marker {other}")),
         }
     }
@@ -535,6 +555,7 @@ pub fn decode_slot(encoded: &[u8]) -> Result<Slot, String> {
         operations,
         sealed,
         enrollment,
+        retired,
     })
 }
 

@@ -128,6 +128,7 @@ fn convert(state: RefState) -> Imported {
             operations: Default::default(),
             sealed: None,
             enrollment: None,
+            retired: None,
         };
         if slots.insert(m.id.clone(), slot).is_some() {
             report.warnings.push(format!(

@@ -97,6 +97,7 @@ fn slot(id: &str, last_change: i64) -> Slot {
         operations: Default::default(),
         sealed: None,
         enrollment: None,
+        retired: None,
     }
 }
 
@@ -135,6 +136,7 @@ fn rich_slot(id: &str) -> Slot {
             sealed: vec![1, 0, 255, 7],
         })),
         enrollment: None,
+        retired: None,
     }
 }
 

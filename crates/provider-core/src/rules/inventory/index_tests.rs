@@ -199,7 +199,7 @@ proptest! {
                     }
                 }
                 Step::Release(m) => {
-                    let _ = inventory.release(&machine_id(m), &mut changes);
+                    let _ = inventory.release(&machine_id(m), 0, &mut changes);
                 }
                 Step::Add(k) => {
                     let fresh = (0..k)

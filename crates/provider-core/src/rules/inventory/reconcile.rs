@@ -26,7 +26,7 @@ use tokio::time::Instant;
 use super::Inventory;
 use crate::rules::error::CoreError;
 use crate::rules::machine::{HostRef, Machine, MachineState};
-use crate::rules::records::Change;
+use crate::rules::records::{Change, RetireReason};
 
 /// How many hosts deleted by the provider are remembered (never adopted again).
 const DELETED_MEMORY: usize = 4096;
@@ -350,18 +350,20 @@ impl Inventory {
         true
     }
 
-    /// Applies the vanished hosts a pass proved absent: an Idle slot returns to Speculative, a
-    /// Configured one goes FAILED saying so. A slot changed after `since`, or no longer on that
-    /// host, is left alone. Returns how many changed.
+    /// Applies the vanished hosts a pass proved absent. BigFleet's shard has no edge from Idle
+    /// or Configured to a state that says the host is gone, so neither changes: the shard's
+    /// next action ends the machine on an edge it has (a Configure or Drain fails, a Delete
+    /// gives the slot back). Returns how many were proved gone (each is logged; none changes). A slot changed
+    /// after `since`, or no longer on that host, is left alone. Returns how many changed.
     pub fn confirm_vanished(
         &mut self,
         confirmed: &[Suspect],
         since: i64,
-        changes: &mut Vec<Change>,
+        _changes: &mut Vec<Change>,
     ) -> usize {
-        let mut vanished = 0;
+        let mut proved = 0;
         for suspect in confirmed {
-            let Some(mut slot) = self.slots.get_mut(&suspect.machine_id) else {
+            let Some(slot) = self.slots.get(&suspect.machine_id) else {
                 continue;
             };
             if slot.last_change > since
@@ -369,27 +371,15 @@ impl Inventory {
             {
                 continue;
             }
-            let m = crate::rules::machine::edit(&mut slot.machine);
-            match m.state {
-                MachineState::Idle => {
-                    m.state = MachineState::Speculative;
-                    m.host = None;
-                }
-                MachineState::Configured => {
-                    m.state = MachineState::Failed;
-                    m.last_error = host_vanished_message(&suspect.host);
-                }
+            let next = match slot.machine.state {
+                MachineState::Idle => "a Configure fails, a Delete gives the slot back",
+                MachineState::Configured => "its Drain fails, naming the host",
                 _ => continue,
-            }
-            drop(slot);
-            self.upkeep.absent.remove(&suspect.machine_id);
-            self.touch(&suspect.machine_id, changes);
-            vanished += 1;
+            };
+            tracing::warn!(machine_id = suspect.machine_id, host = suspect.host.id, state = %slot.machine.state, next, "reconcile: the host of this machine was deleted outside the provider; BigFleet's shard has no edge that says so, so the machine keeps its state until the shard's next action on it");
+            proved += 1;
         }
-        if vanished > 0 {
-            changes.push(self.counters());
-        }
-        vanished
+        proved
     }
 
     /// Removes Speculative slots without a host that are not offered any more. Returns how
@@ -452,15 +442,19 @@ impl Inventory {
         true
     }
 
-    /// Returns a FAILED slot to Speculative after its host (if any) was deleted.
+    /// Gives a FAILED machine's capacity back after its host (if any) was deleted: the machine
+    /// id stays FAILED (BigFleet's shard has no way out of Failed) as a retired record without
+    /// a host, and a Speculative slot of its shape comes back under a new machine id (see
+    /// [`Inventory::retire`]). Returns the new id.
     pub fn release(
         &mut self,
         machine_id: &str,
+        now_unix: u64,
         changes: &mut Vec<Change>,
-    ) -> Result<(), CoreError> {
-        let mut slot = self
+    ) -> Result<String, CoreError> {
+        let slot = self
             .slots
-            .get_mut(machine_id)
+            .get(machine_id)
             .ok_or_else(|| CoreError::UnknownMachine(machine_id.to_owned()))?;
         if slot.machine.state != MachineState::Failed {
             return Err(CoreError::Admin(format!(
@@ -468,18 +462,25 @@ impl Inventory {
                 slot.machine.state
             )));
         }
-        let m = crate::rules::machine::edit(&mut slot.machine);
-        m.state = MachineState::Speculative;
-        if let Some(host) = m.host.take() {
-            self.upkeep.remember_deleted(&host.id);
+        if let Some(retired) = &slot.retired {
+            return Err(CoreError::Admin(format!(
+                "machine {machine_id} was released already: its capacity came back as machine {}",
+                retired.successor
+            )));
         }
-        m.last_error.clear();
-        m.cluster.clear();
-        m.shard_metadata.clear();
-        drop(slot);
-        self.touch(machine_id, changes);
+        let message = format!(
+            "released by `admin failed release` after: {}",
+            slot.machine.last_error
+        );
+        let successor = self.retire(
+            machine_id,
+            RetireReason::Released,
+            &message,
+            now_unix,
+            changes,
+        );
         changes.push(self.counters());
-        Ok(())
+        Ok(successor)
     }
 }
 
@@ -490,13 +491,6 @@ enum Standing {
     Orphan,
     /// The host of a FAILED machine without a cluster binding.
     FailedUnbound,
-}
-
-fn host_vanished_message(host: &HostRef) -> String {
-    format!(
-        "host {} was deleted outside the provider while the machine was Configured",
-        host.id
-    )
 }
 
 #[cfg(test)]

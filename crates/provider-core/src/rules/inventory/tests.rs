@@ -554,20 +554,16 @@ fn reconcile_adds_refreshes_adopts_and_notices_vanished_hosts() {
     assert_eq!(
         inv.confirm_vanished(&outcome.suspects, head, &mut Vec::new()),
         2,
-        "m-1 (Idle) and m-2 (Configured, absent), once proved"
+        "m-1 (Idle) and m-2 (Configured) are proved gone, and wait for the shard's next action"
     );
     assert_eq!(state(&inv, "m-0"), MachineState::Idle);
     assert_eq!(inv.get("m-0").unwrap().machine.price_per_hour, 0.5);
-    assert_eq!(state(&inv, "m-1"), MachineState::Speculative);
-    assert!(inv.get("m-1").unwrap().machine.host.is_none());
-    assert_eq!(state(&inv, "m-2"), MachineState::Failed);
-    assert!(
-        inv.get("m-2")
-            .unwrap()
-            .machine
-            .last_error
-            .contains("deleted outside the provider")
+    assert_eq!(
+        state(&inv, "m-1"),
+        MachineState::Idle,
+        "no edge from Idle says so"
     );
+    assert_eq!(state(&inv, "m-2"), MachineState::Configured);
     assert_eq!(state(&inv, "new"), MachineState::Idle);
     assert!(inv.revision() > head);
 }
@@ -586,20 +582,93 @@ fn quota_removes_only_unoffered_speculative_slots_without_host() {
 }
 
 #[test]
-fn release_returns_failed_slots_to_speculative() {
+fn release_keeps_the_failed_id_and_gives_its_capacity_a_new_one() {
     let mut inv = seeded(2);
     let op = accepted_op(admit(&mut inv, Create, "m-0", &zero()));
     settle(&mut inv, "m-0", Create, &op);
     let op = accepted_op(admit(&mut inv, Configure, "m-0", &zero()));
     inv.complete("m-0", Configure, &op, Err("boom".into()), &mut Vec::new());
-    inv.release("m-0", &mut Vec::new()).unwrap();
-    let m = &inv.get("m-0").unwrap().machine;
-    assert_eq!(m.state, MachineState::Speculative);
-    assert!(m.host.is_none() && m.last_error.is_empty() && m.cluster.is_empty());
+    let successor = inv.release("m-0", 1_000, &mut Vec::new()).unwrap();
+    let old = inv.get("m-0").unwrap();
+    assert_eq!(
+        old.machine.state,
+        MachineState::Failed,
+        "Failed has no way out"
+    );
+    assert!(old.machine.host.is_none());
+    assert!(
+        old.machine.last_error.contains("boom")
+            && old
+                .machine
+                .last_error
+                .ends_with(&format!("comes back as machine {successor}")),
+        "{}",
+        old.machine.last_error
+    );
+    assert_eq!(
+        old.retired.as_ref().map(|r| r.reason),
+        Some(RetireReason::Released)
+    );
+    let new = &inv.get(&successor).unwrap().machine;
+    assert_eq!(new.state, MachineState::Speculative);
+    assert_ne!(successor, "m-0");
+    assert!(new.host.is_none() && new.last_error.is_empty() && new.cluster.is_empty());
+    assert_eq!(new.instance_type, old.machine.instance_type);
+    assert!(
+        matches!(inv.release("m-0", 1_000, &mut Vec::new()), Err(CoreError::Admin(m)) if m.contains("released already")),
+        "a retired record is not released twice"
+    );
     assert!(matches!(
-        inv.release("m-1", &mut Vec::new()),
+        inv.release("m-1", 1_000, &mut Vec::new()),
         Err(CoreError::Admin(_))
     ));
+    // The retired record leaves the state after its retention, not before.
+    let mut changes = Vec::new();
+    assert_eq!(
+        inv.prune_retired(1_000 + RETIRED_RETENTION_SECONDS - 1, &mut changes),
+        0
+    );
+    assert_eq!(
+        inv.prune_retired(1_000 + RETIRED_RETENTION_SECONDS, &mut changes),
+        1
+    );
+    assert!(inv.get("m-0").is_none());
+    assert!(changes.contains(&Change::RemoveSlot("m-0".into())));
+    assert!(inv.get(&successor).is_some());
+}
+
+#[test]
+fn minted_ids_and_operation_ids_differ_between_two_states_with_the_same_counters() {
+    let mut one = seeded(1);
+    let mut two = seeded(1);
+    let none = HashSet::new();
+    assert!(one.ensure_series(&none, &mut Vec::new()));
+    assert!(
+        !one.ensure_series(&none, &mut Vec::new()),
+        "a series is kept"
+    );
+    let taken: HashSet<u64> = [one.series()].into();
+    assert!(two.ensure_series(&taken, &mut Vec::new()));
+    assert_ne!(one.series(), two.series(), "a taken series is never drawn");
+    assert_ne!(one.next_operation_id(), two.next_operation_id());
+    let (a, b) = (
+        one.mint_machine_id("p/OnDemand/t/z/000"),
+        two.mint_machine_id("p/OnDemand/t/z/000"),
+    );
+    assert_ne!(a, b);
+    assert!(a.starts_with("p/OnDemand/t/z/"), "{a}");
+    assert_eq!(id_series(&a), Some(one.series()));
+    assert_eq!(id_series(&one.next_operation_id()), Some(one.series()));
+    // Within a state nothing repeats: ids and operation ids share one counter.
+    let op = one.next_operation_id();
+    let c = one.mint_machine_id("p/OnDemand/t/z/000");
+    assert_ne!(c, a);
+    assert_ne!(one.next_operation_id(), op);
+    // The series survives a snapshot (the counter carries it).
+    assert_eq!(
+        Inventory::from_snapshot(one.snapshot()).series(),
+        one.series()
+    );
 }
 
 #[test]
@@ -829,13 +898,14 @@ fn a_replay_after_confirmation_changes_nothing() {
 }
 
 #[test]
-fn a_refused_create_returns_its_slot_to_speculative_only_without_a_host() {
+fn a_refused_create_ends_failed_and_its_capacity_comes_back_under_a_new_id() {
     let mut inv = Inventory::default();
     let mut changes = Vec::new();
-    let mut m = Machine::speculative("m-1", "cx22");
+    let mut m = Machine::speculative("p/OnDemand/cx22/nbg1/001", "cx22");
     m.zone = "nbg1".into();
+    m.labels.insert("k".into(), "v".into());
     let mut m2 = m.clone();
-    m2.id = "m-2".into();
+    m2.id = "p/OnDemand/cx22/nbg1/002".into();
     inv.seed(vec![m, m2], &mut changes).expect("seed");
     let zero = FenceToken {
         shard_id: String::new(),
@@ -849,35 +919,84 @@ fn a_refused_create_returns_its_slot_to_speculative_only_without_a_host() {
         Admission::Accepted { operation_id, .. } => operation_id,
         other => panic!("{other:?}"),
     };
-    let first = op(&mut inv, "m-1");
-    assert!(!inv.return_created("m-1", "op-other", "stockout: x".into(), &mut changes));
-    assert!(inv.return_created("m-1", &first, "stockout: x".into(), &mut changes));
-    let back = &inv.get("m-1").expect("slot").machine;
-    assert_eq!(back.state, MachineState::Speculative);
-    assert_eq!(back.last_error, "stockout: x");
+    let stockout = RetireReason::Stockout;
+    let one = "p/OnDemand/cx22/nbg1/001";
+    let first = op(&mut inv, one);
     assert!(
-        !inv.return_created("m-1", &first, "again".into(), &mut changes),
+        inv.return_created(
+            one,
+            "op-other",
+            stockout,
+            "stockout: x".into(),
+            5,
+            &mut changes
+        )
+        .is_none()
+    );
+    let successor = inv
+        .return_created(one, &first, stockout, "stockout: x".into(), 5, &mut changes)
+        .expect("applied");
+    let old = inv.get(one).expect("slot");
+    assert_eq!(
+        old.machine.state,
+        MachineState::Failed,
+        "Creating -> Failed"
+    );
+    assert_eq!(
+        old.machine.last_error,
+        format!("stockout: x; its capacity comes back as machine {successor}")
+    );
+    assert_eq!(old.retired.as_ref().map(|r| r.reason), Some(stockout));
+    let new = &inv.get(&successor).expect("successor").machine;
+    assert!(successor.starts_with("p/OnDemand/cx22/nbg1/") && successor != one);
+    assert_eq!(new.state, MachineState::Speculative);
+    assert_eq!(
+        (new.zone.as_str(), new.labels.get("k").map(String::as_str)),
+        ("nbg1", Some("v"))
+    );
+    assert!(
+        inv.return_created(one, &first, stockout, "again".into(), 5, &mut changes)
+            .is_none(),
         "stale"
     );
-    // Created again: a new operation, accepted from Speculative.
-    let again = op(&mut inv, "m-1");
+    // The old id takes no new Create: FAILED has no way out; the new one does.
+    assert!(matches!(
+        inv.admit(OperationKind::Create, one, &zero, None, &mut Vec::new()),
+        Err(CoreError::InvalidTransition { .. })
+    ));
+    let again = op(&mut inv, &successor);
     assert_ne!(again, first);
-    // A Create that recorded a host made something: FAILED, never Speculative with a host.
-    let second = op(&mut inv, "m-2");
+    // A Create that recorded a host made something: FAILED, without a successor.
+    let two = "p/OnDemand/cx22/nbg1/002";
+    let second = op(&mut inv, two);
     let host = HostRef {
         provider: "p".into(),
         id: "9".into(),
     };
-    inv.record_created_host("m-2", &second, host, &mut changes);
-    assert!(inv.return_created("m-2", &second, "stockout: y".into(), &mut changes));
-    let kept = &inv.get("m-2").expect("slot").machine;
-    assert_eq!(kept.state, MachineState::Failed);
+    inv.record_created_host(two, &second, host, &mut changes);
+    let before = inv.len();
+    assert_eq!(
+        inv.return_created(
+            two,
+            &second,
+            stockout,
+            "stockout: y".into(),
+            5,
+            &mut changes
+        ),
+        Some(String::new())
+    );
+    assert_eq!(inv.len(), before, "no successor while the host is recorded");
+    let kept = &inv.get(two).expect("slot");
+    assert_eq!(kept.machine.state, MachineState::Failed);
+    assert!(kept.retired.is_none());
     assert!(
-        kept.last_error
+        kept.machine
+            .last_error
             .starts_with("create: host 9 is recorded for this Create")
-            && kept.last_error.ends_with("refused: stockout: y"),
+            && kept.machine.last_error.ends_with("refused: stockout: y"),
         "{}",
-        kept.last_error
+        kept.machine.last_error
     );
 }
 
@@ -885,14 +1004,16 @@ fn a_refused_create_returns_its_slot_to_speculative_only_without_a_host() {
 fn fitting_hides_the_spare_slots_above_the_cap_and_those_not_offered() {
     let mut inv = Inventory::default();
     let mut changes = Vec::new();
-    let offered: Vec<Machine> = (0..6)
-        .map(|i| {
-            let mut m = Machine::speculative(format!("p/OnDemand/a/z/{i:03}"), "a");
-            m.zone = "z".into();
-            m
-        })
-        .collect();
-    let all: HashSet<String> = offered.iter().map(|m| m.id.clone()).collect();
+    inv.ensure_series(&HashSet::new(), &mut changes);
+    let group = |instance: &str, count: usize, advertised: bool| {
+        let mut shape = Machine::speculative(format!("p/OnDemand/{instance}/z/000"), instance);
+        shape.zone = "z".into();
+        OfferGroup {
+            shape,
+            count,
+            advertised,
+        }
+    };
     let listed = |inv: &Inventory| -> Vec<String> {
         inv.listed_spare().map(|s| s.machine.id.clone()).collect()
     };
@@ -901,45 +1022,67 @@ fn fitting_hides_the_spare_slots_above_the_cap_and_those_not_offered() {
         since: None,
         cap: usize::MAX,
     };
-    inv.seed(offered.clone(), &mut changes).expect("seed");
-    let fitted = inv.fit_offered(offered.clone(), Some(&all), Some(2), &mut changes);
-    assert_eq!((fitted.hidden, fitted.removed), (4, 0));
+    let offer = vec![group("a", 4, true), group("b", 2, true)];
+    let fitted = inv.fit_offered(&offer, Some(2), 0, &mut changes);
+    assert_eq!((fitted.added, fitted.hidden, fitted.removed), (6, 4, 0));
+    assert_eq!(inv.len(), 6, "hidden slots stay in the state");
     let kept = listed(&inv);
     assert_eq!(kept.len(), 2);
-    assert!(
-        kept.iter()
-            .all(|id| id.ends_with("/000") || id.ends_with("/001")),
-        "{kept:?}"
-    );
-    assert_eq!(inv.len(), 6, "hidden slots stay in the state");
     assert_eq!(inv.select(&everything, 0).machines.len(), 2);
-    assert!(inv.is_hidden("p/OnDemand/a/z/005"));
     assert!(
-        !inv.fit_offered(offered.clone(), Some(&all), Some(2), &mut changes)
-            .changed()
+        kept.iter().all(|id| id.starts_with("p/OnDemand/a/z/")),
+        "the oldest ids are kept: {kept:?}"
     );
+    assert!(kept.iter().all(|id| id_series(id) == Some(inv.series())));
+    assert!(!inv.fit_offered(&offer, Some(2), 0, &mut changes).changed());
     let head = inv.revision();
-    let fitted = inv.fit_offered(offered.clone(), Some(&all), Some(3), &mut changes);
+    let fitted = inv.fit_offered(&offer, Some(3), 0, &mut changes);
     assert_eq!((fitted.hidden, fitted.shown), (0, 1));
     let since = Selection {
         since: Some(head),
         ..everything.clone()
     };
-    let shown = inv.select(&since, 0).machines;
-    assert_eq!(shown.len(), 1, "a slot listed again shows in a delta List");
-    assert!(shown[0].id.ends_with("/002"));
-    // Only one offered now (the rest withdrawn): the others are hidden, not removed.
-    let fitted = inv.fit_offered(offered[..1].to_vec(), Some(&all), None, &mut changes);
-    assert_eq!((fitted.hidden, fitted.removed), (2, 0));
-    assert_eq!(listed(&inv).len(), 1);
-    assert_eq!(inv.hidden_count(), 5);
-    // No longer configured: removed.
-    let one: HashSet<String> = [offered[0].id.clone()].into();
-    let fitted = inv.fit_offered(offered[..1].to_vec(), Some(&one), None, &mut changes);
-    assert_eq!(fitted.removed, 5);
-    assert_eq!(inv.len(), 1);
+    assert_eq!(
+        inv.select(&since, 0).machines.len(),
+        1,
+        "a slot listed again shows in a delta List"
+    );
+    // b withdrawn: its slots are hidden, not removed.
+    let withdrawn = vec![group("a", 4, true), group("b", 2, false)];
+    let fitted = inv.fit_offered(&withdrawn, None, 0, &mut changes);
+    assert_eq!(
+        (fitted.hidden, fitted.shown, fitted.removed),
+        (0, 1, 0),
+        "b's slots were hidden by the cap already; the last of a is listed again"
+    );
+    assert_eq!(listed(&inv).len(), 4);
+    assert_eq!(inv.hidden_count(), 2);
+    // b no longer configured, a shrinks to 3: removed, the newest first.
+    let newest_a = listed(&inv)
+        .into_iter()
+        .max_by(|x, y| slot_order(x).cmp(&slot_order(y)))
+        .unwrap();
+    let fitted = inv.fit_offered(&[group("a", 3, true)], None, 0, &mut changes);
+    assert_eq!(fitted.removed, 3);
+    assert_eq!(inv.len(), 3);
+    assert!(inv.get(&newest_a).is_none());
     assert_eq!(inv.hidden_count(), 0);
-    let fitted = inv.fit_offered(offered, Some(&all), None, &mut changes);
-    assert_eq!(fitted.added, 5);
-    assert_eq!(listed(&inv).len(), 6);
+    // A machine with a host holds its place: only the rest are spare.
+    let id = listed(&inv)[0].clone();
+    let zero = zero();
+    let op = accepted_op(admit(&mut inv, Create, &id, &zero));
+    settle(&mut inv, &id, Create, &op);
+    assert!(
+        !inv.fit_offered(&[group("a", 3, true)], None, 0, &mut changes)
+            .changed()
+    );
+    let fitted = inv.fit_offered(&[group("a", 5, true)], None, 0, &mut changes);
+    assert_eq!(fitted.added, 2);
+    assert_eq!(listed(&inv).len(), 4);
+    // A new price reaches every spare slot.
+    let mut priced = group("a", 5, true);
+    priced.shape.price_per_hour = 0.5;
+    let fitted = inv.fit_offered(&[priced], None, 0, &mut changes);
+    assert_eq!(fitted.refreshed, 4);
+    assert!(inv.listed_spare().all(|s| s.machine.price_per_hour == 0.5));
 }

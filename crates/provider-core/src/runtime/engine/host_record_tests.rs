@@ -151,10 +151,13 @@ async fn a_host_the_cloud_names_after_the_deadline_lands_on_the_failed_record() 
     // Release deletes it.
     engine.release("m-0").await.expect("release");
     assert_eq!(*backend.deleted.lock().unwrap(), vec!["h-m-0".to_owned()]);
+    let released = engine.get("m-0").expect("m-0");
     assert_eq!(
-        engine.get("m-0").expect("m-0").state,
-        MachineState::Speculative
+        released.state,
+        MachineState::Failed,
+        "Failed has no way out"
     );
+    assert_eq!(released.host, None);
 }
 
 #[tokio::test(start_paused = true)]

@@ -78,8 +78,19 @@ async fn release_deletes_a_leftover_host_that_a_survey_missed() {
         vec!["h-left".to_owned()],
         "release deleted the host the failed Create left"
     );
+    let m = engine.get("m-0").expect("m-0");
     assert_eq!(
-        engine.get("m-0").expect("m-0").state,
+        m.state,
+        MachineState::Failed,
+        "the released id stays FAILED"
+    );
+    let successor = m
+        .last_error
+        .rsplit(' ')
+        .next()
+        .expect("names its successor");
+    assert_eq!(
+        engine.get(successor).expect("successor").state,
         MachineState::Speculative
     );
 }

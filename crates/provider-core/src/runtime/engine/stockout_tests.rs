@@ -1,6 +1,6 @@
 //! A Create refused for a stockout or the account's limit (the fake cloud's knobs) over the
-//! offerings-driven fleet: the slot goes back to Speculative, the offering's slots leave List at
-//! once but stay in the state (a Create on one from a shard that still holds it costs nothing),
+//! offerings-driven fleet: the machine id ends FAILED (retired) and its capacity comes back
+//! under a new id, the offering's slots leave List at once but stay in the state (a Create on one from a shard that still holds it costs nothing),
 //! a probe after the backoff brings them back, and the headroom caps what is listed. Paused
 //! clock.
 
@@ -45,13 +45,37 @@ async fn settled(engine: &Engine, id: &str) -> Arc<Machine> {
     panic!("{id} never settled");
 }
 
-/// A refused Create's slot: Speculative with a `last_error` starting with `prefix`, never
-/// FAILED.
-async fn returned(engine: &Engine, id: &str, prefix: &str) {
+/// A refused Create's machine: FAILED (Creating -> Failed, an edge BigFleet's shard has),
+/// retired, without a host, with a `last_error` starting with `prefix` and naming the id its
+/// capacity came back under, a Speculative slot of the same offering. Returns that id.
+async fn returned(engine: &Engine, id: &str, prefix: &str) -> String {
     let m = settled(engine, id).await;
-    assert_eq!(m.state, MachineState::Speculative, "{m:?}");
+    assert_eq!(m.state, MachineState::Failed, "{m:?}");
     assert!(m.host.is_none());
     assert!(m.last_error.starts_with(prefix), "{}", m.last_error);
+    let slot = engine.read().get(id).cloned().expect("kept");
+    let successor = slot.retired.expect("retired").successor;
+    assert!(
+        m.last_error
+            .ends_with(&format!("comes back as machine {successor}"))
+    );
+    let next = engine.get(&successor).expect("the successor exists");
+    assert_eq!(next.state, MachineState::Speculative);
+    assert_eq!(
+        (next.instance_type.as_str(), next.zone.as_str()),
+        (m.instance_type.as_str(), m.zone.as_str())
+    );
+    successor
+}
+
+/// A Speculative slot kept in the state but not listed.
+fn hidden_spare(engine: &Engine) -> String {
+    let inventory = engine.read();
+    inventory
+        .spare_speculative()
+        .find(|s| inventory.is_hidden(&s.machine.id))
+        .map(|s| s.machine.id.clone())
+        .expect("a hidden slot")
 }
 
 /// The Speculative machines a full List shows.
@@ -65,8 +89,9 @@ fn listed_spare(engine: &Engine) -> Vec<Arc<Machine>> {
         .machines
 }
 
+/// FAILED machines that lost capacity (retired records gave theirs back).
 fn failed(engine: &Engine) -> usize {
-    engine.read().count_in_state(MachineState::Failed)
+    engine.failed().len()
 }
 
 /// Lets the offer watch run.
@@ -83,9 +108,9 @@ async fn a_stockout_returns_the_slot_withdraws_the_offering_and_a_probe_brings_i
     let slots = listed(&engine, "a", "z1");
     assert_eq!(slots.len(), 4);
     engine.create(&slots[0].id, zero()).await.expect("accepted");
-    returned(&engine, &slots[0].id, "stockout: ").await;
+    let next = returned(&engine, &slots[0].id, "stockout: ").await;
     quiesce().await;
-    assert!(engine.read().is_hidden(&slots[0].id), "kept, not listed");
+    assert!(engine.read().is_hidden(&next), "kept, not listed");
     assert!(listed(&engine, "a", "z1").is_empty(), "withdrawn at once");
     assert_eq!(listed(&engine, "b", "z1").len(), 4, "other offerings stay");
     assert_eq!(cloud.create_calls(), 1);
@@ -193,15 +218,17 @@ async fn the_account_limit_caps_the_speculative_slots_and_never_fails_a_machine(
     cloud.set_host_limit(Some(3));
     quiesce().await;
     let one = listed_spare(&engine);
-    assert_eq!(one.len(), 1);
-    engine.create(&one[0].id, zero()).await.expect("accepted");
-    returned(&engine, &one[0].id, "account limit: ").await;
+    assert!(
+        one.iter().any(|m| m.id == all[0].id),
+        "the slot a Delete gave back stays listed until a shard can read it: {one:?}"
+    );
+    engine.create(&all[0].id, zero()).await.expect("accepted");
+    returned(&engine, &all[0].id, "account limit: ").await;
     quiesce().await;
-    assert!(listed_spare(&engine).is_empty());
+    assert!(listed_spare(&engine).iter().all(|m| m.id != all[0].id));
     // A slot hidden above the headroom, created by a shard that still holds it: no request.
     let calls = cloud.create_calls();
-    let hidden = &all[3].id;
-    assert!(engine.read().is_hidden(hidden));
+    let hidden = &hidden_spare(&engine);
     engine.create(hidden, zero()).await.expect("accepted");
     returned(&engine, hidden, "account limit: ").await;
     assert_eq!(cloud.create_calls(), calls, "no request spent");
@@ -240,20 +267,20 @@ async fn a_withdrawn_slot_is_hidden_from_full_and_delta_lists_and_a_create_on_it
     assert!(
         delta(cursor)
             .iter()
-            .all(|m| m.instance_type != "a" || m.zone != "z1"),
-        "a delta List leaves the withdrawn slots out"
+            .all(|m| m.instance_type != "a" || m.zone != "z1" || m.state == MachineState::Failed),
+        "a delta List leaves the withdrawn slots out, and shows the refused id's end"
     );
     // The incremental shard still holds slots[1] as Speculative and creates it.
     let ack = engine.create(&slots[1].id, zero()).await.expect("accepted");
     assert_eq!(ack.machine.state, MachineState::Creating);
-    returned(
+    let next = returned(
         &engine,
         &slots[1].id,
         "stockout: offering a/z1 is withdrawn",
     )
     .await;
     assert_eq!(cloud.create_calls(), 1, "answered without a request");
-    assert!(engine.read().is_hidden(&slots[1].id));
+    assert!(engine.read().is_hidden(&next));
     let capped = engine.list(&ListQuery {
         states: Vec::new(),
         max_results: 1,
@@ -272,18 +299,19 @@ async fn a_withdrawn_slot_is_hidden_from_full_and_delta_lists_and_a_create_on_it
         })
         .revision;
     assert!(delta(cursor).is_empty());
+    let speculative = |m: &&Arc<Machine>| {
+        m.instance_type == "a" && m.zone == "z1" && m.state == MachineState::Speculative
+    };
     // Sold again: after the backoff the slots are listed again, and a delta List shows them.
     cloud.set_sold_out("a", "z1", false);
     tokio::time::sleep(5 * MIN).await;
     quiesce().await;
     let back = delta(cursor);
-    assert_eq!(
+    assert_eq!(back.iter().filter(speculative).count(), 4, "{back:?}");
+    assert!(
         back.iter()
-            .filter(|m| m.instance_type == "a" && m.zone == "z1")
-            .count(),
-        4,
-        "{back:?}"
+            .all(|m| !slots[..2].iter().any(|s| s.id == m.id)),
+        "the refused ids are never listed Speculative again"
     );
-    assert!(back.iter().all(|m| m.state == MachineState::Speculative));
     assert_eq!(failed(&engine), 0);
 }

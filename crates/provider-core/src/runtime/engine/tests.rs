@@ -325,8 +325,12 @@ async fn an_in_memory_restart_never_reuses_ids_or_cursors() {
     let second = in_memory(backend).await;
     let op2 = second.create("m-0", zero()).await.unwrap().operation_id;
     assert_ne!(op1, op2);
-    let n = |op: &str| op.trim_start_matches("op-").parse::<u64>().unwrap();
-    assert!(n(&op2) > n(&op1));
+    let series = |op: &str| crate::rules::inventory::id_series(op).expect("a series");
+    assert_ne!(
+        series(&op1),
+        series(&op2),
+        "each in-memory start is a new state"
+    );
     let listing = second.list(&ListQuery {
         since_revision: cursor.to_string().into_bytes(),
         ..ListQuery::default()
@@ -474,9 +478,28 @@ async fn release_deletes_the_host_and_returns_the_slot() {
         "the host was deleted"
     );
     let m = engine.get("m-0").unwrap();
-    assert_eq!(m.state, MachineState::Speculative);
+    assert_eq!(
+        m.state,
+        MachineState::Failed,
+        "the released id stays FAILED"
+    );
     assert!(m.host.is_none());
     assert_eq!(engine.census().failed_with_host, 0);
+    assert!(
+        engine
+            .census()
+            .retired
+            .contains(&(RetireReason::Released.name(), 1))
+    );
+    let successor = m.last_error.rsplit(' ').next().unwrap();
+    assert_eq!(
+        engine.get(successor).unwrap().state,
+        MachineState::Speculative
+    );
+    assert!(
+        engine.failed().is_empty(),
+        "a retired record is not listed for release"
+    );
 }
 
 #[tokio::test]

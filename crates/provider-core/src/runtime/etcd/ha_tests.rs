@@ -116,7 +116,11 @@ fn a_takeover_on_the_fake_cloud_finds_the_recorded_hosts() {
         })
         .await;
         let engine = first.replica.writer().expect("the leader writes");
-        let ids = ["p/OnDemand/a/z1/000", "p/OnDemand/b/z1/000"];
+        let (a, b) = (
+            engine.spare_of("a", "z1")[0].clone(),
+            engine.spare_of("b", "z1")[0].clone(),
+        );
+        let ids = [a.as_str(), b.as_str()];
         let mut sequence = 0;
         for id in ids {
             sequence += 1;
@@ -189,13 +193,14 @@ fn a_takeover_on_the_fake_cloud_finds_the_recorded_hosts() {
             .expect("drain");
         settle(&engine, ids[0], MachineState::Idle).await;
         sequence += 1;
+        let third = engine.spare_of("a", "z2")[0].clone();
         engine
-            .create("p/OnDemand/a/z2/000", token(sequence))
+            .create(&third, token(sequence))
             .await
             .expect("create");
-        settle(&engine, "p/OnDemand/a/z2/000", MachineState::Idle).await;
+        settle(&engine, &third, MachineState::Idle).await;
         let new_host = engine
-            .get("p/OnDemand/a/z2/000")
+            .get(&third)
             .expect("get")
             .host
             .clone()
@@ -477,6 +482,7 @@ fn slot_of_size(id: &str, record_bytes: usize) -> Slot {
         operations: [Some("op-1".into()), None, None, None],
         sealed: None,
         enrollment: None,
+        retired: None,
     };
     // The record as the engine measures it: the durable slot encoding (the etcd value adds a
     // format byte, which the limit accounts for).
@@ -609,7 +615,8 @@ fn a_transaction_etcd_refuses_keeps_the_leader_leading_on_a_fresh_read() {
             .expect("read")
             .expect("claimed");
         let engine = leader.replica.writer().expect("the leader writes");
-        let id = "p/OnDemand/a/z1/000";
+        let id = engine.spare_of("a", "z1")[0].clone();
+        let id = id.as_str();
         engine.create(id, token(1)).await.expect("create");
         settle(&engine, id, MachineState::Idle).await;
         let metadata = [("blob".to_owned(), "x".repeat(2 << 20))]
@@ -662,7 +669,6 @@ fn a_transaction_etcd_refuses_keeps_the_leader_leading_on_a_fresh_read() {
 fn a_restart_on_a_local_state_finds_the_recorded_hosts_on_the_fake_cloud() {
     let dir = tempfile::tempdir().expect("tempdir");
     let state = dir.path().join("state").display().to_string();
-    let id = "p/OnDemand/a/z1/000";
     let start = || async {
         let (cloud, fleet) =
             crate::provisioning::fleet::test_fleet(default_mix(4, ["a", "b"], ["z1", "z2"]));
@@ -685,6 +691,8 @@ fn a_restart_on_a_local_state_finds_the_recorded_hosts_on_the_fake_cloud() {
     runtime().block_on(async {
         let (replica, _) = start().await;
         let engine = replica.writer().expect("writes");
+        let id = engine.spare_of("a", "z1")[0].clone();
+        let id = id.as_str();
         engine.create(id, token(1)).await.expect("create");
         settle(&engine, id, MachineState::Idle).await;
         engine

@@ -25,6 +25,7 @@ fn slot(id: &str, last_change: i64) -> Slot {
         operations: [Some(format!("op-{last_change}")), None, None, None],
         sealed: None,
         enrollment: None,
+        retired: None,
     }
 }
 

@@ -171,7 +171,7 @@ fn apply(inventory: &mut Inventory, step: Step) {
             inventory.complete(&id(m), kind, &op, outcome, &mut changes);
         }
         Step::Release(m) => {
-            let _ = inventory.release(&id(m), &mut changes);
+            let _ = inventory.release(&id(m), 0, &mut changes);
         }
         Step::Refresh(m, price, labels, host) => {
             let machines = inventory

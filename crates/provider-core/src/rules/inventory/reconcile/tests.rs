@@ -224,15 +224,19 @@ fn a_host_missing_from_a_listing_needs_proof() {
     // A proof that arrives after m-1 changed does not touch it.
     let op = start(&mut inv, Drain, "m-1");
     let applied = inv.confirm_vanished(&outcome.suspects, since, &mut Vec::new());
-    assert_eq!(applied, 1, "only m-0");
-    assert_eq!(get(&inv, "m-0").state, MachineState::Speculative);
+    assert_eq!(
+        applied, 1,
+        "only m-0 is proved (m-1 changed); it stays Idle: the shard has no edge to say its host is gone"
+    );
+    assert_eq!(get(&inv, "m-0").state, MachineState::Idle);
     assert_eq!(get(&inv, "m-1").state, MachineState::Draining);
     finish(&mut inv, "m-1", Drain, &op, Ok(None));
 }
 
-/// A proved-absent Configured host fails its machine, saying why.
+/// A proved-absent Configured host leaves its machine Configured: BigFleet's shard has no edge
+/// from Configured to Failed, so the Drain it sends next ends it.
 #[test]
-fn a_proved_absent_configured_host_fails_its_machine() {
+fn a_proved_absent_configured_host_leaves_its_machine_for_the_shard_to_drain() {
     let mut inv = seeded(&["m-0"]);
     idle_on(&mut inv, "m-0", "h1");
     let op = start(&mut inv, Configure, "m-0");
@@ -243,12 +247,7 @@ fn a_proved_absent_configured_host_fails_its_machine() {
         inv.confirm_vanished(&outcome.suspects, since, &mut Vec::new()),
         1
     );
-    let m = get(&inv, "m-0");
-    assert_eq!(m.state, MachineState::Failed);
-    assert!(
-        m.last_error
-            .contains("host h1 was deleted outside the provider")
-    );
+    assert_eq!(get(&inv, "m-0").state, MachineState::Configured);
 }
 
 /// Defect 3: a Create that failed after its host existed leaves a FAILED slot without a host;
@@ -282,8 +281,9 @@ fn a_host_left_by_a_failed_create_is_recorded_on_the_failed_machine() {
     assert_eq!(m.state, MachineState::Failed);
     assert_eq!(m.host, Some(host("h7")));
     assert_eq!(m.last_error, "poll server: 429", "the reason is kept");
-    inv.release("m-0", &mut Vec::new()).unwrap();
+    let successor = inv.release("m-0", 1_000, &mut Vec::new()).unwrap();
     assert!(inv.deleted_by_us("h7"));
+    assert_eq!(get(&inv, &successor).state, MachineState::Speculative);
     let since = inv.revision();
     let outcome = pass(
         &mut inv,
@@ -295,7 +295,12 @@ fn a_host_left_by_a_failed_create_is_recorded_on_the_failed_machine() {
         outcome.report.adopted, 0,
         "a released host is never adopted"
     );
-    assert_eq!(get(&inv, "m-0").state, MachineState::Speculative);
+    assert_eq!(
+        get(&inv, "m-0").state,
+        MachineState::Failed,
+        "a released machine id stays FAILED"
+    );
+    assert!(get(&inv, "m-0").host.is_none());
 }
 
 /// A second host carrying a machine id that already has one is an orphan, due after the
