@@ -279,24 +279,19 @@ pub trait Backend: Send + Sync + 'static {
         Ok(None)
     }
 
-    /// The slots the offerings allow, computed without any I/O. `None` means the backend has no
-    /// quota to enforce.
+    /// The slots the offerings sold now allow, one record per slot named by its position
+    /// (`<provider>/OnDemand/<type>/<zone>/<index>`), computed without any I/O: what a test or
+    /// an operator's tool inspects of what is sold. The engine does not list these ids: it fits
+    /// its own slots to [`Backend::offer`]. `None` means the backend has no offerings.
     fn offered(&self) -> Option<Vec<Machine>> {
         None
     }
 
-    /// The ids of [`Backend::offered`], for a reconcile pass that needs only those; a backend
-    /// whose offered slots are many overrides it to skip building their records.
+    /// The ids of [`Backend::offered`]; a backend whose offered slots are many overrides it to
+    /// skip building their records.
     fn offered_ids(&self) -> Option<std::collections::HashSet<String>> {
         self.offered()
             .map(|offered| offered.into_iter().map(|m| m.id).collect())
-    }
-
-    /// The ids of every slot the configured offerings name, offered now or withdrawn: a slot
-    /// outside them is removed, while one of a withdrawn offering stays in the state, hidden
-    /// from List (see [`crate::inventory::Inventory::fit_offered`]).
-    fn configured_ids(&self) -> Option<std::collections::HashSet<String>> {
-        self.offered_ids()
     }
 
     /// Every configured offering with the shape of its Speculative slots, how many machines

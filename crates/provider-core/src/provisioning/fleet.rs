@@ -659,10 +659,6 @@ impl Backend for Fleet {
         Some(self.slot_ids(self.advertised()))
     }
 
-    fn configured_ids(&self) -> Option<HashSet<String>> {
-        Some(self.slot_ids(self.offerings.iter()))
-    }
-
     fn offer(&self) -> Option<Vec<OfferGroup>> {
         Some(
             self.offerings
