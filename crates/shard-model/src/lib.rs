@@ -229,6 +229,14 @@ impl Shards {
         self.incremental.create_refused(id);
     }
 
+    /// Both forget what they held of `id`: a call about it got no answer (the provider
+    /// restarting), so whether it took effect is unknown; the next report of it is taken as
+    /// new.
+    pub fn forget(&mut self, id: &str) {
+        self.full.held.remove(id);
+        self.incremental.held.remove(id);
+    }
+
     /// Every id either holds, sorted.
     pub fn held(&self) -> Vec<String> {
         let mut ids: Vec<String> = self

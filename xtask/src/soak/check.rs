@@ -131,9 +131,15 @@ impl Checker {
         self.tally.add("check.retired_with_a_new_id");
     }
 
-    /// Both shard models take a mutation's answer. A call no handler answered (the provider
-    /// down or restarting) is left out: BigFleet marks such a machine Failed on its side,
-    /// which no answer of a provider can change.
+    /// A mutation of `id` got no answer from a handler (the provider down or restarting):
+    /// whether it took effect is unknown, so both models forget the machine and take its next
+    /// report as new. (BigFleet marks such a machine Failed on its side, which no answer of a
+    /// provider can change; the soak judges the provider's answers.)
+    pub(crate) fn unanswered(&self, id: &str) {
+        self.shards().forget(id);
+    }
+
+    /// Both shard models take a mutation's answer.
     pub(crate) fn answered(
         &self,
         create: bool,

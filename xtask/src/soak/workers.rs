@@ -101,7 +101,7 @@ impl Worker {
             Err(_) => Err(Status::deadline_exceeded("soak: RPC timed out")),
         };
         match &answer {
-            Err(status) if unanswered(status) => {}
+            Err(status) if unanswered(status) => self.checker.unanswered(id),
             answer => self
                 .checker
                 .answered(kind == Kind::Create, id, answer.as_ref()),
